@@ -1,0 +1,158 @@
+"""A local cluster: N node daemons on loopback, each with its own state and mount, sharing a
+fresh token. It is the embedded default every example uses, and what the tests run against.
+
+    D/token          the cluster token (0600)
+    D/hosts          one host:port per line, for --hosts @D/hosts
+    D/node-I/state   the daemon's store and refs
+    D/node-I/mnt     its mount
+    D/node-I/pid     its process id; D/node-I/log its log
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .auth import default_token_file, write_new_token
+
+START_TIMEOUT = 30.0
+STOP_TIMEOUT = 10.0
+
+
+class ClusterError(Exception):
+    pass
+
+
+def default_cluster_dir() -> Path:
+    return default_token_file().parent
+
+
+def _node_dirs(d: Path) -> list[Path]:
+    return sorted((p for p in d.glob("node-*") if p.is_dir()), key=lambda p: int(p.name[5:]))
+
+
+def _our_daemon(pid: int, node_dir: Path) -> bool:
+    """True if `pid` is still the daemon we started for `node_dir` (pids get reused)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"daemon" in cmdline and os.fsencode(node_dir / "state") in cmdline
+
+
+def _tail(path: Path, lines: int = 10) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def running(d: Path) -> list[int]:
+    pids = []
+    for nd in _node_dirs(d):
+        try:
+            pid = int((nd / "pid").read_text())
+        except (OSError, ValueError):
+            continue
+        if _our_daemon(pid, nd):
+            pids.append(pid)
+    return pids
+
+
+def up(nodes: int, directory: str | os.PathLike[str] | None = None,
+       *, extra_args: list[str] | None = None) -> list[str]:
+    """Start `nodes` daemons and return their addresses once every one is mounted and ready."""
+    if nodes < 1:
+        raise ClusterError("--nodes must be at least 1")
+    d = Path(directory) if directory else default_cluster_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    if running(d):
+        raise ClusterError(f"a cluster is already running in {d}; run `monarch-fs cluster down"
+                           f" --dir {d}` first")
+    token_file = d / "token"
+    write_new_token(token_file)
+    procs: list[tuple[Path, subprocess.Popen]] = []
+    for i in range(nodes):
+        nd = d / f"node-{i}"
+        (nd / "mnt").mkdir(parents=True, exist_ok=True)
+        ready = nd / "ready"
+        ready.unlink(missing_ok=True)
+        with open(nd / "log", "ab") as logf:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "monarch_fs.daemon.cli", "daemon",
+                 "--listen", "127.0.0.1:0", "--mount", str(nd / "mnt"),
+                 "--state", str(nd / "state"), "--token-file", str(token_file),
+                 "--ready-file", str(ready), "--node-name", f"node-{i}", *(extra_args or [])],
+                stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                start_new_session=True)
+        (nd / "pid").write_text(str(proc.pid))
+        procs.append((nd, proc))
+
+    addrs = []
+    deadline = time.monotonic() + START_TIMEOUT
+    for nd, proc in procs:
+        while not (nd / "ready").exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                why = (f"exited with status {proc.returncode}" if proc.returncode is not None
+                       else f"not ready after {START_TIMEOUT:.0f}s")
+                down(d)
+                raise ClusterError(f"{nd.name} {why}; its log ends:\n{_tail(nd / 'log')}")
+            time.sleep(0.05)
+        addrs.append(json.loads((nd / "ready").read_text())["addr"])
+    (d / "hosts").write_text("".join(a + "\n" for a in addrs))
+    return addrs
+
+
+def down(directory: str | os.PathLike[str] | None = None) -> int:
+    """Stop the cluster's daemons (by pid, only ours) and make sure no mount is left behind.
+    Returns how many daemons were stopped."""
+    d = Path(directory) if directory else default_cluster_dir()
+    stopped = 0
+    waiting: list[tuple[int, Path]] = []
+    for nd in _node_dirs(d):
+        try:
+            pid = int((nd / "pid").read_text())
+        except (OSError, ValueError):
+            continue
+        if _our_daemon(pid, nd):
+            os.kill(pid, signal.SIGTERM)
+            waiting.append((pid, nd))
+    deadline = time.monotonic() + STOP_TIMEOUT
+    for pid, nd in waiting:
+        while _our_daemon(pid, nd) and time.monotonic() < deadline:
+            _reap(pid)
+            time.sleep(0.05)
+        if _our_daemon(pid, nd):
+            os.kill(pid, signal.SIGKILL)
+            while _our_daemon(pid, nd):
+                _reap(pid)
+                time.sleep(0.05)
+        stopped += 1
+    for nd in _node_dirs(d):
+        mnt = nd / "mnt"
+        if _is_mounted(mnt):
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False,
+                           stderr=subprocess.DEVNULL)
+        (nd / "pid").unlink(missing_ok=True)
+        (nd / "ready").unlink(missing_ok=True)
+    (d / "hosts").unlink(missing_ok=True)
+    return stopped
+
+
+def _reap(pid: int) -> None:
+    """Collect the exit status if the daemon is our child (started in this process)."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def _is_mounted(path: Path) -> bool:
+    target = os.fsencode(os.path.abspath(path))
+    with open("/proc/self/mountinfo", "rb") as f:
+        return any(line.split()[4] == target for line in f)

@@ -1,0 +1,296 @@
+"""The node daemon: one per host. It owns the store, the FUSE mount and the published refs, and
+answers pushes over the authenticated protocol.
+
+A push is staged, then published in two phases: chunks land in the store as they arrive (never
+visible in the mount); `prepare` checks that the manifest and every chunk it names are present and
+durable; `commit` switches the workspace and returns once the kernel has dropped every changed
+entry. A failed or abandoned push leaves the last good version serving; what it sent is reused.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pyfuse3
+import trio
+
+from ..fs.chunk import CorruptChunk
+from ..fs.fuse_ops import SnapshotFS, mount_options
+from ..fs.manifest import Manifest, ManifestError
+from ..fs.store import Store
+from . import protocol as p
+from .refs import Refs, check_workspace_name
+from .transport import Channel, accept, parse_addr
+
+log = logging.getLogger("monarch_fs.daemon")
+
+KEEP_VERSIONS = 3
+
+
+class RequestError(Exception):
+    """A request was refused; the message goes back to the client as is."""
+
+
+class _Writes:
+    """The store writes one connection has in flight, and the first that failed."""
+
+    def __init__(self) -> None:
+        self.pending = 0
+        self.errors: list[str] = []
+        self._idle = trio.Event()
+        self._idle.set()
+
+    async def start(self, nursery: trio.Nursery, limiter: trio.CapacityLimiter, fn, msg) -> None:
+        await limiter.acquire_on_behalf_of(msg)
+        self.pending += 1
+        self._idle = trio.Event() if self.pending == 1 else self._idle
+        nursery.start_soon(self._run, limiter, fn, msg)
+
+    async def _run(self, limiter: trio.CapacityLimiter, fn, msg) -> None:
+        try:
+            await trio.to_thread.run_sync(fn, msg)
+        except RequestError as e:
+            self.errors.append(str(e))
+        finally:
+            limiter.release_on_behalf_of(msg)
+            self.pending -= 1
+            if self.pending == 0:
+                self._idle.set()
+
+    async def idle(self) -> None:
+        await self._idle.wait()
+
+    def raise_first(self) -> None:
+        if self.errors:
+            more = f" (and {len(self.errors) - 1} more)" if len(self.errors) > 1 else ""
+            raise RequestError(self.errors[0] + more)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def clear_stale_mount(mountpoint: Path) -> None:
+    """A daemon killed with SIGKILL leaves its mount behind ("transport endpoint is not
+    connected"); detach it so the new daemon can mount in its place."""
+    try:
+        os.stat(mountpoint)
+        stale = os.path.ismount(mountpoint)
+    except OSError as e:
+        if e.errno != errno.ENOTCONN:
+            raise
+        stale = True
+    if stale:
+        log.warning("detaching stale mount at %s", mountpoint)
+        subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False,
+                       stderr=subprocess.DEVNULL)
+        if os.path.ismount(mountpoint):
+            subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+
+
+class NodeDaemon:
+    def __init__(self, *, state: str | os.PathLike[str], mount: str | os.PathLike[str],
+                 listen: str, token: bytes, keep: int = KEEP_VERSIONS, node_name: str = ""):
+        host, _ = parse_addr(listen, listen=True)
+        if not token and not is_loopback(host):
+            raise ValueError(f"refusing to listen on {listen} without a token: anyone on the "
+                             "network could push; pass --token-file")
+        self.listen = listen
+        self.token = token
+        self.keep = keep
+        self.state = Path(state)
+        self.mount = Path(mount)
+        self.state.mkdir(parents=True, exist_ok=True)
+        self.store = Store(self.state / "store")
+        self.refs = Refs(self.state / "refs.json")
+        self.fs = SnapshotFS(self.store.get)
+        self.node_name = node_name or socket.gethostname()
+        self.addr = listen  # the bound address, once listening
+        self._manifests: dict[bytes, Manifest] = {}
+        self._prepared: set[tuple[str, bytes]] = set()
+        self._publish_lock = trio.Lock()
+        self._write_limiter = trio.CapacityLimiter(4)
+        self.started = time.time()
+
+    # ---- life cycle -----------------------------------------------------------------------
+
+    async def run(self, *, ready_file: str | None = None,
+                  task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled, SIGTERM or SIGINT; always unmounts on the way out."""
+        for name, versions in self.refs.workspaces.items():
+            await self.fs.set_workspace(name, [(v, self._manifest(v)) for v in versions])
+        self.mount.mkdir(parents=True, exist_ok=True)
+        clear_stale_mount(self.mount)
+        host, port = parse_addr(self.listen, listen=True)
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        bound = listeners[0].socket.getsockname()
+        self.addr = f"{host}:{bound[1]}" if ":" not in host else f"[{host}]:{bound[1]}"
+        pyfuse3.init(self.fs, str(self.mount), mount_options())
+        self.fs.mounted = True
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._fuse_main, nursery.cancel_scope)
+                nursery.start_soon(self._stop_on_signal, nursery.cancel_scope)
+                nursery.start_soon(trio.serve_listeners, self._serve, listeners)
+                log.info("serving %s on %s (state %s)", self.mount, self.addr, self.state)
+                if ready_file:
+                    tmp = ready_file + ".tmp"
+                    Path(tmp).write_text(json.dumps({"addr": self.addr, "pid": os.getpid()}))
+                    os.rename(tmp, ready_file)
+                task_status.started(self.addr)
+        finally:
+            self.fs.mounted = False
+            pyfuse3.close(unmount=True)
+            log.info("unmounted %s", self.mount)
+
+    async def _fuse_main(self, scope: trio.CancelScope) -> None:
+        await pyfuse3.main()
+        log.warning("mount %s went away; stopping", self.mount)
+        scope.cancel()
+
+    async def _stop_on_signal(self, scope: trio.CancelScope) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for sig in signals:
+                log.info("received %s; stopping", signal.Signals(sig).name)
+                scope.cancel()
+                return
+
+    # ---- connections ----------------------------------------------------------------------
+
+    async def _serve(self, stream: trio.SocketStream) -> None:
+        try:
+            peer = "%s:%d" % stream.socket.getpeername()[:2]
+        except OSError:
+            peer = "?"
+        try:
+            chan = await accept(stream, self.token, {"node": self.node_name, "addr": self.addr})
+        except p.AuthError as e:
+            log.warning("refused connection from %s: %s", peer, e)
+            return
+        except Exception as e:
+            log.warning("handshake with %s failed: %s", peer, e)
+            await stream.aclose()
+            return
+        try:
+            await self._session(chan)
+        except Exception as e:  # a broken client must never take the daemon down
+            log.warning("connection from %s ended: %s", peer, e)
+        finally:
+            await chan.aclose()
+
+    async def _session(self, chan: Channel) -> None:
+        writes = _Writes()
+        async with trio.open_nursery() as nursery:
+            while True:
+                try:
+                    msg = await chan.receive()
+                except Exception:
+                    return
+                if isinstance(msg, p.PutChunk):
+                    # Store writes overlap with receiving the next chunk, a few at a time.
+                    await writes.start(nursery, self._write_limiter, self._put, msg)
+                elif isinstance(msg, p.QueryMissing):
+                    missing = await trio.to_thread.run_sync(self.store.missing, msg.ids)
+                    await chan.send(p.MissingIds(missing))
+                elif isinstance(msg, p.Request):
+                    await writes.idle()  # a request sees every chunk sent before it
+                    try:
+                        writes.raise_first()
+                        value = await self._handle(msg.op, msg.args)
+                    except (RequestError, ValueError, ManifestError) as e:
+                        await chan.send(p.Error(str(e), code="refused"))
+                    except Exception as e:
+                        log.exception("request %s failed", msg.op)
+                        await chan.send(p.Error(f"internal error: {e!r}", code="internal"))
+                    else:
+                        await chan.send(p.Reply(msg.id, value))
+
+    def _put(self, msg: p.PutChunk) -> None:
+        try:
+            self.store.put_blob(msg.cid, msg.blob)
+        except CorruptChunk as e:
+            raise RequestError(f"rejected {e}") from None
+        except OSError as e:
+            raise RequestError(f"cannot store chunk {msg.cid.hex()}: {e.strerror or e}") from None
+
+    # ---- requests -------------------------------------------------------------------------
+
+    async def _handle(self, op: str, args: dict) -> dict:
+        if op == "status":
+            return await self.status()
+        if op in ("prepare", "commit"):
+            name, version = args.get("name"), args.get("version")
+            if not isinstance(name, str) or not isinstance(version, str):
+                raise RequestError(f"{op}: name and version are required")
+            check_workspace_name(name)
+            try:
+                vid = bytes.fromhex(version)
+            except ValueError:
+                raise RequestError(f"{op}: bad version {version!r}") from None
+            if op == "prepare":
+                return await self._prepare(name, vid)
+            return await self._commit(name, vid)
+        raise RequestError(f"unknown request {op!r}")
+
+    def _manifest(self, version: bytes) -> Manifest:
+        m = self._manifests.get(version)
+        if m is None:
+            m = self._manifests[version] = Manifest.decode(self.store.get(version))
+        return m
+
+    def _check_complete(self, version: bytes) -> None:
+        try:
+            manifest = self._manifest(version)
+        except KeyError:
+            raise RequestError(f"version {version.hex()[:12]}: manifest not received") from None
+        except CorruptChunk as e:
+            raise RequestError(f"version {version.hex()[:12]}: {e}") from None
+        missing = self.store.missing(manifest.chunk_ids())
+        if missing:
+            raise RequestError(f"version {version.hex()[:12]}: {len(missing)} chunks missing")
+        self.store.sync()  # durable before anything can point at it
+
+    async def _prepare(self, name: str, version: bytes) -> dict:
+        await trio.to_thread.run_sync(self._check_complete, version)
+        self._prepared.add((name, version))
+        return {"prepared": version.hex()}
+
+    async def _commit(self, name: str, version: bytes) -> dict:
+        if (name, version) not in self._prepared:
+            await trio.to_thread.run_sync(self._check_complete, version)
+        async with self._publish_lock:
+            previous = self.refs.workspaces.get(name, [None])[0]
+            versions = self.refs.publish(name, version, self.keep)
+            await self.fs.set_workspace(name, [(v, self._manifest(v)) for v in versions])
+            self._prepared.discard((name, version))
+            self._manifests = {v: m for v, m in self._manifests.items()
+                               if any(v in vs for vs in self.refs.workspaces.values())}
+        log.info("published %s = %s", name, version.hex())
+        return {"version": version.hex(), "previous": previous.hex() if previous else None}
+
+    async def status(self) -> dict:
+        objects, size = await trio.to_thread.run_sync(self.store.usage)
+        return {
+            "node": self.node_name,
+            "addr": self.addr,
+            "mount": str(self.mount),
+            "pid": os.getpid(),
+            "uptime": round(time.time() - self.started, 1),
+            "store_objects": objects,
+            "store_bytes": size,
+            "workspaces": {n: [v.hex() for v in vs] for n, vs in self.refs.workspaces.items()},
+        }

@@ -1,0 +1,436 @@
+"""The wire protocol as a pure state machine (h11 style): bytes in, events out, no sockets.
+
+Keeping I/O out makes the protocol fuzzable and shared by every transport. A frame is a header
+(payload length u32, frame type u8) and a payload. Limits are checked from the header alone,
+before any payload is buffered, so a peer cannot make us allocate by claiming a huge frame.
+
+Handshake (mutual HMAC challenge-response; the token never crosses the wire):
+
+    server -> Hello(version, server_nonce)
+    client -> Auth(version, client_nonce, HMAC(token, "monarch-fs client" + sn + cn))
+    server -> Welcome(HMAC(token, "monarch-fs server" + cn + sn), info)
+
+Until a peer has authenticated, only handshake frames (and Error) of at most 4096 bytes are
+accepted from it. Nothing here ever unpickles; JSON payloads are shape-checked on receipt.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import json
+import os
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 80 * 1024 * 1024
+MAX_HANDSHAKE_FRAME = 4096
+NONCE_SIZE = 32
+MAC_SIZE = 32
+ID_SIZE = 16  # chunk ids, as fs.chunk.ID_SIZE
+
+_HEADER = struct.Struct("<IB")  # payload length, frame type
+_VERSION = struct.Struct("<I")
+_CLIENT_LABEL = b"monarch-fs client"
+_SERVER_LABEL = b"monarch-fs server"
+_MAX_EARLY_ERROR = 500  # characters of an Error message sent during the handshake
+
+
+class ProtocolError(Exception):
+    """The peer (or the caller) broke the protocol; the connection cannot continue."""
+
+
+class AuthError(ProtocolError):
+    """The other side does not know the shared token."""
+
+
+class TruncatedFrame(ProtocolError):
+    """The peer closed the connection in the middle of a frame."""
+
+
+class Role(enum.Enum):
+    CLIENT = "client"
+    SERVER = "server"
+
+
+class State(enum.Enum):
+    HANDSHAKE = "handshake"
+    READY = "ready"
+    CLOSED = "closed"  # the receive side is finished: EOF or a protocol error
+
+
+class FrameType(enum.IntEnum):
+    HELLO = 1
+    AUTH = 2
+    WELCOME = 3
+    ERROR = 4
+    REQUEST = 5
+    REPLY = 6
+    QUERY_MISSING = 7
+    MISSING_IDS = 8
+    PUT_CHUNK = 9
+    EVENT = 10
+
+
+@dataclass(frozen=True)
+class Hello:
+    version: int = PROTOCOL_VERSION
+    nonce: bytes = b""  # filled by the server's Connection
+
+
+@dataclass(frozen=True)
+class Auth:
+    version: int = PROTOCOL_VERSION
+    nonce: bytes = b""  # filled by the client's Connection, as is the mac
+    mac: bytes = b""
+
+
+@dataclass(frozen=True)
+class Welcome:
+    mac: bytes = b""  # filled by the server's Connection
+    info: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Error:
+    message: str
+    code: str = "error"
+    id: int | None = None  # the Request this answers, when it answers one
+
+
+@dataclass(frozen=True)
+class Request:
+    op: str
+    args: dict = field(default_factory=dict)
+    id: int = 0
+
+
+@dataclass(frozen=True)
+class Reply:
+    id: int
+    value: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class QueryMissing:
+    ids: list[bytes]
+
+
+@dataclass(frozen=True)
+class MissingIds:
+    ids: list[bytes]
+
+
+@dataclass(frozen=True)
+class PutChunk:
+    cid: bytes
+    blob: bytes | memoryview
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str
+    data: dict = field(default_factory=dict)
+
+
+class NeedData:
+    """Sentinel type: more bytes are needed before the next event."""
+
+
+class Closed:
+    """Sentinel type: the peer closed the connection cleanly, between frames."""
+
+
+NEED_DATA = NeedData()
+CLOSED = Closed()
+
+Message = (
+    Hello | Auth | Welcome | Error | Request | Reply | QueryMissing | MissingIds | PutChunk | Event
+)
+
+_TYPES: dict[type, FrameType] = {
+    Hello: FrameType.HELLO, Auth: FrameType.AUTH, Welcome: FrameType.WELCOME,
+    Error: FrameType.ERROR, Request: FrameType.REQUEST, Reply: FrameType.REPLY,
+    QueryMissing: FrameType.QUERY_MISSING, MissingIds: FrameType.MISSING_IDS,
+    PutChunk: FrameType.PUT_CHUNK, Event: FrameType.EVENT,
+}  # fmt: skip
+# What may flow once both sides are authenticated; Event only goes server -> client.
+_DATA = {FrameType.REQUEST, FrameType.REPLY, FrameType.QUERY_MISSING, FrameType.MISSING_IDS,
+         FrameType.PUT_CHUNK}  # fmt: skip
+_READY_FROM = {Role.CLIENT: _DATA, Role.SERVER: _DATA | {FrameType.EVENT}}
+
+
+def _mac(token: bytes, label: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(token, label + first + second, hashlib.sha256).digest()
+
+
+def _frame(ftype: FrameType, *parts: bytes | memoryview) -> bytes:
+    size = sum(len(p) for p in parts)
+    return b"".join([_HEADER.pack(size, ftype), *parts])
+
+
+def _json(obj: dict) -> bytes:
+    # ASCII escapes keep any str encodable, even lone surrogates decoded from a peer's JSON.
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _parse_json(ftype: FrameType, payload: bytes, shape: dict[str, Callable[[Any], bool]]) -> dict:
+    """Decode a JSON object and check each required field, so no KeyError/TypeError escapes."""
+    try:
+        obj = json.loads(payload)
+    except (ValueError, RecursionError) as e:  # includes UnicodeDecodeError, JSONDecodeError
+        raise ProtocolError(f"{ftype.name} frame: malformed JSON ({type(e).__name__})") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"{ftype.name} frame: expected a JSON object")
+    for key, ok in shape.items():
+        if key not in obj or not ok(obj[key]):
+            raise ProtocolError(f"{ftype.name} frame: missing or invalid field {key!r}")
+    return obj
+
+
+def _split_ids(ftype: FrameType, payload: bytes) -> list[bytes]:
+    if len(payload) % ID_SIZE:
+        raise ProtocolError(f"{ftype.name} frame: {len(payload)} bytes is not a list of ids")
+    return [payload[i : i + ID_SIZE] for i in range(0, len(payload), ID_SIZE)]
+
+
+def _check_version(ftype: FrameType, payload: bytes) -> None:
+    """Checked before the rest of the payload, whose layout may differ in other versions."""
+    if len(payload) < _VERSION.size:
+        raise ProtocolError(f"{ftype.name} frame too short")
+    (version,) = _VERSION.unpack_from(payload)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version mismatch: peer speaks version {version}, we speak {PROTOCOL_VERSION}"
+        )
+
+
+class Connection:
+    """One side of one connection. Feed received bytes with receive_data(), pull events with
+    next_event(), and write out whatever send() returns."""
+
+    def __init__(
+        self,
+        role: Role,
+        token: bytes,
+        *,
+        max_frame: int = MAX_FRAME,
+        nonce: Callable[[int], bytes] = os.urandom,
+    ) -> None:
+        self.role = role
+        self.state = State.HANDSHAKE
+        self.max_frame = max_frame
+        self._token = bytes(token)
+        self._nonce = nonce(NONCE_SIZE)
+        self._peer_nonce: bytes | None = None
+        self._sent: set[FrameType] = set()  # handshake frames we have sent
+        self._buf = bytearray()
+        self._eof = False
+        self._error: ProtocolError | None = None
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def send(self, msg: Message) -> bytes:
+        """The bytes that carry `msg`. Raises ProtocolError if it may not be sent now."""
+        ftype = _TYPES.get(type(msg))
+        if ftype is None:
+            raise TypeError(f"not a protocol message: {msg!r}")
+        self._check_send(ftype)
+        if isinstance(msg, Hello):
+            data = _frame(ftype, _VERSION.pack(PROTOCOL_VERSION), self._nonce)
+        elif isinstance(msg, Auth):
+            mac = _mac(self._token, _CLIENT_LABEL, self._peer_nonce, self._nonce)
+            data = _frame(ftype, _VERSION.pack(PROTOCOL_VERSION), self._nonce, mac)
+        elif isinstance(msg, Welcome):
+            mac = _mac(self._token, _SERVER_LABEL, self._peer_nonce, self._nonce)
+            data = _frame(ftype, mac, _json(msg.info))
+        elif isinstance(msg, Error):
+            # Until the peer is past its handshake it takes 4096-byte frames at most.
+            text = msg.message if self._peer_ready() else msg.message[:_MAX_EARLY_ERROR]
+            obj: dict = {"message": text, "code": msg.code}
+            if msg.id is not None:
+                obj["id"] = msg.id
+            data = _frame(ftype, _json(obj))
+        elif isinstance(msg, Request):
+            data = _frame(ftype, _json({"id": msg.id, "op": msg.op, "args": msg.args}))
+        elif isinstance(msg, Reply):
+            data = _frame(ftype, _json({"id": msg.id, "value": msg.value}))
+        elif isinstance(msg, Event):
+            data = _frame(ftype, _json({"kind": msg.kind, "data": msg.data}))
+        elif isinstance(msg, (QueryMissing, MissingIds)):
+            if any(len(i) != ID_SIZE for i in msg.ids):
+                raise ProtocolError(f"{ftype.name}: ids must be {ID_SIZE} bytes")
+            data = _frame(ftype, *msg.ids)
+        else:
+            assert isinstance(msg, PutChunk)
+            if len(msg.cid) != ID_SIZE:
+                raise ProtocolError(f"PUT_CHUNK: chunk id must be {ID_SIZE} bytes")
+            data = _frame(ftype, msg.cid, msg.blob)
+        limit = self.max_frame if self._peer_ready() else MAX_HANDSHAKE_FRAME
+        if len(data) - _HEADER.size > limit:
+            size = len(data) - _HEADER.size
+            raise ProtocolError(f"{ftype.name} frame of {size} bytes exceeds the limit of {limit}")
+        if ftype in (FrameType.HELLO, FrameType.AUTH, FrameType.WELCOME):
+            self._sent.add(ftype)
+        return data
+
+    def _peer_ready(self) -> bool:
+        """Whether the peer has left (or, on reading what we send, will leave) its handshake."""
+        return (FrameType.WELCOME if self.role is Role.SERVER else FrameType.AUTH) in self._sent
+
+    def _check_send(self, ftype: FrameType) -> None:
+        if ftype is FrameType.ERROR:
+            return  # always allowed, also to explain why we are hanging up
+        if self.state is State.CLOSED:
+            raise ProtocolError(f"cannot send {ftype.name}: connection is closed")
+        server = self.role is Role.SERVER
+        if ftype in self._sent:
+            ok = False
+        elif ftype is FrameType.HELLO:
+            ok = server and self.state is State.HANDSHAKE
+        elif ftype is FrameType.AUTH:
+            ok = not server and self._peer_nonce is not None
+        elif ftype is FrameType.WELCOME:
+            ok = server and self.state is State.READY
+        else:
+            welcomed = FrameType.WELCOME in self._sent if server else True
+            ok = self.state is State.READY and welcomed and ftype in _READY_FROM[self.role]
+        if not ok:
+            who, now = self.role.value, self.state.value
+            raise ProtocolError(f"{who} may not send {ftype.name} now ({now})")
+
+    # -- receiving -------------------------------------------------------------------------
+
+    def receive_data(self, data: bytes) -> None:
+        """Buffer bytes read from the peer; b"" means the peer closed its side."""
+        if self._eof:
+            if data:
+                raise ProtocolError("data received after EOF")
+            return
+        if data:
+            self._buf += data
+        else:
+            self._eof = True
+
+    def next_event(self) -> Message | NeedData | Closed:
+        """The next complete message, NEED_DATA, or CLOSED. Raises ProtocolError (AuthError for
+        a bad MAC); after that the connection is CLOSED and the error is raised again."""
+        if self._error is not None:
+            raise self._error
+        try:
+            return self._next_event()
+        except ProtocolError as e:
+            self.state = State.CLOSED
+            self._error = e
+            raise
+
+    def _next_event(self) -> Message | NeedData | Closed:
+        buf = self._buf
+        if len(buf) < _HEADER.size:
+            if not self._eof:
+                return NEED_DATA
+            if buf:
+                raise TruncatedFrame("connection closed mid-frame")
+            self.state = State.CLOSED
+            return CLOSED
+        size, raw_type = _HEADER.unpack_from(buf)
+        try:
+            ftype = FrameType(raw_type)
+        except ValueError:
+            raise ProtocolError(f"unknown frame type {raw_type}") from None
+        limit = self.max_frame if self.state is State.READY else MAX_HANDSHAKE_FRAME
+        if size > limit:
+            raise ProtocolError(f"{ftype.name} frame of {size} bytes exceeds the limit of {limit}")
+        self._check_receive(ftype)
+        end = _HEADER.size + size
+        if len(buf) < end:
+            if self._eof:
+                raise TruncatedFrame("connection closed mid-frame")
+            return NEED_DATA
+        start = _HEADER.size
+        if ftype is FrameType.PUT_CHUNK:  # slice straight out of the buffer: one copy of the blob
+            if size < ID_SIZE:
+                raise ProtocolError("PUT_CHUNK frame too short")
+            cid = bytes(buf[start : start + ID_SIZE])
+            msg: Message = PutChunk(cid, bytes(buf[start + ID_SIZE : end]))
+        else:
+            msg = self._parse(ftype, bytes(buf[start:end]))
+        del buf[:end]
+        return msg
+
+    def _check_receive(self, ftype: FrameType) -> None:
+        if ftype is FrameType.ERROR:
+            return
+        server = self.role is Role.SERVER
+        if self.state is State.READY:
+            ok = ftype in _READY_FROM[Role.CLIENT if server else Role.SERVER]
+        elif self.state is State.CLOSED:
+            ok = False
+        elif server:
+            ok = ftype is FrameType.AUTH and FrameType.HELLO in self._sent
+        elif ftype is FrameType.HELLO:
+            ok = self._peer_nonce is None
+        else:
+            ok = ftype is FrameType.WELCOME and FrameType.AUTH in self._sent
+        if not ok:
+            raise ProtocolError(f"unexpected {ftype.name} frame from the peer ({self.state.value})")
+
+    def _parse(self, ftype: FrameType, p: bytes) -> Message:
+        if ftype is FrameType.HELLO:
+            _check_version(ftype, p)
+            if len(p) != _VERSION.size + NONCE_SIZE:
+                raise ProtocolError("HELLO frame has the wrong size")
+            self._peer_nonce = p[_VERSION.size :]
+            return Hello(PROTOCOL_VERSION, self._peer_nonce)
+        if ftype is FrameType.AUTH:
+            _check_version(ftype, p)
+            if len(p) != _VERSION.size + NONCE_SIZE + MAC_SIZE:
+                raise ProtocolError("AUTH frame has the wrong size")
+            nonce, mac = p[_VERSION.size : -MAC_SIZE], p[-MAC_SIZE:]
+            if not hmac.compare_digest(mac, _mac(self._token, _CLIENT_LABEL, self._nonce, nonce)):
+                raise AuthError("authentication failed: wrong token")
+            self._peer_nonce = nonce
+            self.state = State.READY
+            return Auth(PROTOCOL_VERSION, nonce, mac)
+        if ftype is FrameType.WELCOME:
+            mac = p[:MAC_SIZE]
+            want = _mac(self._token, _SERVER_LABEL, self._nonce, self._peer_nonce)
+            if not hmac.compare_digest(mac, want):
+                raise AuthError("server failed to prove it knows the token")
+            info = _parse_json(ftype, p[MAC_SIZE:], {})
+            self.state = State.READY
+            return Welcome(mac, info)
+        if ftype is FrameType.ERROR:
+            o = _parse_json(ftype, p, {"message": _str, "code": _str})
+            if o.get("id") is not None and not _is_int(o["id"]):
+                raise ProtocolError("ERROR frame: invalid field 'id'")
+            return Error(o["message"], o["code"], o.get("id"))
+        if ftype is FrameType.REQUEST:
+            o = _parse_json(ftype, p, {"id": _is_int, "op": _str, "args": _dict})
+            return Request(o["op"], o["args"], o["id"])
+        if ftype is FrameType.REPLY:
+            o = _parse_json(ftype, p, {"id": _is_int, "value": _dict})
+            return Reply(o["id"], o["value"])
+        if ftype is FrameType.EVENT:
+            o = _parse_json(ftype, p, {"kind": _str, "data": _dict})
+            return Event(o["kind"], o["data"])
+        if ftype is FrameType.QUERY_MISSING:
+            return QueryMissing(_split_ids(ftype, p))
+        assert ftype is FrameType.MISSING_IDS
+        return MissingIds(_split_ids(ftype, p))
+
+
+def _str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _dict(v: Any) -> bool:
+    return isinstance(v, dict)

@@ -1,0 +1,275 @@
+"""TCP transport on trio: a socket stream driving a protocol.Connection.
+
+connect() and accept() run the authenticated handshake and hand back a Channel; everything the
+caller sees afterwards is protocol messages. Failures to reach or authenticate a peer surface as
+one ConnectError whose message names the peer, because that is what an operator needs to read.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+from typing import Any
+
+import trio
+
+from .protocol import (
+    CLOSED,
+    NEED_DATA,
+    Auth,
+    AuthError,
+    Connection,
+    Error,
+    Event,
+    Hello,
+    Message,
+    ProtocolError,
+    Reply,
+    Request,
+    Role,
+    TruncatedFrame,
+    Welcome,
+)
+
+RECEIVE_SIZE = 1 << 20
+_CLOSE_GRACE = 1.0  # seconds to spend telling a rejected peer why
+
+
+class ConnectError(Exception):
+    """Could not connect to or authenticate with a peer; the message starts with "host:port: "."""
+
+
+class RemoteError(Exception):
+    """The peer sent an Error frame."""
+
+    def __init__(self, message: str, code: str = "error", peer: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.peer = peer
+
+    def __str__(self) -> str:
+        return f"{self.peer}: {self.message}" if self.peer else self.message
+
+
+class ConnectionLost(Exception):
+    """The peer closed the connection (or it broke) when we expected more."""
+
+    def __init__(self, peer: str, reason: str = "connection closed by peer") -> None:
+        super().__init__(f"{peer}: {reason}")
+        self.peer = peer
+
+
+def parse_addr(addr: str, *, listen: bool = False) -> tuple[str, int]:
+    """("host", port) from "host:port" or "[v6-address]:port"; port 0 only to listen."""
+    if addr.startswith("["):
+        host, sep, rest = addr[1:].partition("]")
+        if not sep or not rest.startswith(":"):
+            raise ValueError(f"bad address {addr!r}: expected [ipv6-address]:port")
+        port_text = rest[1:]
+    else:
+        host, sep, port_text = addr.rpartition(":")
+        if not sep:
+            raise ValueError(f"bad address {addr!r}: expected host:port")
+        if ":" in host:
+            raise ValueError(f"bad address {addr!r}: write IPv6 addresses as [address]:port")
+    if not host:
+        raise ValueError(f"bad address {addr!r}: missing host")
+    if not port_text.isdigit() or not (0 if listen else 1) <= int(port_text) < 65536:
+        raise ValueError(f"bad address {addr!r}: port must be a number from 1 to 65535")
+    return host, int(port_text)
+
+
+def format_addr(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _describe(e: OSError) -> str:
+    """'connection refused' rather than trio's 'all attempts to connect ... failed'."""
+    leaves: list[BaseException] = [e]
+    cause = e.__cause__
+    if isinstance(cause, BaseExceptionGroup):
+        leaves = [x for x in _flatten(cause) if isinstance(x, OSError)] or leaves
+    reasons: list[str] = []
+    for x in leaves:
+        if isinstance(x, socket.gaierror):
+            text = f"cannot resolve host ({x.strerror})"
+        elif isinstance(x, OSError) and x.errno:
+            text = os.strerror(x.errno).lower()
+        else:
+            text = str(x)
+        if text not in reasons:
+            reasons.append(text)
+    return "; ".join(reasons)
+
+
+def _flatten(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for x in group.exceptions:
+        out.extend(_flatten(x) if isinstance(x, BaseExceptionGroup) else [x])
+    return out
+
+
+def _nodelay(stream: trio.SocketStream) -> None:
+    try:
+        stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except OSError:
+        pass  # not TCP (tests may hand us a socketpair)
+
+
+class Channel:
+    """An authenticated connection. One task may receive at a time (request() receives too);
+    any number of tasks may send, whole frames never interleave."""
+
+    def __init__(self, stream: trio.abc.Stream, conn: Connection, peer: str) -> None:
+        self.stream = stream
+        self.conn = conn
+        self.peer = peer
+        self.info: dict = {}  # Welcome.info from the server (client side)
+        self.events: list[Event] = []  # Events that arrived while request() awaited a Reply
+        self._send_lock = trio.Lock()
+        self._ids = itertools.count(1)
+        self._send_broken = False
+
+    async def send(self, msg: Message) -> None:
+        """Send one message. If a send is cancelled, part of a frame may have gone out, so the
+        channel refuses further sends (receive() stays safe to cancel)."""
+        async with self._send_lock:
+            if self._send_broken:
+                raise ConnectionLost(self.peer, "an earlier send was interrupted mid-frame")
+            data = self.conn.send(msg)
+            try:
+                await self.stream.send_all(data)
+            except trio.BrokenResourceError as e:
+                self._send_broken = True
+                raise ConnectionLost(self.peer, "connection broken") from e
+            except BaseException:
+                self._send_broken = True
+                raise
+
+    async def _next(self) -> Message:
+        """The next message of any kind, Error frames included."""
+        while True:
+            try:
+                event = self.conn.next_event()
+            except TruncatedFrame as e:
+                raise ConnectionLost(self.peer, str(e)) from e
+            if event is NEED_DATA:
+                try:
+                    data = await self.stream.receive_some(RECEIVE_SIZE)
+                except trio.BrokenResourceError as e:
+                    raise ConnectionLost(self.peer, "connection broken") from e
+                self.conn.receive_data(data)
+            elif event is CLOSED:
+                raise ConnectionLost(self.peer)
+            else:
+                return event  # type: ignore[return-value]
+
+    async def receive(self) -> Message:
+        """The next message. Raises RemoteError for an Error frame, ConnectionLost on EOF and
+        ProtocolError if the peer breaks the protocol."""
+        msg = await self._next()
+        if isinstance(msg, Error):
+            raise RemoteError(msg.message, msg.code, self.peer)
+        return msg
+
+    async def request(self, op: str, **args: Any) -> dict:
+        """Send a Request and return the value of its Reply. Events arriving meanwhile are
+        appended to self.events; Replies and Errors for other (abandoned) requests are dropped."""
+        rid = next(self._ids)
+        await self.send(Request(op, args, rid))
+        while True:
+            msg = await self._next()
+            if isinstance(msg, Reply):
+                if msg.id == rid:
+                    return msg.value
+            elif isinstance(msg, Error):
+                if msg.id is None or msg.id == rid:
+                    raise RemoteError(msg.message, msg.code, self.peer)
+            elif isinstance(msg, Event):
+                self.events.append(msg)
+            else:
+                raise ProtocolError(f"{self.peer}: unexpected {type(msg).__name__} awaiting reply")
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+    async def __aenter__(self) -> Channel:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+async def connect(addr: str, token: bytes, *, timeout: float = 10.0) -> Channel:
+    """Connect to a server at "host:port" and authenticate, all within `timeout` seconds.
+    Every failure is a ConnectError naming the peer."""
+    try:
+        host, port = parse_addr(addr)
+    except ValueError as e:
+        raise ConnectError(str(e)) from None
+    peer = format_addr(host, port)
+    try:
+        with trio.fail_after(timeout):
+            stream = await trio.open_tcp_stream(host, port)
+            try:
+                _nodelay(stream)
+                channel = Channel(stream, Connection(Role.CLIENT, token), peer)
+                hello = await channel.receive()
+                assert isinstance(hello, Hello)  # the protocol accepts nothing else first
+                await channel.send(Auth())
+                welcome = await channel.receive()
+                assert isinstance(welcome, Welcome)
+                channel.info = welcome.info
+            except BaseException:
+                await trio.aclose_forcefully(stream)
+                raise
+    except trio.TooSlowError:
+        raise ConnectError(f"{peer}: timed out after {timeout:g}s") from None
+    except RemoteError as e:
+        raise ConnectError(f"{peer}: {e.message}") from e
+    except ConnectionLost as e:
+        raise ConnectError(f"{peer}: connection closed during the handshake") from e
+    except ProtocolError as e:
+        raise ConnectError(f"{peer}: {e}") from e
+    except OSError as e:
+        raise ConnectError(f"{peer}: {_describe(e)}") from e
+    return channel
+
+
+async def accept(
+    stream: trio.SocketStream, token: bytes, info: dict, *, timeout: float = 10.0
+) -> Channel:
+    """Run the server side of the handshake on a freshly accepted stream.
+
+    A peer with the wrong token (or protocol version) is told why in an Error frame, then the
+    stream is closed and AuthError (ProtocolError) is raised. ConnectionLost and RemoteError
+    propagate, as does trio.TooSlowError if the handshake takes longer than `timeout`; the
+    stream is closed in every failure case.
+    """
+    try:
+        name = stream.socket.getpeername()
+        peer = format_addr(name[0], name[1])
+    except (OSError, AttributeError, IndexError, TypeError):
+        peer = "?"
+    _nodelay(stream)
+    channel = Channel(stream, Connection(Role.SERVER, token), peer)
+    try:
+        with trio.fail_after(timeout):
+            await channel.send(Hello())
+            await channel.receive()  # the protocol only lets a valid Auth through
+            await channel.send(Welcome(info=info))
+    except ProtocolError as e:
+        code = "auth" if isinstance(e, AuthError) else "protocol"
+        with trio.move_on_after(_CLOSE_GRACE):
+            try:
+                await channel.send(Error(str(e), code=code))
+            except (ConnectionLost, trio.ClosedResourceError, ProtocolError):
+                pass
+        await trio.aclose_forcefully(stream)
+        raise
+    except BaseException:
+        await trio.aclose_forcefully(stream)
+        raise
+    return channel

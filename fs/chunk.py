@@ -1,0 +1,82 @@
+"""Chunks: the unit of content. An id is the xxh3_128 of the raw bytes; a blob is how a chunk is
+stored and sent (one codec byte, then the payload), compressed with zstd only when that saves space.
+
+Compression and hashing release the GIL, so callers run these in worker threads and parallelise
+across chunks.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import xxhash
+import zstandard
+
+CHUNK_SIZE = 4 * 1024 * 1024
+MAX_CHUNK_SIZE = 64 * 1024 * 1024
+ID_SIZE = 16
+ZSTD_LEVEL = 1
+
+RAW = 0
+ZSTD = 1
+
+# Below this, zstd frames cost more than they save; above it, keep compression only if it
+# saves at least 1/16 of the bytes (decompression is not free on the read path).
+_MIN_COMPRESS = 256
+
+_local = threading.local()
+
+
+class CorruptChunk(Exception):
+    """A blob does not decode to bytes whose hash is its id."""
+
+
+def chunk_id(data: bytes | memoryview) -> bytes:
+    return xxhash.xxh3_128_digest(data)
+
+
+def spans(size: int, chunk_size: int = CHUNK_SIZE) -> list[tuple[int, int]]:
+    """(offset, length) of each chunk of a file of `size` bytes; an empty file has none."""
+    return [(off, min(chunk_size, size - off)) for off in range(0, size, chunk_size)]
+
+
+def _compressor() -> zstandard.ZstdCompressor:
+    c = getattr(_local, "c", None)
+    if c is None:
+        c = _local.c = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    return c
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    d = getattr(_local, "d", None)
+    if d is None:
+        d = _local.d = zstandard.ZstdDecompressor()
+    return d
+
+
+def encode(data: bytes) -> bytes:
+    """The blob for `data`: zstd when it saves space, else raw."""
+    if len(data) >= _MIN_COMPRESS:
+        packed = _compressor().compress(data)
+        if len(packed) < len(data) - len(data) // 16:
+            return bytes([ZSTD]) + packed
+    return bytes([RAW]) + data
+
+
+def decode(cid: bytes, blob: bytes | memoryview, max_size: int = MAX_CHUNK_SIZE) -> bytes:
+    """The raw bytes of a blob, verified against `cid`. Raises CorruptChunk, never wrong bytes."""
+    if len(blob) < 1:
+        raise CorruptChunk(f"chunk {cid.hex()}: empty blob")
+    codec = blob[0]
+    if codec == RAW:
+        data = bytes(blob[1:])
+    elif codec == ZSTD:
+        try:
+            data = _decompressor().decompress(blob[1:], max_output_size=max_size)
+        except zstandard.ZstdError as e:
+            raise CorruptChunk(f"chunk {cid.hex()}: bad zstd data ({e})") from None
+    else:
+        raise CorruptChunk(f"chunk {cid.hex()}: unknown codec {codec}")
+    if len(data) > max_size or chunk_id(data) != cid:
+        raise CorruptChunk(f"chunk {cid.hex()}: content does not match its id")
+    return data

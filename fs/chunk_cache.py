@@ -1,0 +1,52 @@
+"""A bounded cache of decoded chunks for the read path.
+
+The kernel reads a file in requests of at most a few hundred KiB, so without a cache one 4 MiB
+zstd chunk would be read, decompressed and verified dozens of times. Loads run in worker threads
+(disk, decompression and hashing must not stall the FUSE loop), and concurrent readers of one
+chunk share a single load.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+import trio
+
+
+class ChunkCache:
+    def __init__(self, load: Callable[[bytes], bytes], max_bytes: int = 128 * 1024 * 1024,
+                 threads: int = 4):
+        self._load = load
+        self._max = max_bytes
+        self._bytes = 0
+        self._data: OrderedDict[bytes, bytes] = OrderedDict()
+        self._loading: dict[bytes, trio.Event] = {}
+        self._limiter = trio.CapacityLimiter(threads)
+        self.hits = 0
+        self.misses = 0
+
+    async def get(self, cid: bytes) -> bytes:
+        while True:
+            data = self._data.get(cid)
+            if data is not None:
+                self._data.move_to_end(cid)
+                self.hits += 1
+                return data
+            pending = self._loading.get(cid)
+            if pending is None:
+                break
+            await pending.wait()  # another reader is loading it; then look again
+        self.misses += 1
+        done = self._loading[cid] = trio.Event()
+        try:
+            data = await trio.to_thread.run_sync(self._load, cid, limiter=self._limiter)
+        finally:
+            del self._loading[cid]
+            done.set()
+        self._data[cid] = data
+        self._bytes += len(data)
+        while self._bytes > self._max and len(self._data) > 1:
+            _, old = self._data.popitem(last=False)
+            self._bytes -= len(old)
+        return data

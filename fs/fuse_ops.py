@@ -1,0 +1,387 @@
+"""The read-only FUSE filesystem over published snapshots.
+
+Layout of the mount:
+
+    MOUNT/NAME/...                    the current version of workspace NAME
+    MOUNT/.versions/NAME/VERSION/...  every retained version, immutable
+
+Snapshots never change, so entries and attributes are cached by the kernel for a long time and
+file pages are kept across opens (`keep_cache`). When a workspace switches version, exactly the
+kernel entries that changed are invalidated before `set_workspace` returns, so nobody reads stale
+content after a push has succeeded.
+
+Inode numbers: a directory of the current view keeps its inode across versions (keyed by its
+path), and a file or symlink is keyed by its path and content, so an unchanged file keeps its
+inode and page cache across versions, while a changed file gets a new inode (a reader holding the
+old one open keeps reading the old content).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pyfuse3
+import trio
+
+from .chunk_cache import ChunkCache
+from .manifest import Entry, Kind, Manifest
+
+log = logging.getLogger(__name__)
+
+VERSIONS = b".versions"
+TIMEOUT = 24 * 3600.0  # entries are invalidated explicitly; the timeout is only a backstop
+_TYPE = {Kind.DIR: stat.S_IFDIR, Kind.FILE: stat.S_IFREG, Kind.SYMLINK: stat.S_IFLNK}
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC | os.O_CREAT
+
+
+class Tree:
+    """A snapshot indexed for lookups: entries by path and sorted child names by directory."""
+
+    def __init__(self, version: bytes, manifest: Manifest):
+        self.version = version
+        self.manifest = manifest
+        self.entries: dict[bytes, Entry] = {}
+        self.children: dict[bytes, list[bytes]] = {}
+        for e in manifest.entries:  # sorted: parents first, names in order within a directory
+            self.entries[e.path] = e
+            if e.kind == Kind.DIR:
+                self.children[e.path] = []
+            if e.path:
+                self.children[e.parent].append(e.name)
+
+    @property
+    def hex(self) -> str:
+        return self.version.hex()
+
+
+@dataclass(eq=False)
+class Node:
+    """What one inode is. `view` is None for the current view of `ws`, else a version id."""
+
+    key: tuple
+    entry: Entry
+    ws: str | None = None
+    view: bytes | None = None
+    special: str | None = None  # "root", "versions" or "wsv" for the synthetic directories
+
+
+@dataclass
+class _OpenFile:
+    entry: Entry
+    chunk_size: int
+
+
+def _child(path: bytes, name: bytes) -> bytes:
+    return path + b"/" + name if path else name
+
+
+class SnapshotFS(pyfuse3.Operations):
+    def __init__(self, load_chunk: Callable[[bytes], bytes], *, cache_bytes: int = 128 << 20):
+        super().__init__()
+        self.chunks = ChunkCache(load_chunk, cache_bytes)
+        self.workspaces: dict[str, list[Tree]] = {}  # name -> [current, older...]
+        self.mtime_ns = 0
+        self._nodes: dict[int, Node] = {}
+        self._inos: dict[tuple, int] = {}
+        self._lookups: dict[int, int] = {}
+        self._next_ino = pyfuse3.ROOT_INODE + 1
+        self._handles: dict[int, object] = {}
+        self._next_fh = 1
+        self.uid = os.getuid()
+        self.gid = os.getgid()
+        self.mounted = False
+        root = Node(("root",), self._synthetic(), special="root")
+        self._nodes[pyfuse3.ROOT_INODE] = root
+        self._inos[root.key] = pyfuse3.ROOT_INODE
+
+    # ---- the inode table ------------------------------------------------------------------
+
+    def _synthetic(self) -> Entry:
+        return Entry(b"", Kind.DIR, 0o755, 0, self.mtime_ns)
+
+    def _ino(self, node: Node) -> int:
+        ino = self._inos.get(node.key)
+        if ino is None:
+            ino = self._inos[node.key] = self._next_ino
+            self._next_ino += 1
+            self._nodes[ino] = node
+        return ino
+
+    def _remember(self, node: Node) -> pyfuse3.EntryAttributes:
+        """Hand an inode to the kernel (lookup or readdirplus): it now counts one more lookup."""
+        ino = self._ino(node)
+        self._lookups[ino] = self._lookups.get(ino, 0) + 1
+        return self._attr(ino, self._nodes[ino])
+
+    def _entry_node(self, ws: str, view: bytes | None, entry: Entry) -> Node:
+        if entry.kind == Kind.DIR:
+            key = ("dir", ws, view, entry.path)
+        else:
+            key = ("obj", ws, entry.path, entry.kind, entry.mode, entry.size, entry.mtime_ns,
+                   entry.target, entry.chunks)
+        return Node(key, entry, ws, view)
+
+    def _tree(self, node: Node) -> Tree | None:
+        trees = self.workspaces.get(node.ws or "")
+        if not trees:
+            return None
+        if node.view is None:
+            return trees[0]
+        return next((t for t in trees if t.version == node.view), None)
+
+    def _attr(self, ino: int, node: Node) -> pyfuse3.EntryAttributes:
+        e = node.entry
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = ino
+        a.entry_timeout = TIMEOUT
+        a.attr_timeout = TIMEOUT
+        a.st_mode = _TYPE[e.kind] | e.mode
+        a.st_nlink = 2 if e.kind == Kind.DIR else 1
+        a.st_uid = self.uid
+        a.st_gid = self.gid
+        a.st_size = e.size
+        a.st_blksize = 128 * 1024
+        a.st_blocks = (e.size + 511) // 512
+        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = e.mtime_ns
+        return a
+
+    def _node(self, ino: int) -> Node:
+        try:
+            return self._nodes[ino]
+        except KeyError:
+            raise pyfuse3.FUSEError(errno.ENOENT) from None
+
+    def _children(self, node: Node) -> list[tuple[bytes, Node]]:
+        """The entries of a directory node, in a stable order."""
+        if node.special == "root":
+            names = sorted(self.workspaces)
+            out = [(VERSIONS, Node(("versions",), self._synthetic(), special="versions"))]
+            for ws in names:
+                tree = self.workspaces[ws][0]
+                out.append((ws.encode(), self._entry_node(ws, None, tree.entries[b""])))
+            return out
+        if node.special == "versions":
+            return [(ws.encode(), Node(("wsv", ws), self._synthetic(), ws=ws, special="wsv"))
+                    for ws in sorted(self.workspaces)]
+        if node.special == "wsv":
+            return [(t.hex.encode(), self._entry_node(node.ws, t.version, t.entries[b""]))
+                    for t in self.workspaces.get(node.ws, [])]
+        tree = self._tree(node)
+        if tree is None or node.entry.path not in tree.children:
+            return []
+        path = node.entry.path
+        return [(name, self._entry_node(node.ws, node.view, tree.entries[_child(path, name)]))
+                for name in tree.children[path]]
+
+    def _lookup_child(self, node: Node, name: bytes) -> Node | None:
+        if node.special is not None:
+            return next((n for nm, n in self._children(node) if nm == name), None)
+        tree = self._tree(node)
+        if tree is None:
+            return None
+        e = tree.entries.get(_child(node.entry.path, name))
+        return None if e is None else self._entry_node(node.ws, node.view, e)
+
+    # ---- publishing -----------------------------------------------------------------------
+
+    async def set_workspace(self, name: str, versions: list[tuple[bytes, Manifest]]) -> None:
+        """Serve `versions` (current first) for workspace `name`, invalidating what changed."""
+        old = self.workspaces.get(name, [])
+        known = {t.version: t for t in old}
+        trees = [known.get(v) or Tree(v, m) for v, m in versions]
+        self.workspaces[name] = trees
+        self.mtime_ns = max(self.mtime_ns, trees[0].entries[b""].mtime_ns)
+        if not self.mounted:
+            return
+        inval_entries: list[tuple[int, bytes]] = []
+        inval_attrs: list[int] = [pyfuse3.ROOT_INODE]
+        kernel = self._lookups
+
+        def ino_of(key: tuple) -> int | None:
+            ino = self._inos.get(key)
+            return ino if ino is not None and kernel.get(ino) else None
+
+        # Retained versions that went away.
+        wsv = ino_of(("wsv", name))
+        if wsv is not None:
+            inval_attrs.append(wsv)
+            kept = {t.version for t in trees}
+            inval_entries += [(wsv, t.hex.encode()) for t in old if t.version not in kept]
+
+        # The current view: names whose entry changed, and directories whose attributes did.
+        if old and old[0].version != trees[0].version:
+            before, after = old[0].entries, trees[0].entries
+            for path in before.keys() | after.keys():
+                a, b = before.get(path), after.get(path)
+                if a is not None and b is not None and a.same_content(b):
+                    continue
+                if a is not None and b is not None and a.kind == b.kind == Kind.DIR:
+                    dir_ino = ino_of(("dir", name, None, path))
+                    if dir_ino is not None:
+                        self._nodes[dir_ino].entry = b
+                        inval_attrs.append(dir_ino)
+                    continue
+                if path == b"":
+                    continue
+                parent = ino_of(("dir", name, None, (a or b).parent))
+                if parent is not None:
+                    inval_entries.append((parent, (a or b).name))
+        await trio.to_thread.run_sync(self._invalidate, inval_entries, inval_attrs)
+
+    @staticmethod
+    def _invalidate(entries: list[tuple[int, bytes]], attrs: list[int]) -> None:
+        # Runs in a worker thread: the synchronous calls return once the kernel has dropped the
+        # entries, while the trio thread keeps answering the requests they may wait for.
+        for parent, name in entries:
+            try:
+                pyfuse3.invalidate_entry(parent, name)
+            except OSError as e:
+                if e.errno != errno.ENOENT:
+                    log.warning("invalidating entry %r: %s", name, e)
+        for ino in attrs:
+            try:
+                pyfuse3.invalidate_inode(ino, attr_only=True)
+            except OSError as e:
+                if e.errno != errno.ENOENT:
+                    log.warning("invalidating inode %d: %s", ino, e)
+
+    # ---- FUSE operations ------------------------------------------------------------------
+
+    async def lookup(self, parent_inode, name, ctx=None):
+        node = self._node(parent_inode)
+        if node.entry.kind != Kind.DIR:
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        if name == b".":
+            return self._remember(node)
+        if name == b"..":
+            raise pyfuse3.FUSEError(errno.ENOENT)  # the kernel resolves '..' itself
+        child = self._lookup_child(node, name)
+        if child is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return self._remember(child)
+
+    async def forget(self, inode_list):
+        for ino, n in inode_list:
+            left = self._lookups.get(ino, 0) - n
+            if left > 0:
+                self._lookups[ino] = left
+                continue
+            self._lookups.pop(ino, None)
+            if ino != pyfuse3.ROOT_INODE:
+                node = self._nodes.pop(ino, None)
+                if node is not None and self._inos.get(node.key) == ino:
+                    del self._inos[node.key]
+
+    async def getattr(self, inode, ctx=None):
+        return self._attr(inode, self._node(inode))
+
+    async def readlink(self, inode, ctx):
+        node = self._node(inode)
+        if node.entry.kind != Kind.SYMLINK:
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        return node.entry.target
+
+    async def opendir(self, inode, ctx):
+        node = self._node(inode)
+        if node.entry.kind != Kind.DIR:
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        return self._new_handle(self._children(node))
+
+    async def readdir(self, fh, start_id, token):
+        listing = self._handles[fh]
+        for i in range(start_id, len(listing)):
+            name, node = listing[i]
+            ino = self._ino(node)
+            if not pyfuse3.readdir_reply(token, name, self._attr(ino, self._nodes[ino]), i + 1):
+                return
+            self._lookups[ino] = self._lookups.get(ino, 0) + 1
+
+    async def releasedir(self, fh):
+        self._handles.pop(fh, None)
+
+    async def open(self, inode, flags, ctx):
+        node = self._node(inode)
+        if flags & _WRITE_FLAGS:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        if node.entry.kind != Kind.FILE:
+            raise pyfuse3.FUSEError(errno.EISDIR if node.entry.kind == Kind.DIR else errno.EINVAL)
+        tree = self._tree(node) if node.view is not None else None
+        chunk_size = (tree or self.workspaces[node.ws][0]).manifest.chunk_size
+        fh = self._new_handle(_OpenFile(node.entry, chunk_size))
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+
+    async def read(self, fh, off, size):
+        f: _OpenFile = self._handles[fh]
+        end = min(off + size, f.entry.size)
+        parts = []
+        while off < end:
+            i, within = divmod(off, f.chunk_size)
+            try:
+                data = await self.chunks.get(f.entry.chunks[i])
+            except Exception as e:  # missing or corrupt object: an I/O error, never wrong bytes
+                log.error("reading %r: %s", f.entry.path, e)
+                raise pyfuse3.FUSEError(errno.EIO) from None
+            piece = data[within:within + end - off]
+            parts.append(piece)
+            off += len(piece)
+            if not piece:
+                break
+        return b"".join(parts)
+
+    async def release(self, fh):
+        self._handles.pop(fh, None)
+
+    async def statfs(self, ctx):
+        s = pyfuse3.StatvfsData()
+        total = sum(t[0].manifest.total_bytes for t in self.workspaces.values())
+        s.f_bsize = s.f_frsize = 4096
+        s.f_blocks = (total + 4095) // 4096
+        s.f_bfree = s.f_bavail = 0
+        s.f_files = sum(len(t[0].entries) for t in self.workspaces.values())
+        s.f_ffree = s.f_favail = 0
+        s.f_namemax = 255
+        return s
+
+    def _xattrs(self, node: Node) -> dict[bytes, bytes]:
+        out: dict[bytes, bytes] = {}
+        if node.special == "root":
+            out[b"user.monarch.workspaces"] = " ".join(
+                f"{ws}={t[0].hex}" for ws, t in sorted(self.workspaces.items())).encode()
+            out[b"user.monarch.cache_hits"] = str(self.chunks.hits).encode()
+            out[b"user.monarch.cache_misses"] = str(self.chunks.misses).encode()
+            return out
+        tree = self._tree(node) if node.ws else None
+        if tree is not None:
+            out[b"user.monarch.workspace"] = node.ws.encode()
+            out[b"user.monarch.version"] = tree.hex.encode()
+        if node.entry.kind == Kind.FILE:
+            out[b"user.monarch.chunks"] = " ".join(c.hex() for c in node.entry.chunks).encode()
+        return out
+
+    async def getxattr(self, inode, name, ctx):
+        value = self._xattrs(self._node(inode)).get(name)
+        if value is None:
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        return value
+
+    async def listxattr(self, inode, ctx):
+        return list(self._xattrs(self._node(inode)))
+
+    def _new_handle(self, obj: object) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        self._handles[fh] = obj
+        return fh
+
+
+def mount_options() -> set[str]:
+    opts = set(pyfuse3.default_options)
+    opts |= {"ro", "fsname=monarch-fs", "subtype=monarch-fs", "nosuid", "nodev"}
+    if os.getuid() == 0:
+        opts.add("allow_other")  # every user on the node reads the snapshot
+    return opts

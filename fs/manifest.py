@@ -1,0 +1,185 @@
+"""Snapshot manifests: the tree of a pushed folder, as a flat, sorted list of entries.
+
+A manifest is encoded deterministically, so its xxh3_128 id is the version: two pushes of the
+same tree give the same version, and the manifest travels and is stored as an ordinary chunk.
+Names are bytes (they need not be UTF-8). Entries that could escape the mount are refused when a
+manifest is built and again when one is decoded, so a hostile peer cannot place them.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from .chunk import CHUNK_SIZE, ID_SIZE, MAX_CHUNK_SIZE, chunk_id
+
+MAGIC = b"MFSM\x01"
+MAX_ENTRIES = 10_000_000
+MAX_NAME = 255
+MAX_PATH = 4096
+_HEAD = struct.Struct("<5sII")  # magic, chunk size, entry count
+_ENTRY = struct.Struct("<BIQqHHI")  # kind, mode, size, mtime_ns, path len, target len, chunks
+
+
+class ManifestError(ValueError):
+    """A manifest is malformed."""
+
+
+class UnsafePath(ManifestError):
+    """An entry's path could escape the mount (absolute, `..`, `/` or NUL inside a name)."""
+
+
+class Kind(enum.IntEnum):
+    DIR = 1
+    FILE = 2
+    SYMLINK = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    path: bytes  # relative to the snapshot root, components joined by b"/"; b"" is the root
+    kind: Kind
+    mode: int  # permission bits, 0o7777 at most
+    size: int
+    mtime_ns: int
+    target: bytes = b""  # symlinks: the target, verbatim
+    chunks: tuple[bytes, ...] = ()  # regular files: chunk ids, in order
+
+    @property
+    def name(self) -> bytes:
+        return self.path.rpartition(b"/")[2]
+
+    @property
+    def parent(self) -> bytes:
+        return self.path.rpartition(b"/")[0]
+
+    def same_content(self, other: Entry) -> bool:
+        """True when a reader could not tell the two apart (everything but the path)."""
+        return (self.kind, self.mode, self.size, self.mtime_ns, self.target, self.chunks) == (
+            other.kind, other.mode, other.size, other.mtime_ns, other.target, other.chunks)
+
+
+def sort_key(path: bytes) -> tuple[bytes, ...]:
+    """Parents sort before their children, and each directory's subtree is contiguous."""
+    return tuple(path.split(b"/")) if path else ()
+
+
+def check_path(path: bytes) -> None:
+    if path == b"":
+        return
+    if len(path) > MAX_PATH:
+        raise UnsafePath(f"path too long ({len(path)} bytes): {path[:64]!r}...")
+    for part in path.split(b"/"):
+        if part in (b"", b".", b".."):
+            raise UnsafePath(f"unsafe path {path!r}: empty, '.' or '..' component (or absolute)")
+        if b"\0" in part:
+            raise UnsafePath(f"unsafe path {path!r}: NUL inside a name")
+        if len(part) > MAX_NAME:
+            raise UnsafePath(f"unsafe path {path!r}: name longer than {MAX_NAME} bytes")
+
+
+class Manifest:
+    def __init__(self, entries: Iterable[Entry], chunk_size: int = CHUNK_SIZE):
+        self.chunk_size = chunk_size
+        self.entries = sorted(entries, key=lambda e: sort_key(e.path))
+        self._by_path: dict[bytes, Entry] | None = None
+
+    def validate(self) -> None:
+        if not (64 * 1024 <= self.chunk_size <= MAX_CHUNK_SIZE):
+            raise ManifestError(f"chunk size {self.chunk_size} out of range")
+        if not self.entries or self.entries[0].path != b"" or self.entries[0].kind != Kind.DIR:
+            raise ManifestError("manifest has no root directory")
+        seen: dict[bytes, Kind] = {}
+        for e in self.entries:
+            check_path(e.path)
+            if e.path in seen:
+                raise ManifestError(f"duplicate entry {e.path!r}")
+            if e.path and seen.get(e.parent) != Kind.DIR:
+                raise ManifestError(f"entry {e.path!r} has no parent directory")
+            if e.mode & ~0o7777:
+                raise ManifestError(f"entry {e.path!r}: bad mode {e.mode:o}")
+            if e.kind == Kind.FILE:
+                if len(e.chunks) != -(-e.size // self.chunk_size):
+                    raise ManifestError(f"entry {e.path!r}: {len(e.chunks)} chunks for {e.size} bytes")
+            elif e.chunks:
+                raise ManifestError(f"entry {e.path!r}: only files have chunks")
+            if e.kind == Kind.SYMLINK:
+                if not e.target or b"\0" in e.target or len(e.target) > MAX_PATH:
+                    raise ManifestError(f"symlink {e.path!r}: bad target")
+            elif e.target:
+                raise ManifestError(f"entry {e.path!r}: only symlinks have targets")
+            seen[e.path] = e.kind
+
+    def encode(self) -> bytes:
+        out = [_HEAD.pack(MAGIC, self.chunk_size, len(self.entries))]
+        for e in self.entries:
+            out.append(_ENTRY.pack(e.kind, e.mode, e.size, e.mtime_ns, len(e.path),
+                                   len(e.target), len(e.chunks)))
+            out.append(e.path)
+            out.append(e.target)
+            out.extend(e.chunks)
+        return b"".join(out)
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> Manifest:
+        """Parse and validate; every length is checked against what is left before it is used."""
+        view = memoryview(data)
+        if len(view) < _HEAD.size:
+            raise ManifestError("manifest truncated")
+        magic, chunk_size, count = _HEAD.unpack_from(view)
+        if magic != MAGIC:
+            raise ManifestError("not a monarch-fs manifest (bad magic)")
+        if count > MAX_ENTRIES or count * _ENTRY.size > len(view):
+            raise ManifestError(f"manifest claims {count} entries, more than it holds")
+        pos = _HEAD.size
+        entries = []
+        try:
+            for _ in range(count):
+                kind, mode, size, mtime, plen, tlen, nchunks = _ENTRY.unpack_from(view, pos)
+                pos += _ENTRY.size
+                end = pos + plen + tlen + nchunks * ID_SIZE
+                if end > len(view):
+                    raise ManifestError("manifest truncated inside an entry")
+                path = bytes(view[pos:pos + plen])
+                target = bytes(view[pos + plen:pos + plen + tlen])
+                base = pos + plen + tlen
+                chunks = tuple(bytes(view[base + i * ID_SIZE:base + (i + 1) * ID_SIZE])
+                               for i in range(nchunks))
+                pos = end
+                entries.append(Entry(path, Kind(kind), mode, size, mtime, target, chunks))
+        except (struct.error, ValueError) as e:
+            if isinstance(e, ManifestError):
+                raise
+            raise ManifestError(f"malformed manifest entry: {e}") from None
+        if pos != len(view):
+            raise ManifestError("trailing bytes after the last entry")
+        m = cls(entries, chunk_size)
+        if [e.path for e in m.entries] != [e.path for e in entries]:
+            raise ManifestError("manifest entries are not in canonical order")
+        m.validate()
+        return m
+
+    @property
+    def id(self) -> bytes:
+        return chunk_id(self.encode())
+
+    def __iter__(self) -> Iterator[Entry]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def get(self, path: bytes) -> Entry | None:
+        if self._by_path is None:
+            self._by_path = {e.path: e for e in self.entries}
+        return self._by_path.get(path)
+
+    def chunk_ids(self) -> list[bytes]:
+        """Every chunk id the snapshot needs, once each, in file order."""
+        return list(dict.fromkeys(c for e in self.entries for c in e.chunks))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.size for e in self.entries if e.kind == Kind.FILE)

@@ -1,0 +1,492 @@
+"""The sans-I/O protocol state machine: handshake, messages, limits, and hostile input."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from monarch_fs.daemon.protocol import (
+    CLOSED,
+    MAX_FRAME,
+    NEED_DATA,
+    PROTOCOL_VERSION,
+    Auth,
+    AuthError,
+    Connection,
+    Error,
+    Event,
+    FrameType,
+    Hello,
+    MissingIds,
+    ProtocolError,
+    PutChunk,
+    QueryMissing,
+    Reply,
+    Request,
+    Role,
+    State,
+    Welcome,
+)
+
+TOKEN = b"TOKEN-0123456789abcdef-very-secret"
+HEADER = struct.Struct("<IB")
+
+
+def frame(ftype: int, payload: bytes, size: int | None = None) -> bytes:
+    return HEADER.pack(len(payload) if size is None else size, ftype) + payload
+
+
+def drain(conn: Connection) -> list:
+    """Every event `conn` can produce from what it has buffered (ends with NEED_DATA/CLOSED)."""
+    out = []
+    while True:
+        ev = conn.next_event()
+        out.append(ev)
+        if ev is NEED_DATA or ev is CLOSED:
+            return out
+
+
+class Wire:
+    """Two Connections wired together in memory, recording every byte sent."""
+
+    def __init__(self, client_token: bytes = TOKEN, server_token: bytes = TOKEN) -> None:
+        self.client = Connection(Role.CLIENT, client_token)
+        self.server = Connection(Role.SERVER, server_token)
+        self.sent: list[bytes] = []
+
+    def deliver(self, sender: Connection, msg) -> object:
+        data = sender.send(msg)
+        self.sent.append(data)
+        receiver = self.server if sender is self.client else self.client
+        receiver.receive_data(data)
+        events = drain(receiver)
+        assert len(events) == 2 and events[1] is NEED_DATA
+        return events[0]
+
+    def handshake(self, info: dict | None = None) -> Welcome:
+        hello = self.deliver(self.server, Hello())
+        assert isinstance(hello, Hello) and len(hello.nonce) == 32
+        auth = self.deliver(self.client, Auth())
+        assert isinstance(auth, Auth)
+        assert self.server.state is State.READY and self.client.state is State.HANDSHAKE
+        welcome = self.deliver(self.server, Welcome(info=info or {"node": "n1"}))
+        assert isinstance(welcome, Welcome)
+        assert self.client.state is State.READY
+        return welcome
+
+
+def ready_pair() -> Wire:
+    w = Wire()
+    w.handshake()
+    return w
+
+
+def test_handshake_round_trip():
+    w = Wire()
+    assert w.client.state is w.server.state is State.HANDSHAKE
+    welcome = w.handshake({"node": "gpu-7", "pid": 12})
+    assert welcome.info == {"node": "gpu-7", "pid": 12}
+    assert len(welcome.mac) == 32
+
+
+def test_nonces_come_from_the_nonce_function():
+    c = Connection(Role.CLIENT, TOKEN, nonce=lambda n: b"c" * n)
+    s = Connection(Role.SERVER, TOKEN, nonce=lambda n: b"s" * n)
+    c.receive_data(s.send(Hello()))
+    assert c.next_event() == Hello(PROTOCOL_VERSION, b"s" * 32)
+    s.receive_data(c.send(Auth()))
+    auth = s.next_event()
+    assert auth.nonce == b"c" * 32
+
+
+def test_empty_token_is_an_ordinary_key():
+    w = Wire(b"", b"")
+    w.handshake()
+    with pytest.raises(AuthError):
+        Wire(b"", TOKEN).handshake()
+
+
+MESSAGES = [
+    Request("push", {"path": "/x", "n": [1, 2.5, None, True], "ü": "ñ"}, id=7),
+    Request("ping"),
+    Reply(7, {"ok": True, "nested": {"a": []}}),
+    QueryMissing([bytes([i]) * 16 for i in range(5)]),
+    QueryMissing([]),
+    MissingIds([b"\xff" * 16]),
+    PutChunk(b"\x01" * 16, b"\x00blob bytes"),
+    PutChunk(b"\x02" * 16, b""),
+    Error("boom", code="io", id=3),
+    Error("lone surrogate \ud800 and ü"),
+    Error("plain"),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("direction", ["c2s", "s2c"])
+def test_messages_round_trip(msg, direction):
+    w = ready_pair()
+    sender = w.client if direction == "c2s" else w.server
+    assert w.deliver(sender, msg) == msg
+
+
+def test_event_goes_server_to_client_only():
+    w = ready_pair()
+    ev = Event("output", {"stream": "stdout", "text": "hi\n"})
+    assert w.deliver(w.server, ev) == ev
+    with pytest.raises(ProtocolError):
+        w.client.send(ev)
+    w.client.receive_data(frame(FrameType.EVENT, b'{"kind":"x","data":{}}'))
+    w.server.receive_data(frame(FrameType.EVENT, b'{"kind":"x","data":{}}'))
+    with pytest.raises(ProtocolError, match="unexpected EVENT"):
+        w.server.next_event()
+
+
+def test_put_chunk_accepts_memoryview_and_big_blobs():
+    w = ready_pair()
+    blob = bytes(range(256)) * 40_000  # ~10 MB
+    got = w.deliver(w.client, PutChunk(b"\x09" * 16, memoryview(blob)))
+    assert got.cid == b"\x09" * 16 and got.blob == blob and isinstance(got.blob, bytes)
+
+
+def test_many_frames_in_one_read_and_byte_by_byte():
+    w = ready_pair()
+    msgs = [Request("a", {"i": i}, id=i) for i in range(50)] + [PutChunk(b"c" * 16, b"x" * 100)]
+    data = b"".join(w.client.send(m) for m in msgs)
+    w.server.receive_data(data)
+    assert drain(w.server) == [*msgs, NEED_DATA]
+    for byte in data:
+        w.server.receive_data(bytes([byte]))
+        ev = w.server.next_event()
+        if ev is not NEED_DATA:
+            assert ev == msgs.pop(0)
+    assert not msgs
+
+
+def test_wrong_token_at_server():
+    w = Wire(client_token=b"wrong", server_token=TOKEN)
+    w.deliver(w.server, Hello())
+    w.server.receive_data(w.client.send(Auth()))
+    with pytest.raises(AuthError, match="authentication failed: wrong token"):
+        w.server.next_event()
+    assert w.server.state is State.CLOSED
+    with pytest.raises(AuthError):  # stays failed
+        w.server.next_event()
+    with pytest.raises(ProtocolError):
+        w.server.send(Welcome())
+    # ...but the server may still say why before hanging up.
+    err = Error("authentication failed: wrong token", code="auth")
+    w.client.receive_data(w.server.send(err))
+    assert w.client.next_event() == err
+
+
+def test_client_rejects_server_that_does_not_know_the_token():
+    c = Connection(Role.CLIENT, TOKEN)
+    impostor = Connection(Role.SERVER, b"other")
+    c.receive_data(impostor.send(Hello()))
+    c.next_event()
+    c.send(Auth())
+    c.receive_data(frame(FrameType.WELCOME, b"\x00" * 32 + b'{"node":"evil"}'))
+    with pytest.raises(AuthError, match="server failed to prove it knows the token"):
+        c.next_event()
+    assert c.state is State.CLOSED
+
+
+def test_welcome_mac_is_bound_to_this_session():
+    """A Welcome recorded from another session (other nonces) does not authenticate."""
+    w1 = Wire()
+    w1.handshake()
+    old_welcome = w1.sent[-1]
+    c = Connection(Role.CLIENT, TOKEN)
+    c.receive_data(Connection(Role.SERVER, TOKEN).send(Hello()))
+    c.next_event()
+    c.send(Auth())
+    c.receive_data(old_welcome)
+    with pytest.raises(AuthError):
+        c.next_event()
+
+
+def test_token_never_on_the_wire():
+    w = Wire()
+    w.handshake()
+    for msg in MESSAGES:
+        w.deliver(w.client, msg)
+        w.deliver(w.server, msg)
+    bad = Wire(client_token=TOKEN, server_token=b"x" + TOKEN)
+    bad.deliver(bad.server, Hello())
+    bad.sent.append(bad.client.send(Auth()))
+    wire = b"".join(w.sent + bad.sent)
+    for secret in (TOKEN, TOKEN.hex().encode(), TOKEN[:8]):
+        assert secret not in wire
+
+
+@pytest.mark.parametrize("ready", [False, True])
+def test_oversize_frame_rejected_from_the_header_alone(ready):
+    if ready:
+        conn = ready_pair().server
+        ftype = FrameType.PUT_CHUNK
+    else:
+        conn = Connection(Role.SERVER, TOKEN)
+        conn.send(Hello())
+        ftype = FrameType.AUTH
+    conn.receive_data(HEADER.pack(1 << 30, ftype))  # 1 GiB claimed; no payload follows
+    with pytest.raises(ProtocolError, match="exceeds"):
+        conn.next_event()
+    assert len(conn._buf) == HEADER.size  # nothing was allocated for the payload
+
+
+def test_limits_at_the_boundary():
+    w = Wire()
+    w.client = Connection(Role.CLIENT, TOKEN, max_frame=100)
+    w.handshake()
+    w.client.receive_data(frame(FrameType.PUT_CHUNK, b"i" * 100))
+    assert isinstance(w.client.next_event(), PutChunk)
+    w.client.receive_data(frame(FrameType.PUT_CHUNK, b"i" * 101))
+    with pytest.raises(ProtocolError, match="exceeds"):
+        w.client.next_event()
+    assert MAX_FRAME == 80 * 1024 * 1024
+
+
+def test_handshake_frames_are_small():
+    s = Connection(Role.SERVER, TOKEN)
+    s.send(Hello())
+    s.receive_data(HEADER.pack(4097, FrameType.ERROR))
+    with pytest.raises(ProtocolError, match="exceeds"):
+        s.next_event()
+    s = Connection(Role.SERVER, TOKEN)
+    s.send(Hello())
+    big_error = json.dumps({"message": "m" * 4000, "code": "x"}).encode()
+    s.receive_data(frame(FrameType.ERROR, big_error))
+    assert s.next_event().code == "x"
+    w = Wire()
+    w.deliver(w.server, Hello())
+    w.deliver(w.client, Auth())
+    with pytest.raises(ProtocolError):  # the client could not read it
+        w.server.send(Welcome(info={"big": "x" * 5000}))
+    # An over-long error message during the handshake is cut rather than refused.
+    assert len(Connection(Role.SERVER, TOKEN).send(Error("e" * 10_000))) < 4096
+
+
+def test_pre_auth_messages_rejected():
+    s = Connection(Role.SERVER, TOKEN)
+    s.send(Hello())
+    request = frame(FrameType.REQUEST, b'{"id":1,"op":"x","args":{}}')
+    s.receive_data(Wire().client.send(Error("x")) + request)
+    assert isinstance(s.next_event(), Error)  # Error is fine in any state
+    with pytest.raises(ProtocolError, match="unexpected REQUEST"):
+        s.next_event()
+    c = Connection(Role.CLIENT, TOKEN)
+    with pytest.raises(ProtocolError):
+        c.send(Request("x"))
+    c.receive_data(frame(FrameType.PUT_CHUNK, b"c" * 16))
+    with pytest.raises(ProtocolError, match="unexpected PUT_CHUNK"):
+        c.next_event()
+
+
+def test_messages_in_the_wrong_direction_or_order():
+    s = Connection(Role.SERVER, TOKEN)
+    with pytest.raises(ProtocolError):
+        s.send(Auth())  # servers never send Auth
+    with pytest.raises(ProtocolError):
+        s.send(Welcome())  # not before an accepted Auth
+    s.receive_data(frame(FrameType.AUTH, b"\0" * 68))  # Auth before our Hello
+    with pytest.raises(ProtocolError, match="unexpected AUTH"):
+        s.next_event()
+    c = Connection(Role.CLIENT, TOKEN)
+    with pytest.raises(ProtocolError):
+        c.send(Hello())
+    with pytest.raises(ProtocolError):
+        c.send(Auth())  # not before the server's Hello
+    w = Wire()
+    w.deliver(w.server, Hello())
+    with pytest.raises(ProtocolError):
+        w.server.send(Hello())  # only once
+    w.client.receive_data(frame(FrameType.HELLO, struct.pack("<I", 1) + b"n" * 32))
+    with pytest.raises(ProtocolError, match="unexpected HELLO"):
+        w.client.next_event()
+    w = Wire()
+    w.deliver(w.server, Hello())
+    w.deliver(w.client, Auth())
+    with pytest.raises(ProtocolError):
+        w.server.send(Reply(1, {}))  # Welcome comes first
+
+
+@pytest.mark.parametrize("ftype", [FrameType.HELLO, FrameType.AUTH])
+def test_version_mismatch(ftype):
+    payload = struct.pack("<I", 2) + b"\0" * 64
+    conn = Connection(Role.CLIENT if ftype is FrameType.HELLO else Role.SERVER, TOKEN)
+    if ftype is FrameType.AUTH:
+        conn.send(Hello())
+    conn.receive_data(frame(ftype, payload))
+    with pytest.raises(ProtocolError, match="version 2, we speak 1"):
+        conn.next_event()
+
+
+def test_truncated_frame_at_eof():
+    w = ready_pair()
+    data = w.client.send(Request("x"))
+    w.server.receive_data(data[:-1])
+    assert w.server.next_event() is NEED_DATA
+    w.server.receive_data(b"")
+    with pytest.raises(ProtocolError, match="connection closed mid-frame"):
+        w.server.next_event()
+    w = ready_pair()
+    w.server.receive_data(data[:3])  # a partial header
+    w.server.receive_data(b"")
+    with pytest.raises(ProtocolError, match="mid-frame"):
+        w.server.next_event()
+
+
+def test_clean_eof():
+    w = ready_pair()
+    w.server.receive_data(w.client.send(Request("x")))
+    w.server.receive_data(b"")
+    assert w.server.next_event() == Request("x")
+    assert w.server.next_event() is CLOSED
+    assert w.server.state is State.CLOSED
+    assert w.server.next_event() is CLOSED
+    with pytest.raises(ProtocolError):
+        w.server.receive_data(b"more")
+    with pytest.raises(ProtocolError):
+        w.server.send(Reply(0, {}))
+    w.server.send(Error("bye"))
+
+
+def test_unknown_frame_type():
+    w = ready_pair()
+    w.server.receive_data(HEADER.pack(0, 200))
+    with pytest.raises(ProtocolError, match="unknown frame type 200"):
+        w.server.next_event()
+
+
+@pytest.mark.parametrize(
+    "ftype,payload",
+    [
+        (FrameType.REQUEST, b"not json"),
+        (FrameType.REQUEST, b"\xff\xfe"),
+        (FrameType.REQUEST, b"[1, 2]"),
+        (FrameType.REQUEST, b'{"id": "1", "op": "x", "args": {}}'),
+        (FrameType.REQUEST, b'{"id": true, "op": "x", "args": {}}'),
+        (FrameType.REQUEST, b'{"id": 1, "op": 5, "args": {}}'),
+        (FrameType.REQUEST, b'{"id": 1, "op": "x", "args": []}'),
+        (FrameType.REQUEST, b'{"id": 1, "op": "x"}'),
+        (FrameType.REQUEST, b"[" * 100_000),
+        (FrameType.REQUEST, b'{"id": 1' + b"0" * 5000 + b', "op": "x", "args": {}}'),
+        (FrameType.REPLY, b'{"id": 1, "value": 3}'),
+        (FrameType.ERROR, b'{"message": null, "code": "x"}'),
+        (FrameType.ERROR, b'{"message": "m", "code": "x", "id": "7"}'),
+        (FrameType.QUERY_MISSING, b"x" * 17),
+        (FrameType.MISSING_IDS, b"x" * 15),
+        (FrameType.PUT_CHUNK, b"x" * 15),
+        (FrameType.WELCOME, b""),
+    ],
+)
+def test_malformed_payloads(ftype, payload):
+    w = ready_pair()
+    w.server.receive_data(frame(ftype, payload))
+    with pytest.raises(ProtocolError):
+        w.server.next_event()
+
+
+def test_send_validates_ids():
+    w = ready_pair()
+    with pytest.raises(ProtocolError):
+        w.client.send(PutChunk(b"short", b""))
+    with pytest.raises(ProtocolError):
+        w.client.send(QueryMissing([b"a" * 16, b"b" * 15]))
+
+
+# -- fuzzing -------------------------------------------------------------------------------
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3)
+    | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+)
+_json_objects = st.fixed_dictionaries(
+    {},
+    optional={
+        k: _json_values for k in ("id", "op", "args", "value", "kind", "data", "message", "code")
+    },
+)
+_right_type = {
+    "id": st.integers(-(2**70), 2**70), "op": st.text(max_size=5), "kind": st.text(max_size=5),
+    "message": st.text(max_size=5), "code": st.text(max_size=5),
+    "args": st.dictionaries(st.text(max_size=3), _json_values, max_size=2),
+}  # fmt: skip
+_right_type["value"] = _right_type["data"] = _right_type["args"]
+_SHAPES = {
+    FrameType.REQUEST: ("id", "op", "args"), FrameType.REPLY: ("id", "value"),
+    FrameType.EVENT: ("kind", "data"), FrameType.ERROR: ("message", "code"),
+}  # fmt: skip
+
+
+def _shaped(ftype: FrameType) -> st.SearchStrategy[dict]:
+    """Objects with the fields `ftype` needs, each usually of the right type."""
+    return st.fixed_dictionaries({k: _right_type[k] | _json_values for k in _SHAPES[ftype]})
+
+
+_shaped_objects = st.sampled_from(list(_SHAPES)).flatmap(_shaped)
+_shaped_frames = st.sampled_from(list(_SHAPES)).flatmap(
+    lambda t: _shaped(t).map(lambda o: frame(t, json.dumps(o).encode()))
+)
+_payloads = (
+    st.binary(max_size=64)
+    | _shaped_objects.map(lambda o: json.dumps(o).encode())
+    | _json_objects.map(lambda o: json.dumps(o).encode())
+    | _json_values.map(lambda o: json.dumps(o).encode())
+    | st.binary(max_size=4).map(lambda b: b"\0" * 32 + b)
+)
+_frames = st.one_of(
+    st.binary(max_size=40),  # raw garbage
+    st.tuples(st.integers(0, 12), _payloads).map(lambda t: frame(t[0], t[1])),
+    _shaped_frames,
+    st.tuples(st.integers(0, 12), _payloads, st.integers(0, 2**32 - 1)).map(
+        lambda t: frame(t[0], t[1], t[2])  # a lying length
+    ),
+)
+_streams = st.tuples(st.lists(_frames, max_size=6), st.booleans(), st.integers(1, 50))
+
+FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def feed(conn: Connection, frames: list[bytes], eof: bool, step: int) -> None:
+    """Feed the stream in `step`-byte pieces; only ProtocolError may come out."""
+    data = b"".join(frames)
+    try:
+        for i in range(0, len(data), step):
+            conn.receive_data(data[i : i + step])
+            drain(conn)
+        if eof:
+            conn.receive_data(b"")
+            drain(conn)
+    except ProtocolError:
+        assert conn.state is State.CLOSED
+
+
+@FUZZ
+@given(_streams)
+def test_fuzz_server_in_handshake(stream):
+    s = Connection(Role.SERVER, TOKEN)
+    s.send(Hello())
+    feed(s, *stream)
+    assert s.state is not State.READY  # nobody guesses the MAC
+
+
+@FUZZ
+@given(_streams)
+def test_fuzz_client_in_handshake(stream):
+    c = Connection(Role.CLIENT, TOKEN)
+    feed(c, *stream)
+    assert c.state is not State.READY
+
+
+@FUZZ
+@given(_streams, st.sampled_from(["client", "server"]))
+def test_fuzz_ready_connection(stream, side):
+    w = ready_pair()
+    feed(w.client if side == "client" else w.server, *stream)

@@ -1,0 +1,278 @@
+"""The sync path end to end: real daemons, real FUSE mounts, real sockets, the real CLI."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import mfs, mounted, tree
+
+
+def make_every_kind(root: Path) -> None:
+    """A tree with every kind of entry a pushed folder can hold."""
+    (root / "pkg" / "sub").mkdir(parents=True)
+    (root / "empty-dir").mkdir()
+    (root / "pkg" / "__init__.py").write_text("VALUE = 1\n")
+    (root / "pkg" / "sub" / "data.bin").write_bytes(os.urandom(300_000))
+    (root / "big.bin").write_bytes(os.urandom(5 * 1024 * 1024 + 17))  # two 4 MiB chunks
+    (root / "text.txt").write_text("hello " * 10_000)  # compressible
+    (root / "empty").write_bytes(b"")
+    script = root / "run.sh"
+    script.write_text("#!/bin/sh\necho ran\n")
+    script.chmod(0o755)
+    (root / "private").write_text("secret")
+    (root / "private").chmod(0o600)
+    (root / "with space").write_text("space")
+    (root / "new\nline").write_text("newline")
+    (root / os.fsdecode(b"latin-\xe9")).write_text("not utf-8")
+    os.symlink("pkg/__init__.py", root / "rel-link")
+    os.symlink("/etc/hostname", root / "abs-link")
+    os.symlink("../../outside/escape", root / "pkg" / "escaping-link")
+    os.symlink("missing-target", root / "dangling")
+    os.link(root / "text.txt", root / "hardlink.txt")
+    os.mkfifo(root / "fifo")
+
+
+def test_every_entry_kind_identical_on_every_node(cluster3, tmp_path):
+    src = tmp_path / "kinds"
+    src.mkdir()
+    make_every_kind(src)
+    out = cluster3.push(src)
+    result = json.loads(out.stdout)
+    assert "skipped fifo" in out.stderr  # one warning for the FIFO
+    expected = tree(src)
+    del expected[b"fifo"]
+    for mnt in cluster3.mounts():
+        assert tree(mnt / "kinds") == expected
+    assert result["nodes"] == 3 and result["name"] == "kinds"
+    assert result["files"] == 11  # a hard link counts as a file with identical content
+    assert (cluster3.mnt(0) / "kinds" / ".." / ".versions" / "kinds" / result["version"]).is_dir()
+    # symlinks are served verbatim, never followed by the daemon
+    assert os.readlink(cluster3.mnt(1) / "kinds" / "pkg" / "escaping-link") == "../../outside/escape"
+    ran = subprocess.run([cluster3.mnt(2) / "kinds" / "run.sh"], capture_output=True, text=True)
+    assert ran.stdout == "ran\n"
+
+
+def test_edits_visible_everywhere_and_old_version_kept(cluster3, tmp_path):
+    src = tmp_path / "edits"
+    (src / "d").mkdir(parents=True)
+    (src / "keep.txt").write_text("unchanged")
+    (src / "modify.txt").write_text("before")
+    (src / "delete.txt").write_text("deleted soon")
+    (src / "d" / "rename-me.txt").write_text("moving")
+    (src / "mode.sh").write_text("#!/bin/sh\n")
+    first = cluster3.push_json(src)
+    # Readers look before the edit, so the kernel has the old entries cached.
+    for mnt in cluster3.mounts():
+        assert (mnt / "edits" / "modify.txt").read_text() == "before"
+        assert (mnt / "edits" / "delete.txt").exists()
+        assert (mnt / "edits" / "d" / "rename-me.txt").exists()
+    inode_before = os.stat(cluster3.mnt(0) / "edits" / "keep.txt").st_ino
+
+    (src / "modify.txt").write_text("after, and longer")
+    (src / "delete.txt").unlink()
+    (src / "added.txt").write_text("new file")
+    (src / "d" / "rename-me.txt").rename(src / "renamed.txt")
+    (src / "mode.sh").chmod(0o755)
+    second = cluster3.push_json(src)
+    assert second["version"] != first["version"]
+    assert second["chunks_sent"] <= 3 * 2  # only the new content: two new chunks per node
+
+    expected = tree(src)
+    for mnt in cluster3.mounts():
+        assert tree(mnt / "edits") == expected  # no stale entry, attribute or page
+        old = tree(mnt / ".versions" / "edits" / first["version"])
+        assert old[b"modify.txt"][3] == b"before" and b"delete.txt" in old
+        assert sorted(os.listdir(mnt / ".versions" / "edits")) == sorted(
+            [first["version"], second["version"]])
+    # an unchanged file keeps its inode (and page cache) across versions
+    assert os.stat(cluster3.mnt(0) / "edits" / "keep.txt").st_ino == inode_before
+
+
+def test_no_change_repush_sends_nothing(cluster3, tmp_path):
+    src = tmp_path / "same"
+    src.mkdir()
+    (src / "f").write_bytes(os.urandom(100_000))
+    first = cluster3.push_json(src)
+    again = cluster3.push_json(src)
+    assert again["version"] == first["version"]
+    assert again["chunks_sent"] == 0 and again["bytes_sent"] == 0
+
+
+def test_open_file_keeps_its_version_across_publish(cluster3, tmp_path):
+    src = tmp_path / "held"
+    src.mkdir()
+    (src / "f.txt").write_text("A" * 100_000)
+    cluster3.push(src)
+    with open(cluster3.mnt(0) / "held" / "f.txt", "rb") as f:
+        head = f.read(10)
+        (src / "f.txt").write_text("B" * 100_000)
+        cluster3.push(src)
+        rest = f.read()
+    assert head + rest == b"A" * 100_000
+    assert (cluster3.mnt(0) / "held" / "f.txt").read_text() == "B" * 100_000
+
+
+def test_mount_is_read_only(cluster3, tmp_path):
+    src = tmp_path / "ro"
+    src.mkdir()
+    (src / "f").write_text("x")
+    cluster3.push(src)
+    target = cluster3.mnt(1) / "ro"
+    for attempt in (lambda: open(target / "f", "w"), lambda: open(target / "new", "w"),
+                    lambda: os.mkdir(target / "d"), lambda: os.unlink(target / "f")):
+        with pytest.raises(OSError) as e:
+            attempt()
+        assert e.value.errno == errno.EROFS
+
+
+def test_xattrs_name_version_and_chunks(cluster3, tmp_path):
+    src = tmp_path / "xa"
+    src.mkdir()
+    (src / "f").write_text("xattr")
+    result = cluster3.push_json(src)
+    f = cluster3.mnt(0) / "xa" / "f"
+    assert os.getxattr(f, "user.monarch.version").decode() == result["version"]
+    from monarch_fs.fs.chunk import chunk_id
+    assert os.getxattr(f, "user.monarch.chunks").decode() == chunk_id(b"xattr").hex()
+
+
+def test_status_reports_every_node(cluster3, tmp_path):
+    src = tmp_path / "st"
+    src.mkdir()
+    (src / "f").write_text("status")
+    result = cluster3.push_json(src)
+    nodes = cluster3.status()
+    assert [n["host"] for n in nodes] == cluster3.hosts
+    for n in nodes:
+        assert n["reachable"] and n["workspaces"]["st"][0] == result["version"]
+        assert n["store_bytes"] > 0
+
+
+def test_restarted_daemon_serves_last_version_without_push(fresh_cluster, tmp_path):
+    c = fresh_cluster(1)
+    src = tmp_path / "persist"
+    src.mkdir()
+    (src / "f.txt").write_text("v1")
+    c.push(src)
+    (src / "f.txt").write_text("v2")
+    c.push(src)
+    pid = c.pid(0)
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while mounted(c.mnt(0)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not mounted(c.mnt(0)), "SIGTERM must unmount"
+    # Start a daemon on the same state: it serves v2 at once.
+    nd = c.dir / "node-0"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "monarch_fs.daemon.cli", "daemon", "--listen", "127.0.0.1:0",
+         "--mount", str(nd / "mnt"), "--state", str(nd / "state"),
+         "--token-file", c.token_file, "--ready-file", str(nd / "ready2")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while not (nd / "ready2").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (c.mnt(0) / "persist" / "f.txt").read_text() == "v2"
+        assert len(os.listdir(c.mnt(0) / ".versions" / "persist")) == 2
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 0, "SIGINT must exit 0"
+    assert not mounted(c.mnt(0))
+
+
+def test_wrong_token_is_refused_and_nothing_changes(cluster3, tmp_path):
+    src = tmp_path / "tok"
+    src.mkdir()
+    (src / "f").write_text("good")
+    good = cluster3.push_json(src)
+    (src / "f").write_text("evil")
+    bad_token = tmp_path / "bad-token"
+    bad_token.write_text("not-the-token")
+    out = mfs("push", str(src), "--hosts", cluster3.hostfile, "--token-file", str(bad_token),
+              check=False)
+    assert out.returncode != 0
+    assert "wrong token" in out.stderr and cluster3.hosts[0] in out.stderr
+    assert "Traceback" not in out.stderr
+    for mnt in cluster3.mounts():
+        assert (mnt / "tok" / "f").read_text() == "good"
+    # the daemons keep serving authenticated clients
+    assert all(n["reachable"] and n["workspaces"]["tok"][0] == good["version"]
+               for n in cluster3.status())
+
+
+def test_unreachable_host_fails_whole_push(cluster3, tmp_path):
+    src = tmp_path / "unreach"
+    src.mkdir()
+    (src / "f").write_text("v1")
+    cluster3.push(src)
+    (src / "f").write_text("v2")
+    dead = "127.0.0.1:1"  # nothing listens on port 1
+    hosts = ",".join(cluster3.hosts + [dead])
+    out = mfs("push", str(src), "--hosts", hosts, "--token-file", cluster3.token_file,
+              check=False)
+    assert out.returncode != 0
+    assert dead in out.stderr and "refused" in out.stderr
+    assert "nothing was published" in out.stderr and "Traceback" not in out.stderr
+    for mnt in cluster3.mounts():
+        assert (mnt / "unreach" / "f").read_text() == "v1"
+
+
+def test_daemon_refuses_public_address_without_token(tmp_path):
+    out = mfs("daemon", "--listen", "0.0.0.0:0", "--mount", str(tmp_path / "m"),
+              "--state", str(tmp_path / "s"), check=False, timeout=30)
+    assert out.returncode != 0 and "without a token" in out.stderr
+    assert not mounted(tmp_path / "m")
+
+
+def test_sigterm_unmounts_and_exits_zero(fresh_cluster):
+    c = fresh_cluster(1)
+    proc_pid = c.pid(0)
+    os.kill(proc_pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{proc_pid}") and time.monotonic() < deadline:
+        try:
+            pid, status = os.waitpid(proc_pid, os.WNOHANG)
+            if pid:
+                assert os.waitstatus_to_exitcode(status) == 0
+                break
+        except ChildProcessError:
+            pass
+        time.sleep(0.05)
+    assert not mounted(c.mnt(0))
+
+
+def test_virtualenv_runs_from_every_mount(cluster3, tmp_path):
+    env = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
+    # Install a small package into the venv, the way pip lays it out.
+    pkg = tmp_path / "hello_pkg"
+    (pkg / "hello_mfs").mkdir(parents=True)
+    (pkg / "hello_mfs" / "__init__.py").write_text("def greet():\n    return 'hello from the mount'\n")
+    (pkg / "pyproject.toml").write_text(
+        '[build-system]\nrequires=["setuptools"]\nbuild-backend="setuptools.build_meta"\n'
+        '[project]\nname="hello-mfs"\nversion="1.0"\n')
+    site = subprocess.run([str(env / "bin" / "python"), "-c",
+                           "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                    "--no-build-isolation", "--target", site, str(pkg)], check=True)
+    cluster3.push(env, "--name", "venv")
+    for mnt in cluster3.mounts():
+        py = mnt / "venv" / "bin" / "python"
+        out = subprocess.run([str(py), "-c", "import sys, hello_mfs; print(sys.prefix); "
+                              "print(hello_mfs.__file__); print(hello_mfs.greet())"],
+                             capture_output=True, text=True, check=True)
+        prefix, where, greeting = out.stdout.splitlines()
+        assert prefix == str(mnt / "venv")
+        assert where.startswith(str(mnt / "venv"))
+        assert greeting == "hello from the mount"
