@@ -14,8 +14,28 @@ APT_PACKAGES := fuse3 libfuse3-dev pkg-config rsync zstd iproute2
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# The main job end to end on a local 3-node cluster: push, check every node, edit, push again.
 demo: $(STAMP)
-	@$(PY) -m monarch_fs.daemon.demo
+	@set -euo pipefail; export PATH="$$PWD/$(VENV)/bin:$$PATH"; \
+	export MONARCH_FS_HOME="$$(mktemp -d /tmp/monarch-fs-demo.XXXXXX)"; C="$$MONARCH_FS_HOME/cluster"; \
+	trap 'monarch-fs cluster down >/dev/null; rm -rf "$$MONARCH_FS_HOME"' EXIT; \
+	step() { printf '\n\033[1m$$ %s\033[0m\n' "$$*"; "$$@"; }; \
+	step monarch-fs cluster up --nodes 3; \
+	APP="$$MONARCH_FS_HOME/app"; mkdir -p "$$APP"; cp -r fs daemon mesh README.md "$$APP/"; \
+	printf 'print("training step 1")\n' > "$$APP/train.py"; \
+	step monarch-fs push "$$APP" --exclude __pycache__; \
+	printf '\n\033[1mevery node serves the same files (sha256 of the whole tree):\033[0m\n'; \
+	for i in 0 1 2; do \
+	  printf '  node-%s  %s\n' $$i "$$(cd $$C/node-$$i/mnt/app && find . -type f -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)"; \
+	done; \
+	printf '\n\033[1medit train.py and push again:\033[0m\n'; \
+	printf 'print("training step 2: edited")\n' > "$$APP/train.py"; \
+	step monarch-fs push "$$APP" --exclude __pycache__; \
+	for i in 0 1 2; do printf '  node-%s: %s\n' $$i "$$(python3 $$C/node-$$i/mnt/app/train.py)"; done; \
+	printf '\n\033[1mthe previous version stays readable under .versions:\033[0m\n'; \
+	ls "$$C/node-0/mnt/.versions/app"; \
+	step monarch-fs status; \
+	step monarch-fs cluster down
 
 bench: $(STAMP)
 	$(PY) bench/push_bench.py

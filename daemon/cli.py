@@ -78,9 +78,10 @@ def cmd_push(args: argparse.Namespace) -> int:
         out.pop("warnings")
         print(json.dumps(out))
     else:
-        print(f"pushed {result.name} {result.version[:12]} to {result.nodes} nodes: "
-              f"{result.files} files, {_size(result.bytes)}; sent {result.chunks_sent} of "
-              f"{result.chunks_total} chunks ({_size(result.bytes_sent)}) in {result.seconds:.2f}s")
+        print(f"pushed {result.name} {result.version[:12]} to {result.nodes} nodes in "
+              f"{result.seconds:.2f}s: {result.files} files, {_size(result.bytes)}; sent "
+              f"{_size(result.bytes_sent)} ({result.chunks_sent} chunk copies; the snapshot has "
+              f"{result.chunks_total} chunks)")
     return 0
 
 

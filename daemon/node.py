@@ -212,10 +212,10 @@ class NodeDaemon:
                         writes.raise_first()
                         value = await self._handle(msg.op, msg.args)
                     except (RequestError, ValueError, ManifestError) as e:
-                        await chan.send(p.Error(str(e), code="refused"))
+                        await chan.send(p.Error(str(e), code="refused", id=msg.id))
                     except Exception as e:
                         log.exception("request %s failed", msg.op)
-                        await chan.send(p.Error(f"internal error: {e!r}", code="internal"))
+                        await chan.send(p.Error(f"internal error: {e!r}", code="internal", id=msg.id))
                     else:
                         await chan.send(p.Reply(msg.id, value))
 

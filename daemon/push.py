@@ -20,7 +20,7 @@ from ..fs.manifest import Kind
 from ..fs.scan import Snapshot, SourceChanged, scan
 from . import protocol as p
 from .refs import check_workspace_name
-from .transport import Channel, ConnectError, RemoteError, connect
+from .transport import Channel, ConnectError, ConnectionLost, RemoteError, connect
 
 CONNECT_TIMEOUT = 10.0
 STALL_TIMEOUT = 60.0  # no progress on one node for this long fails that node
@@ -76,7 +76,9 @@ def describe(e: BaseException) -> str:
     if isinstance(e, trio.TooSlowError):
         return f"no progress for {STALL_TIMEOUT:.0f}s (node stalled or unreachable)"
     if isinstance(e, RemoteError):
-        return str(e)
+        return e.message
+    if isinstance(e, ConnectionLost):
+        return str(e).removeprefix(f"{e.peer}: ")
     if isinstance(e, (trio.BrokenResourceError, trio.ClosedResourceError, EOFError)):
         return "connection lost"
     if isinstance(e, OSError):

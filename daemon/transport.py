@@ -53,8 +53,9 @@ class RemoteError(Exception):
         return f"{self.peer}: {self.message}" if self.peer else self.message
 
 
-class ConnectionLost(Exception):
-    """The peer closed the connection (or it broke) when we expected more."""
+class ConnectionLost(trio.BrokenResourceError):
+    """The peer closed the connection (or it broke) when we expected more. A subclass of
+    trio.BrokenResourceError, so code written against plain trio streams catches it too."""
 
     def __init__(self, peer: str, reason: str = "connection closed by peer") -> None:
         super().__init__(f"{peer}: {reason}")
