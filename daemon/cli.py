@@ -25,13 +25,14 @@ class BarProgress(Progress):
     def __init__(self) -> None:
         self.bar = None
 
-    def phase(self, name: str, total: int) -> None:
+    def phase(self, name: str, total: int, unit: str = "B") -> None:
         from tqdm import tqdm
 
         if self.bar is not None:
             self.bar.close()
-        self.bar = tqdm(total=total or None, desc=f"{name:>10}", unit="B", unit_scale=True,
-                        unit_divisor=1024, leave=False, dynamic_ncols=True)
+        self.bar = tqdm(total=total or None, desc=f"{name:>10}", unit=unit,
+                        unit_scale=unit == "B", unit_divisor=1024, leave=False,
+                        dynamic_ncols=True)
 
     def update(self, done: int) -> None:
         if self.bar is not None:

@@ -66,7 +66,7 @@ class PushResult:
 class Progress:
     """What a push reports as it goes; the CLI draws it as a progress bar, the default is silent."""
 
-    def phase(self, name: str, total: int) -> None: ...
+    def phase(self, name: str, total: int, unit: str = "B") -> None: ...
 
     def update(self, done: int) -> None: ...
 
@@ -157,7 +157,7 @@ async def push(
     name = name or os.path.basename(os.path.abspath(src))
     check_workspace_name(name)
 
-    progress.phase("scanning", 0)
+    progress.phase("scanning", 0, "entries")
     snap = await scan(src, excludes, progress=lambda done, total: (
         progress.phase("hashing", total) if done == 0 else progress.update(done)))
     manifest_bytes = snap.manifest.encode()
@@ -183,11 +183,15 @@ async def push(
         _raise_failures("sending chunks", nodes)
 
         args = {"name": name, "version": version.hex()}
-        progress.phase("publishing", 0)
+        progress.phase("publishing", 2 * len(nodes), "steps")
+        steps = 0
 
         async def request(op: str, node: _Node) -> None:
+            nonlocal steps
             with trio.fail_after(STALL_TIMEOUT):
                 await node.chan.request(op, **args)
+            steps += 1
+            progress.update(steps)
 
         await _each(nodes, lambda n: request("prepare", n))
         _raise_failures("preparing", nodes)

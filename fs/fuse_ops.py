@@ -76,6 +76,15 @@ class _OpenFile:
     chunk_size: int
 
 
+def _changes(before: Tree, after: Tree) -> list[tuple[Entry | None, Entry | None]]:
+    """(old, new) for every path whose entry differs between two snapshots."""
+    if before.version == after.version:
+        return []
+    a, b = before.entries, after.entries
+    return [(a.get(path), b.get(path)) for path in a.keys() | b.keys()
+            if path not in a or path not in b or not a[path].same_content(b[path])]
+
+
 def _child(path: bytes, name: bytes) -> bytes:
     return path + b"/" + name if path else name
 
@@ -193,42 +202,37 @@ class SnapshotFS(pyfuse3.Operations):
         """Serve `versions` (current first) for workspace `name`, invalidating what changed."""
         old = self.workspaces.get(name, [])
         known = {t.version: t for t in old}
-        trees = [known.get(v) or Tree(v, m) for v, m in versions]
+        trees = [known.get(v) or await trio.to_thread.run_sync(Tree, v, m) for v, m in versions]
+        changed = await trio.to_thread.run_sync(_changes, old[0], trees[0]) if old else []
         self.workspaces[name] = trees
         self.mtime_ns = max(self.mtime_ns, trees[0].entries[b""].mtime_ns)
         if not self.mounted:
             return
         inval_entries: list[tuple[int, bytes]] = []
         inval_attrs: list[int] = [pyfuse3.ROOT_INODE]
-        kernel = self._lookups
 
-        def ino_of(key: tuple) -> int | None:
+        def known_ino(key: tuple) -> int | None:
+            """The inode for key, if the kernel knows it (else it has nothing cached to drop)."""
             ino = self._inos.get(key)
-            return ino if ino is not None and kernel.get(ino) else None
+            return ino if ino is not None and self._lookups.get(ino) else None
 
         # Retained versions that went away.
-        wsv = ino_of(("wsv", name))
+        wsv = known_ino(("wsv", name))
         if wsv is not None:
             inval_attrs.append(wsv)
             kept = {t.version for t in trees}
             inval_entries += [(wsv, t.hex.encode()) for t in old if t.version not in kept]
 
-        # The current view: names whose entry changed, and directories whose attributes did.
-        if old and old[0].version != trees[0].version:
-            before, after = old[0].entries, trees[0].entries
-            for path in before.keys() | after.keys():
-                a, b = before.get(path), after.get(path)
-                if a is not None and b is not None and a.same_content(b):
-                    continue
-                if a is not None and b is not None and a.kind == b.kind == Kind.DIR:
-                    dir_ino = ino_of(("dir", name, None, path))
-                    if dir_ino is not None:
-                        self._nodes[dir_ino].entry = b
-                        inval_attrs.append(dir_ino)
-                    continue
-                if path == b"":
-                    continue
-                parent = ino_of(("dir", name, None, (a or b).parent))
+        # The current view: names whose entry changed, and directories whose attributes did
+        # (a directory keeps its inode, so only its attributes are dropped).
+        for a, b in changed:
+            if a is not None and b is not None and a.kind == b.kind == Kind.DIR:
+                dir_ino = known_ino(("dir", name, None, b.path))
+                if dir_ino is not None:
+                    self._nodes[dir_ino].entry = b
+                    inval_attrs.append(dir_ino)
+            elif (a or b).path:
+                parent = known_ino(("dir", name, None, (a or b).parent))
                 if parent is not None:
                     inval_entries.append((parent, (a or b).name))
         await trio.to_thread.run_sync(self._invalidate, inval_entries, inval_attrs)

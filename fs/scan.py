@@ -165,6 +165,8 @@ async def scan(
         if progress:
             progress(done, total)
 
+    if progress:
+        progress(0, total)
     async with trio.open_nursery() as nursery:
         for batch in batches:
             nursery.start_soon(run, batch)

@@ -1,0 +1,80 @@
+"""The command line's own rules: host lists, token resolution, errors a person can read."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import mfs
+from monarch_fs.daemon.auth import resolve_token, write_new_token
+from monarch_fs.daemon.hosts import HostsError, parse_hosts
+
+
+def test_host_list_forms(tmp_path, monkeypatch):
+    assert parse_hosts("a:1, b:2") == ["a:1", "b:2"]
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# the nodes\nnode1:7000\n\nnode2:7000  # second\n[::1]:7000\n")
+    assert parse_hosts(f"@{hostfile}") == ["node1:7000", "node2:7000", "[::1]:7000"]
+    monkeypatch.setenv("MONARCH_FS_HOSTS", "env:9")
+    assert parse_hosts(None) == ["env:9"]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("nohost", "expected host:port"),
+    ("a:99999", "port must be"),
+    ("a:1,a:1", "twice"),
+    ("@/does/not/exist", "cannot read host file"),
+])
+def test_bad_host_lists(spec, message):
+    with pytest.raises(HostsError, match=message):
+        parse_hosts(spec)
+
+
+def test_no_hosts_anywhere(tmp_path, monkeypatch):
+    monkeypatch.delenv("MONARCH_FS_HOSTS", raising=False)
+    monkeypatch.setenv("MONARCH_FS_HOME", str(tmp_path))
+    with pytest.raises(HostsError, match="cluster up"):
+        parse_hosts(None)
+
+
+def test_token_resolution_order(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONARCH_FS_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MONARCH_FS_TOKEN_FILE", raising=False)
+    assert resolve_token(None) == b""  # no token anywhere: the loopback default
+    default = write_new_token(tmp_path / "home" / "cluster" / "token")
+    assert resolve_token(None) == default
+    env_token = write_new_token(tmp_path / "env-token")
+    monkeypatch.setenv("MONARCH_FS_TOKEN_FILE", str(tmp_path / "env-token"))
+    assert resolve_token(None) == env_token
+    flag_token = write_new_token(tmp_path / "flag-token")
+    assert resolve_token(str(tmp_path / "flag-token")) == flag_token
+    assert (tmp_path / "flag-token").stat().st_mode & 0o777 == 0o600
+
+
+def test_push_json_has_the_documented_fields(cluster3, tmp_path):
+    src = tmp_path / "fields"
+    src.mkdir()
+    (src / "a").write_text("a" * 1000)
+    (src / "b").write_text("b")
+    out = json.loads(cluster3.push(src).stdout)
+    assert set(out) == {"version", "name", "files", "bytes", "chunks_total", "chunks_sent",
+                        "bytes_sent", "nodes", "seconds"}
+    assert (out["files"], out["bytes"], out["chunks_total"], out["nodes"]) == (2, 1001, 2, 3)
+    assert out["chunks_sent"] == 6  # two new chunks to each of three nodes
+
+
+def test_push_of_missing_folder_is_one_clear_line(cluster3, tmp_path):
+    out = mfs("push", str(tmp_path / "nope"), "--hosts", cluster3.hostfile,
+              "--token-file", cluster3.token_file, check=False)
+    assert out.returncode == 1
+    assert out.stderr.startswith("monarch-fs: error:") and "nope" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_status_names_unreachable_node(cluster3):
+    out = mfs("status", "--hosts", ",".join(cluster3.hosts + ["127.0.0.1:1"]),
+              "--token-file", cluster3.token_file, check=False)
+    assert out.returncode == 1
+    lines = out.stdout.splitlines()
+    assert len(lines) == 4 and "127.0.0.1:1" in lines[3] and "UNREACHABLE" in lines[3]
