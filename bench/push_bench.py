@@ -477,7 +477,7 @@ def markdown(report: dict) -> str:
         f"- page cache: {report['page_cache']}",
         "",
         "| case | monarch-fs s | rsync s | rsync / monarch-fs | tar\\|zstd s | tar / monarch-fs "
-        "| monarch-fs bytes_sent (all nodes) | chunks_sent (all nodes) |",
+        "| monarch-fs bytes_sent | chunks_sent |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for case, label in CASES:
@@ -490,7 +490,7 @@ def markdown(report: dict) -> str:
             else:
                 row += [f"{other['seconds']:.2f}", f"{other['seconds'] / mfs['seconds']:.2f}x"]
         row += [f"{mfs['push']['bytes_sent']:,} ({_fmt_bytes(mfs['push']['bytes_sent'])})",
-                f"{mfs['push']['chunks_sent']:,} (of {mfs['push']['chunks_total']:,} per node)"]
+                f"{mfs['push']['chunks_sent']:,} (snapshot: {mfs['push']['chunks_total']:,})"]
         lines.append("| " + " | ".join(row) + " |")
     flush = ", ".join(f"{tool} {case} {by[(tool, case)]['flush_seconds']:.2f}s"
                       for tool in ("rsync", "tar|zstd") for case, _ in CASES
@@ -499,6 +499,8 @@ def markdown(report: dict) -> str:
                          for case, _ in CASES)
     lines += [
         "",
+        f"bytes_sent and chunks_sent are what left the dev box (`push --json`; fan-out "
+        f"{by[('monarch-fs', 'cold')]['push'].get('topology', 'star')}), summed over nodes. "
         "Ratios above 1 mean monarch-fs is faster. tar re-sends everything, so it has no "
         "no-change case. monarch-fs seconds are wall clock around the CLI (interpreter start-up "
         f"included); the push itself reported {internal}.",

@@ -67,13 +67,17 @@ def cmd_push(args: argparse.Namespace) -> int:
     token = resolve_token(args.token_file)
     bar = BarProgress() if sys.stderr.isatty() and not args.json else None
     try:
-        result = trio.run(lambda: push(args.src, hosts, token, name=args.name,
-                                       excludes=args.exclude, progress=bar))
+        result = trio.run(lambda: push(
+            args.src, hosts, token, name=args.name, excludes=args.exclude, progress=bar,
+            topology_kind=args.topology, fanout=args.fanout, allow_partial=args.allow_partial,
+            timeout=args.timeout))
     finally:
         if bar:
             bar.close()
     for w in result.warnings:
         print(f"warning: {w}", file=sys.stderr)
+    for host, cause in sorted(result.failed.items()):
+        print(f"warning: {host} left behind (--allow-partial): {cause}", file=sys.stderr)
     if args.json:
         out = result.to_json()
         out.pop("warnings")
@@ -81,8 +85,8 @@ def cmd_push(args: argparse.Namespace) -> int:
     else:
         print(f"pushed {result.name} {result.version[:12]} to {result.nodes} nodes in "
               f"{result.seconds:.2f}s: {result.files} files, {_size(result.bytes)}; sent "
-              f"{_size(result.bytes_sent)} ({result.chunks_sent} chunk copies; the snapshot has "
-              f"{result.chunks_total} chunks)")
+              f"{_size(result.bytes_sent)} ({result.chunks_sent} chunks; the snapshot has {result.chunks_total}), "
+              f"{result.topology})")
     return 0
 
 
@@ -138,6 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="workspace name (default: the folder's name)")
     p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
                    help="skip names or relative paths matching GLOB (repeatable)")
+    p.add_argument("--topology", choices=["auto", "chain", "tree", "star"], default="auto",
+                   help="how chunks fan out: nodes relay along a chain or tree (default auto: "
+                        "star for 1-2 nodes or small payloads, else chain)")
+    p.add_argument("--fanout", type=int, default=2, metavar="K", help="children per tree node")
+    p.add_argument("--allow-partial", action="store_true",
+                   help="route around failed nodes and publish on the healthy ones")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="S",
+                   help="a node making no progress for S seconds has failed (default 60)")
     p.add_argument("--token-file", metavar="F")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(fn=cmd_push)

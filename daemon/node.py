@@ -29,6 +29,7 @@ from ..fs.manifest import Manifest, ManifestError
 from ..fs.store import Store
 from . import protocol as p
 from .refs import Refs, check_workspace_name
+from .relay import Relay
 from .transport import Channel, accept, parse_addr
 
 log = logging.getLogger("monarch_fs.daemon")
@@ -193,31 +194,57 @@ class NodeDaemon:
             await chan.aclose()
 
     async def _session(self, chan: Channel) -> None:
+        """One client or parent connection. Chunks land in the store as they arrive (a few
+        writes at a time, overlapping the next receive); in a relay session they are also
+        forwarded to the children whose subtrees lack them."""
         writes = _Writes()
+        relay: Relay | None = None
+        own_missing: set[bytes] | None = None  # what this node lacks, once asked
         async with trio.open_nursery() as nursery:
-            while True:
-                try:
-                    msg = await chan.receive()
-                except Exception:
-                    return
-                if isinstance(msg, p.PutChunk):
-                    # Store writes overlap with receiving the next chunk, a few at a time.
-                    await writes.start(nursery, self._write_limiter, self._put, msg)
-                elif isinstance(msg, p.QueryMissing):
-                    missing = await trio.to_thread.run_sync(self.store.missing, msg.ids)
-                    await chan.send(p.MissingIds(missing))
-                elif isinstance(msg, p.Request):
-                    await writes.idle()  # a request sees every chunk sent before it
+            try:
+                while True:
                     try:
-                        writes.raise_first()
-                        value = await self._handle(msg.op, msg.args)
-                    except (RequestError, ValueError, ManifestError) as e:
-                        await chan.send(p.Error(str(e), code="refused", id=msg.id))
-                    except Exception as e:
-                        log.exception("request %s failed", msg.op)
-                        await chan.send(p.Error(f"internal error: {e!r}", code="internal", id=msg.id))
-                    else:
-                        await chan.send(p.Reply(msg.id, value))
+                        msg = await chan.receive()
+                    except Exception:
+                        return
+                    if isinstance(msg, p.PutChunk):
+                        if relay is not None:
+                            await relay.forward(msg.cid, msg.blob)
+                        if own_missing is None or msg.cid in own_missing:
+                            await writes.start(nursery, self._write_limiter, self._put, msg)
+                    elif isinstance(msg, p.QueryMissing):
+                        own = await trio.to_thread.run_sync(self.store.missing, msg.ids)
+                        own_missing = set(own)
+                        below = await relay.query(msg.ids) if relay is not None else set()
+                        await chan.send(p.MissingIds(
+                            [i for i in msg.ids if i in own_missing or i in below]))
+                    elif isinstance(msg, p.Request) and msg.op == "relay":
+                        relay = Relay(self.token, msg.args.get("children", []),
+                                      float(msg.args.get("timeout", 60)), nursery)
+                        await chan.send(p.Reply(msg.id, {"failed": await relay.open()}))
+                    elif isinstance(msg, p.Request) and msg.op == "flush":
+                        await writes.idle()
+                        failed = await relay.flush() if relay is not None else {}
+                        if writes.errors:
+                            failed[""] = writes.errors[0]  # "" is this node, as its parent names it
+                        await chan.send(p.Reply(msg.id, {"failed": failed}))
+                    elif isinstance(msg, p.Request):
+                        await writes.idle()  # a request sees every chunk sent before it
+                        try:
+                            writes.raise_first()
+                            value = await self._handle(msg.op, msg.args)
+                        except (RequestError, ValueError, ManifestError) as e:
+                            await chan.send(p.Error(str(e), code="refused", id=msg.id))
+                        except Exception as e:
+                            log.exception("request %s failed", msg.op)
+                            await chan.send(p.Error(f"internal error: {e!r}", code="internal",
+                                                    id=msg.id))
+                        else:
+                            await chan.send(p.Reply(msg.id, value))
+            finally:
+                if relay is not None:
+                    await relay.aclose()
+                nursery.cancel_scope.cancel()
 
     def _put(self, msg: p.PutChunk) -> None:
         try:

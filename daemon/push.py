@@ -1,9 +1,13 @@
 """The push client: scan a folder, send every node only the chunks it lacks, publish everywhere.
 
-Publish is two-phase. Every node first receives its missing chunks and the manifest, then is asked
-to `prepare` (check it holds everything, durably). Only when every node has prepared is any node
-asked to `commit`. A node that cannot be reached, refuses, or fails mid-way fails the push, and no
-node switches; what did arrive is kept, so the next push sends less.
+Data flows along a broadcast plan (see topology.py): the dev box streams each missing chunk once
+to each root, and nodes relay it down the chain or tree. Control stays direct: the dev box asks
+every node what it lacks, and publishes in two phases. Every node first receives its missing
+chunks and the manifest, then is asked to `prepare` (check it holds everything, durably). Only
+when every node has prepared is any node asked to `commit`. A node that cannot be reached,
+refuses, stalls or dies fails the push and no node switches, unless `allow_partial` is set: then
+the push routes around it, publishes on the healthy nodes and reports the others. What did arrive
+is kept either way, so the next push sends less.
 """
 
 from __future__ import annotations
@@ -19,12 +23,13 @@ from ..fs import chunk
 from ..fs.manifest import Kind
 from ..fs.scan import Snapshot, SourceChanged, scan
 from . import protocol as p
+from . import topology
 from .refs import check_workspace_name
 from .transport import Channel, ConnectError, ConnectionLost, RemoteError, connect
 
 CONNECT_TIMEOUT = 10.0
 STALL_TIMEOUT = 60.0  # no progress on one node for this long fails that node
-_QUEUE = 4  # blobs buffered per node
+_QUEUE = 4  # blobs buffered per root
 _ENCODERS = 2
 
 
@@ -53,10 +58,12 @@ class PushResult:
     files: int
     bytes: int
     chunks_total: int
-    chunks_sent: int
-    bytes_sent: int
-    nodes: int
+    chunks_sent: int  # chunk copies that left the dev box (relays forward the rest)
+    bytes_sent: int  # bytes that left the dev box
+    nodes: int  # nodes now serving the version
     seconds: float
+    topology: str = "star"
+    failed: dict[str, str] = field(default_factory=dict)  # --allow-partial: nodes left behind
     warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -71,14 +78,16 @@ class Progress:
     def update(self, done: int) -> None: ...
 
 
-def describe(e: BaseException) -> str:
+def describe(e: BaseException, timeout: float = STALL_TIMEOUT) -> str:
     """One line a person can act on, without internal frames."""
     if isinstance(e, trio.TooSlowError):
-        return f"no progress for {STALL_TIMEOUT:.0f}s (node stalled or unreachable)"
+        return f"no progress for {timeout:g}s (node stalled or unreachable)"
     if isinstance(e, RemoteError):
         return e.message
     if isinstance(e, ConnectionLost):
         return str(e).removeprefix(f"{e.peer}: ")
+    if isinstance(e, ConnectError):
+        return str(e).split(": ", 1)[-1]
     if isinstance(e, (trio.BrokenResourceError, trio.ClosedResourceError, EOFError)):
         return "connection lost"
     if isinstance(e, OSError):
@@ -92,23 +101,25 @@ class _Node:
         self.chan: Channel | None = None
         self.missing: set[bytes] = set()
         self.error: str | None = None
-        self.chunks_sent = 0
-        self.bytes_sent = 0
 
-    def fail(self, e: BaseException | str) -> None:
+    def fail(self, e: BaseException | str, timeout: float = STALL_TIMEOUT) -> None:
         if self.error is None:
-            self.error = e if isinstance(e, str) else describe(e)
+            self.error = e if isinstance(e, str) else describe(e, timeout)
 
 
-async def _each(nodes: list[_Node], fn: Callable) -> None:
+_NODE_ERRORS = (OSError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
+                RemoteError, ConnectError, p.ProtocolError, EOFError)
+
+
+async def _each(nodes: Sequence[_Node], fn: Callable, timeout: float | None = None) -> None:
     """Run fn(node) on every healthy node at once; a failure marks that node, not the others."""
 
     async def one(node: _Node) -> None:
         try:
-            await fn(node)
-        except (OSError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
-                RemoteError, ConnectError, p.ProtocolError, EOFError) as e:
-            node.fail(e)
+            with trio.fail_after(timeout) if timeout else trio.CancelScope():
+                await fn(node)
+        except _NODE_ERRORS as e:
+            node.fail(e, timeout or STALL_TIMEOUT)
 
     async with trio.open_nursery() as nursery:
         for node in nodes:
@@ -116,30 +127,170 @@ async def _each(nodes: list[_Node], fn: Callable) -> None:
                 nursery.start_soon(one, node)
 
 
-def _raise_failures(stage: str, nodes: list[_Node], published: Sequence[str] = ()) -> None:
-    failures = {n.addr: n.error for n in nodes if n.error}
-    if failures:
-        raise PushError(stage, failures, len(nodes), published)
+class _Push:
+    """The state of one push; the steps are methods so `push()` reads as the protocol does."""
 
+    def __init__(self, snap: Snapshot, hosts: Sequence[str], token: bytes, progress: Progress,
+                 timeout: float, allow_partial: bool):
+        self.snap = snap
+        self.token = token
+        self.progress = progress
+        self.timeout = timeout
+        self.allow_partial = allow_partial
+        self.nodes = [_Node(h) for h in hosts]
+        self.manifest_bytes = snap.manifest.encode()
+        self.version = chunk.chunk_id(self.manifest_bytes)
+        self.ids = snap.manifest.chunk_ids()
+        self.sizes = {cid: src.length for cid, src in snap.sources.items()}
+        self.sizes[self.version] = len(self.manifest_bytes)
+        self.chunks_sent = 0
+        self.bytes_sent = 0
 
-async def connect_all(hosts: Sequence[str], token: bytes) -> list[_Node]:
-    nodes = [_Node(h) for h in hosts]
+    @property
+    def healthy(self) -> list[_Node]:
+        return [n for n in self.nodes if n.error is None]
 
-    async def open_one(node: _Node) -> None:
-        try:
-            node.chan = await connect(node.addr, token, timeout=CONNECT_TIMEOUT)
-        except ConnectError as e:
-            node.fail(str(e).removeprefix(f"{node.addr}: "))
+    def check(self, stage: str, published: Sequence[str] = ()) -> None:
+        """After a step: fail the push if a node failed, unless partial pushes are allowed."""
+        failures = {n.addr: n.error for n in self.nodes if n.error}
+        if failures and (not self.allow_partial or not self.healthy or published):
+            raise PushError(stage, failures, len(self.nodes), published)
 
-    await _each(nodes, open_one)
-    return nodes
+    async def connect(self) -> None:
+        async def open_one(node: _Node) -> None:
+            node.chan = await connect(node.addr, self.token, timeout=CONNECT_TIMEOUT)
 
+        await _each(self.nodes, open_one)
 
-async def close_all(nodes: list[_Node]) -> None:
-    for node in nodes:
-        if node.chan is not None:
-            with trio.CancelScope(shield=True):
-                await node.chan.aclose()
+    async def negotiate(self) -> None:
+        async def ask(node: _Node) -> None:
+            await node.chan.send(p.QueryMissing(self.ids + [self.version]))
+            reply = await node.chan.receive()
+            if not isinstance(reply, p.MissingIds):
+                raise p.ProtocolError(f"expected missing chunk ids, got {type(reply).__name__}")
+            node.missing = set(reply.ids)
+
+        await _each(self.nodes, ask, self.timeout)
+
+    async def broadcast(self, kind: str, fanout: int) -> str:
+        """Send every healthy node what it lacks along a `kind` plan; returns the kind used."""
+        lacking = [n for n in self.healthy if n.missing]
+        if not lacking:
+            return "none"
+        payload = max(sum(self.sizes.get(c, 0) for c in n.missing) for n in lacking)
+        kind = topology.choose(kind, len(lacking), payload)
+        roots = topology.plan([n.addr for n in lacking], kind, fanout)
+        by_addr = {n.addr: n for n in self.nodes}
+        await self._stream([(by_addr[r["addr"]], r["children"]) for r in roots])
+        return kind
+
+    async def _stream(self, roots: list[tuple[_Node, list[dict]]]) -> None:
+        """Open a relay session on each root, then read and compress each chunk once and stream
+        it to every root whose subtree lacks it."""
+        by_addr = {n.addr: n for n in self.nodes}
+        wants: dict[str, set[bytes]] = {}
+
+        def blame(failed: dict[str, str]) -> None:
+            for addr, cause in failed.items():
+                if addr in by_addr:
+                    by_addr[addr].fail(cause)
+
+        async def open_session(root: _Node, children: list[dict]) -> None:
+            reply = await root.chan.request("relay", children=children, timeout=self.timeout)
+            blame(reply.get("failed", {}))
+            await root.chan.send(p.QueryMissing(self.ids + [self.version]))
+            below = await root.chan.receive()
+            if not isinstance(below, p.MissingIds):
+                raise p.ProtocolError(f"expected missing chunk ids, got {type(below).__name__}")
+            wants[root.addr] = set(below.ids)
+
+        children_of = {r.addr: c for r, c in roots}
+        await _each([r for r, _ in roots], lambda r: open_session(r, children_of[r.addr]),
+                    self.timeout)
+        live = [r for r, _ in roots if r.error is None and r.addr in wants]
+        order = [c for c in self.ids if any(c in wants[r.addr] for r in live)]
+        if any(self.version in wants[r.addr] for r in live):
+            order.append(self.version)  # the manifest goes last: it names everything before it
+        self.progress.phase("sending", sum(self.sizes[c] for r in live for c in wants[r.addr]))
+        sent = 0
+        local_error: list[BaseException] = []
+        queues = {r.addr: trio.open_memory_channel[tuple[bytes, bytes]](_QUEUE) for r in live}
+        todo = iter(order)
+
+        def load(cid: bytes) -> bytes:
+            data = self.manifest_bytes if cid == self.version else self.snap.read_chunk(cid)
+            return chunk.encode(data)
+
+        async def encoder() -> None:
+            for cid in todo:  # shared iterator: each chunk is read and compressed once
+                try:
+                    blob = await trio.to_thread.run_sync(load, cid)
+                except (SourceChanged, OSError) as e:
+                    local_error.append(e)
+                    nursery.cancel_scope.cancel()
+                    return
+                for r in live:
+                    if cid in wants[r.addr] and r.error is None:
+                        try:
+                            await queues[r.addr][0].send((cid, blob))
+                        except trio.BrokenResourceError:
+                            pass  # that root failed; its sender said why
+
+        async def encoders() -> None:
+            async with trio.open_nursery() as inner:
+                for _ in range(_ENCODERS):
+                    inner.start_soon(encoder)
+            for send, _ in queues.values():
+                await send.aclose()
+
+        async def sender(root: _Node) -> None:
+            nonlocal sent
+            async with queues[root.addr][1] as receive:
+                try:
+                    async for cid, blob in receive:
+                        with trio.fail_after(self.timeout):
+                            await root.chan.send(p.PutChunk(cid, blob))
+                        self.chunks_sent += cid != self.version
+                        self.bytes_sent += len(blob)
+                        sent += self.sizes[cid]
+                        self.progress.update(sent)
+                except _NODE_ERRORS as e:
+                    root.fail(e, self.timeout)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(encoders)
+            for r in live:
+                nursery.start_soon(sender, r)
+        if local_error:
+            e = local_error[0]
+            raise e if isinstance(e, SourceChanged) else SourceChanged(describe(e))
+
+        async def flush(root: _Node) -> None:
+            blame((await root.chan.request("flush")).get("failed", {}))
+
+        await _each(live, flush, self.timeout)
+
+    async def publish(self, name: str) -> None:
+        args = {"name": name, "version": self.version.hex()}
+        self.progress.phase("publishing", 2 * len(self.healthy), "steps")
+        steps = 0
+
+        async def request(op: str, node: _Node) -> None:
+            nonlocal steps
+            await node.chan.request(op, **args)
+            steps += 1
+            self.progress.update(steps)
+
+        await _each(self.nodes, lambda n: request("prepare", n), self.timeout)
+        self.check("preparing")
+        await _each(self.nodes, lambda n: request("commit", n), self.timeout)
+        self.check("committing", [n.addr for n in self.healthy])
+
+    async def aclose(self) -> None:
+        for node in self.nodes:
+            if node.chan is not None:
+                with trio.CancelScope(shield=True):
+                    await node.chan.aclose()
 
 
 async def push(
@@ -150,131 +301,53 @@ async def push(
     name: str | None = None,
     excludes: Sequence[str] = (),
     progress: Progress | None = None,
+    topology_kind: str = "auto",
+    fanout: int = 2,
+    allow_partial: bool = False,
+    timeout: float = STALL_TIMEOUT,
 ) -> PushResult:
     """Push `src` to every host as workspace `name` (default: the folder's name)."""
     t0 = time.monotonic()
     progress = progress or Progress()
     name = name or os.path.basename(os.path.abspath(src))
     check_workspace_name(name)
+    if topology_kind not in topology.KINDS:
+        raise ValueError(f"unknown topology {topology_kind!r}: use one of {topology.KINDS}")
 
     progress.phase("scanning", 0, "entries")
     snap = await scan(src, excludes, progress=lambda done, total: (
         progress.phase("hashing", total) if done == 0 else progress.update(done)))
-    manifest_bytes = snap.manifest.encode()
-    version = chunk.chunk_id(manifest_bytes)
-    ids = snap.manifest.chunk_ids()
 
-    nodes = await connect_all(hosts, token)
+    job = _Push(snap, hosts, token, progress, timeout, allow_partial)
     try:
-        _raise_failures("connecting", nodes)
-
-        async def negotiate(node: _Node) -> None:
-            with trio.fail_after(STALL_TIMEOUT):
-                await node.chan.send(p.QueryMissing(ids + [version]))
-                reply = await node.chan.receive()
-            if not isinstance(reply, p.MissingIds):
-                raise p.ProtocolError(f"expected the missing chunk list, got {type(reply).__name__}")
-            node.missing = set(reply.ids)
-
-        await _each(nodes, negotiate)
-        _raise_failures("negotiating", nodes)
-
-        await _send(snap, version, manifest_bytes, ids, nodes, progress)
-        _raise_failures("sending chunks", nodes)
-
-        args = {"name": name, "version": version.hex()}
-        progress.phase("publishing", 2 * len(nodes), "steps")
-        steps = 0
-
-        async def request(op: str, node: _Node) -> None:
-            nonlocal steps
-            with trio.fail_after(STALL_TIMEOUT):
-                await node.chan.request(op, **args)
-            steps += 1
-            progress.update(steps)
-
-        await _each(nodes, lambda n: request("prepare", n))
-        _raise_failures("preparing", nodes)
-        await _each(nodes, lambda n: request("commit", n))
-        _raise_failures("committing", nodes, [n.addr for n in nodes if not n.error])
+        await job.connect()
+        job.check("connecting")
+        await job.negotiate()
+        job.check("negotiating")
+        used = await job.broadcast(topology_kind, fanout)
+        job.check("sending chunks")
+        if allow_partial:
+            # Nodes whose relay parent failed are healthy but incomplete: send them the rest
+            # directly, once.
+            await job.negotiate()
+            await job.broadcast("star", fanout)
+            job.check("sending chunks")
+        await job.publish(name)
     finally:
-        await close_all(nodes)
+        await job.aclose()
 
     files = [e for e in snap.manifest if e.kind == Kind.FILE]
     return PushResult(
-        version=version.hex(),
+        version=job.version.hex(),
         name=name,
         files=len(files),
         bytes=sum(e.size for e in files),
-        chunks_total=len(ids),
-        chunks_sent=sum(n.chunks_sent for n in nodes),
-        bytes_sent=sum(n.bytes_sent for n in nodes),
-        nodes=len(nodes),
+        chunks_total=len(job.ids),
+        chunks_sent=job.chunks_sent,
+        bytes_sent=job.bytes_sent,
+        nodes=len(job.healthy),
         seconds=round(time.monotonic() - t0, 3),
+        topology=used,
+        failed={n.addr: n.error for n in job.nodes if n.error},
         warnings=snap.warnings,
     )
-
-
-async def _send(snap: Snapshot, version: bytes, manifest_bytes: bytes, ids: list[bytes],
-                nodes: list[_Node], progress: Progress) -> None:
-    """Read and compress each needed chunk once, and stream it to every node that lacks it."""
-    order = [cid for cid in ids if any(cid in n.missing for n in nodes)]
-    if any(version in n.missing for n in nodes):
-        order.append(version)  # the manifest goes last: it names everything before it
-    sizes = {cid: src.length for cid, src in snap.sources.items()}
-    sizes[version] = len(manifest_bytes)
-    progress.phase("sending", sum(sizes[c] for n in nodes for c in n.missing if c in sizes))
-    sent = 0
-    local_error: list[BaseException] = []
-
-    def load(cid: bytes) -> bytes:
-        return chunk.encode(manifest_bytes if cid == version else snap.read_chunk(cid))
-
-    queues = {n.addr: trio.open_memory_channel[tuple[bytes, bytes]](_QUEUE) for n in nodes}
-    todo = iter(order)
-
-    async def encoder() -> None:
-        for cid in todo:  # shared iterator: each chunk is read and compressed once
-            try:
-                blob = await trio.to_thread.run_sync(load, cid)
-            except (SourceChanged, OSError) as e:
-                local_error.append(e)
-                nursery.cancel_scope.cancel()
-                return
-            for node in nodes:
-                if cid in node.missing and node.error is None:
-                    try:
-                        await queues[node.addr][0].send((cid, blob))
-                    except trio.BrokenResourceError:
-                        pass  # that node failed; its sender said why
-
-    async def encoders() -> None:
-        async with trio.open_nursery() as inner:
-            for _ in range(_ENCODERS):
-                inner.start_soon(encoder)
-        for send, _ in queues.values():
-            await send.aclose()
-
-    async def sender(node: _Node) -> None:
-        nonlocal sent
-        receive = queues[node.addr][1]
-        async with receive:
-            try:
-                async for cid, blob in receive:
-                    with trio.fail_after(STALL_TIMEOUT):
-                        await node.chan.send(p.PutChunk(cid, blob))
-                    node.chunks_sent += cid != version
-                    node.bytes_sent += len(blob)
-                    sent += sizes[cid]
-                    progress.update(sent)
-            except (OSError, trio.TooSlowError, trio.BrokenResourceError,
-                    trio.ClosedResourceError, RemoteError) as e:
-                node.fail(e)
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(encoders)
-        for node in nodes:
-            nursery.start_soon(sender, node)
-    if local_error:
-        e = local_error[0]
-        raise SourceChanged(describe(e)) if not isinstance(e, SourceChanged) else e

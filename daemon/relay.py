@@ -1,0 +1,134 @@
+"""A node's side of a broadcast: store what it lacks, and forward each chunk to the children
+whose subtrees lack it while the next chunk arrives (a bounded queue per child, so a slow child
+slows its parent instead of filling its memory).
+
+A relay session runs inside one connection: `relay` opens the children (recursively: each child
+opens its own), `QueryMissing` learns what each subtree lacks, `PutChunk`s flow down, and `flush`
+waits until every queue has drained and every descendant has flushed, returning the failures seen
+anywhere below as {addr: cause}.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import trio
+
+from . import protocol as p
+from .transport import Channel, connect
+
+log = logging.getLogger("monarch_fs.relay")
+
+QUEUE = 8  # chunks buffered per child
+
+
+def _why(e: BaseException, timeout: float) -> str:
+    if isinstance(e, trio.TooSlowError):
+        return f"no progress for {timeout:g}s (stalled)"
+    return str(e).split(": ", 1)[-1] if ": " in str(e) else (str(e) or type(e).__name__)
+
+
+class _Child:
+    def __init__(self, spec: dict):
+        self.addr: str = spec["addr"]
+        self.children: list[dict] = spec.get("children", [])
+        self.chan: Channel | None = None
+        self.need: set[bytes] = set()
+        self.error: str | None = None
+        self.send, self.receive = trio.open_memory_channel[tuple[bytes, bytes]](QUEUE)
+        self.done = trio.Event()
+
+
+class Relay:
+    def __init__(self, token: bytes, children: Sequence[dict], timeout: float,
+                 nursery: trio.Nursery):
+        self.token = token
+        self.timeout = timeout
+        self.nursery = nursery
+        self.children = [_Child(spec) for spec in children]
+        self.failures: dict[str, str] = {}
+
+    def _fail(self, child: _Child, e: BaseException | str) -> None:
+        if child.error is None:
+            child.error = e if isinstance(e, str) else _why(e, self.timeout)
+            self.failures[child.addr] = child.error
+            log.warning("relay to %s failed: %s", child.addr, child.error)
+            child.receive.close()  # the forwarder stops queueing for it
+
+    async def _each(self, fn) -> None:
+        async def one(child: _Child) -> None:
+            try:
+                with trio.fail_after(self.timeout):
+                    await fn(child)
+            except Exception as e:  # a child's failure is reported, never fatal to the relay
+                self._fail(child, e)
+
+        async with trio.open_nursery() as nursery:
+            for child in self.children:
+                if child.error is None:
+                    nursery.start_soon(one, child)
+
+    async def open(self) -> dict[str, str]:
+        """Connect to every child and have it open its own subtree."""
+        async def start(child: _Child) -> None:
+            child.chan = await connect(child.addr, self.token, timeout=self.timeout)
+            reply = await child.chan.request("relay", children=child.children,
+                                             timeout=self.timeout)
+            self.failures.update(reply.get("failed", {}))
+            self.nursery.start_soon(self._sender, child)
+
+        await self._each(start)
+        return dict(self.failures)
+
+    async def query(self, ids: list[bytes]) -> set[bytes]:
+        """What the subtrees below lack, remembered per child for forwarding."""
+        async def ask(child: _Child) -> None:
+            await child.chan.send(p.QueryMissing(ids))
+            reply = await child.chan.receive()
+            if not isinstance(reply, p.MissingIds):
+                raise p.ProtocolError(f"expected missing ids, got {type(reply).__name__}")
+            child.need = set(reply.ids)
+
+        await self._each(ask)
+        return set().union(*(c.need for c in self.children if c.error is None))
+
+    async def forward(self, cid: bytes, blob: bytes) -> None:
+        for child in self.children:
+            if cid in child.need and child.error is None:
+                try:
+                    await child.send.send((cid, blob))
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass  # the child failed meanwhile; _fail recorded why
+
+    async def _sender(self, child: _Child) -> None:
+        try:
+            async for cid, blob in child.receive:
+                with trio.fail_after(self.timeout):
+                    await child.chan.send(p.PutChunk(cid, blob))
+        except Exception as e:
+            self._fail(child, e)
+        finally:
+            child.done.set()
+
+    async def flush(self) -> dict[str, str]:
+        """Wait until everything queued went out and every subtree flushed; all failures below."""
+        for child in self.children:
+            await child.send.aclose()
+
+        async def drain(child: _Child) -> None:
+            await child.done.wait()
+            if child.error is None:
+                reply = await child.chan.request("flush")
+                for addr, cause in reply.get("failed", {}).items():
+                    self.failures[addr or child.addr] = cause  # "" is the child itself
+
+        await self._each(drain)
+        return dict(self.failures)
+
+    async def aclose(self) -> None:
+        for child in self.children:
+            child.send.close()
+            if child.chan is not None:
+                with trio.CancelScope(shield=True):
+                    await child.chan.aclose()

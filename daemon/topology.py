@@ -1,0 +1,52 @@
+"""Broadcast topologies: who sends to whom, so the dev box sends each missing byte once.
+
+A plan is a list of roots the dev box sends to; each node is {"addr": ..., "children": [...]},
+and every node forwards to its children what their subtrees lack while it receives the next chunk.
+
+- star: every node is a root. The dev box sends N copies; best for tiny payloads (latency).
+- chain: one root, each node forwards to the next. Dev-box egress = payload; time is about
+  payload / bandwidth + N x (one chunk's transfer time), because the chain is pipelined.
+- tree: a k-ary tree (--fanout K). Depth log_k(N), but inner nodes send k copies.
+- auto: star for 1-2 nodes or a payload under AUTO_STAR_BYTES per node, else chain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+AUTO_STAR_BYTES = 8 * 1024 * 1024
+KINDS = ("auto", "chain", "tree", "star")
+
+
+def choose(kind: str, nodes: int, payload: int) -> str:
+    """The topology `auto` resolves to, for `nodes` nodes each lacking up to `payload` bytes."""
+    if kind != "auto":
+        return kind
+    if nodes <= 2 or payload < AUTO_STAR_BYTES:
+        return "star"
+    return "chain"
+
+
+def plan(hosts: Sequence[str], kind: str, fanout: int = 2) -> list[dict]:
+    if kind not in KINDS or kind == "auto":
+        raise ValueError(f"unknown topology {kind!r}")
+    nodes = [{"addr": h, "children": []} for h in hosts]
+    if kind == "star" or not nodes:
+        return nodes
+    if kind == "chain":
+        for parent, child in zip(nodes, nodes[1:]):
+            parent["children"].append(child)
+        return nodes[:1]
+    if fanout < 1:
+        raise ValueError("--fanout must be at least 1")
+    for i, node in enumerate(nodes[1:], start=1):  # heap order: node i's parent is (i-1)//k
+        nodes[(i - 1) // fanout]["children"].append(node)
+    return nodes[:1]
+
+
+def subtree(spec: dict) -> list[str]:
+    """Every address in a plan node's subtree, itself first."""
+    out = [spec["addr"]]
+    for child in spec["children"]:
+        out += subtree(child)
+    return out
