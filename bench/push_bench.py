@@ -439,8 +439,13 @@ def machine_facts() -> dict:
 
     mem = next((ln.split()[1] for ln in Path("/proc/meminfo").read_text().splitlines()
                 if ln.startswith("MemTotal:")), "0")
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip()
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True,
+                              text=True).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if commit and git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench"):
+        commit += "+uncommitted changes"  # the figures are for the working tree, not the commit
     return {
         "nproc": int(first_line(["nproc"]) or 0),
         "kernel": platform.release(),

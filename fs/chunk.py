@@ -72,6 +72,11 @@ def decode(cid: bytes, blob: bytes | memoryview, max_size: int = MAX_CHUNK_SIZE)
         data = bytes(blob[1:])
     elif codec == ZSTD:
         try:
+            # The frame header may claim any size, and zstandard allocates what it claims:
+            # check the claim before decompressing.
+            claimed = zstandard.frame_content_size(blob[1:])
+            if claimed > max_size:
+                raise CorruptChunk(f"chunk {cid.hex()}: claims {claimed} bytes, over the limit")
             data = _decompressor().decompress(blob[1:], max_output_size=max_size)
         except zstandard.ZstdError as e:
             raise CorruptChunk(f"chunk {cid.hex()}: bad zstd data ({e})") from None

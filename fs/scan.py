@@ -44,9 +44,12 @@ class Snapshot:
     def read_chunk(self, cid: bytes) -> bytes:
         """The raw bytes of a chunk, read again from its source and checked against its id."""
         src = self.sources[cid]
-        with open(src.path, "rb") as f:
-            f.seek(src.offset)
-            data = f.read(src.length)
+        try:
+            with open(src.path, "rb") as f:
+                f.seek(src.offset)
+                data = f.read(src.length)
+        except FileNotFoundError:
+            raise SourceChanged(f"{os.fsdecode(src.path)} was deleted during the push") from None
         if len(data) != src.length or chunk_id(data) != cid:
             raise SourceChanged(f"{os.fsdecode(src.path)} changed during the push; push again")
         return data

@@ -155,11 +155,6 @@ def _zstd_with_declared_size(data: bytes, declared: int) -> bytes:
     return bytes([ZSTD]) + frame[:4] + bytes([0xE0]) + struct.pack("<Q", declared) + frame[7:]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG fs/chunk.py:75: decode() passes max_output_size to zstandard, which only applies to "
-    "frames WITHOUT a declared content size; a frame header claiming a huge size makes "
-    "zstandard allocate that size up front (MemoryError for 1 TiB, a 2 GiB allocation for a "
-    "20-byte blob) instead of raising CorruptChunk"))
 @pytest.mark.parametrize("declared", [2**31, 2**40], ids=["2GiB", "1TiB"])
 def test_decode_of_a_frame_claiming_a_huge_size_fails_fast_as_corrupt(declared):
     data = b"a" * 1000
@@ -363,10 +358,6 @@ def test_every_single_byte_flip_of_a_raw_object_is_detected(tmp_path):
                 s.get(c)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG fs/chunk.py:75 (see test_decode_of_a_frame_claiming_a_huge_size_fails_fast_as_corrupt): "
-    "flipping bit 7 of the zstd frame header descriptor (object byte 5) turns the 2-byte "
-    "content size into an 8-byte one; Store.get then raises MemoryError, not CorruptChunk"))
 def test_every_single_byte_flip_of_a_zstd_object_is_detected(tmp_path):
     s = Store(tmp_path / "store")
     data = b"hello world " * 500 + b"tail"
