@@ -64,8 +64,7 @@ def running(d: Path) -> list[int]:
     return pids
 
 
-def up(nodes: int, directory: str | os.PathLike[str] | None = None,
-       *, extra_args: list[str] | None = None) -> list[str]:
+def up(nodes: int, directory: str | os.PathLike[str] | None = None) -> list[str]:
     """Start `nodes` daemons and return their addresses once every one is mounted and ready."""
     if nodes < 1:
         raise ClusterError("--nodes must be at least 1")
@@ -74,38 +73,66 @@ def up(nodes: int, directory: str | os.PathLike[str] | None = None,
     if running(d):
         raise ClusterError(f"a cluster is already running in {d}; run `monarch-fs cluster down"
                            f" --dir {d}` first")
-    token_file = d / "token"
-    write_new_token(token_file)
-    procs: list[tuple[Path, subprocess.Popen]] = []
-    for i in range(nodes):
-        nd = d / f"node-{i}"
-        (nd / "mnt").mkdir(parents=True, exist_ok=True)
-        ready = nd / "ready"
-        ready.unlink(missing_ok=True)
-        with open(nd / "log", "ab") as logf:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "monarch_fs.daemon.cli", "daemon",
-                 "--listen", "127.0.0.1:0", "--mount", str(nd / "mnt"),
-                 "--state", str(nd / "state"), "--token-file", str(token_file),
-                 "--ready-file", str(ready), "--node-name", f"node-{i}", *(extra_args or [])],
-                stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                start_new_session=True)
-        (nd / "pid").write_text(str(proc.pid))
-        procs.append((nd, proc))
-
+    write_new_token(d / "token")
+    procs = [_spawn(d, i) for i in range(nodes)]
     addrs = []
-    deadline = time.monotonic() + START_TIMEOUT
-    for nd, proc in procs:
-        while not (nd / "ready").exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                why = (f"exited with status {proc.returncode}" if proc.returncode is not None
-                       else f"not ready after {START_TIMEOUT:.0f}s")
-                down(d)
-                raise ClusterError(f"{nd.name} {why}; its log ends:\n{_tail(nd / 'log')}")
-            time.sleep(0.05)
-        addrs.append(json.loads((nd / "ready").read_text())["addr"])
+    for i, proc in enumerate(procs):
+        try:
+            addrs.append(_wait_ready(d, i, proc))
+        except ClusterError:
+            down(d)
+            raise
     (d / "hosts").write_text("".join(a + "\n" for a in addrs))
     return addrs
+
+
+def restart_node(directory: str | os.PathLike[str], i: int) -> str:
+    """Start node I again on its state, mount and address (after it died or was stopped)."""
+    d = Path(directory)
+    addr = (d / "hosts").read_text().split()[i]
+    if running_node(d, i):
+        raise ClusterError(f"node-{i} is still running")
+    return _wait_ready(d, i, _spawn(d, i, listen=addr))
+
+
+def running_node(d: Path, i: int) -> bool:
+    nd = d / f"node-{i}"
+    try:
+        return _our_daemon(int((nd / "pid").read_text()), nd)
+    except (OSError, ValueError):
+        return False
+
+
+def _spawn(d: Path, i: int, listen: str = "127.0.0.1:0") -> subprocess.Popen:
+    nd = d / f"node-{i}"
+    nd.mkdir(parents=True, exist_ok=True)
+    try:
+        (nd / "mnt").mkdir()
+    except FileExistsError:  # maybe a dead daemon's stale mount: the new daemon clears it
+        pass
+    (nd / "ready").unlink(missing_ok=True)
+    with open(nd / "log", "ab") as logf:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "monarch_fs.daemon.cli", "daemon",
+             "--listen", listen, "--mount", str(nd / "mnt"), "--state", str(nd / "state"),
+             "--token-file", str(d / "token"), "--ready-file", str(nd / "ready"),
+             "--node-name", f"node-{i}"],
+            stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    (nd / "pid").write_text(str(proc.pid))
+    return proc
+
+
+def _wait_ready(d: Path, i: int, proc: subprocess.Popen) -> str:
+    nd = d / f"node-{i}"
+    deadline = time.monotonic() + START_TIMEOUT
+    while not (nd / "ready").exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            why = (f"exited with status {proc.returncode}" if proc.returncode is not None
+                   else f"not ready after {START_TIMEOUT:.0f}s")
+            raise ClusterError(f"{nd.name} {why}; its log ends:\n{_tail(nd / 'log')}")
+        time.sleep(0.05)
+    return json.loads((nd / "ready").read_text())["addr"]
 
 
 def down(directory: str | os.PathLike[str] | None = None) -> int:

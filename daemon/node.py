@@ -44,7 +44,8 @@ class RequestError(Exception):
 class _Writes:
     """The store writes one connection has in flight, and the first that failed."""
 
-    def __init__(self) -> None:
+    def __init__(self, counters: dict[str, int]) -> None:
+        self.counters = counters
         self.pending = 0
         self.errors: list[str] = []
         self._idle = trio.Event()
@@ -58,7 +59,8 @@ class _Writes:
 
     async def _run(self, limiter: trio.CapacityLimiter, fn, msg) -> None:
         try:
-            await trio.to_thread.run_sync(fn, msg)
+            if await trio.to_thread.run_sync(fn, msg):
+                self.counters["chunks_stored"] += 1
         except RequestError as e:
             self.errors.append(str(e))
         finally:
@@ -91,6 +93,8 @@ def clear_stale_mount(mountpoint: Path) -> None:
     try:
         os.stat(mountpoint)
         stale = os.path.ismount(mountpoint)
+    except FileNotFoundError:
+        return
     except OSError as e:
         if e.errno != errno.ENOTCONN:
             raise
@@ -126,6 +130,9 @@ class NodeDaemon:
         self._publish_lock = trio.Lock()
         self._write_limiter = trio.CapacityLimiter(4)
         self.started = time.time()
+        # What crossed this node since it started: a push's edges carry only what is lacking.
+        self.counters = {"chunks_received": 0, "bytes_received": 0, "chunks_stored": 0,
+                         "chunks_forwarded": 0}
 
     # ---- life cycle -----------------------------------------------------------------------
 
@@ -134,8 +141,8 @@ class NodeDaemon:
         """Serve until cancelled, SIGTERM or SIGINT; always unmounts on the way out."""
         for name, versions in self.refs.workspaces.items():
             await self.fs.set_workspace(name, [(v, self._manifest(v)) for v in versions])
-        self.mount.mkdir(parents=True, exist_ok=True)
         clear_stale_mount(self.mount)
+        self.mount.mkdir(parents=True, exist_ok=True)
         host, port = parse_addr(self.listen, listen=True)
         listeners = await trio.open_tcp_listeners(port, host=host)
         bound = listeners[0].socket.getsockname()
@@ -197,7 +204,7 @@ class NodeDaemon:
         """One client or parent connection. Chunks land in the store as they arrive (a few
         writes at a time, overlapping the next receive); in a relay session they are also
         forwarded to the children whose subtrees lack them."""
-        writes = _Writes()
+        writes = _Writes(self.counters)
         relay: Relay | None = None
         own_missing: set[bytes] | None = None  # what this node lacks, once asked
         async with trio.open_nursery() as nursery:
@@ -208,6 +215,8 @@ class NodeDaemon:
                     except Exception:
                         return
                     if isinstance(msg, p.PutChunk):
+                        self.counters["chunks_received"] += 1
+                        self.counters["bytes_received"] += len(msg.blob)
                         if relay is not None:
                             await relay.forward(msg.cid, msg.blob)
                         if own_missing is None or msg.cid in own_missing:
@@ -220,7 +229,8 @@ class NodeDaemon:
                             [i for i in msg.ids if i in own_missing or i in below]))
                     elif isinstance(msg, p.Request) and msg.op == "relay":
                         relay = Relay(self.token, msg.args.get("children", []),
-                                      float(msg.args.get("timeout", 60)), nursery)
+                                      float(msg.args.get("timeout", 60)), nursery,
+                                      self.counters)
                         await chan.send(p.Reply(msg.id, {"failed": await relay.open()}))
                     elif isinstance(msg, p.Request) and msg.op == "flush":
                         await writes.idle()
@@ -246,9 +256,9 @@ class NodeDaemon:
                     await relay.aclose()
                 nursery.cancel_scope.cancel()
 
-    def _put(self, msg: p.PutChunk) -> None:
+    def _put(self, msg: p.PutChunk) -> bool:
         try:
-            self.store.put_blob(msg.cid, msg.blob)
+            return self.store.put_blob(msg.cid, msg.blob)
         except CorruptChunk as e:
             raise RequestError(f"rejected {e}") from None
         except OSError as e:
@@ -319,5 +329,6 @@ class NodeDaemon:
             "uptime": round(time.time() - self.started, 1),
             "store_objects": objects,
             "store_bytes": size,
+            **self.counters,
             "workspaces": {n: [v.hex() for v in vs] for n, vs in self.refs.workspaces.items()},
         }

@@ -111,12 +111,15 @@ _NODE_ERRORS = (OSError, trio.TooSlowError, trio.BrokenResourceError, trio.Close
                 RemoteError, ConnectError, p.ProtocolError, EOFError)
 
 
-async def _each(nodes: Sequence[_Node], fn: Callable, timeout: float | None = None) -> None:
-    """Run fn(node) on every healthy node at once; a failure marks that node, not the others."""
+async def _each(nodes: Sequence[_Node], fn: Callable, timeout: float | None = None,
+                levels: dict[str, int] | None = None) -> None:
+    """Run fn(node) on every healthy node at once; a failure marks that node, not the others.
+    A root of a relay plan waits for its subtree, so its timeout is multiplied by `levels`."""
 
     async def one(node: _Node) -> None:
         try:
-            with trio.fail_after(timeout) if timeout else trio.CancelScope():
+            scale = (levels or {}).get(node.addr, 1)
+            with trio.fail_after(timeout * scale) if timeout else trio.CancelScope():
                 await fn(node)
         except _NODE_ERRORS as e:
             node.fail(e, timeout or STALL_TIMEOUT)
@@ -153,12 +156,13 @@ class _Push:
     def check(self, stage: str, published: Sequence[str] = ()) -> None:
         """After a step: fail the push if a node failed, unless partial pushes are allowed."""
         failures = {n.addr: n.error for n in self.nodes if n.error}
-        if failures and (not self.allow_partial or not self.healthy or published):
+        if failures and (not self.allow_partial or not self.healthy):
             raise PushError(stage, failures, len(self.nodes), published)
 
     async def connect(self) -> None:
         async def open_one(node: _Node) -> None:
-            node.chan = await connect(node.addr, self.token, timeout=CONNECT_TIMEOUT)
+            node.chan = await connect(node.addr, self.token,
+                                      timeout=min(CONNECT_TIMEOUT, self.timeout))
 
         await _each(self.nodes, open_one)
 
@@ -205,8 +209,9 @@ class _Push:
             wants[root.addr] = set(below.ids)
 
         children_of = {r.addr: c for r, c in roots}
+        levels = {r.addr: 1 + topology.depth({"children": c}) for r, c in roots}
         await _each([r for r, _ in roots], lambda r: open_session(r, children_of[r.addr]),
-                    self.timeout)
+                    self.timeout, levels)
         live = [r for r, _ in roots if r.error is None and r.addr in wants]
         order = [c for c in self.ids if any(c in wants[r.addr] for r in live)]
         if any(self.version in wants[r.addr] for r in live):
@@ -268,7 +273,7 @@ class _Push:
         async def flush(root: _Node) -> None:
             blame((await root.chan.request("flush")).get("failed", {}))
 
-        await _each(live, flush, self.timeout)
+        await _each(live, flush, self.timeout, levels)
 
     async def publish(self, name: str) -> None:
         args = {"name": name, "version": self.version.hex()}

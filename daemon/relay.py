@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import trio
 
 from . import protocol as p
+from .topology import depth
 from .transport import Channel, connect
 
 log = logging.getLogger("monarch_fs.relay")
@@ -42,8 +43,9 @@ class _Child:
 
 class Relay:
     def __init__(self, token: bytes, children: Sequence[dict], timeout: float,
-                 nursery: trio.Nursery):
+                 nursery: trio.Nursery, counters: dict[str, int]):
         self.token = token
+        self.counters = counters
         self.timeout = timeout
         self.nursery = nursery
         self.children = [_Child(spec) for spec in children]
@@ -58,8 +60,10 @@ class Relay:
 
     async def _each(self, fn) -> None:
         async def one(child: _Child) -> None:
+            # A child waits for its own subtree, which times out first and is blamed instead.
+            levels = 1 + depth({"children": child.children})
             try:
-                with trio.fail_after(self.timeout):
+                with trio.fail_after(self.timeout * levels):
                     await fn(child)
             except Exception as e:  # a child's failure is reported, never fatal to the relay
                 self._fail(child, e)
@@ -72,7 +76,7 @@ class Relay:
     async def open(self) -> dict[str, str]:
         """Connect to every child and have it open its own subtree."""
         async def start(child: _Child) -> None:
-            child.chan = await connect(child.addr, self.token, timeout=self.timeout)
+            child.chan = await connect(child.addr, self.token, timeout=min(10.0, self.timeout))
             reply = await child.chan.request("relay", children=child.children,
                                              timeout=self.timeout)
             self.failures.update(reply.get("failed", {}))
@@ -106,6 +110,7 @@ class Relay:
             async for cid, blob in child.receive:
                 with trio.fail_after(self.timeout):
                     await child.chan.send(p.PutChunk(cid, blob))
+                self.counters["chunks_forwarded"] += 1
         except Exception as e:
             self._fail(child, e)
         finally:

@@ -50,3 +50,8 @@ def subtree(spec: dict) -> list[str]:
     for child in spec["children"]:
         out += subtree(child)
     return out
+
+
+def depth(spec: dict) -> int:
+    """Hops below a plan node: a parent waits for its subtree, so its timeouts scale with this."""
+    return 1 + max(map(depth, spec["children"])) if spec["children"] else 0

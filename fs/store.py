@@ -40,12 +40,12 @@ class Store:
     def missing(self, ids: Iterable[bytes]) -> list[bytes]:
         return [cid for cid in ids if not self.has(cid)]
 
-    def put_blob(self, cid: bytes, blob: bytes | memoryview) -> None:
-        """Verify `blob` against `cid` and store it; a no-op when the object exists."""
+    def put_blob(self, cid: bytes, blob: bytes | memoryview) -> bool:
+        """Verify `blob` against `cid` and store it; False (a no-op) when the object exists."""
         decode(cid, blob)
         dest = self.path(cid)
         if dest.exists():
-            return
+            return False
         dest.parent.mkdir(exist_ok=True)
         self._seq += 1
         tmp = self.tmp / f"{os.getpid()}-{id(blob):x}-{self._seq}"
@@ -56,6 +56,7 @@ class Store:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+        return True
 
     def put(self, data: bytes) -> bytes:
         cid = chunk_id(data)

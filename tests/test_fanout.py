@@ -1,0 +1,217 @@
+"""Cluster-scale push on a local cluster: relay fan-out, nodes at different versions, and nodes,
+daemons or the dev box dying mid-push. Every failure leaves each node on a good version."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import Cluster, mfs, tree
+from monarch_fs.daemon import cluster as cluster_mod
+from monarch_fs.fs.chunk import CorruptChunk
+from monarch_fs.fs.store import Store
+
+MiB = 1024 * 1024
+
+
+def objects(c: Cluster, i: int) -> int:
+    root = c.dir / f"node-{i}" / "state" / "store" / "objects"
+    return sum(len(os.listdir(d)) for d in root.iterdir()) if root.exists() else 0
+
+
+def stats(c: Cluster) -> list[dict]:
+    return c.status()
+
+
+def start_push(c: Cluster, src: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "monarch_fs.daemon.cli", "push", str(src), "--hosts",
+         c.hostfile, "--token-file", c.token_file, "--json", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def kill_mid_push(pid: int) -> None:
+    """Freeze the node first, so the push cannot finish before it dies, then kill it."""
+    os.kill(pid, signal.SIGSTOP)
+    os.kill(pid, signal.SIGKILL)
+
+
+def wait_for(cond, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def big_tree(root: Path, mb: int) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "small.txt").write_text("v2\n")
+    for i in range(mb // 16):
+        (root / f"blob{i}.bin").write_bytes(os.urandom(16 * MiB))
+
+
+@pytest.mark.parametrize("topology, fanout", [("chain", 2), ("tree", 2)])
+def test_relay_delivers_identical_bytes(fresh_cluster, tmp_path, topology, fanout):
+    c = fresh_cluster(5)
+    src = tmp_path / "relay"
+    (src / "sub").mkdir(parents=True)
+    payload = os.urandom(20 * MiB)
+    (src / "sub" / "big.bin").write_bytes(payload)
+    (src / "run.sh").write_text("#!/bin/sh\n")
+    (src / "run.sh").chmod(0o755)
+    os.symlink("sub/big.bin", src / "link")
+    out = c.push_json(src, "--topology", topology, "--fanout", str(fanout))
+    assert out["topology"] == topology and out["nodes"] == 5
+    # the dev box sent each byte once; the nodes relayed the rest
+    assert out["bytes_sent"] < 1.05 * len(payload)
+    expected = tree(src)
+    for mnt in c.mounts():
+        assert tree(mnt / "relay") == expected
+    forwarded = [n["chunks_forwarded"] for n in stats(c)]
+    if topology == "chain":
+        assert forwarded[:4] == [forwarded[0]] * 4 and forwarded[0] > 0 and forwarded[4] == 0
+    else:  # heap order: 0 -> 1, 2; 1 -> 3, 4
+        assert forwarded[0] == forwarded[1] == 2 * forwarded[0] // 2 > 0
+        assert forwarded[2:] == [0, 0, 0]
+
+
+def test_nodes_at_different_versions_receive_only_what_they_lack(fresh_cluster, tmp_path):
+    c = fresh_cluster(4)
+    src = tmp_path / "mixed"
+    src.mkdir()
+    (src / "old.bin").write_bytes(os.urandom(8 * MiB))
+    # nodes 0 and 1 already hold the old content
+    mfs("push", str(src), "--hosts", ",".join(c.hosts[:2]), "--token-file", c.token_file)
+    (src / "new.bin").write_bytes(os.urandom(6 * MiB))
+    before = stats(c)
+    # chain 2 -> 3 -> 0 -> 1: the up-to-date nodes sit at the end of the chain
+    order = [c.hosts[2], c.hosts[3], c.hosts[0], c.hosts[1]]
+    out = json.loads(mfs("push", str(src), "--hosts", ",".join(order), "--token-file",
+                         c.token_file, "--topology", "chain", "--json").stdout)
+    after = stats(c)
+    received = [a["bytes_received"] - b["bytes_received"] for a, b in zip(after, before)]
+    stored = [a["chunks_stored"] - b["chunks_stored"] for a, b in zip(after, before)]
+    assert 14 * MiB <= out["bytes_sent"] < 15 * MiB  # the union, once
+    assert received[2] >= 14 * MiB and received[3] >= 14 * MiB
+    assert 6 * MiB <= received[0] < 7 * MiB and 6 * MiB <= received[1] < 7 * MiB
+    assert stored[0] == stored[1] == 3  # two 4 MiB-or-less chunks of new.bin + the manifest
+    expected = tree(src)
+    for mnt in c.mounts():
+        assert tree(mnt / "mixed") == expected
+
+
+def _push_v1(c: Cluster, tmp_path: Path) -> Path:
+    src = tmp_path / "ws"
+    src.mkdir()
+    (src / "small.txt").write_text("v1\n")
+    c.push(src)
+    return src
+
+
+def _on_v1_everywhere(c: Cluster, nodes=None) -> None:
+    for i in nodes if nodes is not None else range(len(c.hosts)):
+        assert (c.mnt(i) / "ws" / "small.txt").read_text() == "v1\n"
+        assert not (c.mnt(i) / "ws" / "blob0.bin").exists()
+
+
+def test_node_killed_mid_push_fails_and_publishes_nothing(fresh_cluster, tmp_path):
+    c = fresh_cluster(4)
+    src = _push_v1(c, tmp_path)
+    big_tree(src, 128)
+    before = objects(c, 1)
+    push = start_push(c, src, "--topology", "chain", "--timeout", "10")
+    wait_for(lambda: objects(c, 1) > before + 1, what="node-1 to receive chunks")
+    kill_mid_push(c.pid(1))
+    _, err = push.communicate(timeout=60)
+    assert push.returncode == 1
+    assert c.hosts[1] in err and "nothing was published" in err and "Traceback" not in err
+    _on_v1_everywhere(c, [0, 2, 3])
+
+
+def test_allow_partial_routes_around_a_dead_node(fresh_cluster, tmp_path):
+    c = fresh_cluster(4)
+    src = _push_v1(c, tmp_path)
+    big_tree(src, 128)
+    before = objects(c, 1)
+    push = start_push(c, src, "--topology", "chain", "--timeout", "10", "--allow-partial")
+    wait_for(lambda: objects(c, 1) > before + 1, what="node-1 to receive chunks")
+    kill_mid_push(c.pid(1))
+    out, err = push.communicate(timeout=60)
+    assert push.returncode == 0, err
+    result = json.loads(out)
+    assert list(result["failed"]) == [c.hosts[1]] and result["nodes"] == 3
+    expected = tree(src)
+    for i in (0, 2, 3):  # 2 and 3 sat behind the dead node in the chain
+        assert tree(c.mnt(i) / "ws") == expected
+
+
+def test_stalled_node_is_detected_by_timeout(fresh_cluster, tmp_path):
+    c = fresh_cluster(3)
+    src = _push_v1(c, tmp_path)
+    big_tree(src, 64)
+    before = objects(c, 1)
+    push = start_push(c, src, "--topology", "chain", "--timeout", "3")
+    wait_for(lambda: objects(c, 1) > before, what="node-1 to receive chunks")
+    os.kill(c.pid(1), signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        _, err = push.communicate(timeout=60)
+        assert push.returncode == 1 and c.hosts[1] in err
+        assert "no progress for 3s" in err
+        assert time.monotonic() - t0 < 30
+    finally:
+        os.kill(c.pid(1), signal.SIGCONT)
+    _on_v1_everywhere(c)
+
+
+def test_devbox_killed_mid_push_then_next_push_reuses_what_arrived(fresh_cluster, tmp_path):
+    c = fresh_cluster(2)
+    src = _push_v1(c, tmp_path)
+    big_tree(src, 96)
+    before = objects(c, 1)
+    push = start_push(c, src, "--topology", "chain")
+    wait_for(lambda: objects(c, 1) > before + 2, what="node-1 to receive chunks")
+    push.kill()
+    push.wait(timeout=10)
+    _on_v1_everywhere(c)
+    out = c.push_json(src, "--topology", "chain")
+    assert out["bytes_sent"] < 96 * MiB  # what arrived before the kill is not sent again
+    expected = tree(src)
+    for mnt in c.mounts():
+        assert tree(mnt / "ws") == expected
+
+
+def test_daemon_sigkilled_mid_push_restarts_on_last_good_version(fresh_cluster, tmp_path):
+    c = fresh_cluster(2)
+    src = _push_v1(c, tmp_path)
+    big_tree(src, 96)
+    before = objects(c, 0)
+    push = start_push(c, src, "--topology", "chain")
+    wait_for(lambda: objects(c, 0) > before + 1, what="node-0 to receive chunks")
+    kill_mid_push(c.pid(0))
+    _, err = push.communicate(timeout=60)
+    assert push.returncode == 1 and c.hosts[0] in err
+    cluster_mod.restart_node(c.dir, 0)
+    _on_v1_everywhere(c)
+    # no corrupt or partial object survived the kill
+    store = Store(c.dir / "node-0" / "state" / "store")
+    for sub in store.objects.iterdir():
+        for obj in sub.iterdir():
+            cid = bytes.fromhex(sub.name + obj.name)
+            try:
+                store.get(cid)
+            except CorruptChunk as e:
+                pytest.fail(f"corrupt object after SIGKILL: {e}")
+    assert not any(store.tmp.iterdir())
+    out = c.push_json(src)
+    expected = tree(src)
+    for mnt in c.mounts():
+        assert tree(mnt / "ws") == expected
+    assert out["nodes"] == 2
