@@ -29,6 +29,7 @@ from ..fs.manifest import Manifest, ManifestError
 from ..fs.store import Store
 from . import protocol as p
 from .refs import Refs, check_workspace_name
+from .procs import ProcessTable, SpawnError
 from .relay import Relay
 from .transport import Channel, accept, parse_addr
 
@@ -128,6 +129,7 @@ class NodeDaemon:
         self._manifests: dict[bytes, Manifest] = {}
         self._prepared: set[tuple[str, bytes]] = set()
         self._publish_lock = trio.Lock()
+        self.procs: ProcessTable | None = None
         self._write_limiter = trio.CapacityLimiter(4)
         self.started = time.time()
         # What crossed this node since it started: a push's edges carry only what is lacking.
@@ -151,6 +153,7 @@ class NodeDaemon:
         self.fs.mounted = True
         try:
             async with trio.open_nursery() as nursery:
+                self.procs = ProcessTable(self.mount, nursery)
                 nursery.start_soon(self._fuse_main, nursery.cancel_scope)
                 nursery.start_soon(self._stop_on_signal, nursery.cancel_scope)
                 nursery.start_soon(trio.serve_listeners, self._serve, listeners)
@@ -161,6 +164,8 @@ class NodeDaemon:
                     os.rename(tmp, ready_file)
                 task_status.started(self.addr)
         finally:
+            if self.procs is not None:
+                await self.procs.stop_all()  # no process outlives its daemon
             self.fs.mounted = False
             pyfuse3.close(unmount=True)
             log.info("unmounted %s", self.mount)
@@ -232,6 +237,13 @@ class NodeDaemon:
                                       float(msg.args.get("timeout", 60)), nursery,
                                       self.counters)
                         await chan.send(p.Reply(msg.id, {"failed": await relay.open()}))
+                    elif isinstance(msg, p.Request) and msg.op in ("spawn", "kill"):
+                        try:
+                            value = await self._proc_request(chan, msg)
+                        except (SpawnError, ValueError) as e:
+                            await chan.send(p.Error(str(e), code="refused", id=msg.id))
+                        else:
+                            await chan.send(p.Reply(msg.id, value))
                     elif isinstance(msg, p.Request) and msg.op == "flush":
                         await writes.idle()
                         failed = await relay.flush() if relay is not None else {}
@@ -254,7 +266,29 @@ class NodeDaemon:
             finally:
                 if relay is not None:
                     await relay.aclose()
+                await self.procs.kill_owned_by(chan)  # the controller went away
                 nursery.cancel_scope.cancel()
+
+    async def _proc_request(self, chan: Channel, msg: p.Request) -> dict:
+        args = msg.args
+        if msg.op == "kill":
+            self.procs.kill(chan, int(args.get("proc", 0)), int(args.get("signal", signal.SIGTERM)))
+            return {}
+        pin = None
+        if args.get("workspace"):
+            name = str(args["workspace"])
+            versions = self.refs.workspaces.get(name)
+            if not versions:
+                raise SpawnError(f"no workspace {name!r} on this node; push it first")
+            version = bytes.fromhex(args["version"]) if args.get("version") else versions[0]
+            if version not in versions:
+                raise SpawnError(f"workspace {name!r} has no version {version.hex()[:12]} here")
+            pin = str(self.mount / ".versions" / name / version.hex())
+
+        async def emit(kind: str, data: dict) -> None:
+            await chan.send(p.Event(kind, data))
+
+        return await self.procs.spawn(chan, emit, args, pin)
 
     def _put(self, msg: p.PutChunk) -> bool:
         try:
