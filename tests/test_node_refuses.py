@@ -68,8 +68,10 @@ async def test_corrupt_chunk_refused(node):
     with pytest.raises(RemoteError, match="does not match its id"):
         await send_manifest(node, m, {cid: chunk.encode(b"tampered content")})
     assert serving_good(node)
-    assert not (node.dir / "node-0" / "state" / "store").joinpath(
-        "objects", cid.hex()[:2], cid.hex()[2:]).exists()
+    chan = await connect(node.hosts[0], load_token(node.token_file))
+    async with chan:  # the tampered chunk was not stored
+        await chan.send(p.QueryMissing([cid]))
+        assert (await chan.receive()).ids == [cid]
 
 
 async def test_missing_chunks_refused(node):
