@@ -24,12 +24,12 @@ import pyfuse3
 import trio
 
 from ..fs.chunk import CorruptChunk
-from ..fs.fuse_ops import SnapshotFS, mount_options
+from ..fs.fuse_ops import SnapshotFS, mount_options, set_readahead
 from ..fs.manifest import Manifest, ManifestError
 from ..fs.store import Store
 from . import protocol as p
 from .refs import Refs, check_workspace_name
-from .procs import ProcessTable, SpawnError
+from .procs import ProcessTable, SpawnError, free_port
 from .relay import Relay
 from .transport import Channel, accept, parse_addr
 
@@ -154,9 +154,14 @@ class NodeDaemon:
         try:
             async with trio.open_nursery() as nursery:
                 self.procs = ProcessTable(self.mount, nursery)
+                self.fs.nursery = nursery
                 nursery.start_soon(self._fuse_main, nursery.cancel_scope)
                 nursery.start_soon(self._stop_on_signal, nursery.cancel_scope)
                 nursery.start_soon(trio.serve_listeners, self._serve, listeners)
+                # A stat from another thread returns once the kernel finished FUSE INIT (which
+                # resets the readahead window): then the mount is ready, and tunable.
+                await trio.to_thread.run_sync(os.stat, self.mount)
+                set_readahead(str(self.mount))
                 log.info("serving %s on %s (state %s)", self.mount, self.addr, self.state)
                 if ready_file:
                     tmp = ready_file + ".tmp"
@@ -237,7 +242,7 @@ class NodeDaemon:
                                       float(msg.args.get("timeout", 60)), nursery,
                                       self.counters)
                         await chan.send(p.Reply(msg.id, {"failed": await relay.open()}))
-                    elif isinstance(msg, p.Request) and msg.op in ("spawn", "kill"):
+                    elif isinstance(msg, p.Request) and msg.op in ("spawn", "kill", "free_port"):
                         try:
                             value = await self._proc_request(chan, msg)
                         except (SpawnError, ValueError) as e:
@@ -274,6 +279,8 @@ class NodeDaemon:
         if msg.op == "kill":
             self.procs.kill(chan, int(args.get("proc", 0)), int(args.get("signal", signal.SIGTERM)))
             return {}
+        if msg.op == "free_port":  # MASTER_PORT for an SPMD job whose rank 0 runs here
+            return {"port": free_port()}
         pin = None
         if args.get("workspace"):
             name = str(args["workspace"])

@@ -26,6 +26,17 @@ class ChunkCache:
         self.hits = 0
         self.misses = 0
 
+    def prefetch(self, nursery: trio.Nursery, cid: bytes) -> None:
+        """Start loading a chunk a sequential reader will want next, unless it is underway."""
+        if cid not in self._data and cid not in self._loading:
+            nursery.start_soon(self._prefetch, cid)
+
+    async def _prefetch(self, cid: bytes) -> None:
+        try:
+            await self.get(cid)
+        except Exception:
+            pass  # the reader that needs it will get the error itself
+
     async def get(self, cid: bytes) -> bytes:
         while True:
             data = self._data.get(cid)
