@@ -3,6 +3,12 @@ by line, their end reported (exit code or signal, with the tail of stderr), and 
 when the controller goes away, or when the daemon stops. No orphans: each process leads its own
 process group and the whole group is killed, and it gets SIGKILL if the daemon itself is killed
 (PR_SET_PDEATHSIG).
+
+Why not trio.lowlevel.open_process: it forks from a worker thread, and the kernel ties
+PR_SET_PDEATHSIG to the *thread* that forked, not the process. Trio retires idle worker threads
+after 10 s, so every child was SIGKILLed 10 s after it started. Here the fork happens on the
+daemon's trio thread (the main thread, which lives exactly as long as the daemon); it is a short
+blocking call, and the exit is awaited through a pidfd, as trio does.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import itertools
 import logging
 import os
 import signal
+import socket
 import subprocess
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -25,31 +32,74 @@ log = logging.getLogger("monarch_fs.procs")
 _libc = ctypes.CDLL(None, use_errno=True)
 _PR_SET_PDEATHSIG = 1
 STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL
+DRAIN_GRACE = 2.0  # seconds to read what is left in the pipes once the process has exited
 TAIL_LINES = 20
 _MAX_LINE = 64 * 1024
 
 Emit = Callable[[str, dict], Awaitable[None]]  # (event kind, data) to the owner
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    def preexec() -> None:  # runs in the child between fork and exec
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the daemon died before prctl took effect
+            os._exit(1)
+
+    return preexec
 
 
 def describe_status(returncode: int) -> dict:
     if returncode < 0:
-        return {"code": None, "signal": signal.Signals(-returncode).name}
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return {"code": None, "signal": name}
     return {"code": returncode, "signal": None}
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (for MASTER_PORT); like torchrun, racy by nature."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 class SpawnError(Exception):
     pass
 
 
+class _Child:
+    """A started process: its Popen, and an exit that any number of tasks may await."""
+
+    def __init__(self, popen: subprocess.Popen) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll()
+
+    async def wait(self) -> int:
+        """Reap the process once it exits. Each waiter opens its own pidfd, so the supervisor and
+        a concurrent stop() never contend for one fd."""
+        while self.popen.poll() is None:
+            try:
+                fd = os.pidfd_open(self.pid)
+            except ProcessLookupError:  # exited and reaped between poll() and here
+                continue
+            try:
+                await trio.lowlevel.wait_readable(fd)
+            finally:
+                os.close(fd)
+        return self.popen.returncode
+
+
 @dataclass
 class Proc:
     id: int
     argv: list[str]
-    process: trio.Process
+    process: _Child
     owner: object
     emit: Emit
     stderr_tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
@@ -79,32 +129,60 @@ class ProcessTable:
         argv = args.get("argv")
         if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
             raise SpawnError("spawn: argv must be a non-empty list of strings")
+        extra = args.get("env") or {}
+        if not isinstance(extra, dict):
+            raise SpawnError("spawn: env must be an object")
         pins = {"workspace": pin} if pin else {}
         argv = [self.expand(a, pins) for a in argv]
         env = dict(os.environ)
-        env.update({k: self.expand(str(v), pins) for k, v in (args.get("env") or {}).items()})
+        env.update({str(k): self.expand(str(v), pins) for k, v in extra.items()})
         env["MONARCH_FS_MOUNT"] = str(self.mount)
         if pin:
             env["MONARCH_FS_WORKSPACE"] = pin
-        cwd = self.expand(args["cwd"], pins) if args.get("cwd") else None
+        cwd = self.expand(str(args["cwd"]), pins) if args.get("cwd") else None
+        await trio.lowlevel.checkpoint()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
         try:
-            process = await trio.lowlevel.open_process(
-                argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                env=env, cwd=cwd, start_new_session=True, preexec_fn=_die_with_parent)
-        except OSError as e:
-            raise SpawnError(f"cannot start {argv[0]}: {e.strerror or e}") from None
-        proc = Proc(next(self._ids), argv, process, owner, emit)
+            popen = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, env=env, cwd=cwd,
+                start_new_session=True, preexec_fn=_die_with_parent(os.getpid()))
+        except (OSError, subprocess.SubprocessError) as e:
+            os.close(out_r)
+            os.close(err_r)
+            why = e.strerror if isinstance(e, OSError) and e.strerror else e
+            where = f" in {cwd}" if cwd else ""
+            raise SpawnError(f"cannot start {argv[0]}{where}: {why}") from None
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        proc = Proc(next(self._ids), argv, _Child(popen), owner, emit)
         self.procs[proc.id] = proc
-        self.nursery.start_soon(self._supervise, proc)
-        log.info("started proc %d (pid %d): %s", proc.id, process.pid, " ".join(argv))
-        return {"proc": proc.id, "pid": process.pid}
+        self.nursery.start_soon(self._supervise, proc, trio.lowlevel.FdStream(out_r),
+                                trio.lowlevel.FdStream(err_r))
+        log.info("started proc %d (pid %d): %s", proc.id, popen.pid, " ".join(argv))
+        return {"proc": proc.id, "pid": popen.pid}
 
-    async def _supervise(self, proc: Proc) -> None:
+    async def _supervise(self, proc: Proc, stdout: trio.abc.ReceiveStream,
+                         stderr: trio.abc.ReceiveStream) -> None:
+        """Stream output until the process exits, then kill what it left in its group, read
+        what is left in the pipes (bounded: a grandchild that escaped the group may hold them
+        open), and report the exit after the last line."""
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._pump, proc, "stdout", proc.process.stdout)
-            nursery.start_soon(self._pump, proc, "stderr", proc.process.stderr)
-        returncode = await proc.process.wait()
-        proc.signal_group(signal.SIGKILL)  # whatever it left behind in its group
+            pumps = trio.CancelScope()
+
+            async def pump_all() -> None:
+                with pumps:
+                    async with trio.open_nursery() as inner:
+                        inner.start_soon(self._pump, proc, "stdout", stdout)
+                        inner.start_soon(self._pump, proc, "stderr", stderr)
+
+            nursery.start_soon(pump_all)
+            returncode = await proc.process.wait()
+            proc.signal_group(signal.SIGKILL)  # whatever it left behind in its group
+            pumps.deadline = trio.current_time() + DRAIN_GRACE
+        await stdout.aclose()
+        await stderr.aclose()
         proc.status = describe_status(returncode)
         proc.ended.set()
         self.procs.pop(proc.id, None)
@@ -115,7 +193,7 @@ class ProcessTable:
     async def _pump(self, proc: Proc, stream: str, pipe: trio.abc.ReceiveStream) -> None:
         """Forward complete lines, a batch per read, so chatty processes cost few frames."""
         pending = b""
-        async with pipe:
+        try:
             while True:
                 data = await pipe.receive_some(65536)
                 if not data:
@@ -125,8 +203,10 @@ class ProcessTable:
                     lines.append(pending)
                     pending = b""
                 await self._lines(proc, stream, lines)
-        if pending:
-            await self._lines(proc, stream, [pending])
+        finally:
+            if pending:  # the last line had no newline; send it even when the drain timed out
+                with trio.CancelScope(shield=True, deadline=trio.current_time() + 1):
+                    await self._lines(proc, stream, [pending])
 
     async def _lines(self, proc: Proc, stream: str, raw: list[bytes]) -> None:
         if not raw:
