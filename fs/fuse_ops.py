@@ -22,6 +22,7 @@ import errno
 import logging
 import os
 import stat
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -102,6 +103,7 @@ class SnapshotFS(pyfuse3.Operations):
         self._handles: dict[int, object] = {}
         self._next_fh = 1
         self.nursery: trio.Nursery | None = None  # for prefetches, set while serving
+        self.ops: Counter[str] = Counter()  # requests served, by operation (user.monarch.ops)
         self.uid = os.getuid()
         self.gid = os.getgid()
         self.mounted = False
@@ -217,12 +219,18 @@ class SnapshotFS(pyfuse3.Operations):
             ino = self._inos.get(key)
             return ino if ino is not None and self._lookups.get(ino) else None
 
-        # Retained versions that went away.
+        # Names that appear or go away: a new workspace (the kernel may hold a negative entry
+        # for it), and retained versions added or dropped.
+        if not old:
+            inval_entries.append((pyfuse3.ROOT_INODE, name.encode()))
+            versions_dir = known_ino(("versions",))
+            if versions_dir is not None:
+                inval_entries.append((versions_dir, name.encode()))
         wsv = known_ino(("wsv", name))
         if wsv is not None:
             inval_attrs.append(wsv)
-            kept = {t.version for t in trees}
-            inval_entries += [(wsv, t.hex.encode()) for t in old if t.version not in kept]
+            before, after = {t.version for t in old}, {t.version for t in trees}
+            inval_entries += [(wsv, v.hex().encode()) for v in before ^ after]
 
         # The current view: names whose entry changed, and directories whose attributes did
         # (a directory keeps its inode, so only its attributes are dropped).
@@ -258,6 +266,7 @@ class SnapshotFS(pyfuse3.Operations):
     # ---- FUSE operations ------------------------------------------------------------------
 
     async def lookup(self, parent_inode, name, ctx=None):
+        self.ops["lookup"] += 1
         node = self._node(parent_inode)
         if node.entry.kind != Kind.DIR:
             raise pyfuse3.FUSEError(errno.ENOTDIR)
@@ -267,10 +276,16 @@ class SnapshotFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ENOENT)  # the kernel resolves '..' itself
         child = self._lookup_child(node, name)
         if child is None:
-            raise pyfuse3.FUSEError(errno.ENOENT)
+            # A negative entry: the kernel remembers the name is absent (Python's import
+            # system probes many), until a publish adds it and invalidates it.
+            absent = pyfuse3.EntryAttributes()
+            absent.st_ino = 0
+            absent.entry_timeout = TIMEOUT
+            return absent
         return self._remember(child)
 
     async def forget(self, inode_list):
+        self.ops["forget"] += 1
         for ino, n in inode_list:
             left = self._lookups.get(ino, 0) - n
             if left > 0:
@@ -283,21 +298,25 @@ class SnapshotFS(pyfuse3.Operations):
                     del self._inos[node.key]
 
     async def getattr(self, inode, ctx=None):
+        self.ops["getattr"] += 1
         return self._attr(inode, self._node(inode))
 
     async def readlink(self, inode, ctx):
+        self.ops["readlink"] += 1
         node = self._node(inode)
         if node.entry.kind != Kind.SYMLINK:
             raise pyfuse3.FUSEError(errno.EINVAL)
         return node.entry.target
 
     async def opendir(self, inode, ctx):
+        self.ops["opendir"] += 1
         node = self._node(inode)
         if node.entry.kind != Kind.DIR:
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         return self._new_handle(self._children(node))
 
     async def readdir(self, fh, start_id, token):
+        self.ops["readdir"] += 1
         listing = self._handles[fh]
         for i in range(start_id, len(listing)):
             name, node = listing[i]
@@ -307,9 +326,11 @@ class SnapshotFS(pyfuse3.Operations):
             self._lookups[ino] = self._lookups.get(ino, 0) + 1
 
     async def releasedir(self, fh):
+        self.ops["releasedir"] += 1
         self._handles.pop(fh, None)
 
     async def open(self, inode, flags, ctx):
+        self.ops["open"] += 1
         node = self._node(inode)
         if flags & _WRITE_FLAGS:
             raise pyfuse3.FUSEError(errno.EROFS)
@@ -321,6 +342,7 @@ class SnapshotFS(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     async def read(self, fh, off, size):
+        self.ops["read"] += 1
         f: _OpenFile = self._handles[fh]
         end = min(off + size, f.entry.size)
         parts = []
@@ -344,9 +366,11 @@ class SnapshotFS(pyfuse3.Operations):
         return b"".join(parts)
 
     async def release(self, fh):
+        self.ops["release"] += 1
         self._handles.pop(fh, None)
 
     async def statfs(self, ctx):
+        self.ops["statfs"] += 1
         s = pyfuse3.StatvfsData()
         total = sum(t[0].manifest.total_bytes for t in self.workspaces.values())
         s.f_bsize = s.f_frsize = 4096
@@ -364,6 +388,7 @@ class SnapshotFS(pyfuse3.Operations):
                 f"{ws}={t[0].hex}" for ws, t in sorted(self.workspaces.items())).encode()
             out[b"user.monarch.cache_hits"] = str(self.chunks.hits).encode()
             out[b"user.monarch.cache_misses"] = str(self.chunks.misses).encode()
+            out[b"user.monarch.ops"] = " ".join(f"{k}={v}" for k, v in sorted(self.ops.items())).encode()
             return out
         tree = self._tree(node) if node.ws else None
         if tree is not None:
@@ -374,12 +399,14 @@ class SnapshotFS(pyfuse3.Operations):
         return out
 
     async def getxattr(self, inode, name, ctx):
+        self.ops["getxattr"] += 1
         value = self._xattrs(self._node(inode)).get(name)
         if value is None:
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
         return value
 
     async def listxattr(self, inode, ctx):
+        self.ops["listxattr"] += 1
         return list(self._xattrs(self._node(inode)))
 
     def _new_handle(self, obj: object) -> int:
