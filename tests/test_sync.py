@@ -276,3 +276,24 @@ def test_virtualenv_runs_from_every_mount(cluster3, tmp_path):
         assert prefix == str(mnt / "venv")
         assert where.startswith(str(mnt / "venv"))
         assert greeting == "hello from the mount"
+
+
+def test_names_looked_up_before_they_exist_appear_after_publish(cluster3, tmp_path):
+    """The kernel caches 'no such file' answers; a publish that adds the name must drop them."""
+    src = tmp_path / "later"
+    src.mkdir()
+    (src / "a").write_text("a")
+    mnt = cluster3.mnt(0)
+    for path in (mnt / "later", mnt / ".versions" / "later"):
+        assert not path.exists()  # a negative entry for a workspace not pushed yet
+    first = cluster3.push_json(src)
+    assert (mnt / "later" / "a").read_text() == "a"
+    for name in ("b", "sub"):
+        assert not (mnt / "later" / name).exists()
+    assert not (mnt / ".versions" / "later" / ("f" * 32)).exists()
+    (src / "b").write_text("b")
+    (src / "sub").mkdir()
+    second = cluster3.push_json(src)
+    assert (mnt / "later" / "b").read_text() == "b" and (mnt / "later" / "sub").is_dir()
+    assert (mnt / ".versions" / "later" / second["version"]).is_dir()
+    assert (mnt / ".versions" / "later" / first["version"] / "a").exists()
