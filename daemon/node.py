@@ -327,7 +327,10 @@ class NodeDaemon:
     def _manifest(self, version: bytes) -> Manifest:
         m = self._manifests.get(version)
         if m is None:
-            m = self._manifests[version] = Manifest.decode(self.store.get(version))
+            m = Manifest.decode(self.store.get(version))
+            if self._manifests:  # share memory with the version loaded last
+                m.share_entries(next(reversed(self._manifests.values())))
+            self._manifests[version] = m
         return m
 
     def _check_complete(self, version: bytes) -> None:

@@ -176,6 +176,17 @@ class Manifest:
             self._by_path = {e.path: e for e in self.entries}
         return self._by_path.get(path)
 
+    def share_entries(self, other: Manifest) -> None:
+        """Reuse `other`'s entry objects where they are equal: successive versions of a
+        workspace are mostly the same, and a daemon holds several of them in memory."""
+        if other.chunk_size != self.chunk_size:
+            return
+        for i, e in enumerate(self.entries):
+            o = other.get(e.path)
+            if o is not None and o == e:
+                self.entries[i] = o
+        self._by_path = other._by_path = None  # the lookup tables were only for this
+
     def chunk_ids(self) -> list[bytes]:
         """Every chunk id the snapshot needs, once each, in file order."""
         return list(dict.fromkeys(c for e in self.entries for c in e.chunks))
