@@ -52,16 +52,21 @@ def _tail(path: Path, lines: int = 10) -> str:
         return ""
 
 
-def running(d: Path) -> list[int]:
-    pids = []
+def _live_daemons(d: Path) -> list[tuple[int, Path]]:
+    """(pid, node folder) of every daemon of the cluster that still runs."""
+    live = []
     for nd in _node_dirs(d):
         try:
             pid = int((nd / "pid").read_text())
         except (OSError, ValueError):
             continue
         if _our_daemon(pid, nd):
-            pids.append(pid)
-    return pids
+            live.append((pid, nd))
+    return live
+
+
+def running(d: Path) -> list[int]:
+    return [pid for pid, _ in _live_daemons(d)]
 
 
 def up(nodes: int, directory: str | os.PathLike[str] | None = None) -> list[str]:
@@ -96,11 +101,7 @@ def restart_node(directory: str | os.PathLike[str], i: int) -> str:
 
 
 def running_node(d: Path, i: int) -> bool:
-    nd = d / f"node-{i}"
-    try:
-        return _our_daemon(int((nd / "pid").read_text()), nd)
-    except (OSError, ValueError):
-        return False
+    return any(nd.name == f"node-{i}" for _, nd in _live_daemons(d))
 
 
 def _spawn(d: Path, i: int, listen: str = "127.0.0.1:0") -> subprocess.Popen:
@@ -140,15 +141,9 @@ def down(directory: str | os.PathLike[str] | None = None) -> int:
     Returns how many daemons were stopped."""
     d = Path(directory) if directory else default_cluster_dir()
     stopped = 0
-    waiting: list[tuple[int, Path]] = []
-    for nd in _node_dirs(d):
-        try:
-            pid = int((nd / "pid").read_text())
-        except (OSError, ValueError):
-            continue
-        if _our_daemon(pid, nd):
-            os.kill(pid, signal.SIGTERM)
-            waiting.append((pid, nd))
+    waiting = _live_daemons(d)
+    for pid, _ in waiting:
+        os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT
     for pid, nd in waiting:
         while _our_daemon(pid, nd) and time.monotonic() < deadline:
