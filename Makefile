@@ -37,8 +37,15 @@ demo: $(STAMP)
 	step monarch-fs status; \
 	step monarch-fs cluster down
 
+# The suite (bench/run_all.py: push, reads, import torch, find over 100k files; under 10 minutes
+# on 2 cores). BENCH_ARGS=--quick for a 1-2 minute smoke run. FANOUT=1 adds the fan-out
+# benchmark (network namespaces, root; several more minutes, so not in the default budget).
 bench: $(STAMP)
-	$(PY) bench/push_bench.py
+	$(PY) bench/run_all.py $(BENCH_ARGS)
+	@if [ -n "$(FANOUT)" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then $(PY) bench/fanout_bench.py; \
+	  else echo "fanout_bench: skipped (network namespaces need root)"; fi; \
+	fi
 
 # Debian packages: pyfuse3 builds against libfuse3, the mount needs fusermount3, benchmarks
 # compare against rsync and zstd.

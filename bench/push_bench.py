@@ -5,6 +5,8 @@ nodes, next to what people do today (rsync, tar | zstd | tar), in the same run o
     .venv/bin/python bench/push_bench.py [--size-mb 1024] [--nodes 3] [--out bench/results]
     .venv/bin/python bench/push_bench.py --clean      # remove the cached generated trees
 
+`make bench` runs it through bench/run_all.py (`measure()`, 512 MB by default there).
+
 Three cases, because they are what a researcher lives through: the first push of an environment
 (cold), pushing again when nothing changed, and pushing after editing one small source file.
 
@@ -15,6 +17,9 @@ Fairness rules, and why:
 - rsync and tar copy to N local folders one after another, as a user looping over hosts from a
   head node would; monarch-fs pushes to N local daemons (loopback TCP, FUSE mounts) at once. Both
   share the same two cores, so neither gets free parallelism from the machine.
+- Every run pushes with a fresh $MONARCH_FS_HOME, so the push's scan cache (what each file
+  hashed to) starts empty for the cold case, as on a first push, and the re-pushes use what the
+  cold push left there, as a user's would.
 - The page cache is dropped before every cold run when we are root (the tree fits in RAM, so a
   warm cache would hide the disk); warm cases run with whatever the previous case left behind.
 - `sync` runs (untimed) before every measured run, so one tool's dirty pages are never flushed on
@@ -318,14 +323,15 @@ class Measurement:
 class MonarchFS:
     """`monarch-fs push` through the real CLI, against a local cluster."""
 
-    def __init__(self, cli: str, cluster_dir: Path):
+    def __init__(self, cli: str, cluster_dir: Path, home: Path):
         self.cli = cli
         self.dir = cluster_dir
+        self.env = {**os.environ, "MONARCH_FS_HOME": str(home)}  # the scan cache lives here
 
     def push(self, tree: Path, case: str, cache_dropped: bool = False) -> Measurement:
         sync()
         seconds, proc = run([self.cli, "push", str(tree), "--hosts", f"@{self.dir / 'hosts'}",
-                             "--token-file", str(self.dir / "token"), "--json"])
+                             "--token-file", str(self.dir / "token"), "--json"], env=self.env)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
         if not lines:
             raise BenchError(f"monarch-fs push printed no JSON:\n{proc.stdout}\n{proc.stderr}")
@@ -540,7 +546,9 @@ def benchmark(tree: Path, info: TreeInfo, nodes: int, work: Path) -> tuple[list[
     print(f"starting {nodes} daemons in {cluster_dir}", file=sys.stderr)
     cluster.up(nodes, cluster_dir)
     try:
-        mfs = MonarchFS(cli, cluster_dir)
+        home = work / "home"
+        home.mkdir(exist_ok=True)
+        mfs = MonarchFS(cli, cluster_dir, home)
         step("monarch-fs cold", mfs.push, tree, "cold", cache.drop())
         verify["cold"] = verify_copy(tree, mfs.mount(0, tree.name), info)
         step("monarch-fs no change", mfs.push, tree, "nochange")
@@ -572,6 +580,33 @@ def remove_work(work: Path) -> None:
     shutil.rmtree(work, ignore_errors=True)
 
 
+def measure(size_mb: int, nodes: int, cache_dir: Path = DEFAULT_CACHE) -> dict:
+    """Generate (or reuse) the tree, run every tool and case, and return the report (what
+    main() writes as JSON). Raises BenchError when a tool fails or a copy is wrong."""
+    tree, info, generated = ensure_tree(cache_dir, size_mb)
+    print(f"tree {tree}: {info.small_files} small files, {len(info.large_files)} binaries, "
+          f"{_fmt_bytes(info.total_bytes)}" + (" (generated now)" if generated else " (cached)"),
+          file=sys.stderr)
+    work = Path(tempfile.mkdtemp(prefix="run-", dir=cache_dir))
+    try:
+        results, verify, cache = benchmark(tree, info, nodes, work)
+    finally:
+        remove_work(work)
+
+    now = datetime.datetime.now()
+    report = {
+        "date": now.isoformat(timespec="seconds"),
+        "nodes": nodes,
+        "machine": machine_facts(),
+        "page_cache": cache.describe(),
+        "tree": {**asdict(info), "path": str(tree), "bytes": info.total_bytes,
+                 "entries": len(_listing(tree))},
+        "measurements": [asdict(m) for m in results],
+        "verify": verify,
+    }
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -590,30 +625,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.size_mb < 4 or args.nodes < 1:
         parser.error("--size-mb must be at least 4 and --nodes at least 1")
 
-    tree, info, generated = ensure_tree(args.cache, args.size_mb)
-    print(f"tree {tree}: {info.small_files} small files, {len(info.large_files)} binaries, "
-          f"{_fmt_bytes(info.total_bytes)}" + (" (generated now)" if generated else " (cached)"),
-          file=sys.stderr)
-    work = Path(tempfile.mkdtemp(prefix="run-", dir=args.cache))
     try:
-        results, verify, cache = benchmark(tree, info, args.nodes, work)
+        report = measure(args.size_mb, args.nodes, args.cache)
     except BenchError as e:
         print(f"push_bench: FAILED: {e}", file=sys.stderr)
         return 1
-    finally:
-        remove_work(work)
-
-    now = datetime.datetime.now()
-    report = {
-        "date": now.isoformat(timespec="seconds"),
-        "nodes": args.nodes,
-        "machine": machine_facts(),
-        "page_cache": cache.describe(),
-        "tree": {**asdict(info), "path": str(tree), "bytes": info.total_bytes,
-                 "entries": len(_listing(tree))},
-        "measurements": [asdict(m) for m in results],
-        "verify": verify,
-    }
+    now = datetime.datetime.fromisoformat(report["date"])
     md = markdown(report)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"push-{now:%Y%m%d-%H%M%S}"

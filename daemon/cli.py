@@ -7,16 +7,21 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 import trio
 
 from . import cluster
-from .auth import TokenError, load_token, resolve_token
+from ..fs.scan import SourceChanged
+from .bulk import TRANSPORTS, resolve_local
+from .auth import HOME_ENV, TokenError, load_token, resolve_token
 from .hosts import HostsError, parse_hosts
 from .push import Progress, PushError, push
 from .status import status
 
 log = logging.getLogger("monarch_fs")
+TRANSPORT_HELP = ("how chunk payloads travel: auto (RDMA when both ends have a usable device, "
+                  "else TCP, saying why), tcp, or rdma (an error without a device)")
 
 
 class BarProgress(Progress):
@@ -56,21 +61,43 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     from .node import NodeDaemon
 
     token = load_token(args.token_file) if args.token_file else b""
+    transport = resolve_local(args.transport)  # --transport rdma without a device: exit 1
+    log.info("transport: %s (%s)", transport.kind, transport.reason)
     daemon = NodeDaemon(state=args.state, mount=args.mount, listen=args.listen, token=token,
-                        keep=args.keep, node_name=args.node_name)
+                        keep=args.keep, node_name=args.node_name, transport=transport)
     trio.run(lambda: daemon.run(ready_file=args.ready_file))
     return 0
+
+
+def scan_cache_dir() -> Path:
+    """Where push keeps its scan caches: $MONARCH_FS_HOME/scan-cache (~/.monarch-fs/...)."""
+    return Path(os.environ.get(HOME_ENV, "~/.monarch-fs")).expanduser() / "scan-cache"
 
 
 def cmd_push(args: argparse.Namespace) -> int:
     hosts = parse_hosts(args.hosts)
     token = resolve_token(args.token_file)
+    cache_dir = None if args.no_cache else scan_cache_dir()
+    transport = resolve_local(args.transport)  # --transport rdma without a device: exit 1
+
+    def run(progress: Progress | None = None):
+        return push(
+            args.src, hosts, token, name=args.name, excludes=args.exclude, progress=progress,
+            topology_kind=args.topology, fanout=args.fanout, allow_partial=args.allow_partial,
+            timeout=args.timeout, cache_dir=cache_dir, transport=transport)
+
+    if args.watch:
+        from .watch import watch
+
+        return trio.run(lambda: watch(args.src, run, excludes=args.exclude,
+                                      ignore=[cache_dir] if cache_dir else [],
+                                      json_lines=args.json))
     bar = BarProgress() if sys.stderr.isatty() and not args.json else None
     try:
-        result = trio.run(lambda: push(
-            args.src, hosts, token, name=args.name, excludes=args.exclude, progress=bar,
-            topology_kind=args.topology, fanout=args.fanout, allow_partial=args.allow_partial,
-            timeout=args.timeout))
+        result = trio.run(run, bar)
+    except SourceChanged as e:
+        print(f"monarch-fs: error: {e}", file=sys.stderr)
+        return 1
     finally:
         if bar:
             bar.close()
@@ -86,7 +113,7 @@ def cmd_push(args: argparse.Namespace) -> int:
         print(f"pushed {result.name} {result.version[:12]} to {result.nodes} nodes in "
               f"{result.seconds:.2f}s: {result.files} files, {_size(result.bytes)}; sent "
               f"{_size(result.bytes_sent)} ({result.chunks_sent} chunks; the snapshot has {result.chunks_total}), "
-              f"{result.topology})")
+              f"{result.topology}, {result.transport})")
     return 0
 
 
@@ -104,7 +131,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             ws = ", ".join(f"{name}={vs[0][:12]}" + (f" (+{len(vs) - 1} older)" if len(vs) > 1 else "")
                            for name, vs in sorted(n["workspaces"].items())) or "no workspaces"
             print(f"{n['host']}  {n['node']}  {ws}  store {_size(n['store_bytes'])}"
-                  f" in {n['store_objects']} objects")
+                  f" in {n['store_objects']} objects  transport {n.get('transport', 'tcp')}")
     return 0 if all(n["reachable"] for n in nodes) else 1
 
 
@@ -120,6 +147,23 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    from ..mesh.spmd import Job, run_job
+
+    argv = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not argv:
+        print("monarch-fs: error: run needs a command: monarch-fs run [options] -- CMD ARGS...",
+              file=sys.stderr)
+        return 2
+    if args.per_host < 1 or args.max_restarts < 0:
+        print("monarch-fs: error: --per-host must be >= 1 and --max-restarts >= 0",
+              file=sys.stderr)
+        return 2
+    job = Job(argv, per_host=args.per_host, cwd=args.cwd, workspace=args.workspace,
+              max_restarts=args.max_restarts)
+    return trio.run(run_job, parse_hosts(args.hosts), resolve_token(args.token_file), job)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="monarch-fs", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug detail")
@@ -133,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--keep", type=int, default=3, help="versions kept per workspace (default 3)")
     d.add_argument("--ready-file", help="write {addr, pid} here once mounted and listening")
     d.add_argument("--node-name", default="", help="name reported in status (default hostname)")
+    d.add_argument("--transport", choices=TRANSPORTS, default="auto", help=TRANSPORT_HELP)
     d.set_defaults(fn=cmd_daemon)
 
     hosts_help = "host:port,host:port or @hostfile (default $MONARCH_FS_HOSTS, then the local cluster)"
@@ -151,7 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=60.0, metavar="S",
                    help="a node making no progress for S seconds has failed (default 60)")
     p.add_argument("--token-file", metavar="F")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (with --watch: one per push, one per line)")
+    p.add_argument("--watch", action="store_true",
+                   help="keep watching SRC and push again after every change (Ctrl-C stops)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="hash every file: do not use or update the scan cache "
+                        "(default: $MONARCH_FS_HOME/scan-cache, so unchanged files are not read)")
+    p.add_argument("--transport", choices=TRANSPORTS, default="auto", help=TRANSPORT_HELP)
     p.set_defaults(fn=cmd_push)
 
     s = sub.add_parser("status", help="what every node serves")
@@ -159,6 +211,28 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token-file", metavar="F")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_status)
+
+    r = sub.add_parser(
+        "run", help="run a command on every proc of every host (SPMD, torchrun-style)",
+        description="Run CMD on K procs per host with RANK, WORLD_SIZE, LOCAL_RANK, "
+                    "LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set as torchrun does; "
+                    "output lines are prefixed with their rank. When a rank fails, the others "
+                    "are stopped and the whole group restarts (up to --max-restarts times). "
+                    "Exit status: 0 if every rank exited 0, else the first failing rank's exit "
+                    "code (128+N for signal N) in the last attempt, 1 if the job could not be "
+                    "launched. {mount} and {workspace} in CMD, --cwd expand on each node.")
+    r.add_argument("--hosts", metavar="SPEC", help=hosts_help)
+    r.add_argument("--per-host", type=int, default=1, metavar="K", help="procs per host")
+    r.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                   help="restart the whole group up to R times after a failure (default 0)")
+    r.add_argument("--cwd", metavar="DIR", help="working directory on the nodes "
+                   "(default: {workspace} with --workspace, else the daemon's)")
+    r.add_argument("--workspace", metavar="NAME",
+                   help="pin the procs to the version of workspace NAME that the first host "
+                        "serves now, the same on every node; {workspace} is its folder")
+    r.add_argument("--token-file", metavar="F")
+    r.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS")
+    r.set_defaults(fn=cmd_run)
 
     c = sub.add_parser("cluster", help="start or stop a local cluster on loopback")
     c.add_argument("action", choices=["up", "down"])

@@ -27,6 +27,7 @@ from ..fs.chunk import CorruptChunk
 from ..fs.fuse_ops import SnapshotFS, mount_options, set_readahead
 from ..fs.manifest import Manifest, ManifestError
 from ..fs.store import Store
+from . import bulk
 from . import protocol as p
 from .refs import Refs, check_workspace_name
 from .procs import ProcessTable, SpawnError, free_port
@@ -111,13 +112,16 @@ def clear_stale_mount(mountpoint: Path) -> None:
 
 class NodeDaemon:
     def __init__(self, *, state: str | os.PathLike[str], mount: str | os.PathLike[str],
-                 listen: str, token: bytes, keep: int = KEEP_VERSIONS, node_name: str = ""):
+                 listen: str, token: bytes, keep: int = KEEP_VERSIONS, node_name: str = "",
+                 transport: bulk.LocalTransport | None = None):
         host, _ = parse_addr(listen, listen=True)
         if not token and not is_loopback(host):
             raise ValueError(f"refusing to listen on {listen} without a token: anyone on the "
                              "network could push; pass --token-file")
         self.listen = listen
         self.token = token
+        # What this node offers for chunk payloads (--transport; RDMA only if a device works).
+        self.transport = transport or bulk.LocalTransport("tcp", "tcp", "not probed")
         self.keep = keep
         self.state = Path(state)
         self.mount = Path(mount)
@@ -196,7 +200,8 @@ class NodeDaemon:
         except OSError:
             peer = "?"
         try:
-            chan = await accept(stream, self.token, {"node": self.node_name, "addr": self.addr})
+            chan = await accept(stream, self.token, {"node": self.node_name, "addr": self.addr,
+                                                     **self.transport.info()})
         except p.AuthError as e:
             log.warning("refused connection from %s: %s", peer, e)
             return
@@ -218,6 +223,16 @@ class NodeDaemon:
         writes = _Writes(self.counters)
         relay: Relay | None = None
         own_missing: set[bytes] | None = None  # what this node lacks, once asked
+        bulk_rx: bulk.BulkReceiver | None = None  # an RDMA channel the client opened
+
+        async def on_chunk(cid: bytes, blob: bytes) -> None:  # PutChunk frames and RDMA alike
+            self.counters["chunks_received"] += 1
+            self.counters["bytes_received"] += len(blob)
+            if relay is not None:
+                await relay.forward(cid, blob)
+            if own_missing is None or cid in own_missing:
+                await writes.start(nursery, self._write_limiter, self._put, p.PutChunk(cid, blob))
+
         async with trio.open_nursery() as nursery:
             try:
                 while True:
@@ -226,12 +241,7 @@ class NodeDaemon:
                     except Exception:
                         return
                     if isinstance(msg, p.PutChunk):
-                        self.counters["chunks_received"] += 1
-                        self.counters["bytes_received"] += len(msg.blob)
-                        if relay is not None:
-                            await relay.forward(msg.cid, msg.blob)
-                        if own_missing is None or msg.cid in own_missing:
-                            await writes.start(nursery, self._write_limiter, self._put, msg)
+                        await on_chunk(msg.cid, msg.blob)
                     elif isinstance(msg, p.QueryMissing):
                         own = await trio.to_thread.run_sync(self.store.missing, msg.ids)
                         own_missing = set(own)
@@ -250,11 +260,25 @@ class NodeDaemon:
                             await chan.send(p.Error(str(e), code="refused", id=msg.id))
                         else:
                             await chan.send(p.Reply(msg.id, value))
+                    elif isinstance(msg, p.Request) and msg.op == "bulk":
+                        try:  # an RDMA channel for chunk payloads; control stays here
+                            bulk_rx, value = bulk.accept_receiver(self.transport, msg.args,
+                                                                  on_chunk, nursery)
+                        except Exception as e:
+                            await chan.send(p.Error(f"bulk: {e}", code="refused", id=msg.id))
+                        else:
+                            await chan.send(p.Reply(msg.id, value))
                     elif isinstance(msg, p.Request) and msg.op == "flush":
+                        bulk_error = None  # RDMA chunks are not ordered with this request
+                        if bulk_rx is not None:
+                            bulk_error = await bulk_rx.wait_delivered(
+                                int(msg.args.get("bulk_chunks", 0)))
                         await writes.idle()
                         failed = await relay.flush() if relay is not None else {}
                         if writes.errors:
                             failed[""] = writes.errors[0]  # "" is this node, as its parent names it
+                        if bulk_error:
+                            failed[""] = f"rdma: {bulk_error}"
                         await chan.send(p.Reply(msg.id, {"failed": failed}))
                     elif isinstance(msg, p.Request):
                         await writes.idle()  # a request sees every chunk sent before it
@@ -272,6 +296,8 @@ class NodeDaemon:
             finally:
                 if relay is not None:
                     await relay.aclose()
+                if bulk_rx is not None:
+                    await bulk_rx.aclose()
                 await self.procs.kill_owned_by(chan)  # the controller went away
                 nursery.cancel_scope.cancel()
 
@@ -370,6 +396,7 @@ class NodeDaemon:
             "node": self.node_name,
             "addr": self.addr,
             "mount": str(self.mount),
+            **self.transport.info(),
             "pid": os.getpid(),
             "uptime": round(time.time() - self.started, 1),
             "store_objects": objects,

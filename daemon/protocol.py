@@ -12,6 +12,10 @@ Handshake (mutual HMAC challenge-response; the token never crosses the wire):
 
 Until a peer has authenticated, only handshake frames (and Error) of at most 4096 bytes are
 accepted from it. Nothing here ever unpickles; JSON payloads are shape-checked on receipt.
+
+DATA frames carry opaque binary parts for the layer above (the actor mesh sends a header, a
+pickle and the pickle's out-of-band buffers), so large buffers are framed without being copied
+into one pickle first, and arrive as views into a single writable buffer.
 """
 
 from __future__ import annotations
@@ -32,9 +36,12 @@ MAX_HANDSHAKE_FRAME = 4096
 NONCE_SIZE = 32
 MAC_SIZE = 32
 ID_SIZE = 16  # chunk ids, as fs.chunk.ID_SIZE
+MAX_DATA_PARTS = 4096
 
 _HEADER = struct.Struct("<IB")  # payload length, frame type
 _VERSION = struct.Struct("<I")
+_COUNT = struct.Struct("<I")  # DATA: number of parts, then one u64 length per part
+_LENGTH = struct.Struct("<Q")
 _CLIENT_LABEL = b"monarch-fs client"
 _SERVER_LABEL = b"monarch-fs server"
 _MAX_EARLY_ERROR = 500  # characters of an Error message sent during the handshake
@@ -74,6 +81,7 @@ class FrameType(enum.IntEnum):
     MISSING_IDS = 8
     PUT_CHUNK = 9
     EVENT = 10
+    DATA = 11
 
 
 @dataclass(frozen=True)
@@ -137,6 +145,18 @@ class Event:
     data: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Data:
+    """Binary parts, opaque to this layer. Received parts are memoryviews into one writable
+    bytearray per frame (so e.g. tensors can be rebuilt on them without another copy)."""
+
+    parts: tuple[bytes | bytearray | memoryview, ...] | list
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, Data) and len(self.parts) == len(other.parts)
+                and all(bytes(a) == bytes(b) for a, b in zip(self.parts, other.parts)))
+
+
 class NeedData:
     """Sentinel type: more bytes are needed before the next event."""
 
@@ -150,17 +170,18 @@ CLOSED = Closed()
 
 Message = (
     Hello | Auth | Welcome | Error | Request | Reply | QueryMissing | MissingIds | PutChunk | Event
+    | Data
 )
 
 _TYPES: dict[type, FrameType] = {
     Hello: FrameType.HELLO, Auth: FrameType.AUTH, Welcome: FrameType.WELCOME,
     Error: FrameType.ERROR, Request: FrameType.REQUEST, Reply: FrameType.REPLY,
     QueryMissing: FrameType.QUERY_MISSING, MissingIds: FrameType.MISSING_IDS,
-    PutChunk: FrameType.PUT_CHUNK, Event: FrameType.EVENT,
+    PutChunk: FrameType.PUT_CHUNK, Event: FrameType.EVENT, Data: FrameType.DATA,
 }  # fmt: skip
 # What may flow once both sides are authenticated; Event only goes server -> client.
 _DATA = {FrameType.REQUEST, FrameType.REPLY, FrameType.QUERY_MISSING, FrameType.MISSING_IDS,
-         FrameType.PUT_CHUNK}  # fmt: skip
+         FrameType.PUT_CHUNK, FrameType.DATA}  # fmt: skip
 _READY_FROM = {Role.CLIENT: _DATA, Role.SERVER: _DATA | {FrameType.EVENT}}
 
 
@@ -200,6 +221,27 @@ def _split_ids(ftype: FrameType, payload: bytes) -> list[bytes]:
     if len(payload) % ID_SIZE:
         raise ProtocolError(f"{ftype.name} frame: {len(payload)} bytes is not a list of ids")
     return [payload[i : i + ID_SIZE] for i in range(0, len(payload), ID_SIZE)]
+
+
+def _split_data(payload: bytearray) -> Data:
+    if len(payload) < _COUNT.size:
+        raise ProtocolError("DATA frame too short")
+    (count,) = _COUNT.unpack_from(payload)
+    if count > MAX_DATA_PARTS:
+        raise ProtocolError(f"DATA frame: {count} parts exceed {MAX_DATA_PARTS}")
+    offset = _COUNT.size + count * _LENGTH.size
+    if offset > len(payload):
+        raise ProtocolError("DATA frame: part table is truncated")
+    lengths = [_LENGTH.unpack_from(payload, _COUNT.size + i * _LENGTH.size)[0]
+               for i in range(count)]
+    if offset + sum(lengths) != len(payload):
+        raise ProtocolError("DATA frame: part lengths do not add up to the frame size")
+    view = memoryview(payload)
+    parts = []
+    for n in lengths:
+        parts.append(view[offset : offset + n])
+        offset += n
+    return Data(tuple(parts))
 
 
 def _check_version(ftype: FrameType, payload: bytes) -> None:
@@ -269,6 +311,12 @@ class Connection:
             if any(len(i) != ID_SIZE for i in msg.ids):
                 raise ProtocolError(f"{ftype.name}: ids must be {ID_SIZE} bytes")
             data = _frame(ftype, *msg.ids)
+        elif isinstance(msg, Data):
+            if len(msg.parts) > MAX_DATA_PARTS:
+                raise ProtocolError(f"DATA: {len(msg.parts)} parts exceed {MAX_DATA_PARTS}")
+            views = [memoryview(p).cast("B") for p in msg.parts]
+            lengths = b"".join(_LENGTH.pack(v.nbytes) for v in views)
+            data = _frame(ftype, _COUNT.pack(len(views)), lengths, *views)
         else:
             assert isinstance(msg, PutChunk)
             if len(msg.cid) != ID_SIZE:
@@ -361,6 +409,8 @@ class Connection:
                 raise ProtocolError("PUT_CHUNK frame too short")
             cid = bytes(buf[start : start + ID_SIZE])
             msg: Message = PutChunk(cid, bytes(buf[start + ID_SIZE : end]))
+        elif ftype is FrameType.DATA:  # one copy out of the receive buffer, then views
+            msg = _split_data(buf[start:end])
         else:
             msg = self._parse(ftype, bytes(buf[start:end]))
         del buf[:end]

@@ -22,6 +22,8 @@ import trio
 from ..fs import chunk
 from ..fs.manifest import Kind
 from ..fs.scan import Snapshot, SourceChanged, scan
+from ..fs.scan_cache import ScanCache
+from . import bulk
 from . import protocol as p
 from . import topology
 from .refs import check_workspace_name
@@ -63,6 +65,7 @@ class PushResult:
     nodes: int  # nodes now serving the version
     seconds: float
     topology: str = "star"
+    transport: str = "tcp"  # how chunk payloads left the dev box: tcp, rdma-rc or rdma-srd
     failed: dict[str, str] = field(default_factory=dict)  # --allow-partial: nodes left behind
     warnings: list[str] = field(default_factory=list)
 
@@ -101,13 +104,15 @@ class _Node:
         self.chan: Channel | None = None
         self.missing: set[bytes] = set()
         self.error: str | None = None
+        self.transport: tuple[str, str] = ("tcp", "")  # (bulk kind, why), chosen on connect
+        self.bulk: bulk.BulkSender | None = None  # opened when the node first receives chunks
 
     def fail(self, e: BaseException | str, timeout: float = STALL_TIMEOUT) -> None:
         if self.error is None:
             self.error = e if isinstance(e, str) else describe(e, timeout)
 
 
-_NODE_ERRORS = (OSError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
+_NODE_ERRORS = (OSError, bulk.BulkError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
                 RemoteError, ConnectError, p.ProtocolError, EOFError)
 
 
@@ -132,6 +137,9 @@ async def _each(nodes: Sequence[_Node], fn: Callable, timeout: float | None = No
 
 class _Push:
     """The state of one push; the steps are methods so `push()` reads as the protocol does."""
+
+    local = bulk.LocalTransport("tcp", "tcp", "--transport tcp")  # set by push()
+    requested = "tcp"
 
     def __init__(self, snap: Snapshot, hosts: Sequence[str], token: bytes, progress: Progress,
                  timeout: float, allow_partial: bool):
@@ -165,6 +173,14 @@ class _Push:
                                       timeout=min(CONNECT_TIMEOUT, self.timeout))
 
         await _each(self.nodes, open_one)
+        for node in self.nodes:  # which bulk transport each node gets (--transport)
+            if node.error is None:
+                try:
+                    node.transport = bulk.choose_for_peer(self.local, self.requested,
+                                                          node.chan.info)
+                except bulk.TransportUnavailable as e:
+                    node.fail(str(e))
+        bulk.log_choices({n.addr: n.transport for n in self.healthy}, self.requested)
 
     async def negotiate(self) -> None:
         async def ask(node: _Node) -> None:
@@ -200,6 +216,9 @@ class _Push:
                     by_addr[addr].fail(cause)
 
         async def open_session(root: _Node, children: list[dict]) -> None:
+            if root.bulk is None:
+                root.bulk = await bulk.open_sender(root.chan, root.transport[0], self.local,
+                                                   root.chan.info)
             reply = await root.chan.request("relay", children=children, timeout=self.timeout)
             blame(reply.get("failed", {}))
             await root.chan.send(p.QueryMissing(self.ids + [self.version]))
@@ -254,7 +273,7 @@ class _Push:
                 try:
                     async for cid, blob in receive:
                         with trio.fail_after(self.timeout):
-                            await root.chan.send(p.PutChunk(cid, blob))
+                            await root.bulk.send_chunk(cid, blob)
                         self.chunks_sent += cid != self.version
                         self.bytes_sent += len(blob)
                         sent += self.sizes[cid]
@@ -271,7 +290,8 @@ class _Push:
             raise e if isinstance(e, SourceChanged) else SourceChanged(describe(e))
 
         async def flush(root: _Node) -> None:
-            blame((await root.chan.request("flush")).get("failed", {}))
+            extra = await root.bulk.flush()  # RDMA: the node waits for that many chunks
+            blame((await root.chan.request("flush", **extra)).get("failed", {}))
 
         await _each(live, flush, self.timeout, levels)
 
@@ -293,6 +313,9 @@ class _Push:
 
     async def aclose(self) -> None:
         for node in self.nodes:
+            if node.bulk is not None:
+                with trio.CancelScope(shield=True):
+                    await node.bulk.aclose()
             if node.chan is not None:
                 with trio.CancelScope(shield=True):
                     await node.chan.aclose()
@@ -310,8 +333,11 @@ async def push(
     fanout: int = 2,
     allow_partial: bool = False,
     timeout: float = STALL_TIMEOUT,
+    cache_dir: str | os.PathLike[str] | None = None,
+    transport: str | bulk.LocalTransport = "auto",
 ) -> PushResult:
-    """Push `src` to every host as workspace `name` (default: the folder's name)."""
+    """Push `src` to every host as workspace `name` (default: the folder's name). With
+    `cache_dir`, the scan keeps a cache of the folder there, so unchanged files are not read."""
     t0 = time.monotonic()
     progress = progress or Progress()
     name = name or os.path.basename(os.path.abspath(src))
@@ -321,9 +347,13 @@ async def push(
 
     progress.phase("scanning", 0, "entries")
     snap = await scan(src, excludes, progress=lambda done, total: (
-        progress.phase("hashing", total) if done == 0 else progress.update(done)))
+        progress.phase("hashing", total) if done == 0 else progress.update(done)),
+        cache=ScanCache.for_folder(cache_dir, src) if cache_dir else None)
 
     job = _Push(snap, hosts, token, progress, timeout, allow_partial)
+    job.requested = transport if isinstance(transport, str) else transport.requested
+    job.local = (transport if isinstance(transport, bulk.LocalTransport)
+                 else bulk.resolve_local(transport))
     try:
         await job.connect()
         job.check("connecting")
@@ -353,6 +383,8 @@ async def push(
         nodes=len(job.healthy),
         seconds=round(time.monotonic() - t0, 3),
         topology=used,
+        transport=",".join(sorted({n.bulk.kind for n in job.nodes if n.bulk}
+                                  or {n.transport[0] for n in job.healthy})) or "tcp",
         failed={n.addr: n.error for n in job.nodes if n.error},
         warnings=snap.warnings,
     )

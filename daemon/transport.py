@@ -167,6 +167,11 @@ class Channel:
             else:
                 return event  # type: ignore[return-value]
 
+    async def next_message(self) -> Message:
+        """The next message of any kind, Error frames included, for a reader task that routes
+        Replies and Errors to waiting requests by id. Raises ConnectionLost on EOF."""
+        return await self._next()
+
     async def receive(self) -> Message:
         """The next message. Raises RemoteError for an Error frame, ConnectionLost on EOF and
         ProtocolError if the peer breaks the protocol."""

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import pyfuse3
 import trio
+import xxhash
 
 from .chunk_cache import ChunkCache
 from .manifest import Entry, Kind, Manifest
@@ -99,7 +100,6 @@ class SnapshotFS(pyfuse3.Operations):
         self._nodes: dict[int, Node] = {}
         self._inos: dict[tuple, int] = {}
         self._lookups: dict[int, int] = {}
-        self._next_ino = pyfuse3.ROOT_INODE + 1
         self._handles: dict[int, object] = {}
         self._next_fh = 1
         self.nursery: trio.Nursery | None = None  # for prefetches, set while serving
@@ -117,10 +117,14 @@ class SnapshotFS(pyfuse3.Operations):
         return Entry(b"", Kind.DIR, 0o755, 0, self.mtime_ns)
 
     def _ino(self, node: Node) -> int:
+        """A node's inode number is a hash of what it is, so an unchanged file keeps its number
+        across versions, after the kernel forgot it, and across daemon restarts."""
         ino = self._inos.get(node.key)
         if ino is None:
-            ino = self._inos[node.key] = self._next_ino
-            self._next_ino += 1
+            ino = max(2, xxhash.xxh3_64_intdigest(repr(node.key).encode()) >> 1)
+            while ino in self._nodes:  # another live node hashed here: probe on
+                ino = ino + 1 if ino + 1 < 1 << 63 else 2
+            self._inos[node.key] = ino
             self._nodes[ino] = node
         return ino
 

@@ -2,15 +2,19 @@
 
 The walk reads only metadata; file contents are hashed in worker threads (xxh3 releases the GIL),
 small files in batches so the per-thread-call cost does not dominate trees of many tiny files.
-Nothing is copied: the push reads each chunk again from its source file when it is sent, and
-checks it still hashes to its id.
+With a ScanCache (scan_cache.py), a file whose stat key is cached is not read at all: the walk
+takes its chunk ids from the cache, and only new or changed files are hashed, so a scan of an
+unchanged tree is one walk in one worker thread. Nothing is copied: the push reads each chunk
+again from its source file when it is sent, and checks it still hashes to its id.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import operator
 import os
 import stat
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -18,6 +22,7 @@ import trio
 
 from .chunk import CHUNK_SIZE, chunk_id
 from .manifest import Entry, Kind, Manifest
+from .scan_cache import Key, ScanCache, stat_key
 
 _BATCH_BYTES = 8 * 1024 * 1024
 _BATCH_FILES = 256
@@ -32,6 +37,7 @@ class Source:
     path: bytes  # absolute path of the file holding the chunk
     offset: int
     length: int
+    cached: Key | None = None  # the file's stat key, when its chunk ids came from the scan cache
 
 
 @dataclass
@@ -40,6 +46,10 @@ class Snapshot:
     manifest: Manifest
     sources: dict[bytes, Source]  # chunk id -> one place to read it
     warnings: list[str] = field(default_factory=list)
+    cache: ScanCache | None = None
+    hashed_files: int = 0  # files read and hashed by the scan
+    hashed_bytes: int = 0
+    cached_files: int = 0  # files whose chunk ids came from the cache, unread
 
     def read_chunk(self, cid: bytes) -> bytes:
         """The raw bytes of a chunk, read again from its source and checked against its id."""
@@ -51,11 +61,27 @@ class Snapshot:
         except FileNotFoundError:
             raise SourceChanged(f"{os.fsdecode(src.path)} was deleted during the push") from None
         if len(data) != src.length or chunk_id(data) != cid:
+            if src.cached is not None and self._key(src.path) == src.cached:
+                # Not an edit during the push: the file changed without its size, mtime or
+                # ctime changing, so the cache cannot tell. Forget it, or every push would fail.
+                if self.cache is not None:
+                    self.cache.discard()
+                raise SourceChanged(
+                    f"{os.fsdecode(src.path)} does not hold the bytes the scan cache recorded, "
+                    "although its size, mtime and ctime are unchanged; the scan cache of "
+                    f"{os.fsdecode(self.root)} was cleared: push again")
             raise SourceChanged(f"{os.fsdecode(src.path)} changed during the push; push again")
         return data
 
+    @staticmethod
+    def _key(path: bytes) -> Key | None:
+        try:
+            return stat_key(os.stat(path))
+        except OSError:
+            return None
 
-@dataclass
+
+@dataclass(slots=True)
 class _File:
     path: bytes  # relative
     abspath: bytes
@@ -63,6 +89,7 @@ class _File:
     mtime_ns: int
     size: int
     key: tuple[int, int]  # (st_dev, st_ino): hard links are hashed once
+    stat: Key
 
 
 def _excluded(rel: bytes, patterns: Sequence[str]) -> bool:
@@ -73,43 +100,93 @@ def _excluded(rel: bytes, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(path, p) for p in patterns)
 
 
-def _walk(root: bytes, excludes: Sequence[str]) -> tuple[list[Entry], list[_File], list[str]]:
-    """Metadata of every entry below root; regular files are returned for hashing."""
+def is_excluded(rel: bytes, patterns: Sequence[str]) -> bool:
+    """Whether the scan leaves out `rel` (a path relative to the root), itself or by leaving
+    out a folder above it."""
+    if not patterns or not rel:
+        return False
+    parts = rel.split(b"/")
+    return any(_excluded(b"/".join(parts[:i]), patterns) for i in range(1, len(parts) + 1))
+
+
+_S_IFMT, _S_IFDIR, _S_IFREG, _S_IFLNK = 0o170000, stat.S_IFDIR, stat.S_IFREG, stat.S_IFLNK
+_name = operator.attrgetter("name")
+
+
+@dataclass
+class _Walk:
+    entries: list[Entry]  # folders, symlinks, and files whose chunk ids came from the cache
+    files: list[_File]  # files to hash
+    sources: dict[bytes, Source]  # of the cached files
+    warnings: list[str]
+    cached_files: int = 0
+
+
+def _walk(root: bytes, excludes: Sequence[str], cache: ScanCache | None = None,
+          chunk_size: int = CHUNK_SIZE, started_ns: int = 0) -> _Walk:
+    """Metadata of every entry below root; regular files the cache does not know are returned
+    for hashing."""
+    if cache is not None:
+        cache.begin(chunk_size, started_ns or None)
     st = os.stat(root)
     if not stat.S_ISDIR(st.st_mode):
         raise NotADirectoryError(f"{os.fsdecode(root)} is not a directory")
-    dirs = [Entry(b"", Kind.DIR, stat.S_IMODE(st.st_mode), 0, st.st_mtime_ns)]
+    entries = [Entry(b"", Kind.DIR, stat.S_IMODE(st.st_mode), 0, st.st_mtime_ns)]
     files: list[_File] = []
     warnings: list[str] = []
+    sources: dict[bytes, Source] = {}
+    lookup = cache.lookup if cache is not None else None
+    cached = 0
     stack = [b""]
     while stack:
         rel_dir = stack.pop()
         abs_dir = os.path.join(root, rel_dir) if rel_dir else root
         with os.scandir(abs_dir) as it:
-            children = sorted(it, key=lambda d: d.name)
+            children = sorted(it, key=_name)
         for d in children:
             rel = rel_dir + b"/" + d.name if rel_dir else d.name
-            if _excluded(rel, excludes):
+            if excludes and _excluded(rel, excludes):
                 continue
             st = d.stat(follow_symlinks=False)
-            mode = stat.S_IMODE(st.st_mode)
-            if stat.S_ISDIR(st.st_mode):
-                dirs.append(Entry(rel, Kind.DIR, mode, 0, st.st_mtime_ns))
+            fmt = st.st_mode & _S_IFMT
+            mode = st.st_mode & 0o7777
+            if fmt == _S_IFDIR:
+                entries.append(Entry(rel, Kind.DIR, mode, 0, st.st_mtime_ns))
                 stack.append(rel)
-            elif stat.S_ISREG(st.st_mode):
-                files.append(_File(rel, d.path, mode, st.st_mtime_ns, st.st_size,
-                                   (st.st_dev, st.st_ino)))
-            elif stat.S_ISLNK(st.st_mode):
+            elif fmt == _S_IFREG:
+                # The walk's hot loop: on a re-scan this is all the work a file costs.
+                chunks = lookup(st) if lookup is not None else None
+                if chunks is None:
+                    files.append(_File(rel, d.path, mode, st.st_mtime_ns, st.st_size,
+                                       (st.st_dev, st.st_ino), stat_key(st)))
+                    continue
+                cached += 1
+                size = st.st_size
+                entries.append(Entry(rel, Kind.FILE, mode, size, st.st_mtime_ns, b"", chunks))
+                key = None
+                off = 0
+                for cid in chunks:
+                    if cid not in sources:
+                        key = key or stat_key(st)
+                        sources[cid] = Source(d.path, off, min(chunk_size, size - off), key)
+                    off += chunk_size
+            elif fmt == _S_IFLNK:
                 target = os.readlink(d.path)
-                dirs.append(Entry(rel, Kind.SYMLINK, mode, len(target), st.st_mtime_ns, target))
+                entries.append(Entry(rel, Kind.SYMLINK, mode, len(target), st.st_mtime_ns,
+                                     target))
             else:
                 warnings.append(f"skipped {os.fsdecode(rel)}: not a file, folder or symlink "
                                 f"({stat.filemode(st.st_mode)[0]})")
-    return dirs, files, warnings
+    return _Walk(entries, files, sources, warnings, cached)
 
 
-def _hash_file(f: _File, chunk_size: int) -> tuple[int, list[tuple[bytes, Source]]]:
-    """(size actually read, [(chunk id, source)]): reads to EOF, so a file that grew is whole."""
+_Hashed = tuple[int, list[tuple[bytes, Source]], bool]
+
+
+def _hash_file(f: _File, chunk_size: int) -> _Hashed:
+    """(size actually read, [(chunk id, source)], unchanged): reads to EOF, so a file that grew
+    is whole; `unchanged` when the file's stat key after reading is still the walk's, so what
+    was read is what the key describes (a file written meanwhile is not cached)."""
     out = []
     offset = 0
     with open(f.abspath, "rb") as fh:
@@ -121,11 +198,20 @@ def _hash_file(f: _File, chunk_size: int) -> tuple[int, list[tuple[bytes, Source
             offset += len(data)
             if len(data) < chunk_size:
                 break
-    return offset, out
+        unchanged = stat_key(os.fstat(fh.fileno())) == f.stat and offset == f.size
+    return offset, out, unchanged
 
 
-def _hash_batch(batch: list[_File], chunk_size: int) -> list[tuple[int, list[tuple[bytes, Source]]]]:
+def _hash_batch(batch: list[_File], chunk_size: int) -> list[_Hashed]:
     return [_hash_file(f, chunk_size) for f in batch]
+
+
+def _finish(entries: list[Entry], chunk_size: int, cache: ScanCache | None) -> Manifest:
+    manifest = Manifest(entries, chunk_size)
+    manifest.validate()
+    if cache is not None:
+        cache.save()
+    return manifest
 
 
 async def scan(
@@ -133,10 +219,15 @@ async def scan(
     excludes: Sequence[str] = (),
     chunk_size: int = CHUNK_SIZE,
     progress: Callable[[int, int], None] | None = None,
+    cache: ScanCache | None = None,
 ) -> Snapshot:
-    """Scan `root` into a Snapshot. `progress(done, total)` reports bytes hashed so far."""
+    """Scan `root` into a Snapshot. `progress(done, total)` reports bytes hashed so far (with
+    a cache: of the files it did not know). `cache` is loaded, used, and saved when it changed."""
     broot = os.fsencode(os.path.abspath(root))
-    entries, files, warnings = await trio.to_thread.run_sync(_walk, broot, tuple(excludes))
+    started = time.time_ns()  # before any stat: the reference for racily clean files
+    walk = await trio.to_thread.run_sync(_walk, broot, tuple(excludes), cache, chunk_size,
+                                         started)
+    entries, files, sources = walk.entries, walk.files, walk.sources
 
     # One hash per distinct inode: hard links are the same content.
     unique: dict[tuple[int, int], _File] = {}
@@ -154,7 +245,7 @@ async def scan(
     if cur:
         batches.append(cur)
 
-    hashed: dict[tuple[int, int], tuple[int, list[tuple[bytes, Source]]]] = {}
+    hashed: dict[tuple[int, int], _Hashed] = {}
     total = sum(f.size for f in unique.values())
     done = 0
     limiter = trio.CapacityLimiter(max(2, os.cpu_count() or 2))
@@ -174,13 +265,14 @@ async def scan(
         for batch in batches:
             nursery.start_soon(run, batch)
 
-    sources: dict[bytes, Source] = {}
     for f in files:
-        size, chunks = hashed[f.key]
+        size, chunks, unchanged = hashed[f.key]
         for cid, src in chunks:
             sources.setdefault(cid, src)
-        entries.append(Entry(f.path, Kind.FILE, f.mode, size, f.mtime_ns,
-                             chunks=tuple(c for c, _ in chunks)))
-    manifest = Manifest(entries, chunk_size)
-    manifest.validate()
-    return Snapshot(broot, manifest, sources, warnings)
+        ids = tuple(c for c, _ in chunks)
+        entries.append(Entry(f.path, Kind.FILE, f.mode, size, f.mtime_ns, chunks=ids))
+        if cache is not None and unchanged:
+            cache.record(f.stat, ids)
+    manifest = await trio.to_thread.run_sync(_finish, entries, chunk_size, cache)
+    return Snapshot(broot, manifest, sources, walk.warnings, cache, hashed_files=len(unique),
+                    hashed_bytes=sum(h[0] for h in hashed.values()), cached_files=walk.cached_files)

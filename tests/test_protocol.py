@@ -17,6 +17,7 @@ from monarch_fs.daemon.protocol import (
     Auth,
     AuthError,
     Connection,
+    Data,
     Error,
     Event,
     FrameType,
@@ -122,6 +123,8 @@ MESSAGES = [
     Error("boom", code="io", id=3),
     Error("lone surrogate \ud800 and ü"),
     Error("plain"),
+    Data((b'{"op":"call"}', b"\x80\x05pickle", b"", b"\x00" * 1000)),
+    Data(()),
 ]
 
 
@@ -150,6 +153,55 @@ def test_put_chunk_accepts_memoryview_and_big_blobs():
     blob = bytes(range(256)) * 40_000  # ~10 MB
     got = w.deliver(w.client, PutChunk(b"\x09" * 16, memoryview(blob)))
     assert got.cid == b"\x09" * 16 and got.blob == blob and isinstance(got.blob, bytes)
+
+
+def test_data_parts_arrive_as_writable_views_of_one_buffer():
+    import array
+
+    w = ready_pair()
+    floats = array.array("d", [1.5, -2.0, 3.25])  # a buffer with 8-byte items goes out as bytes
+    big = bytearray(range(256)) * 40_000  # ~10 MB
+    got = w.deliver(w.server, Data([b"head", memoryview(floats), big]))
+    assert [bytes(p) for p in got.parts] == [b"head", floats.tobytes(), bytes(big)]
+    assert all(isinstance(p, memoryview) and not p.readonly for p in got.parts)
+    assert got.parts[1].obj is got.parts[2].obj  # views into the same frame buffer
+    got.parts[1][0] = 0  # writable: a receiver may rebuild mutable objects on them in place
+
+
+@pytest.mark.parametrize("payload", [
+    b"",                                                   # no part count
+    struct.pack("<I", 5000),                               # more parts than allowed
+    struct.pack("<I", 2) + struct.pack("<Q", 1),           # part table cut short
+    struct.pack("<IQ", 1, 4) + b"abc",                     # part longer than the frame
+    struct.pack("<IQ", 1, 2) + b"abc",                     # trailing bytes
+    struct.pack("<IQ", 1, 2**64 - 1) + b"abc",             # absurd length
+])
+def test_malformed_data_frames(payload):
+    w = ready_pair()
+    w.client.receive_data(frame(FrameType.DATA, payload))
+    with pytest.raises(ProtocolError, match="DATA"):
+        w.client.next_event()
+
+
+def test_data_is_refused_before_authentication_and_limited_in_parts():
+    s = Connection(Role.SERVER, TOKEN)
+    s.send(Hello())
+    s.receive_data(frame(FrameType.DATA, struct.pack("<I", 0)))
+    with pytest.raises(ProtocolError, match="unexpected DATA"):
+        s.next_event()
+    w = ready_pair()
+    with pytest.raises(ProtocolError, match="parts"):
+        w.client.send(Data([b""] * 5000))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.binary(max_size=300), max_size=8), st.integers(1, 64))
+def test_fuzz_data_round_trip_in_any_pieces(parts, step):
+    w = ready_pair()
+    data = w.client.send(Data(parts))
+    for i in range(0, len(data), step):
+        w.server.receive_data(data[i : i + step])
+    assert drain(w.server) == [Data(parts), NEED_DATA]
 
 
 def test_many_frames_in_one_read_and_byte_by_byte():

@@ -165,6 +165,7 @@ def test_restarted_daemon_serves_last_version_without_push(fresh_cluster, tmp_pa
     c.push(src)
     (src / "f.txt").write_text("v2")
     c.push(src)
+    inode = os.stat(c.mnt(0) / "persist" / "f.txt").st_ino
     pid = c.pid(0)
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + 10
@@ -183,6 +184,7 @@ def test_restarted_daemon_serves_last_version_without_push(fresh_cluster, tmp_pa
         while not (nd / "ready2").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert (c.mnt(0) / "persist" / "f.txt").read_text() == "v2"
+        assert os.stat(c.mnt(0) / "persist" / "f.txt").st_ino == inode  # stable across restarts
         assert len(os.listdir(c.mnt(0) / ".versions" / "persist")) == 2
     finally:
         proc.send_signal(signal.SIGINT)

@@ -1,0 +1,355 @@
+"""Bulk channels: how chunk payloads travel, separately from the control channel.
+
+The control channel is always the authenticated TCP `Channel` (handshake, QueryMissing, relay
+setup, flush, prepare, commit). Chunk payloads go through a bulk channel of one of these kinds:
+
+* ``tcp``: PutChunk frames on the control channel itself (`TcpBulkSender`,
+  `TcpBulkReceiver`). Always available, ordered with the control messages.
+* ``rdma-rc``: InfiniBand or RoCE; one-sided RDMA WRITE WITH IMMEDIATE into a ring the
+  receiver registered (rdma.py).
+* ``rdma-srd``: AWS EFA; SRD queue pairs, the receiver pulls with RDMA READ (rdma.py).
+
+An RDMA channel is set up over the control channel: the sender sends Request("bulk", kind,
+qp info, ring geometry), the node answers with its own queue-pair info. Because RDMA data and
+TCP control messages are not ordered with each other, `BulkSender.flush()` returns the
+arguments the control channel's "flush" request must carry ({"bulk_chunks": n}); the node
+answers that request only after its receiver delivered n chunks.
+
+Which kind is used is decided by `choose_transport(requested, local_devices, peer_devices)`:
+``--transport tcp`` never probes for RDMA; ``auto`` uses RDMA when both ends have a usable device
+on a common fabric, and otherwise TCP, saying why once; ``rdma`` without a device is an error.
+pyverbs is imported only when a device is probed or an RDMA channel is opened.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import trio
+
+from . import protocol as p
+from .rdma_logic import RC, SRD, TCP
+
+log = logging.getLogger("monarch_fs.transport")
+
+TRANSPORTS = ("auto", "tcp", "rdma")
+
+Deliver = Callable[[bytes, bytes], Awaitable[None]]
+
+
+class TransportUnavailable(ValueError):
+    """The transport asked for cannot be used (e.g. --transport rdma on a host without a
+    device). A ValueError, so the command line reports it as `monarch-fs: error: ...`."""
+
+
+class BulkError(Exception):
+    """A bulk channel failed (completion error, protocol violation, refused setup)."""
+
+
+class BulkRefused(BulkError):
+    """A node refused to open a bulk channel of the kind asked for."""
+
+
+# ---- the interface ----------------------------------------------------------------------------
+
+
+class BulkSender(abc.ABC):
+    """Sends chunk payloads to one peer."""
+
+    kind: str = TCP
+
+    def __init__(self) -> None:
+        self.chunks_sent = 0
+        self.bytes_sent = 0
+
+    @abc.abstractmethod
+    async def send_chunk(self, cid: bytes, blob: bytes) -> None:
+        """Hand one chunk to the transport; may wait for buffer space (credits)."""
+
+    @abc.abstractmethod
+    async def flush(self) -> dict:
+        """Wait until every chunk given to send_chunk() has left this host's buffers; returns
+        the arguments the control channel's "flush" request must carry."""
+
+    async def aclose(self) -> None:
+        """Release the transport's resources (never the control channel: its owner closes it)."""
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "chunks_sent": self.chunks_sent, "bytes_sent": self.bytes_sent}
+
+
+class BulkReceiver(abc.ABC):
+    """Receives chunk payloads from one peer and hands each, in the order sent, to `deliver`."""
+
+    kind: str = TCP
+
+    def __init__(self, deliver: Deliver) -> None:
+        self.deliver = deliver
+        self.chunks_delivered = 0
+        self.bytes_delivered = 0
+        self.error: str | None = None
+        self._changed = trio.Event()
+
+    @abc.abstractmethod
+    async def run(self) -> None:
+        """Receive and deliver until closed or failed (run it in a nursery)."""
+
+    async def _delivered(self, cid: bytes, blob: bytes) -> None:
+        await self.deliver(cid, blob)
+        self.chunks_delivered += 1
+        self.bytes_delivered += len(blob)
+        self._wake()
+
+    def _fail(self, why: str) -> None:
+        if self.error is None:
+            self.error = why
+            log.warning("bulk %s channel failed: %s", self.kind, why)
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_delivered(self, count: int) -> str | None:
+        """Wait until `count` chunks were delivered; the channel's error instead, if it failed."""
+        while self.chunks_delivered < count and self.error is None:
+            await self._changed.wait()
+        return self.error if self.chunks_delivered < count else None
+
+    async def aclose(self) -> None:
+        pass
+
+    def describe(self) -> dict:
+        d = {"kind": self.kind, "chunks_delivered": self.chunks_delivered,
+             "bytes_delivered": self.bytes_delivered}
+        if self.error:
+            d["error"] = self.error
+        return d
+
+
+# ---- TCP: PutChunk frames on the control channel ------------------------------------------------
+
+
+class TcpBulkSender(BulkSender):
+    """The PutChunk-over-Channel path: frames share the control connection, so they are
+    ordered with the control messages and flush needs no extra arguments."""
+
+    kind = TCP
+
+    def __init__(self, chan) -> None:
+        super().__init__()
+        self.chan = chan
+
+    async def send_chunk(self, cid: bytes, blob: bytes) -> None:
+        await self.chan.send(p.PutChunk(cid, blob))
+        self.chunks_sent += 1
+        self.bytes_sent += len(blob)
+
+    async def flush(self) -> dict:
+        return {}
+
+    def describe(self) -> dict:
+        return {**super().describe(), "peer": self.chan.peer}
+
+
+class TcpBulkReceiver(BulkReceiver):
+    """The receiving end of PutChunk frames for a connection that carries nothing else but a
+    final Request("flush") (benchmarks and tests; the node daemon reads PutChunk frames in its
+    session loop, interleaved with requests, and delivers them the same way)."""
+
+    kind = TCP
+
+    def __init__(self, chan, deliver: Deliver) -> None:
+        super().__init__(deliver)
+        self.chan = chan
+
+    async def run(self) -> None:
+        from .transport import ConnectionLost
+
+        try:
+            while True:
+                msg = await self.chan.receive()
+                if isinstance(msg, p.PutChunk):
+                    await self._delivered(msg.cid, msg.blob)
+                elif isinstance(msg, p.Request) and msg.op == "flush":
+                    await self.chan.send(p.Reply(msg.id, {"delivered": self.chunks_delivered}))
+                else:
+                    raise p.ProtocolError(f"unexpected {type(msg).__name__} on a bulk channel")
+        except ConnectionLost:
+            return
+        except (p.ProtocolError, trio.BrokenResourceError) as e:
+            self._fail(str(e))
+
+
+# ---- choosing a transport ---------------------------------------------------------------------
+
+
+def device_mode(dev: dict) -> tuple[str | None, str]:
+    """(RDMA mode this device supports, or None and why not)."""
+    name = dev.get("name", "?")
+    if not dev.get("active", False):
+        return None, f"{name} port {dev.get('port', 1)} is {dev.get('state', 'not active')}"
+    kind = dev.get("kind")
+    if kind in ("ib", "roce"):
+        return RC, ""
+    if kind == "efa":
+        if not dev.get("rdma_read"):
+            return None, f"{name}: this EFA device does not advertise RDMA read"
+        return SRD, ""
+    if kind == "iwarp":
+        return None, (f"{name}: iWARP (siw) has no RDMA WRITE with immediate and needs rdma_cm "
+                      "to connect; not supported")
+    return None, f"{name}: unknown kind of RDMA device {kind!r}"
+
+
+def _usable(devices: Sequence[dict] | None) -> tuple[list[dict], str]:
+    good, why = [], []
+    for d in devices or ():
+        mode, reason = device_mode(d)
+        (good if mode else why).append(d if mode else reason)
+    return good, "; ".join(why)
+
+
+def match_devices(local: Sequence[dict], peer: Sequence[dict] | None
+                  ) -> tuple[str, dict, dict] | None:
+    """(mode, local device, peer device) for the first pair on a common fabric."""
+    mine, _ = _usable(local)
+    theirs, _ = _usable(peer)
+    for a in mine:
+        for b in theirs:
+            if a["kind"] == b["kind"]:  # ib-ib, roce-roce (RC); efa-efa (SRD)
+                return device_mode(a)[0], a, b
+    return None
+
+
+def choose_transport(requested: str, local_devices: Sequence[dict],
+                     peer_devices: Sequence[dict] | None, *, local_why: str = "",
+                     peer_why: str = "") -> tuple[str, str]:
+    """(kind, reason): "tcp", "rdma-rc" or "rdma-srd", and why.
+
+    `local_devices` are this host's RDMA devices (`local_why` says why there are none),
+    `peer_devices` what the peer advertised in its Welcome (None: it offers no RDMA, `peer_why`
+    says why). `auto` falls back to TCP; `rdma` raises TransportUnavailable instead."""
+    if requested not in TRANSPORTS:
+        raise ValueError(f"unknown transport {requested!r}: use one of {', '.join(TRANSPORTS)}")
+    if requested == "tcp":
+        return TCP, "--transport tcp"
+    mine, mine_why = _usable(local_devices)
+    theirs, theirs_why = _usable(peer_devices)
+    found = match_devices(local_devices, peer_devices)
+    if found:
+        mode, a, b = found
+        return mode, f"{a['kind']} {a['name']} to the peer's {b['name']}"
+    if not mine:
+        reason = f"no RDMA device on this host ({mine_why or local_why or 'none found'})"
+    elif not theirs:
+        reason = f"the peer offers no RDMA ({theirs_why or peer_why or 'no device'})"
+    else:
+        reason = ("no common RDMA fabric (this host: "
+                  + ", ".join(f"{d['kind']} {d['name']}" for d in mine) + "; the peer: "
+                  + ", ".join(f"{d['kind']} {d['name']}" for d in theirs) + ")")
+    if requested == "rdma":
+        raise TransportUnavailable(f"--transport rdma: {reason}")
+    return TCP, reason
+
+
+@dataclass
+class LocalTransport:
+    """What this host offers: the setting asked for, the kind in use and why, usable devices."""
+
+    requested: str = "auto"
+    kind: str = TCP  # "tcp" or "rdma"
+    reason: str = "default"
+    devices: list[dict] = field(default_factory=list)  # usable RDMA devices
+    why_none: str = ""  # why `devices` is empty
+
+    def info(self) -> dict:
+        """For the Welcome info and the status reply."""
+        out: dict = {"transport": self.kind, "transport_reason": self.reason}
+        if self.kind == "rdma":
+            out["rdma"] = [{k: d[k] for k in ("name", "kind", "port", "active", "rdma_read")
+                            if k in d}
+                           for d in self.devices]
+        return out
+
+
+def resolve_local(requested: str = "auto", *, probe: Callable[[], tuple[list[dict], str]] | None
+                  = None) -> LocalTransport:
+    """This host's transport for `--transport requested`. `rdma` without a usable device raises
+    TransportUnavailable; `auto` falls back to TCP and says why in `reason`."""
+    if requested not in TRANSPORTS:
+        raise ValueError(f"unknown transport {requested!r}: use one of {', '.join(TRANSPORTS)}")
+    if requested == "tcp":
+        return LocalTransport(requested, TCP, "--transport tcp")
+    if probe is None:
+        from .rdma import probe_devices as probe
+    devices, why = probe()
+    good, bad = _usable(devices)
+    if good:
+        names = ", ".join(f"{d['kind']} {d['name']}" for d in good)
+        return LocalTransport(requested, "rdma", f"RDMA device {names}", good)
+    why = why or bad or "none found"
+    if requested == "rdma":
+        raise TransportUnavailable(f"--transport rdma: no RDMA device on this host ({why})")
+    return LocalTransport(requested, TCP, f"auto: no RDMA device on this host ({why})", [], why)
+
+
+def choose_for_peer(local: LocalTransport, requested: str, peer_info: dict) -> tuple[str, str]:
+    """choose_transport() for a connected peer, from its Welcome info."""
+    return choose_transport(
+        requested, local.devices, peer_info.get("rdma"),
+        local_why=local.why_none or ("--transport tcp" if local.kind == TCP else ""),
+        peer_why=peer_info.get("transport_reason", "it does not advertise a transport"))
+
+
+def log_choices(choices: dict[str, tuple[str, str]], requested: str) -> None:
+    """One log line for all the peers that fell back to TCP under `auto`: a warning when RDMA
+    was available somewhere (a surprise worth showing), otherwise at info level."""
+    fell = {addr: why for addr, (kind, why) in choices.items()
+            if kind == TCP and requested == "auto"}
+    if not fell:
+        return
+    reasons = sorted(set(fell.values()))
+    level = (logging.INFO if all(r.startswith("no RDMA device on this host") for r in reasons)
+             else logging.WARNING)
+    who = f"all {len(fell)} nodes" if len(fell) == len(choices) else ", ".join(sorted(fell))
+    log.log(level, "transport: tcp to %s (RDMA not used: %s)", who, "; ".join(reasons))
+
+
+# ---- opening channels ---------------------------------------------------------------------------
+
+
+async def open_sender(chan, kind: str, local: LocalTransport | None = None,
+                      peer_info: dict | None = None) -> BulkSender:
+    """A bulk sender of `kind` to the peer on `chan` (RDMA: set up over `chan`)."""
+    if kind == TCP:
+        return TcpBulkSender(chan)
+    if kind not in (RC, SRD):
+        raise ValueError(f"unknown bulk kind {kind!r}")
+    found = match_devices(local.devices if local else [], (peer_info or {}).get("rdma"))
+    if found is None or found[0] != kind:
+        raise BulkRefused(f"no {kind} device pair with the peer")
+    from . import rdma
+
+    return await rdma.RdmaSender.connect(chan, kind, found[1])
+
+
+def accept_receiver(local: LocalTransport, args: dict, deliver: Deliver,
+                    nursery: trio.Nursery) -> tuple[BulkReceiver, dict]:
+    """The node's side of Request("bulk"): a running receiver and the reply to send."""
+    kind = args.get("kind")
+    if local.kind != "rdma":
+        raise BulkRefused(f"this node does not offer RDMA ({local.reason})")
+    dev = next((d for d in local.devices
+                if (device_mode(d)[0] == kind and (not args.get("device_kind")
+                                                   or d["kind"] == args["device_kind"]))), None)
+    if dev is None:
+        raise BulkRefused(f"this node has no {kind!r} device")
+    from . import rdma
+
+    rx = rdma.RdmaReceiver.accept(kind, dev, args, deliver)
+    nursery.start_soon(rx.run)
+    return rx, rx.reply()

@@ -1,0 +1,155 @@
+"""`monarch-fs push --watch`: push a folder again every time it changes, for edit-run loops.
+
+The folder is watched with inotify, through the Rust `notify` backend of watchfiles, and the
+watch is in place before the first push starts, so an edit made while a push runs is not lost:
+it starts the next push as soon as that one ends. A burst of changes (an editor saving, a `git
+checkout`) is pushed once, when nothing has changed for `quiet_ms` or at most `debounce_ms` after
+its first change. Changes below excluded paths are ignored. With the scan cache, each push reads
+only the files that changed.
+
+One line per push goes to stdout (a JSON object per line with --json); a failed push is reported
+on stderr and watching goes on. SIGINT (Ctrl-C) or SIGTERM stops watching: exit status 0, or 130
+when a push had to be cancelled mid-way (publishing is two-phase, so unless that push was already
+committing, every node keeps its previous version).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TextIO
+
+import trio
+from watchfiles._rust_notify import RustNotify  # documented: watchfiles' "Rust backend" API
+
+from ..fs.scan import is_excluded
+from .push import PushResult
+
+QUIET_MS = 200
+DEBOUNCE_MS = 1000
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def summary(result: PushResult, changes: int) -> str:
+    """The one line printed for a push."""
+    why = "first push" if changes == 0 else f"{changes} change{'s' * (changes != 1)}"
+    return (f"{time.strftime('%H:%M:%S')} pushed {result.name} {result.version[:12]} to "
+            f"{result.nodes} nodes in {result.seconds:.2f}s ({why}): sent "
+            f"{_size(result.bytes_sent)} in {result.chunks_sent} chunks; {result.files} files, "
+            f"{_size(result.bytes)}")
+
+
+class _Filter:
+    """Which reported paths count as changes: inside the folder, not excluded, not ignored."""
+
+    def __init__(self, root: str, excludes: Sequence[str], ignore: Sequence[str]):
+        self.root = root
+        self.excludes = tuple(excludes)
+        self.ignore = [os.path.abspath(p) for p in ignore]
+
+    def __call__(self, path: str) -> bool:
+        if any(path == p or path.startswith(p + os.sep) for p in self.ignore):
+            return False
+        rel = os.path.relpath(path, self.root)
+        if rel == ".":
+            return True
+        if rel.startswith(".." + os.sep) or rel == "..":
+            return False
+        return not is_excluded(os.fsencode(rel), self.excludes)
+
+
+async def watch(
+    src: str | os.PathLike[str],
+    push_once: Callable[[], Awaitable[PushResult]],
+    *,
+    excludes: Sequence[str] = (),
+    ignore: Sequence[str] = (),
+    json_lines: bool = False,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+    quiet_ms: int = QUIET_MS,
+    debounce_ms: int = DEBOUNCE_MS,
+) -> int:
+    """Push now, then after every change of `src` (see the module docstring), until SIGINT or
+    SIGTERM. `push_once()` does one push; `ignore` lists paths whose changes never count (the
+    scan cache, should it live inside the folder). Returns the exit status."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    root = os.path.abspath(src)
+    if not os.path.isdir(root):
+        raise NotADirectoryError(f"{root} is not a directory")
+    counts = _Filter(root, excludes, ignore)
+    stop = threading.Event()  # checked by the watcher thread every quiet_ms
+    pushing = False
+    interrupted = False
+    last_warnings: list[str] = []
+
+    def say(line: str, stream: TextIO) -> None:
+        print(line, file=stream, flush=True)
+
+    async def push_and_report(changes: int) -> None:
+        nonlocal pushing, last_warnings
+        pushing = True
+        try:
+            result = await push_once()
+        except Exception as e:  # noqa: BLE001 -- any failure is reported, and watching goes on
+            say(f"{time.strftime('%H:%M:%S')} push failed: {e}", err)
+            return
+        finally:
+            pushing = False
+        for w in result.warnings:
+            if w not in last_warnings:
+                say(f"warning: {w}", err)
+        last_warnings = result.warnings
+        for host, cause in sorted(result.failed.items()):
+            say(f"warning: {host} left behind (--allow-partial): {cause}", err)
+        if json_lines:
+            obj = result.to_json()
+            obj.pop("warnings")
+            obj["changes"] = changes
+            say(json.dumps(obj), out)
+        else:
+            say(summary(result, changes), out)
+
+    async def loop(notify: RustNotify) -> None:
+        changes = 0
+        while True:
+            await push_and_report(changes)
+            changes = 0
+            while not changes:
+                raw = await trio.to_thread.run_sync(notify.watch, debounce_ms, quiet_ms, 0, stop)
+                if raw == "stop":
+                    return
+                if isinstance(raw, set):
+                    changes = sum(1 for _, path in raw if counts(path))
+
+    async def on_signal(signals, cancel: trio.CancelScope) -> None:
+        nonlocal interrupted
+        async for _ in signals:
+            interrupted = pushing
+            stop.set()
+            cancel.cancel()
+            return
+
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        # The watch starts here, before the first push.
+        with RustNotify([root], False, False, 300, True, False) as notify:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(on_signal, signals, nursery.cancel_scope)
+                say(f"watching {root} (Ctrl-C to stop)", err)
+                await loop(notify)
+                nursery.cancel_scope.cancel()
+    say("stopped watching" + (" (a push in progress was cancelled)" if interrupted else ""), err)
+    return 130 if interrupted else 0

@@ -1,0 +1,236 @@
+"""The dev box's scan cache: what each source file hashed to last time, so an unchanged file is
+never read again and a one-file edit hashes one file.
+
+An entry maps a file's stat key (st_dev, st_ino, size, mtime_ns, ctime_ns) to its chunk ids. The
+key includes ctime, which no system call can set back: writing a file (even one that then gets
+its old mtime back with `touch -d` or os.utime), renaming it or changing its mode all move it, and
+an editor that saves by rename makes a new inode. So a key that still matches means the content
+was not changed through the file system, and the cached ids are trusted without reading a byte.
+
+Racily clean files (git's term): a file written within the timestamp granularity of the moment
+it was hashed could change again without its key changing. Entries whose mtime or ctime is less
+than `racy_ns` (2 s, the coarsest granularity in common use) before the scan started are
+therefore not stored: such a file is hashed again next time, which costs only recently touched
+files.
+
+The trust is git's and make's: content changed without ctime moving (a raw block-device write,
+the clock set back) is not seen. The push reads every chunk it sends from its source and checks
+its id, so a stale entry whose chunk must be sent fails the push (SourceChanged naming the cache,
+which is cleared) and never sends wrong bytes; a stale entry whose old chunk every node already
+holds publishes the file's previous content. `push --no-cache` hashes everything.
+
+One cache file per source folder, `<cache_dir>/<xxh3_64 of the absolute path>`, in a compact
+binary format checked by a hash, written atomically (temporary file + rename). A file that is
+missing, truncated, corrupt, from another version or for another chunk size is ignored (the
+folder is scanned in full), never an error. Entries for files the scan no longer saw are dropped
+when it is saved; it is only rewritten when something changed.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import time
+from collections.abc import Sequence
+
+import xxhash
+
+from .chunk import ID_SIZE
+
+MAGIC = b"MFSSCAN1"
+RACY_NS = 2_000_000_000
+MAX_FOLDERS = 256  # cache files kept per cache folder; the least recently used go first
+_HEAD = struct.Struct("<8sIIQI16s")  # magic, chunk size, entries, ids, path length, xxh3_128
+_REC = struct.Struct("<QQQqqI")  # st_dev, st_ino, size, mtime_ns, ctime_ns, number of chunks
+
+Key = tuple[int, int, int, int, int]  # st_dev, st_ino, size, mtime_ns, ctime_ns
+
+
+def stat_key(st: os.stat_result) -> Key:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def cache_file(cache_dir: str | os.PathLike[str], folder: str | os.PathLike[str] | bytes) -> str:
+    """Where the cache of source `folder` lives inside `cache_dir`."""
+    path = os.fsencode(os.path.abspath(os.fsdecode(folder)))
+    return os.path.join(os.fspath(cache_dir), xxhash.xxh3_64_hexdigest(path))
+
+
+class ScanCache:
+    """The cache of one source folder. `scan()` loads it, looks files up, records what it
+    hashed and saves it; `path=None` gives an in-memory cache (nothing is read or written)."""
+
+    def __init__(self, path: str | os.PathLike[str] | None, folder: str | os.PathLike[str] | bytes,
+                 racy_ns: int = RACY_NS):
+        self.path = os.fspath(path) if path is not None else None
+        self.folder = os.fsencode(os.path.abspath(os.fsdecode(folder)))
+        self.racy_ns = racy_ns
+        self.chunk_size = 0
+        self._old: dict[tuple[int, int], tuple[int, int, int, tuple[bytes, ...]]] = {}
+        self._new: dict[tuple[int, int], tuple[int, int, int, tuple[bytes, ...]]] = {}
+        self._dirty = False
+        self._since_ns = 0
+        self.loaded = 0  # entries read from the file
+        self.hits = 0
+        self.stored = 0  # entries recorded by this scan
+
+    @classmethod
+    def for_folder(cls, cache_dir: str | os.PathLike[str], folder: str | os.PathLike[str],
+                   racy_ns: int = RACY_NS) -> ScanCache:
+        return cls(cache_file(cache_dir, folder), folder, racy_ns)
+
+    # ---- one scan: begin, lookup/record, save ---------------------------------------------
+
+    def begin(self, chunk_size: int, started_ns: int | None = None) -> None:
+        """Start a scan with `chunk_size`: load the file (or start empty). Files changed after
+        `started_ns - racy_ns` (default: now) will not be recorded."""
+        started_ns = time.time_ns() if started_ns is None else started_ns
+        self._since_ns = started_ns - self.racy_ns
+        if self.path is not None:
+            self._old = self._read(chunk_size)
+        elif chunk_size != self.chunk_size:
+            self._old = {}
+        self.chunk_size = chunk_size
+        self._new = {}
+        self.hits = self.stored = 0
+        self.loaded = len(self._old)
+        self._dirty = False
+
+    def lookup(self, st: os.stat_result) -> tuple[bytes, ...] | None:
+        """The chunk ids of a file whose stat is `st`, if it is cached with exactly that key."""
+        ino = (st.st_dev, st.st_ino)
+        e = self._old.get(ino)
+        if e is None or e[0] != st.st_size or e[1] != st.st_mtime_ns or e[2] != st.st_ctime_ns:
+            return None
+        self._new[ino] = e
+        self.hits += 1
+        return e[3]
+
+    def record(self, key: Key, chunks: Sequence[bytes]) -> bool:
+        """Remember what a file with stat `key` hashed to; False when it changed too recently
+        to be trusted later (racily clean) and was not recorded."""
+        dev, ino, size, mtime, ctime = key
+        if max(mtime, ctime) >= self._since_ns:
+            return False
+        self._new[(dev, ino)] = (size, mtime, ctime, tuple(chunks))
+        self._dirty = True
+        self.stored += 1
+        return True
+
+    def save(self) -> bool:
+        """Write what this scan saw (only those files: deleted ones are dropped), if anything
+        changed; atomically. True when the file was written. Errors are swallowed: a cache that
+        cannot be written only costs time."""
+        changed = self._dirty or len(self._new) != len(self._old)
+        self._old, self._new, self._dirty = self._new, dict(self._new), False
+        if self.path is None or not changed:
+            return False
+        try:
+            self._write()
+        except OSError:
+            return False
+        return True
+
+    def discard(self) -> None:
+        """Forget everything, on disk too: an entry was found stale."""
+        self._old, self._new = {}, {}
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+
+    # ---- the file -------------------------------------------------------------------------
+
+    def _read(self, chunk_size: int) -> dict:
+        try:
+            with open(self.path, "rb") as f:
+                data = f.read()
+        except OSError:
+            return {}
+        try:
+            entries = self._decode(data, chunk_size)
+        except (struct.error, ValueError):
+            return {}
+        try:
+            os.utime(self.path)  # recently used: not pruned
+        except OSError:
+            pass
+        return entries
+
+    def _decode(self, data: bytes, chunk_size: int) -> dict:
+        if len(data) < _HEAD.size:
+            raise ValueError("truncated")
+        magic, csize, count, nids, plen, digest = _HEAD.unpack_from(data)
+        if magic != MAGIC or csize != chunk_size:
+            raise ValueError("other version or chunk size")
+        body = memoryview(data)[_HEAD.size:]
+        if len(body) != plen + count * _REC.size + nids * ID_SIZE:
+            raise ValueError("bad length")
+        if xxhash.xxh3_128_digest(body) != digest:
+            raise ValueError("bad checksum")
+        if bytes(body[:plen]) != self.folder:
+            raise ValueError("another folder")
+        recs_end = plen + count * _REC.size
+        ids = bytes(body[recs_end:])
+        out = {}
+        pos = 0
+        for dev, ino, size, mtime, ctime, n in _REC.iter_unpack(body[plen:recs_end]):
+            if n != -(-size // chunk_size):
+                raise ValueError("bad chunk count")
+            end = pos + n * ID_SIZE
+            if n == 1:
+                chunks = (ids[pos:end],)
+            else:
+                chunks = tuple(ids[i:i + ID_SIZE] for i in range(pos, end, ID_SIZE))
+            out[(dev, ino)] = (size, mtime, ctime, chunks)
+            pos = end
+        if pos != len(ids):
+            raise ValueError("bad id count")
+        return out
+
+    def _encode(self) -> bytes:
+        recs = []
+        ids = []
+        rec = _REC.pack
+        for (dev, ino), (size, mtime, ctime, chunks) in self._old.items():
+            recs.append(rec(dev, ino, size, mtime, ctime, len(chunks)))
+            ids.extend(chunks)
+        body = b"".join([self.folder, *recs, *ids])
+        return _HEAD.pack(MAGIC, self.chunk_size, len(recs), len(ids), len(self.folder),
+                          xxhash.xxh3_128_digest(body)) + body
+
+    def _write(self) -> None:
+        data = self._encode()
+        folder = os.path.dirname(self.path)
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        tmp = f"{self.path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, self.path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        _prune(folder)
+
+
+def _prune(folder: str, keep: int = MAX_FOLDERS) -> None:
+    """Keep the `keep` most recently used cache files of `folder`."""
+    try:
+        with os.scandir(folder) as it:
+            files = [(e.stat().st_mtime_ns, e.path) for e in it if e.is_file()]
+    except OSError:
+        return
+    if len(files) <= keep:
+        return
+    files.sort()
+    for _, path in files[:len(files) - keep]:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass

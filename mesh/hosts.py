@@ -1,0 +1,240 @@
+"""Connections to the node daemons, each read by exactly one task.
+
+A daemon sends Replies and Events on one channel in any order, and `Channel` allows one receiving
+task at a time, so each connection gets one reader task that hands Replies and Errors to the
+caller waiting on that request id, and Events to the handler of the proc they are about. Both the
+actor mesh and `monarch-fs run` launch through this module.
+
+A proc handler is a plain function `on_event(kind, data)`, called in the reader task (it must not
+block) with kind "output" (data: stream, lines), "exit" (code, signal, stderr_tail) or "lost"
+(reason: the daemon connection broke, so the proc's fate is unknown; the daemon kills its procs
+when its controller goes away).
+"""
+
+from __future__ import annotations
+
+import itertools
+import signal
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import trio
+
+from ..daemon import protocol as p
+from ..daemon.transport import Channel, ConnectError, ConnectionLost, RemoteError, connect
+from ..daemon.transport import parse_addr
+from .errors import MeshError, SpawnError
+from .loop import service_nursery
+
+OnEvent = Callable[[str, dict], None]
+
+
+@dataclass(frozen=True)
+class HostInfo:
+    addr: str  # the daemon's host:port, as the host list names it
+    name: str  # the node name the daemon reports (its hostname, or node-I in a local cluster)
+
+    @property
+    def host(self) -> str:
+        """The address part, e.g. for MASTER_ADDR."""
+        return parse_addr(self.addr)[0]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.addr})" if self.name and self.name != self.addr else self.addr
+
+
+class _Waiter:
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.value: dict | None = None
+        self.error: Exception | None = None
+
+
+class HostLink:
+    """One authenticated connection to a node daemon and its reader task."""
+
+    def __init__(self, chan: Channel, addr: str) -> None:
+        self.chan = chan
+        self.info = HostInfo(addr, str(chan.info.get("node") or addr))
+        # The address this host reached us from is the one its procs can connect back to.
+        self.local_host = chan.stream.socket.getsockname()[0]
+        self.lost: str | None = None
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, _Waiter] = {}
+        self._handlers: dict[int, OnEvent] = {}
+        self._early: dict[int, list[tuple[str, dict]]] = {}  # events that beat their spawn reply
+
+    async def run(self) -> None:
+        """Read until the connection ends; then fail every waiter and tell every handler."""
+        try:
+            while True:
+                msg = await self.chan.next_message()
+                if isinstance(msg, p.Reply):
+                    self._settle(msg.id, value=msg.value)
+                elif isinstance(msg, p.Error):
+                    err = RemoteError(msg.message, msg.code, str(self.info))
+                    if msg.id is None:
+                        raise err
+                    self._settle(msg.id, error=err)
+                elif isinstance(msg, p.Event):
+                    self._event(msg)
+        except (ConnectionLost, RemoteError, p.ProtocolError, trio.ClosedResourceError,
+                trio.BrokenResourceError) as e:
+            self.lost = f"lost the connection to the node daemon {self.info}: {e}"
+        finally:
+            self.lost = self.lost or f"disconnected from the node daemon {self.info}"
+            for w in self._waiting.values():
+                w.error = MeshError(self.lost)
+                w.done.set()
+            self._waiting.clear()
+            handlers, self._handlers = self._handlers, {}
+            for on_event in handlers.values():
+                on_event("lost", {"reason": self.lost})
+
+    def _settle(self, rid: int, *, value: dict | None = None, error: Exception | None = None):
+        w = self._waiting.pop(rid, None)
+        if w is not None:
+            w.value, w.error = value, error
+            w.done.set()
+
+    def _event(self, msg: p.Event) -> None:
+        proc = msg.data.get("proc")
+        handler = self._handlers.get(proc)
+        if handler is None:
+            self._early.setdefault(proc, []).append((msg.kind, msg.data))
+            return
+        if msg.kind == "exit":
+            del self._handlers[proc]
+        handler(msg.kind, msg.data)
+
+    async def request(self, op: str, **args: object) -> dict:
+        if self.lost:
+            raise MeshError(self.lost)
+        rid = next(self._ids)
+        w = self._waiting[rid] = _Waiter()
+        try:
+            await self.chan.send(p.Request(op, args, rid))
+            await w.done.wait()
+        except (ConnectionLost, trio.ClosedResourceError) as e:
+            raise MeshError(f"{self.info}: {e}") from None
+        finally:
+            self._waiting.pop(rid, None)
+        if w.error is not None:
+            raise w.error
+        return w.value or {}
+
+    async def spawn(self, spec: dict, on_event: OnEvent) -> dict:
+        """Start a proc (spec: argv, env, cwd, workspace, version); returns {"proc", "pid"}.
+        From then on its events go to on_event, starting with any that beat the reply."""
+        try:
+            reply = await self.request("spawn", **spec)
+        except RemoteError as e:
+            raise SpawnError(f"{self.info}: {e.message}") from None
+        proc = reply["proc"]
+        early = self._early.pop(proc, [])
+        if self.lost:
+            early.append(("lost", {"reason": self.lost}))
+        elif not any(kind == "exit" for kind, _ in early):
+            self._handlers[proc] = on_event
+        for kind, data in early:
+            on_event(kind, data)
+        return reply
+
+    async def kill(self, proc: int, sig: int = signal.SIGTERM) -> None:
+        """Signal a proc's process group; a proc that already ended is not an error."""
+        try:
+            await self.request("kill", proc=proc, signal=int(sig))
+        except (RemoteError, MeshError):
+            pass
+
+    async def aclose(self) -> None:
+        await trio.aclose_forcefully(self.chan.stream)
+
+
+class Launcher:
+    """Where procs come from. The controller launches through its daemon links; an actor that
+    spawns meshes launches through its controller (see runtime.py), with the same interface."""
+
+    hosts: list[HostInfo]
+
+    def listen_host(self, host: int) -> str:
+        """An address of ours that procs on `host` can connect back to."""
+        raise NotImplementedError
+
+    async def spawn(self, host: int, spec: dict, on_event: OnEvent) -> dict:
+        raise NotImplementedError
+
+    async def kill(self, host: int, proc: int, sig: int = signal.SIGTERM) -> None:
+        raise NotImplementedError
+
+    async def request(self, host: int, op: str, **args: object) -> dict:
+        raise NotImplementedError
+
+
+class Daemons(Launcher):
+    """The controller's launcher: one HostLink per daemon."""
+
+    def __init__(self, links: list[HostLink]) -> None:
+        self.links = links
+        self.hosts = [link.info for link in links]
+
+    def listen_host(self, host: int) -> str:
+        return self.links[host].local_host
+
+    async def spawn(self, host: int, spec: dict, on_event: OnEvent) -> dict:
+        return await self.links[host].spawn(spec, on_event)
+
+    async def kill(self, host: int, proc: int, sig: int = signal.SIGTERM) -> None:
+        await self.links[host].kill(proc, sig)
+
+    async def request(self, host: int, op: str, **args: object) -> dict:
+        try:
+            return await self.links[host].request(op, **args)
+        except RemoteError as e:
+            raise MeshError(f"{self.hosts[host]}: {e.message}") from None
+
+
+@asynccontextmanager
+async def open_daemons(addrs: list[str], token: bytes,
+                       timeout: float = 10.0) -> AsyncIterator[Daemons]:
+    """Connect to every daemon at once (one error naming every host that failed), run a reader
+    per connection, and close them all on the way out, which makes each daemon stop the procs
+    this controller started there."""
+    chans: list[Channel | None] = [None] * len(addrs)
+    errors: list[str] = []
+
+    async def one(i: int, addr: str) -> None:
+        try:
+            chans[i] = await connect(addr, token, timeout=timeout)
+        except ConnectError as e:
+            errors.append(str(e))
+
+    async with trio.open_nursery() as nursery:
+        for i, addr in enumerate(addrs):
+            nursery.start_soon(one, i, addr)
+    links = [HostLink(c, a) for c, a in zip(chans, addrs) if c is not None]
+    if errors:
+        for link in links:
+            await link.aclose()
+        raise MeshError("cannot reach every host: " + "; ".join(sorted(errors)))
+    try:
+        async with service_nursery() as nursery:
+            for link in links:
+                nursery.start_soon(link.run)
+            yield Daemons(links)
+    finally:
+        with trio.CancelScope(shield=True):
+            for link in links:
+                await link.aclose()
+
+
+async def workspace_version(launcher: Launcher, name: str) -> str:
+    """The version of workspace `name` that host 0 serves now: pinned on every host, so all
+    procs of a mesh run the same code even if a push lands while they start."""
+    status = await launcher.request(0, "status")
+    versions = status.get("workspaces", {}).get(name)
+    if not versions:
+        raise SpawnError(f"{launcher.hosts[0]}: no workspace {name!r}; push it first")
+    return versions[0]
+

@@ -1,0 +1,344 @@
+"""The actor runtime: what runs in every proc of a mesh (`python -m monarch_fs.mesh.runtime`).
+
+It connects back to its owner with the per-mesh token from its environment (removed from the
+environment at once, so processes it starts do not inherit it), says hello with its rank and
+pid, and then serves: constructs actors, runs their endpoints, and answers. Each actor handles
+its messages one at a time, in order: async endpoints in this trio loop, sync ones in a worker
+thread (so they may block, and may use the synchronous mesh API themselves).
+
+An actor may spawn meshes of its own through `self.hosts`. The owner holds the daemon
+connections, so the launch requests and the procs' events travel through it (see
+proc_mesh.MeshState._serve_owner_request); the new procs connect to this proc directly. Their
+failures go to the actor's `__supervise__`; what it does not handle travels up to the owner.
+
+The runtime exits when told to stop, or as soon as its owner's connection ends: a proc never
+outlives the controller that started it (and the daemon kills it in that case anyway).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import inspect
+import itertools
+import json
+import math
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from ..daemon import protocol as p
+from ..daemon.transport import ConnectError, ConnectionLost, RemoteError, connect
+from . import wire
+from .actor import is_endpoint
+from .errors import Failure, MeshError, SpawnError
+from .hosts import HostInfo, Launcher, OnEvent
+from .proc_mesh import MESH_MAX_FRAME, print_output
+
+EXIT_OWNER_GONE = 3
+
+_INTERNAL = tuple(str(Path(m.__file__).parent) for m in (trio,)) + (__file__,)
+
+
+def _user_traceback(e: BaseException) -> str:
+    """The traceback of an endpoint's exception without the runtime's and trio's frames."""
+    te = traceback.TracebackException.from_exception(e)
+    te.stack = traceback.StackSummary.from_list(
+        [f for f in te.stack if not f.filename.startswith(_INTERNAL)
+         and "/outcome/" not in f.filename])
+    return "".join(te.format())
+
+
+def _import_main(path: str) -> Any:
+    """The controller's script as module __mp_main__ (its `if __name__ == "__main__":` block
+    does not run), also registered as __main__ so pickles that name __main__ find it."""
+    mod = sys.modules.get("__mp_main__")
+    if mod is None:
+        spec = importlib.util.spec_from_file_location("__mp_main__", path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load the controller's script {path}")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["__mp_main__"] = mod
+        sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+        try:
+            spec.loader.exec_module(mod)
+        except BaseException:
+            del sys.modules["__mp_main__"]
+            raise
+    sys.modules["__main__"] = mod
+    return mod
+
+
+def resolve_class(module: str, qualname: str, main: str | None) -> type:
+    mod = _import_main(main) if module == "__main__" and main else importlib.import_module(module)
+    obj: Any = mod
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    if not isinstance(obj, type):
+        raise TypeError(f"{module}:{qualname} is not a class")
+    return obj
+
+
+class _Slot:
+    """One actor in this proc and its mailbox."""
+
+    def __init__(self, runtime: Runtime, name: str) -> None:
+        self.runtime = runtime
+        self.name = name
+        self.instance: Any = None
+        self.mailbox, self._inbox = trio.open_memory_channel[tuple[dict, Any]](math.inf)
+
+    async def run(self) -> None:
+        async for h, payload in self._inbox:
+            op = h["op"]
+            if op == "spawn":
+                await self._answer(h, "__init__", self._construct, h, payload)
+            elif op == "call":
+                await self._answer(h, h.get("method", "?"), self._call, h, payload)
+            elif op == "supervise":
+                await self._supervise(payload)
+
+    async def _answer(self, h: dict, method: str, fn: Any, *args: Any) -> None:
+        cid = h.get("call")
+        try:
+            value = await fn(*args)
+            reply = wire.encode({"op": "result", "call": cid}, value, has_body=True)
+        except Exception as e:
+            if cid is None:  # a broadcast has no caller to tell: the failure goes up instead
+                self.runtime.send({"op": "failure", "actor": self.name, "description":
+                                   f"{self.name}.{method} (broadcast) raised on rank "
+                                   f"{self.runtime.rank}: {type(e).__qualname__}: {e}\n"
+                                   f"{_user_traceback(e)}"})
+                return
+            self.runtime.send({"op": "error", "call": cid, "actor": self.name, "method": method,
+                               "type": type(e).__qualname__, "message": str(e),
+                               "traceback": _user_traceback(e)})
+            return
+        if cid is not None:
+            self.runtime.post(reply)
+
+    async def _construct(self, h: dict, payload: p.Data) -> None:
+        cls = resolve_class(h["module"], h["qualname"], h.get("main"))
+        args, kwargs = wire.body(payload)
+        rt = self.runtime
+        obj = object.__new__(cls) if cls.__new__ is object.__new__ else cls.__new__(
+            cls, *args, **kwargs)
+        hosts = rt.host_mesh_for(self)
+        for attr, value in (("rank", rt.rank), ("world_size", rt.world_size),
+                            ("local_rank", rt.local_rank), ("host", rt.hosts[rt.host]),
+                            ("name", self.name), ("_mesh_hosts", lambda: hosts)):
+            setattr(obj, attr, value)
+        await _run(obj.__init__, args, kwargs)
+        self.instance = obj
+
+    async def _call(self, h: dict, payload: p.Data) -> Any:
+        method = h.get("method", "")
+        if self.instance is None:
+            raise MeshError(f"actor {self.name!r} was not constructed on this proc")
+        if not is_endpoint(getattr(type(self.instance), method, None)):
+            raise AttributeError(f"{type(self.instance).__qualname__}.{method} is not an "
+                                 "@endpoint")
+        args, kwargs = wire.body(payload)
+        return await _run(getattr(self.instance, method), args, kwargs)
+
+    async def _supervise(self, failure: Failure) -> None:
+        handler = getattr(self.instance, "__supervise__", None)
+        note = ""
+        handled = False
+        if handler is not None:
+            try:
+                handled = bool(await _run(handler, (failure,), {}))
+            except Exception as e:
+                note = f" (its __supervise__ raised {type(e).__qualname__}: {e})"
+        if not handled:
+            self.runtime.send({"op": "failure", "actor": self.name,
+                               "description": failure.describe() + note})
+
+
+async def _run(fn: Any, args: tuple, kwargs: dict) -> Any:
+    """Await an async callable here; run a sync one in a worker thread, where it may block."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args, **kwargs)
+    return await trio.to_thread.run_sync(functools.partial(fn, *args, **kwargs),
+                                         abandon_on_cancel=True)
+
+
+class OwnerLauncher(Launcher):
+    """Launch procs for this proc's actors through the owner, which holds the daemon links."""
+
+    def __init__(self, runtime: Runtime, hosts: list[HostInfo]) -> None:
+        self.runtime = runtime
+        self.hosts = hosts
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, tuple[trio.Event, dict]] = {}
+        self._handlers: dict[int, OnEvent] = {}
+
+    def listen_host(self, host: int) -> str:
+        return self.runtime.local_host
+
+    async def _ask(self, header: dict) -> dict:
+        req = header["req"]
+        done = trio.Event()
+        box: dict = {}
+        self._waiting[req] = (done, box)
+        self.runtime.send(header)
+        try:
+            await done.wait()
+        finally:
+            self._waiting.pop(req, None)
+        if "error" in box:
+            raise MeshError(str(box["error"]))
+        return box.get("value") or {}
+
+    async def spawn(self, host: int, spec: dict, on_event: OnEvent) -> dict:
+        req = next(self._ids)
+        self._handlers[req] = on_event
+        try:
+            return await self._ask({"op": "launch", "req": req, "host": host, "spec": spec})
+        except MeshError as e:
+            self._handlers.pop(req, None)
+            raise SpawnError(str(e)) from None
+
+    async def kill(self, host: int, proc: int, sig: int = 15) -> None:
+        self.runtime.send({"op": "kill", "host": host, "proc": proc, "signal": int(sig)})
+
+    async def request(self, host: int, op: str, **args: object) -> dict:
+        return await self._ask({"op": "request", "req": next(self._ids), "host": host,
+                                "name": op, "args": args})
+
+    def on_message(self, h: dict) -> None:
+        if h["op"] == "reply":
+            waiter = self._waiting.get(h.get("req"))
+            if waiter is not None:
+                waiter[1].update(h)
+                waiter[0].set()
+        elif h["op"] == "proc_event":
+            handler = self._handlers.get(h.get("req"))
+            if handler is not None:
+                kind = str(h.get("kind"))
+                if kind in ("exit", "lost"):
+                    self._handlers.pop(h["req"], None)
+                handler(kind, h.get("data") or {})
+
+
+class Runtime:
+    def __init__(self, env: dict[str, str]) -> None:
+        self.addr = env["MONARCH_MESH_ADDR"]
+        self.token = bytes.fromhex(env["MONARCH_MESH_TOKEN"])
+        self.mesh = env.get("MONARCH_MESH_NAME", "procs")
+        self.rank = int(env["MONARCH_MESH_RANK"])
+        self.world_size = int(env.get("MONARCH_MESH_WORLD_SIZE", "1"))
+        self.local_rank = int(env.get("MONARCH_MESH_LOCAL_RANK", "0"))
+        self.host = int(env.get("MONARCH_MESH_HOST", "0"))
+        self.hosts = [HostInfo(a, n) for a, n in json.loads(env.get("MONARCH_MESH_HOSTS", "[]"))]
+        self.local_host = "127.0.0.1"
+        self.actors: dict[str, _Slot] = {}
+        self.host_meshes: list[Any] = []
+        self.launcher = OwnerLauncher(self, self.hosts)
+        self.outbox, self._outbox_recv = trio.open_memory_channel[p.Data](math.inf)
+        self._flushed = trio.Event()
+        self.nursery: trio.Nursery | None = None
+
+    def post(self, msg: p.Data) -> None:
+        try:
+            self.outbox.send_nowait(msg)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    def send(self, header: dict) -> None:
+        self.post(wire.encode(header))
+
+    def host_mesh_for(self, slot: _Slot) -> Any:
+        """The hosts, as seen by one actor: meshes it spawns report failures to it."""
+        from .host_mesh import HostMesh
+
+        def supervise(failure: Failure) -> None:
+            slot.mailbox.send_nowait(({"op": "supervise"}, failure))
+
+        assert self.nursery is not None
+        hosts = HostMesh(self.launcher, self.nursery, supervisor=supervise, output=print_output)
+        self.host_meshes.append(hosts)
+        return hosts
+
+    async def run(self) -> int:
+        try:
+            chan = await connect(self.addr, self.token)
+        except ConnectError as e:
+            print(f"monarch-fs runtime: cannot reach the controller: {e}", file=sys.stderr)
+            return 2
+        chan.conn.max_frame = MESH_MAX_FRAME
+        self.local_host = chan.stream.socket.getsockname()[0]
+        await chan.send(wire.encode({"op": "hello", "rank": self.rank, "pid": os.getpid()}))
+        async with trio.open_nursery() as nursery:
+            self.nursery = nursery
+            nursery.start_soon(self._writer, chan)
+            code = await self._serve(chan)
+            for hosts in self.host_meshes:  # meshes our actors own stop with us
+                await hosts._stop_all()
+            if code == 0:  # let queued replies go out before saying goodbye
+                self.outbox.close()
+                with trio.move_on_after(2):
+                    await self._flushed.wait()
+            nursery.cancel_scope.cancel()
+        await trio.aclose_forcefully(chan.stream)
+        return code
+
+    async def _writer(self, chan: Any) -> None:
+        try:
+            async for msg in self._outbox_recv:
+                await chan.send(msg)
+        except (ConnectionLost, trio.ClosedResourceError, trio.BrokenResourceError):
+            pass
+        finally:
+            self._flushed.set()
+
+    async def _serve(self, chan: Any) -> int:
+        assert self.nursery is not None
+        while True:
+            try:
+                msg = await chan.receive()
+            except (ConnectionLost, RemoteError, p.ProtocolError, trio.BrokenResourceError):
+                return EXIT_OWNER_GONE
+            if not isinstance(msg, p.Data):
+                continue
+            try:
+                h = wire.header(msg)
+            except wire.WireError:
+                continue
+            op = h["op"]
+            if op == "stop":
+                return 0
+            if op in ("reply", "proc_event"):
+                self.launcher.on_message(h)
+            elif op in ("spawn", "call"):
+                name = str(h.get("actor"))
+                slot = self.actors.get(name)
+                if slot is None and op == "spawn":
+                    slot = self.actors[name] = _Slot(self, name)
+                    self.nursery.start_soon(slot.run)
+                if slot is None:
+                    if h.get("call") is not None:
+                        self.send({"op": "error", "call": h["call"], "actor": name,
+                                   "method": h.get("method", "?"), "type": "MeshError",
+                                   "message": f"no actor {name!r} on this proc",
+                                   "traceback": ""})
+                    continue
+                slot.mailbox.send_nowait((h, msg))
+
+
+def main() -> int:
+    env = dict(os.environ)
+    for key in ("MONARCH_MESH_TOKEN", "MONARCH_MESH_ADDR"):
+        os.environ.pop(key, None)  # children of the actors must not inherit the mesh's secret
+    path = [e for e in env.get("MONARCH_MESH_PYTHON_PATH", "").split(os.pathsep) if e]
+    sys.path[:0] = path
+    return trio.run(Runtime(env).run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

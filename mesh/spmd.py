@@ -1,0 +1,201 @@
+"""SPMD launch (`monarch-fs run`): one command on every proc, supervised, restarted as a group.
+
+Every proc gets the environment torchrun gives (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+GROUP_RANK, MASTER_ADDR = the first host's address, MASTER_PORT = a port free on it right now,
+TORCHELASTIC_RESTART_COUNT), so `torch.distributed.init_process_group()` works unchanged. Each
+output line comes back prefixed with its rank.
+
+When a rank fails (non-zero exit, a signal, or its host becomes unreachable) the first failure is
+reported (rank, host, cause, the tail of its stderr), the other ranks are stopped (SIGTERM, then
+SIGKILL after a grace period) and, while restarts remain, the whole group starts again with a
+fresh MASTER_PORT. A rank that exits 0 early is not a failure: the job is done when all have.
+
+Exit status: 0 when every rank exited 0; otherwise that of the first failing rank of the last
+attempt: its exit code, or 128 + the signal number if a signal killed it (as a shell reports
+it); 1 if the job could not be launched at all (unreachable host, unknown workspace, bad
+command) or a host was lost.
+"""
+
+from __future__ import annotations
+
+import signal as signals
+import sys
+from dataclasses import dataclass, field
+from typing import TextIO
+
+import trio
+
+from .errors import MeshError
+from .hosts import Daemons, HostInfo, open_daemons, workspace_version
+
+STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL for the surviving ranks
+EXIT_STATUS_LOST = 1
+
+
+@dataclass
+class RankFailure:
+    rank: int
+    host: HostInfo
+    code: int | None = None
+    signal: str | None = None
+    reason: str = ""  # when there is no exit status: the host was lost
+    stderr_tail: list[str] = field(default_factory=list)
+
+    def cause(self) -> str:
+        if self.signal:
+            return f"killed by {self.signal}"
+        if self.code is not None:
+            return f"exit code {self.code}"
+        return self.reason
+
+    def exit_status(self) -> int:
+        if self.signal:
+            try:
+                return 128 + signals.Signals[self.signal].value
+            except KeyError:
+                return EXIT_STATUS_LOST
+        return self.code if self.code else EXIT_STATUS_LOST
+
+
+@dataclass
+class Job:
+    argv: list[str]
+    per_host: int
+    cwd: str | None = None
+    workspace: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    max_restarts: int = 0
+    out: TextIO = sys.stdout
+    err: TextIO = sys.stderr
+
+    def say(self, text: str) -> None:
+        print(f"monarch-fs run: {text}", file=self.err, flush=True)
+
+
+class _Attempt:
+    """One launch of every rank, until all exit 0 or the first one fails."""
+
+    def __init__(self, job: Job, daemons: Daemons) -> None:
+        self.job = job
+        self.daemons = daemons
+        self.world = job.per_host * len(daemons.hosts)
+        self.procs: dict[int, tuple[int, int]] = {}  # rank -> (host, daemon's proc id)
+        self.exited: set[int] = set()
+        self.failure: RankFailure | None = None
+        self.stopping = False
+        self.spawn_errors: list[MeshError] = []
+        self.changed = trio.Event()
+
+    def _host(self, rank: int) -> int:
+        return rank // self.job.per_host
+
+    def on_event(self, rank: int, kind: str, data: dict) -> None:
+        if kind == "output":
+            stream = self.job.err if data.get("stream") == "stderr" else self.job.out
+            stream.write("".join(f"[rank {rank}] {line}\n" for line in data.get("lines", [])))
+            stream.flush()
+            return
+        if kind not in ("exit", "lost"):
+            return
+        self.exited.add(rank)
+        failed = kind == "lost" or data.get("code") != 0 or data.get("signal")
+        if failed and self.failure is None and not self.stopping:
+            self.failure = RankFailure(
+                rank, self.daemons.hosts[self._host(rank)], data.get("code"), data.get("signal"),
+                data.get("reason", ""), list(data.get("stderr_tail") or []))
+        self.changed.set()
+
+    async def _wait(self, done) -> None:
+        while not done():
+            self.changed = trio.Event()
+            await self.changed.wait()
+
+    async def run(self, restart: int) -> RankFailure | None:
+        job, daemons = self.job, self.daemons
+        master = daemons.hosts[0].host
+        port = (await daemons.request(0, "free_port"))["port"]
+        version = await workspace_version(daemons, job.workspace) if job.workspace else None
+        try:
+            async with trio.open_nursery() as nursery:
+                for rank in range(self.world):
+                    env = {
+                        "PYTHONUNBUFFERED": "1", **job.env,
+                        "RANK": str(rank), "WORLD_SIZE": str(self.world),
+                        "LOCAL_RANK": str(rank % job.per_host),
+                        "LOCAL_WORLD_SIZE": str(job.per_host),
+                        "GROUP_RANK": str(self._host(rank)), "MASTER_ADDR": master,
+                        "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": str(restart),
+                    }
+                    spec: dict = {"argv": job.argv, "env": env}
+                    if job.cwd or job.workspace:
+                        spec["cwd"] = job.cwd or "{workspace}"
+                    if job.workspace:
+                        spec.update(workspace=job.workspace, version=version)
+                    nursery.start_soon(self._spawn, rank, spec)
+            if self.spawn_errors:
+                raise self.spawn_errors[0]
+            await self._wait(lambda: self.failure is not None or len(self.exited) == self.world)
+            if self.failure is not None:
+                self._report(restart)
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.stop()
+        return self.failure
+
+    def _report(self, restart: int) -> None:
+        f, job = self.failure, self.job
+        assert f is not None
+        job.say(f"rank {f.rank} on {f.host} failed: {f.cause()} "
+                f"(attempt {restart + 1} of {job.max_restarts + 1})")
+        if f.stderr_tail:
+            job.err.write("  its stderr ended with:\n" + "".join(
+                f"    {line}\n" for line in f.stderr_tail))
+            job.err.flush()
+
+    async def _spawn(self, rank: int, spec: dict) -> None:
+        host = self._host(rank)
+        try:
+            # Shielded: once asked, we must learn the proc id so that stop() can kill it.
+            with trio.CancelScope(shield=True):
+                reply = await self.daemons.spawn(
+                    host, spec, lambda kind, data: self.on_event(rank, kind, data))
+        except MeshError as e:
+            self.spawn_errors.append(e)
+        else:
+            self.procs[rank] = (host, reply["proc"])
+
+    async def stop(self) -> None:
+        """SIGTERM the ranks still running, SIGKILL them after STOP_GRACE, wait for all."""
+        self.stopping = True
+        running = [r for r in self.procs if r not in self.exited]
+        if not running:
+            return
+        if self.failure is not None:
+            self.job.say(f"stopping the other {len(running)} ranks")
+        for sig, grace in ((signals.SIGTERM, STOP_GRACE), (signals.SIGKILL, STOP_GRACE)):
+            for rank in running:
+                if rank not in self.exited:
+                    await self.daemons.kill(*self.procs[rank], sig)
+            with trio.move_on_after(grace):
+                await self._wait(lambda: all(r in self.exited for r in running))
+
+
+async def run_job(addrs: list[str], token: bytes, job: Job) -> int:
+    """Run the job until it succeeds or its restarts are used up; the exit status."""
+    try:
+        async with open_daemons(addrs, token) as daemons:
+            world = job.per_host * len(daemons.hosts)
+            for restart in range(job.max_restarts + 1):
+                failure = await _Attempt(job, daemons).run(restart)
+                if failure is None:
+                    job.say(f"all {world} ranks exited 0" +
+                            (f" (after {restart} restarts)" if restart else ""))
+                    return 0
+                left = job.max_restarts - restart
+                if left:
+                    job.say(f"restarting all {world} ranks ({left} restarts left)")
+            job.say(f"giving up: exit status {failure.exit_status()}")
+            return failure.exit_status()
+    except MeshError as e:
+        job.say(f"error: {e}")
+        return EXIT_STATUS_LOST

@@ -1,0 +1,112 @@
+"""Mesh messages on DATA frames: a JSON header anyone can read, then a pickled body with its
+out-of-band buffers.
+
+Why the split: the header (which call, which actor, which method) is decoded without
+unpickling, so a body that cannot be unpickled (say, a class missing on this side) fails that one
+call and not the connection. Only peers that passed the HMAC handshake get here at all.
+
+Bodies are pickle protocol 5. CPU torch tensors (and anything else that hands pickle a
+PickleBuffer) go out-of-band: their bytes are framed directly, without being copied into the
+pickle, padded so each starts 64-byte aligned within the frame, and rebuilt on the receiving side
+as views of the received frame, without another copy. The user-space copies are: one into the
+outgoing frame, and on receipt the transport's copy into its buffer plus one out of it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import json
+import pickle
+import sys
+from typing import Any
+
+from ..daemon.protocol import Data
+
+_ALIGN = 64
+_PAD = bytes(_ALIGN)
+
+
+class WireError(ValueError):
+    """A DATA frame that is not a mesh message."""
+
+
+def _tensor_bytes(t: Any) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory that keeps the tensor alive
+    (torch has no buffer protocol and numpy may not be installed, so go through ctypes)."""
+    nbytes = t.numel() * t.element_size()
+    arr = (ctypes.c_char * nbytes).from_address(t.data_ptr())
+    arr._keep = t  # the view -> arr -> tensor: the memory outlives the frame that carries it
+    return memoryview(arr).cast("B")
+
+
+def _rebuild_tensor(buf: pickle.PickleBuffer | memoryview, dtype: Any, shape: tuple,
+                    requires_grad: bool) -> Any:
+    import torch
+
+    view = memoryview(buf).cast("B")
+    if view.nbytes == 0:
+        t = torch.empty(shape, dtype=dtype)
+    else:
+        if view.readonly:  # in-band (pickled without a buffer_callback): copy once
+            view = memoryview(bytearray(view))
+        t = torch.frombuffer(view, dtype=torch.uint8).view(dtype).reshape(shape)
+    return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+class _Pickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        torch = sys.modules.get("torch")
+        if torch is None or type(obj) is not torch.Tensor:
+            return NotImplemented
+        plain = (obj.device.type == "cpu" and obj.layout == torch.strided
+                 and not obj.is_quantized and not obj.is_conj() and not obj.is_neg())
+        if not plain or obj.element_size() == 0:
+            return NotImplemented
+        t = obj.detach().contiguous()
+        return _rebuild_tensor, (pickle.PickleBuffer(_tensor_bytes(t)), t.dtype,
+                                 tuple(t.shape), obj.requires_grad)
+
+
+def dumps(obj: Any) -> tuple[bytes, list[memoryview]]:
+    """The pickle and its out-of-band buffers."""
+    buffers: list[memoryview] = []
+    f = io.BytesIO()
+    _Pickler(f, protocol=5, buffer_callback=lambda b: buffers.append(b.raw())).dump(obj)
+    return f.getvalue(), buffers
+
+
+def encode(header: dict, body: Any = None, *, has_body: bool = False,
+           copy: bool = False) -> Data:
+    """A mesh message. `copy` snapshots the buffers now, for a message that is queued while the
+    caller may go on mutating its tensors (broadcast returns before the bytes are sent)."""
+    parts: list[Any] = [json.dumps(header, separators=(",", ":")).encode()]
+    if not (has_body or body is not None):
+        return Data(parts)
+    pickled, buffers = dumps(body)
+    parts.append(pickled)
+    n = 2 + 2 * len(buffers)
+    offset = 4 + 8 * n + len(parts[0]) + len(pickled)  # where the next part starts
+    for b in buffers:
+        pad = -offset % _ALIGN
+        parts.append(_PAD[:pad])
+        parts.append(bytes(b) if copy else b)
+        offset += pad + b.nbytes
+    return Data(parts)
+
+
+def header(msg: Data) -> dict:
+    try:
+        obj = json.loads(bytes(msg.parts[0]))
+    except (IndexError, ValueError, RecursionError):
+        raise WireError("a DATA frame without a JSON header") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("op"), str):
+        raise WireError("a DATA frame whose header is not an object with an 'op'")
+    return obj
+
+
+def body(msg: Data) -> Any:
+    """Unpickle the body (None if there is none). Raises what unpickling raises."""
+    if len(msg.parts) < 2:
+        return None
+    return pickle.loads(msg.parts[1], buffers=msg.parts[3::2])

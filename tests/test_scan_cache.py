@@ -1,0 +1,393 @@
+"""The scan cache: an unchanged file is never read again, a one-file edit hashes one file, and
+nothing the cache holds can make a push send wrong bytes.
+
+What "not read" means here is observed from outside the scan: the kernel's inotify IN_OPEN
+events on every folder of the tree list each file the scan opened. The scan's own counters are
+checked too, but they are not the evidence."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import struct
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import mfs, tree
+from monarch_fs.fs.chunk import CHUNK_SIZE, chunk_id
+from monarch_fs.fs.manifest import Kind
+from monarch_fs.fs.scan import SourceChanged, scan
+from monarch_fs.fs.scan_cache import RACY_NS, ScanCache, _prune, cache_file, stat_key
+
+SMALL = 64 * 1024  # the smallest chunk size a manifest allows
+RACY = 50_000_000  # 50 ms: tests wait this long after writing instead of the default 2 s
+
+IN_OPEN = 0x20
+IN_ISDIR = 0x40000000
+_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then len bytes of name
+
+
+class Opens:
+    """The files below `root` that anything opened since the last call, as inotify saw it."""
+
+    def __init__(self, root: Path):
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = self.libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        assert self.fd >= 0, os.strerror(ctypes.get_errno())
+        self.dirs: dict[int, bytes] = {}
+        self.root = os.fsencode(root)
+        self.rewatch()
+
+    def rewatch(self) -> None:
+        """Watch every folder of the tree (call after creating folders)."""
+        for dirpath, _, _ in os.walk(self.root):
+            wd = self.libc.inotify_add_watch(self.fd, dirpath, IN_OPEN)
+            assert wd >= 0, os.strerror(ctypes.get_errno())
+            self.dirs[wd] = dirpath
+
+    def files(self) -> list[str]:
+        opened = []
+        while True:
+            try:
+                buf = os.read(self.fd, 65536)
+            except BlockingIOError:
+                return sorted(opened)
+            pos = 0
+            while pos < len(buf):
+                wd, mask, _, n = _EVENT.unpack_from(buf, pos)
+                name = buf[pos + _EVENT.size:pos + _EVENT.size + n].rstrip(b"\0")
+                pos += _EVENT.size + n
+                if mask & IN_OPEN and not mask & IN_ISDIR and name:
+                    full = os.path.join(self.dirs[wd], name)
+                    opened.append(os.fsdecode(os.path.relpath(full, self.root)))
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+@pytest.fixture
+def opens():
+    made = []
+
+    def watch(root: Path) -> Opens:
+        made.append(Opens(root))
+        return made[-1]
+
+    yield watch
+    for o in made:
+        o.close()
+
+
+def make_tree(root: Path) -> dict[str, bytes]:
+    files = {f"pkg{i % 3}/mod{i}.py": b"x = %d\n" % i * (i + 1) for i in range(30)}
+    files["big.bin"] = os.urandom(3 * SMALL + 5)  # four chunks
+    files["exact.bin"] = os.urandom(2 * SMALL)
+    files["empty"] = b""
+    files["dup1"] = files["dup2"] = b"same bytes in two files"
+    for rel, data in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+    os.link(root / "big.bin", root / "pkg0" / "big-hardlink.bin")
+    files["pkg0/big-hardlink.bin"] = files["big.bin"]
+    os.symlink("pkg0/mod0.py", root / "link")
+    return files
+
+
+def content(snap, rel: str) -> bytes:
+    e = snap.manifest.get(os.fsencode(rel))
+    return b"".join(snap.read_chunk(c) for c in e.chunks)
+
+
+async def fresh(src: Path) -> bytes:
+    """The manifest a scan without any cache gives: what every cached scan must equal."""
+    return (await scan(src, chunk_size=SMALL)).manifest.encode()
+
+
+async def cached_scan(src: Path, cache_dir: Path, racy_ns: int = RACY, **kw):
+    cache = ScanCache.for_folder(cache_dir, src, racy_ns=racy_ns)  # loaded from disk each time
+    return await scan(src, chunk_size=SMALL, cache=cache, **kw), cache
+
+
+@pytest.fixture
+def src(tmp_path):
+    d = tmp_path / "src"
+    d.mkdir()
+    return d
+
+
+async def test_unchanged_tree_is_not_read_again(src, tmp_path, opens):
+    files = make_tree(src)
+    time.sleep(RACY / 1e9)
+    seen = opens(src)
+    first, _ = await cached_scan(src, tmp_path / "cache")
+    # Every distinct inode was read once (the hard link is the same inode).
+    assert seen.files() == sorted(set(files) - {"pkg0/big-hardlink.bin"})
+    assert first.cached_files == 0 and first.hashed_files == len(files) - 1
+
+    reports = []
+    second, cache = await cached_scan(src, tmp_path / "cache",
+                                      progress=lambda done, total: reports.append((done, total)))
+    assert seen.files() == []  # not one file opened
+    assert second.hashed_files == 0 and second.hashed_bytes == 0
+    assert second.cached_files == len(files) and cache.hits == len(files)
+    assert reports == [(0, 0)]
+    assert second.manifest.encode() == first.manifest.encode() == await fresh(src)
+    # The cached sources point at the right bytes (reading them is the push's check).
+    for rel, data in files.items():
+        assert content(second, rel) == data, rel
+
+
+async def test_a_one_file_edit_hashes_exactly_that_file(src, tmp_path, opens):
+    files = make_tree(src)
+    time.sleep(RACY / 1e9)
+    await cached_scan(src, tmp_path / "cache")
+    seen = opens(src)
+    (src / "pkg1" / "mod4.py").write_bytes(b"edited = True\n")
+    (src / "pkg2" / "new.py").write_bytes(b"new file\n")
+    seen.files()
+    snap, _ = await cached_scan(src, tmp_path / "cache")
+    assert seen.files() == ["pkg1/mod4.py", "pkg2/new.py"]
+    assert snap.hashed_files == 2 and snap.cached_files == len(files) - 1
+    assert snap.manifest.encode() == await fresh(src)
+    assert content(snap, "pkg1/mod4.py") == b"edited = True\n"
+
+
+async def test_same_size_same_mtime_rewrite_is_caught_by_ctime(src, tmp_path, opens):
+    """The honest limit: size and mtime can be put back (os.utime, `touch -d`, tar, rsync -t),
+    ctime cannot. The rewritten file's ctime moved, so it is read again."""
+    make_tree(src)
+    time.sleep(RACY / 1e9)
+    await cached_scan(src, tmp_path / "cache")
+    path = src / "pkg0" / "mod3.py"
+    before = os.stat(path)
+    new = bytes(b ^ 1 for b in path.read_bytes())  # same length, different bytes
+    path.write_bytes(new)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (
+        before.st_ino, before.st_size, before.st_mtime_ns)
+    assert after.st_ctime_ns != before.st_ctime_ns
+    seen = opens(src)
+    snap, _ = await cached_scan(src, tmp_path / "cache")
+    assert seen.files() == ["pkg0/mod3.py"]
+    assert content(snap, "pkg0/mod3.py") == new
+    assert snap.manifest.encode() == await fresh(src)
+
+
+async def test_deleted_and_renamed_files(src, tmp_path, opens):
+    files = make_tree(src)
+    time.sleep(RACY / 1e9)
+    await cached_scan(src, tmp_path / "cache")
+    os.unlink(src / "pkg2" / "mod5.py")
+    os.unlink(src / "pkg0" / "big-hardlink.bin")
+    os.rename(src / "pkg1" / "mod7.py", src / "pkg2" / "moved.py")
+    seen = opens(src)
+    snap, cache = await cached_scan(src, tmp_path / "cache")
+    renamed_read = seen.files()
+    # Unlinking big.bin's second name changed its link count, so its ctime: it is read again.
+    # The renamed file keeps its inode: read again only if the rename moved its ctime.
+    assert "big.bin" in renamed_read and set(renamed_read) <= {"big.bin", "pkg2/moved.py"}
+    paths = {e.path for e in snap.manifest}
+    assert b"pkg2/mod5.py" not in paths and b"pkg1/mod7.py" not in paths
+    assert content(snap, "pkg2/moved.py") == files["pkg1/mod7.py"]
+    assert snap.manifest.encode() == await fresh(src)
+    # The deleted file's entry was dropped when the cache was saved: one entry per inode left
+    # (less the renamed file, if its ctime moved: then it was racy, and is not cached yet).
+    time.sleep(RACY / 1e9)
+    again, cache = await cached_scan(src, tmp_path / "cache")
+    inodes = {os.stat(src / os.fsdecode(e.path)).st_ino for e in snap.manifest
+              if e.kind == Kind.FILE}
+    assert cache.loaded == len(inodes) - len(renamed_read)
+    assert again.hashed_files == len(renamed_read)
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "flipped", "garbage", "directory",
+                                    "other-folder"])
+async def test_a_corrupt_cache_file_is_ignored(src, tmp_path, damage, opens):
+    files = make_tree(src)
+    time.sleep(RACY / 1e9)
+    await cached_scan(src, tmp_path / "cache")
+    path = Path(cache_file(tmp_path / "cache", src))
+    data = path.read_bytes()
+    if damage == "empty":
+        path.write_bytes(b"")
+    elif damage == "truncated":
+        path.write_bytes(data[:len(data) // 2])
+    elif damage == "flipped":
+        path.write_bytes(data[:-20] + bytes([data[-20] ^ 0x10]) + data[-19:])
+    elif damage == "garbage":
+        path.write_bytes(os.urandom(len(data)))
+    elif damage == "directory":
+        path.unlink()
+        path.mkdir()
+    elif damage == "other-folder":  # a valid cache of another folder at this name
+        other = tmp_path / "other"
+        other.mkdir()
+        (other / "f").write_bytes(b"other")
+        time.sleep(RACY / 1e9)
+        await cached_scan(other, tmp_path / "cache")
+        path.write_bytes(Path(cache_file(tmp_path / "cache", other)).read_bytes())
+    seen = opens(src)
+    snap, cache = await cached_scan(src, tmp_path / "cache")
+    assert cache.loaded == 0 and snap.cached_files == 0
+    assert len(seen.files()) == len(files) - 1  # everything read again
+    assert snap.manifest.encode() == await fresh(src)
+    if damage != "directory":  # rewritten whole: the next scan trusts it again
+        seen.files()
+        again, _ = await cached_scan(src, tmp_path / "cache")
+        assert seen.files() == [] and again.cached_files == len(files)
+
+
+async def test_a_cache_of_another_chunk_size_is_not_used(src, tmp_path, opens):
+    files = make_tree(src)
+    time.sleep(RACY / 1e9)
+    await cached_scan(src, tmp_path / "cache")
+    seen = opens(src)
+    cache = ScanCache.for_folder(tmp_path / "cache", src, racy_ns=RACY)
+    snap = await scan(src, chunk_size=2 * SMALL, cache=cache)
+    assert cache.loaded == 0 and len(seen.files()) == len(files) - 1
+    assert len(snap.manifest.get(b"big.bin").chunks) == 2
+    assert snap.manifest.encode() == (await scan(src, chunk_size=2 * SMALL)).manifest.encode()
+
+
+async def test_racily_clean_files_are_hashed_again(src, tmp_path, opens):
+    """With the default window (2 s): a file changed just before the scan is not cached, since
+    a second write within its timestamp granularity could leave the key as it is. It is read
+    again by the next scan, and cached once it is older than the window."""
+    (src / "old").write_bytes(b"old")
+    cache = ScanCache.for_folder(tmp_path / "cache", src)
+    assert cache.racy_ns == RACY_NS == 2_000_000_000
+    await scan(src, chunk_size=SMALL, cache=cache)
+    assert cache.stored == 0  # "old" is 0 s old: racy
+    time.sleep(2.1)
+    (src / "fresh").write_bytes(b"fresh")
+    seen = opens(src)
+    first = await scan(src, chunk_size=SMALL, cache=ScanCache.for_folder(tmp_path / "cache", src))
+    assert seen.files() == ["fresh", "old"] and first.hashed_files == 2
+    second = await scan(src, chunk_size=SMALL,
+                        cache=ScanCache.for_folder(tmp_path / "cache", src))
+    assert seen.files() == ["fresh"]  # racy last time: read again; "old" is trusted
+    assert second.cached_files == 1 and content(second, "fresh") == b"fresh"
+
+
+async def test_a_stale_entry_is_a_clear_source_changed_and_clears_the_cache(src, tmp_path,
+                                                                            opens):
+    """A file changed behind the file system's back (its key unchanged) cannot be seen by the
+    scan; the push's read check catches it, names the cause, and drops the cache so the next
+    push is right. The stale entry is planted through the cache's own API."""
+    files = make_tree(src)
+    time.sleep(RACY / 1e9)
+    await cached_scan(src, tmp_path / "cache")
+    target = src / "pkg1" / "mod1.py"
+    planted = ScanCache.for_folder(tmp_path / "cache", src, racy_ns=RACY)
+    planted.begin(SMALL)
+    for rel in files:  # keep every real entry...
+        planted.lookup(os.stat(src / rel))
+    planted.record(stat_key(os.stat(target)), [chunk_id(b"not what the file holds")])  # ...but one
+    planted.save()
+
+    seen = opens(src)
+    snap, _ = await cached_scan(src, tmp_path / "cache")
+    assert seen.files() == []  # the key matched: trusted without reading
+    wrong = snap.manifest.get(b"pkg1/mod1.py").chunks[0]
+    assert wrong == chunk_id(b"not what the file holds")
+    with pytest.raises(SourceChanged, match="scan cache") as e:
+        snap.read_chunk(wrong)
+    assert "mod1.py" in str(e.value) and "push again" in str(e.value)
+    assert not Path(cache_file(tmp_path / "cache", src)).exists()
+    again, _ = await cached_scan(src, tmp_path / "cache")
+    assert content(again, "pkg1/mod1.py") == files["pkg1/mod1.py"]
+    assert again.manifest.encode() == await fresh(src)
+
+
+async def test_a_file_edited_after_the_scan_is_still_changed_during_the_push(src, tmp_path):
+    make_tree(src)
+    time.sleep(RACY / 1e9)
+    await cached_scan(src, tmp_path / "cache")
+    snap, _ = await cached_scan(src, tmp_path / "cache")
+    (src / "pkg0" / "mod0.py").write_bytes(b"edited after the scan")
+    with pytest.raises(SourceChanged, match="changed during the push"):
+        snap.read_chunk(snap.manifest.get(b"pkg0/mod0.py").chunks[0])
+    assert Path(cache_file(tmp_path / "cache", src)).exists()  # the cache was right: kept
+
+
+def test_saving_and_loading_15000_entries_is_fast(tmp_path):
+    folder = tmp_path / "big"
+    cache = ScanCache.for_folder(tmp_path / "cache", folder)
+    cache.begin(CHUNK_SIZE, started_ns=time.time_ns() + 10**12)
+    for i in range(15_000):
+        size = 1000 + i if i % 100 else 9 * CHUNK_SIZE + i  # a few multi-chunk files
+        ids = [chunk_id(b"%d-%d" % (i, k)) for k in range(-(-size // CHUNK_SIZE))]
+        cache.record((2049, 1_000_000 + i, size, 1_700_000_000_000_000_000 + i,
+                      1_700_000_000_000_000_000 + i), ids)
+    t0 = time.perf_counter()
+    assert cache.save()
+    saved = time.perf_counter() - t0
+    loader = ScanCache.for_folder(tmp_path / "cache", folder)
+    t0 = time.perf_counter()
+    loader.begin(CHUNK_SIZE)
+    loaded = time.perf_counter() - t0
+    assert loader.loaded == 15_000
+    assert loader._old == cache._old
+    assert saved < 0.1 and loaded < 0.1, (saved, loaded)
+
+
+def test_least_recently_used_cache_files_are_pruned(tmp_path):
+    for i in range(6):
+        (tmp_path / f"c{i}").write_bytes(b"x")
+        os.utime(tmp_path / f"c{i}", ns=(i * 10**9, i * 10**9))
+    _prune(str(tmp_path), keep=4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c2", "c3", "c4", "c5"]
+
+
+# --------------------------------------------------------------------------------------------
+# Through the command line and a cluster
+
+
+def test_push_through_the_command_line(cluster3, tmp_path, opens):
+    """The CLI keeps the cache in $MONARCH_FS_HOME/scan-cache; --no-cache neither reads nor
+    writes it; a re-push opens no source file (seen by inotify, from outside the push
+    process); a stale entry fails the push with one clear line, and the next push is right."""
+    src = tmp_path / "cli-src"
+    src.mkdir()
+    files = make_tree(src)
+    home = tmp_path / "home"
+    env = {"MONARCH_FS_HOME": str(home)}
+    args = ["push", str(src), "--hosts", cluster3.hostfile, "--token-file",
+            cluster3.token_file, "--json"]
+    cfile = Path(cache_file(home / "scan-cache", src))
+    first = json.loads(mfs(*args, "--no-cache", env=env).stdout)
+    assert not cfile.exists()
+    time.sleep(RACY_NS / 1e9 + 0.1)  # the CLI uses the default racy window
+    seen = opens(src)
+    assert json.loads(mfs(*args, env=env).stdout)["version"] == first["version"]
+    assert cfile.exists() and len(seen.files()) == len(files) - 1
+    again = json.loads(mfs(*args, env=env).stdout)
+    assert seen.files() == []
+    assert again["version"] == first["version"] and again["chunks_sent"] == 0
+    seen_no_cache = json.loads(mfs(*args, "--no-cache", env=env).stdout)
+    assert len(seen.files()) == len(files) - 1 and seen_no_cache["version"] == first["version"]
+
+    # Plant a stale entry (the key unchanged, a wrong id) for one file.
+    target = src / "pkg2" / "mod2.py"
+    planted = ScanCache.for_folder(home / "scan-cache", src)
+    planted.begin(CHUNK_SIZE)
+    for rel in files:
+        planted.lookup(os.stat(src / rel))
+    planted.record(stat_key(os.stat(target)), [chunk_id(b"stale")])
+    planted.save()
+    out = mfs(*args, env=env, check=False)
+    assert out.returncode == 1
+    assert out.stderr.startswith("monarch-fs: error:") and "scan cache" in out.stderr
+    assert "mod2.py" in out.stderr and "Traceback" not in out.stderr
+    for mnt in cluster3.mounts():  # nothing was published
+        assert (mnt / "cli-src" / "pkg2" / "mod2.py").read_bytes() == files["pkg2/mod2.py"]
+    assert not cfile.exists()
+    assert json.loads(mfs(*args, env=env).stdout)["version"] == first["version"]
+    expected = tree(src)
+    for mnt in cluster3.mounts():
+        assert tree(mnt / "cli-src") == expected
