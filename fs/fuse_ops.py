@@ -22,7 +22,7 @@ import errno
 import logging
 import os
 import stat
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,6 +36,8 @@ from .manifest import Entry, Kind, Manifest
 log = logging.getLogger(__name__)
 
 VERSIONS = b".versions"
+PREFETCH_CHUNKS = 2
+LISTING_CACHE_ENTRIES = 50_000
 TIMEOUT = 24 * 3600.0  # entries are invalidated explicitly; the timeout is only a backstop
 _TYPE = {Kind.DIR: stat.S_IFDIR, Kind.FILE: stat.S_IFREG, Kind.SYMLINK: stat.S_IFLNK}
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC | os.O_CREAT
@@ -61,7 +63,7 @@ class Tree:
         return self.version.hex()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Node:
     """What one inode is. `view` is None for the current view of `ws`, else a version id."""
 
@@ -104,6 +106,8 @@ class SnapshotFS(pyfuse3.Operations):
         self._next_fh = 1
         self.nursery: trio.Nursery | None = None  # for prefetches, set while serving
         self.ops: Counter[str] = Counter()  # requests served, by operation (user.monarch.ops)
+        self._listings: OrderedDict[tuple, list[tuple[bytes, Node]]] = OrderedDict()
+        self._listed = 0  # entries held in self._listings
         self.uid = os.getuid()
         self.gid = os.getgid()
         self.mounted = False
@@ -137,9 +141,10 @@ class SnapshotFS(pyfuse3.Operations):
     def _entry_node(self, ws: str, view: bytes | None, entry: Entry) -> Node:
         if entry.kind == Kind.DIR:
             key = ("dir", ws, view, entry.path)
-        else:
-            key = ("obj", ws, entry.path, entry.kind, entry.mode, entry.size, entry.mtime_ns,
-                   entry.target, entry.chunks)
+        else:  # what a reader sees of it, in 16 bytes rather than a tuple of every chunk id
+            key = ("obj", xxhash.xxh3_128_digest(repr((
+                ws, entry.path, entry.kind, entry.mode, entry.size, entry.mtime_ns,
+                entry.target, entry.chunks)).encode()))
         return Node(key, entry, ws, view)
 
     def _tree(self, node: Node) -> Tree | None:
@@ -317,7 +322,24 @@ class SnapshotFS(pyfuse3.Operations):
         node = self._node(inode)
         if node.entry.kind != Kind.DIR:
             raise pyfuse3.FUSEError(errno.ENOTDIR)
-        return self._new_handle(self._children(node))
+        return self._new_handle(self._listing(node))
+
+    def _listing(self, node: Node) -> list[tuple[bytes, Node]]:
+        """A directory's entries. Snapshot directories never change, and every `ls`, `find`
+        or Python import lists them again, so listings are kept (LRU, bounded in entries)."""
+        tree = self._tree(node) if node.special is None else None
+        if tree is None:
+            return self._children(node)
+        key = (node.ws, node.view, tree.version, node.entry.path)
+        listing = self._listings.get(key)
+        if listing is None:
+            listing = self._listings[key] = self._children(node)
+            self._listed += len(listing)
+            while self._listed > LISTING_CACHE_ENTRIES and len(self._listings) > 1:
+                self._listed -= len(self._listings.popitem(last=False)[1])
+        else:
+            self._listings.move_to_end(key)
+        return listing
 
     async def readdir(self, fh, start_id, token):
         self.ops["readdir"] += 1
@@ -352,9 +374,11 @@ class SnapshotFS(pyfuse3.Operations):
         parts = []
         chunks = f.entry.chunks
         last = (end - 1) // f.chunk_size
-        if self.nursery is not None and last + 1 < len(chunks) and end > off:
-            # Sequential readers come back for the next chunk: load it while they use this one.
-            self.chunks.prefetch(self.nursery, chunks[last + 1])
+        if self.nursery is not None and end > off:
+            # Sequential readers come back for the next chunks: load (and decompress, on both
+            # cores) a few ahead while they use this one.
+            for cid in chunks[last + 1:last + 1 + PREFETCH_CHUNKS]:
+                self.chunks.prefetch(self.nursery, cid)
         while off < end:
             i, within = divmod(off, f.chunk_size)
             try:
