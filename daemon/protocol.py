@@ -407,8 +407,9 @@ class Connection:
         if ftype is FrameType.PUT_CHUNK:  # slice straight out of the buffer: one copy of the blob
             if size < ID_SIZE:
                 raise ProtocolError("PUT_CHUNK frame too short")
-            cid = bytes(buf[start : start + ID_SIZE])
-            msg: Message = PutChunk(cid, bytes(buf[start + ID_SIZE : end]))
+            with memoryview(buf) as view:  # bytes(buf[a:b]) would copy twice
+                cid = bytes(view[start : start + ID_SIZE])
+                msg: Message = PutChunk(cid, bytes(view[start + ID_SIZE : end]))
         elif ftype is FrameType.DATA:  # one copy out of the receive buffer, then views
             msg = _split_data(buf[start:end])
         else:

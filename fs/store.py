@@ -24,7 +24,7 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
-from .chunk import ID_SIZE, CorruptChunk, chunk_id, decode, encode
+from .chunk import ID_SIZE, CorruptChunk, chunk_id, decode, encode, verify
 
 _libc = ctypes.CDLL(None, use_errno=True)  # syncfs(2) has no os wrapper
 _RECORD = struct.Struct("<4s16sI")  # magic, chunk id, blob length
@@ -139,20 +139,23 @@ class Store:
             raise CorruptChunk(f"chunk id {cid.hex()} is not {ID_SIZE} bytes")
         if cid in self._index:
             return False
-        decode(cid, blob)
-        record = _RECORD.pack(_MAGIC, cid, len(blob)) + bytes(blob)
+        verify(cid, blob)
+        header = _RECORD.pack(_MAGIC, cid, len(blob))
+        size = len(header) + len(blob)
         with self._lock:
             if cid in self._index:
                 return False
             off = self._size
             try:
-                view = memoryview(record)
-                while view:
-                    view = view[os.write(self._fd, view):]
+                written = os.writev(self._fd, [header, blob])
+                if written < size:  # short write: finish it from where it stopped
+                    rest = memoryview(header + bytes(blob))[written:]
+                    while rest:
+                        rest = rest[os.write(self._fd, rest):]
             except BaseException:
                 os.ftruncate(self._fd, off)  # no partial record stays behind
                 raise
-            self._size = off + len(record)
+            self._size = off + size
             self._index[cid] = (self._cur, off + _RECORD.size, len(blob))
             if self._size >= self.pack_limit:
                 self._seal()
