@@ -228,7 +228,7 @@ class _Push:
             wants[root.addr] = set(below.ids)
 
         children_of = {r.addr: c for r, c in roots}
-        levels = {r.addr: 1 + topology.depth({"children": c}) for r, c in roots}
+        levels = {r.addr: topology.patience(c) for r, c in roots}
         await _each([r for r, _ in roots], lambda r: open_session(r, children_of[r.addr]),
                     self.timeout, levels)
         live = [r for r, _ in roots if r.error is None and r.addr in wants]
@@ -272,7 +272,7 @@ class _Push:
             async with queues[root.addr][1] as receive:
                 try:
                     async for cid, blob in receive:
-                        with trio.fail_after(self.timeout):
+                        with trio.fail_after(self.timeout * levels[root.addr]):
                             await root.bulk.send_chunk(cid, blob)
                         self.chunks_sent += cid != self.version
                         self.bytes_sent += len(blob)

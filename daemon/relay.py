@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import trio
 
 from . import protocol as p
-from .topology import depth
+from .topology import patience
 from .transport import Channel, connect
 
 log = logging.getLogger("monarch_fs.relay")
@@ -61,9 +61,8 @@ class Relay:
     async def _each(self, fn) -> None:
         async def one(child: _Child) -> None:
             # A child waits for its own subtree, which times out first and is blamed instead.
-            levels = 1 + depth({"children": child.children})
             try:
-                with trio.fail_after(self.timeout * levels):
+                with trio.fail_after(self.timeout * patience(child.children)):
                     await fn(child)
             except Exception as e:  # a child's failure is reported, never fatal to the relay
                 self._fail(child, e)
@@ -108,7 +107,7 @@ class Relay:
     async def _sender(self, child: _Child) -> None:
         try:
             async for cid, blob in child.receive:
-                with trio.fail_after(self.timeout):
+                with trio.fail_after(self.timeout * patience(child.children)):
                     await child.chan.send(p.PutChunk(cid, blob))
                 self.counters["chunks_forwarded"] += 1
         except Exception as e:

@@ -55,3 +55,17 @@ def subtree(spec: dict) -> list[str]:
 def depth(spec: dict) -> int:
     """Hops below a plan node: a parent waits for its subtree, so its timeouts scale with this."""
     return 1 + max(map(depth, spec["children"])) if spec["children"] else 0
+
+
+MAX_PATIENCE = 4
+
+
+def patience(children: list[dict]) -> int:
+    """How many timeouts a parent waits on a node with these children before blaming it.
+
+    A stalled node stops reading, its parent's queue fills, and the parent stops reading too:
+    every hop above a stall sees it. Waiting longer the more levels lie below lets the node right
+    above the stall, which times out first, be the one that names it. Capped, so a deep chain
+    still detects a stall near its top in bounded time (then the blame may land one hop high).
+    """
+    return 1 + min(depth({"children": children}), MAX_PATIENCE - 1)

@@ -16,6 +16,13 @@ import pytest
 from monarch_fs.daemon import cluster as cluster_mod
 
 
+@pytest.fixture(autouse=True)
+def _private_home(tmp_path_factory, monkeypatch):
+    """The CLI keeps a scan cache and a default cluster under $MONARCH_FS_HOME: never the
+    user's own, in tests."""
+    monkeypatch.setenv("MONARCH_FS_HOME", str(tmp_path_factory.mktemp("home")))
+
+
 def mfs(*args: str, env: dict | None = None, check: bool = True, timeout: float = 120,
         input: str | None = None) -> subprocess.CompletedProcess:
     """Run the `monarch-fs` command line in a child process."""
