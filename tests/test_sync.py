@@ -143,6 +143,16 @@ def test_xattrs_name_version_and_chunks(cluster3, tmp_path):
     assert os.getxattr(f, "user.monarch.version").decode() == result["version"]
     from monarch_fs.fs.chunk import chunk_id
     assert os.getxattr(f, "user.monarch.chunks").decode() == chunk_id(b"xattr").hex()
+    assert set(os.listxattr(f)) == {"user.monarch.workspace", "user.monarch.version",
+                                    "user.monarch.chunks"}
+    # the root tells what the node serves and how busy it has been
+    root = cluster3.mnt(0)
+    assert f"xa={result['version']}" in os.getxattr(root, "user.monarch.workspaces").decode()
+    before = dict(kv.split("=") for kv in os.getxattr(root, "user.monarch.ops").decode().split())
+    f.read_bytes()
+    after = dict(kv.split("=") for kv in os.getxattr(root, "user.monarch.ops").decode().split())
+    assert int(after["getxattr"]) > int(before["getxattr"])
+    assert int(after.get("open", 0)) == int(before.get("open", 0)) + 1
 
 
 def test_status_reports_every_node(cluster3, tmp_path):
