@@ -14,7 +14,8 @@ APT_PACKAGES := fuse3 libfuse3-dev pkg-config rsync zstd iproute2
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-# The main job end to end on a local 3-node cluster: push, check every node, edit, push again.
+# The main job end to end on a local 3-node cluster: push, check every node, edit, push again,
+# then a supervised SPMD job (2 nodes x 2 procs) running from a pushed workspace.
 demo: $(STAMP)
 	@set -euo pipefail; export PATH="$$PWD/$(VENV)/bin:$$PATH"; \
 	export MONARCH_FS_HOME="$$(mktemp -d /tmp/monarch-fs-demo.XXXXXX)"; C="$$MONARCH_FS_HOME/cluster"; \
@@ -35,6 +36,12 @@ demo: $(STAMP)
 	printf '\n\033[1mthe previous version stays readable under .versions:\033[0m\n'; \
 	ls "$$C/node-0/mnt/.versions/app"; \
 	step monarch-fs status; \
+	printf '\n\033[1ma supervised 2x2 job from a pushed workspace: torch gloo all_reduce on 2 nodes x 2 procs;\n'; \
+	printf 'rank 3 crashes on the first attempt, the job is stopped and restarted once:\033[0m\n'; \
+	JOB="$$MONARCH_FS_HOME/job"; mkdir -p "$$JOB"; cp tests/allreduce_job.py "$$JOB/train.py"; \
+	step monarch-fs push "$$JOB"; \
+	step monarch-fs run --hosts "$$(head -n 2 $$C/hosts | paste -sd, -)" --per-host 2 --max-restarts 1 \
+	  --workspace job -- "$$PWD/$(VENV)/bin/python" train.py --crash-once 3; \
 	step monarch-fs cluster down
 
 # The suite (bench/run_all.py: push, reads, import torch, find over 100k files; under 10 minutes

@@ -2,7 +2,7 @@
 
     class Trainer(Actor):
         @endpoint
-        def step(self, lr: float) -> float: ...        # sync: runs in a worker thread
+        def step(self, lr: float) -> float: ...        # sync: on the actor's own thread
         @endpoint
         async def ping(self) -> str: ...                # async: runs in the proc's trio loop
 

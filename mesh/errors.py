@@ -63,7 +63,7 @@ class Failure:
         if self.reason and (self.signal or self.code is not None):
             how += f" ({self.reason})"
         pid = f", pid {self.pid}" if self.pid else ""
-        text = f"proc rank {self.rank} of mesh {self.mesh!r} on {self.host}{pid} {how}"
+        text = f"proc rank {self.rank} of mesh {self.mesh!r} on {self.host}{pid}: {how}"
         if self.stderr_tail:
             tail = "\n".join("    " + line for line in self.stderr_tail)
             text += f"\n  its stderr ended with:\n{tail}"

@@ -43,6 +43,7 @@ class HostMesh:
         self._meshes: list[MeshState] = []
         self._loop: BackgroundLoop | None = None
         self._closed = False
+        self._defaults: dict = {}  # spawn_procs arguments left out (procs of actors inherit)
         self.cluster_dir: Path | None = None  # the local cluster's folder, for local()
 
     @property
@@ -160,6 +161,11 @@ class HostMesh:
     async def _spawn_procs(self, kwargs: dict) -> ProcMesh:
         if self._closed:
             raise MeshError("this host mesh is closed")
+        for key in ("python", "python_path", "workspace"):
+            if not kwargs[key] and self._defaults.get(key):
+                kwargs[key] = self._defaults[key]
+                if key == "workspace" and not kwargs["version"]:
+                    kwargs["version"] = self._defaults.get("version")
         state = await spawn_proc_mesh(self._launcher, self._nursery, supervisor=self._supervisor,
                                       output=self._output, **kwargs)
         self._meshes.append(state)

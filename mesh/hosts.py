@@ -28,6 +28,7 @@ from .errors import MeshError, SpawnError
 from .loop import service_nursery
 
 OnEvent = Callable[[str, dict], None]
+SEND_TIMEOUT = 30.0  # seconds a daemon may take to accept one request's bytes
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,11 @@ class HostLink:
         rid = next(self._ids)
         w = self._waiting[rid] = _Waiter()
         try:
-            await self.chan.send(p.Request(op, args, rid))
+            # A send cut short by cancellation would leave half a frame and break the link for
+            # every mesh that shares it, so the send is shielded (a request is small); only
+            # the wait for the reply can be cancelled.
+            with trio.CancelScope(shield=True, deadline=trio.current_time() + SEND_TIMEOUT):
+                await self.chan.send(p.Request(op, args, rid))
             await w.done.wait()
         except (ConnectionLost, trio.ClosedResourceError) as e:
             raise MeshError(f"{self.info}: {e}") from None

@@ -14,6 +14,7 @@ talk with it goes through trio.from_thread.
 from __future__ import annotations
 
 import functools
+import queue
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -21,6 +22,8 @@ from typing import Any, TypeVar
 
 import outcome
 import trio
+
+from .errors import MeshError
 
 T = TypeVar("T")
 
@@ -41,14 +44,24 @@ def run_sync_api(token: trio.lowlevel.TrioToken, name: str,
     if current is not None:
         raise RuntimeError(f"{name}() called from inside another trio loop; use "
                            f"`await {name}_async(...)`")
-    return trio.from_thread.run(afn, *args, trio_token=token)
+    try:
+        return trio.from_thread.run(afn, *args, trio_token=token)
+    except MeshError as e:  # the frames of the loop thread say nothing to the script's author
+        raise e.with_traceback(None) from None
+    except trio.RunFinishedError:
+        raise MeshError("its host mesh has been closed") from None
 
 
 def post_sync_api(token: trio.lowlevel.TrioToken, fn: Callable[..., T], *args: Any) -> T:
     """Run the non-blocking `fn(*args)` in the mesh's loop, from its own thread or any other."""
     if _current_token() is token:
         return fn(*args)
-    return trio.from_thread.run_sync(fn, *args, trio_token=token)
+    try:
+        return trio.from_thread.run_sync(fn, *args, trio_token=token)
+    except MeshError as e:
+        raise e.with_traceback(None) from None
+    except trio.RunFinishedError:
+        raise MeshError("its host mesh has been closed") from None
 
 
 async def run_async_api(token: trio.lowlevel.TrioToken, afn: Callable[..., Awaitable[T]],
@@ -75,6 +88,48 @@ async def service_nursery() -> AsyncIterator[trio.Nursery]:
         nursery.cancel_scope.cancel()
     if body_exc is not None:
         raise body_exc
+
+
+class DedicatedThread:
+    """Runs sync calls one at a time on one thread of its own, kept for good (started through
+    trio.lowlevel.start_thread_soon). An actor's sync endpoints all run on its thread, so
+    per-thread state (torch.cuda.set_device, thread-locals) persists from call to call, as in a
+    plain script; trio's worker threads would hand each call to whichever thread is idle."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._running = False
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, deliver = job
+            deliver(outcome.capture(fn))
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """`fn()` on the thread. Cancelling stops the wait, not the call."""
+        if not self._running:
+            trio.lowlevel.start_thread_soon(self._serve, lambda _: None, name=self.name)
+            self._running = True
+        token = trio.lowlevel.current_trio_token()
+        done = trio.Event()
+        box: list[outcome.Outcome] = []
+
+        def deliver(result: outcome.Outcome) -> None:
+            box.append(result)
+            try:
+                token.run_sync_soon(done.set)
+            except trio.RunFinishedError:
+                pass
+
+        self._jobs.put((fn, deliver))
+        await done.wait()
+        return box[0].unwrap()
+
+    def close(self) -> None:
+        if self._running:
+            self._jobs.put(None)
+            self._running = False
 
 
 class BackgroundLoop:
@@ -125,8 +180,9 @@ class BackgroundLoop:
                 pass
         if not self._finished.wait(timeout):
             raise TimeoutError("the mesh loop did not stop")
-        assert self._result is not None
-        self._result.unwrap()
+        result, self._result = self._result, outcome.Value(None)
+        assert result is not None
+        result.unwrap()
 
     @property
     def running(self) -> bool:

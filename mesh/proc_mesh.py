@@ -14,7 +14,9 @@ supervisor: the owning actor's `__supervise__`, or at the top the controller's r
 
 from __future__ import annotations
 
+import base64
 import itertools
+import json
 import logging
 import math
 import os
@@ -72,7 +74,8 @@ class Proc:
     chan: Channel | None = None
     exit: dict | None = None  # the daemon's exit report
     failure: Failure | None = None
-    launched: list[tuple[int, int]] = field(default_factory=list)  # (host, proc) for the proc
+    launched: list[tuple[int, int]] = field(default_factory=list)  # (host, proc id) of procs
+    # that actors in this proc launched through us
     spawned: trio.Event = field(default_factory=trio.Event)
     connected: trio.Event = field(default_factory=trio.Event)
     exited: trio.Event = field(default_factory=trio.Event)  # or known to be unreachable
@@ -112,8 +115,9 @@ class PendingCall:
             self.done.set()
 
     def fail(self, exc: MeshError) -> None:
-        if self.exc is None:
-            self.exc = exc
+        if self.done.is_set():  # every rank answered before the failure: the call succeeded
+            return
+        self.exc = exc
         self.done.set()
 
     def outcome(self) -> dict[int, Any]:
@@ -195,14 +199,10 @@ class MeshState:
             if self.output is not None:
                 self.output(self.name, proc.rank, data.get("stream", "stdout"),
                             list(data.get("lines") or []))
-        elif kind == "exit":
+        elif kind == "exit":  # any exit we did not ask for is a failure (fail() knows)
             proc.exit = data
             proc.exited.set()
-            code = data.get("code")
-            clean = code == 0 and not data.get("signal")
-            if not clean or not (self.stopping or self.stopped):
-                self.fail(proc, self._failure(proc))
-            self.wake()
+            self.fail(proc, self._failure(proc))
         elif kind == "lost":
             proc.exited.set()
             self.fail(proc, self._failure(proc, data.get("reason", "its daemon went away")))
@@ -347,7 +347,7 @@ class MeshState:
     def _kill_launched(self, proc: Proc) -> None:
         """The procs an actor of `proc` launched die with it (they would also exit on their own
         once their owner's connection drops)."""
-        if proc.launched and self.nursery is not None:
+        if proc.launched and self.nursery is not None and not self.stopped:
             for host, pid in proc.launched:
                 self.nursery.start_soon(self.launcher.kill, host, pid, signal.SIGKILL)
             proc.launched = []
@@ -372,14 +372,14 @@ class MeshState:
             return
         self.stopping = True
         with trio.CancelScope(shield=True):
-            for proc in self.procs:
+            for proc in self.procs:  # a proc stops the meshes its actors own, then exits
                 proc.post(wire.encode({"op": "stop"}))
-                self._kill_launched(proc)
             with trio.move_on_after(STOP_GRACE):
                 for proc in self.procs:
                     if proc.proc_id is not None:
                         await proc.exited.wait()
             for proc in self.procs:
+                self._kill_launched(proc)
                 if proc.proc_id is not None and not proc.exited.is_set():
                     await self.launcher.kill(proc.host, proc.proc_id, signal.SIGKILL)
             with trio.move_on_after(STOP_GRACE):
@@ -449,6 +449,11 @@ async def _spawn_one(state: MeshState, proc: Proc, addr: str, env: dict | None, 
         "MONARCH_MESH_HOST": str(proc.host),
         "MONARCH_MESH_HOSTS": _json(hosts),
         "MONARCH_MESH_PYTHON_PATH": os.pathsep.join(python_path),
+        # What meshes spawned by actors in this proc inherit, with their {placeholders}
+        # unexpanded (base64, so the daemon does not expand them for this node).
+        "MONARCH_MESH_DEFAULTS": base64.b64encode(_json({
+            "python": python, "python_path": python_path, "workspace": workspace,
+            "version": version}).encode()).decode(),
     }
     spec: dict[str, Any] = {"argv": [python or sys.executable, "-m", "monarch_fs.mesh.runtime"],
                             "env": full_env}
@@ -476,8 +481,6 @@ async def _spawn_one(state: MeshState, proc: Proc, addr: str, env: dict | None, 
 
 
 def _json(obj: Any) -> str:
-    import json
-
     return json.dumps(obj, separators=(",", ":"))
 
 

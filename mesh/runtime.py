@@ -3,8 +3,9 @@
 It connects back to its owner with the per-mesh token from its environment (removed from the
 environment at once, so processes it starts do not inherit it), says hello with its rank and
 pid, and then serves: constructs actors, runs their endpoints, and answers. Each actor handles
-its messages one at a time, in order: async endpoints in this trio loop, sync ones in a worker
-thread (so they may block, and may use the synchronous mesh API themselves).
+its messages one at a time, in order: async endpoints in this trio loop, sync ones on the
+actor's own thread (so they may block, keep per-thread state such as the CUDA device between
+calls, and use the synchronous mesh API themselves).
 
 An actor may spawn meshes of its own through `self.hosts`. The owner holds the daemon
 connections, so the launch requests and the procs' events travel through it (see
@@ -17,6 +18,7 @@ outlives the controller that started it (and the daemon kills it in that case an
 
 from __future__ import annotations
 
+import base64
 import functools
 import importlib
 import importlib.util
@@ -38,6 +40,7 @@ from . import wire
 from .actor import is_endpoint
 from .errors import Failure, MeshError, SpawnError
 from .hosts import HostInfo, Launcher, OnEvent
+from .loop import DedicatedThread
 from .proc_mesh import MESH_MAX_FRAME, print_output
 
 EXIT_OWNER_GONE = 3
@@ -91,6 +94,7 @@ class _Slot:
         self.runtime = runtime
         self.name = name
         self.instance: Any = None
+        self.thread = DedicatedThread(f"actor {name}")
         self.mailbox, self._inbox = trio.open_memory_channel[tuple[dict, Any]](math.inf)
 
     async def run(self) -> None:
@@ -133,7 +137,7 @@ class _Slot:
                             ("local_rank", rt.local_rank), ("host", rt.hosts[rt.host]),
                             ("name", self.name), ("_mesh_hosts", lambda: hosts)):
             setattr(obj, attr, value)
-        await _run(obj.__init__, args, kwargs)
+        await self._run(obj.__init__, args, kwargs)
         self.instance = obj
 
     async def _call(self, h: dict, payload: p.Data) -> Any:
@@ -144,7 +148,7 @@ class _Slot:
             raise AttributeError(f"{type(self.instance).__qualname__}.{method} is not an "
                                  "@endpoint")
         args, kwargs = wire.body(payload)
-        return await _run(getattr(self.instance, method), args, kwargs)
+        return await self._run(getattr(self.instance, method), args, kwargs)
 
     async def _supervise(self, failure: Failure) -> None:
         handler = getattr(self.instance, "__supervise__", None)
@@ -152,20 +156,19 @@ class _Slot:
         handled = False
         if handler is not None:
             try:
-                handled = bool(await _run(handler, (failure,), {}))
+                handled = bool(await self._run(handler, (failure,), {}))
             except Exception as e:
                 note = f" (its __supervise__ raised {type(e).__qualname__}: {e})"
         if not handled:
             self.runtime.send({"op": "failure", "actor": self.name,
                                "description": failure.describe() + note})
 
-
-async def _run(fn: Any, args: tuple, kwargs: dict) -> Any:
-    """Await an async callable here; run a sync one in a worker thread, where it may block."""
-    if inspect.iscoroutinefunction(fn):
-        return await fn(*args, **kwargs)
-    return await trio.to_thread.run_sync(functools.partial(fn, *args, **kwargs),
-                                         abandon_on_cancel=True)
+    async def _run(self, fn: Any, args: tuple, kwargs: dict) -> Any:
+        """Await an async callable here; run a sync one on the actor's own thread, where it
+        may block (and may use the synchronous mesh API)."""
+        if inspect.iscoroutinefunction(fn):
+            return await fn(*args, **kwargs)
+        return await self.thread.run(functools.partial(fn, *args, **kwargs))
 
 
 class OwnerLauncher(Launcher):
@@ -237,12 +240,16 @@ class Runtime:
         self.host = int(env.get("MONARCH_MESH_HOST", "0"))
         self.hosts = [HostInfo(a, n) for a, n in json.loads(env.get("MONARCH_MESH_HOSTS", "[]"))]
         self.local_host = "127.0.0.1"
+        defaults = env.get("MONARCH_MESH_DEFAULTS")
+        self.defaults = json.loads(base64.b64decode(defaults)) if defaults else {}
         self.actors: dict[str, _Slot] = {}
         self.host_meshes: list[Any] = []
         self.launcher = OwnerLauncher(self, self.hosts)
         self.outbox, self._outbox_recv = trio.open_memory_channel[p.Data](math.inf)
         self._flushed = trio.Event()
         self.nursery: trio.Nursery | None = None
+        self.stopping = False
+        self.exit_code = EXIT_OWNER_GONE
 
     def post(self, msg: p.Data) -> None:
         try:
@@ -262,6 +269,7 @@ class Runtime:
 
         assert self.nursery is not None
         hosts = HostMesh(self.launcher, self.nursery, supervisor=supervise, output=print_output)
+        hosts._defaults = self.defaults
         self.host_meshes.append(hosts)
         return hosts
 
@@ -277,16 +285,23 @@ class Runtime:
         async with trio.open_nursery() as nursery:
             self.nursery = nursery
             nursery.start_soon(self._writer, chan)
-            code = await self._serve(chan)
-            for hosts in self.host_meshes:  # meshes our actors own stop with us
-                await hosts._stop_all()
-            if code == 0:  # let queued replies go out before saying goodbye
-                self.outbox.close()
-                with trio.move_on_after(2):
-                    await self._flushed.wait()
+            await self._serve(chan)  # until the owner goes away, or _stop() cancels it
             nursery.cancel_scope.cancel()
         await trio.aclose_forcefully(chan.stream)
-        return code
+        return self.exit_code
+
+    async def _stop(self) -> None:
+        """Told to stop: stop the meshes our actors own (their procs' exits still arrive
+        through the owner, so the reader keeps going meanwhile), send what is queued, exit."""
+        self.stopping = True
+        for hosts in self.host_meshes:
+            await hosts._stop_all()
+        self.outbox.close()
+        with trio.move_on_after(2):
+            await self._flushed.wait()
+        self.exit_code = 0
+        assert self.nursery is not None
+        self.nursery.cancel_scope.cancel()
 
     async def _writer(self, chan: Any) -> None:
         try:
@@ -297,13 +312,13 @@ class Runtime:
         finally:
             self._flushed.set()
 
-    async def _serve(self, chan: Any) -> int:
+    async def _serve(self, chan: Any) -> None:
         assert self.nursery is not None
         while True:
             try:
                 msg = await chan.receive()
             except (ConnectionLost, RemoteError, p.ProtocolError, trio.BrokenResourceError):
-                return EXIT_OWNER_GONE
+                return
             if not isinstance(msg, p.Data):
                 continue
             try:
@@ -312,10 +327,11 @@ class Runtime:
                 continue
             op = h["op"]
             if op == "stop":
-                return 0
-            if op in ("reply", "proc_event"):
+                if not self.stopping:
+                    self.nursery.start_soon(self._stop)
+            elif op in ("reply", "proc_event"):
                 self.launcher.on_message(h)
-            elif op in ("spawn", "call"):
+            elif op in ("spawn", "call") and not self.stopping:
                 name = str(h.get("actor"))
                 slot = self.actors.get(name)
                 if slot is None and op == "spawn":

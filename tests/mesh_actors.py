@@ -1,0 +1,108 @@
+"""Actor classes for tests/test_mesh.py. The procs import them by name, with the tests folder on
+their python_path."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+from monarch_fs.mesh import Actor, endpoint
+
+
+class Counter(Actor):
+    def __init__(self, start: int) -> None:
+        self.value = start
+
+    @endpoint
+    def incr(self, by: int = 1) -> int:
+        self.value += by
+        return self.value
+
+    @endpoint
+    async def get(self) -> tuple[int, int, str, int]:
+        return self.rank, self.value, self.host.name, os.getpid()
+
+    @endpoint
+    def thread(self) -> int:
+        return threading.get_ident()
+
+    @endpoint
+    def fail_on(self, rank: int) -> int:
+        if self.rank == rank:
+            raise ValueError(f"rank {self.rank} refuses")
+        return self.rank
+
+    def not_an_endpoint(self) -> None:
+        pass
+
+
+class Victim(Actor):
+    @endpoint
+    def pid(self) -> int:
+        print(f"victim {self.rank} says goodbye on stderr", file=sys.stderr)
+        return os.getpid()
+
+    @endpoint
+    def nap(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.rank
+
+
+class Echo(Actor):
+    @endpoint
+    def echo(self, value):
+        return value
+
+    @endpoint
+    def double(self, t):
+        return t * 2
+
+
+class BadInit(Actor):
+    def __init__(self) -> None:
+        if self.rank == 1:
+            raise RuntimeError("cannot start on rank 1")
+
+
+class Worker(Actor):
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    def die(self) -> None:
+        print("worker dies now", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Boss(Actor):
+    """Owns a mesh of workers; handles their failures only if told to."""
+
+    def __init__(self, handle: bool) -> None:
+        self.handle = handle
+        self.seen: list[str] = []
+
+    @endpoint
+    def start(self) -> list[int]:
+        self.workers = self.hosts.spawn_procs(per_host=1, name="workers").spawn("w", Worker)
+        return self.workers.pid.call().values()
+
+    @endpoint
+    def kill_worker(self, host: int) -> str:
+        try:  # the dead worker never answers: the call fails once its death is known
+            self.workers.slice(host=host).die.broadcast()
+            self.workers.pid.call()
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    @endpoint
+    async def seen_failures(self) -> list[str]:
+        return self.seen
+
+    def __supervise__(self, failure) -> bool:  # a message like any other: runs after kill_worker
+        self.seen.append(failure.describe())
+        return self.handle

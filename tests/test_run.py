@@ -1,0 +1,260 @@
+"""`monarch-fs run`: SPMD launch on real daemons, through the real command line.
+
+Every test checks (through /proc) that each rank it started is gone when it ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import mfs, start_cluster, stop_cluster
+from procwatch import Started
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = start_cluster(tmp_path_factory.mktemp("run"), 2)
+    yield c
+    stop_cluster(c)
+
+
+@pytest.fixture
+def started():
+    s = Started()
+    yield s
+    s.assert_gone()
+
+
+# A job for every test: each rank records its pid, then does what argv says.
+JOB = textwrap.dedent("""
+    import json, os, signal, sys, time
+    rank = int(os.environ["RANK"])
+    out, mode = sys.argv[1], sys.argv[2]
+    with open(f"{out}/{rank}.pid", "w") as f:
+        f.write(str(os.getpid()))
+    def everyone_started():
+        while len([n for n in os.listdir(out) if n.endswith(".pid")]) < int(os.environ["WORLD_SIZE"]):
+            time.sleep(0.02)
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+            "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "MONARCH_FS_MOUNT")
+    if mode == "env":
+        print(json.dumps({k: os.environ.get(k) for k in keys}))
+        print(f"line two of rank {rank}")
+    elif mode == "fail":  # rank 1 fails once everyone runs; the others would sleep a minute
+        everyone_started()
+        if rank == 1:
+            print(f"rank {rank} gives up", file=sys.stderr, flush=True)
+            sys.exit(3)
+        time.sleep(60)
+    elif mode == "signal":
+        everyone_started()
+        if rank == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+    elif mode == "once":  # rank 2 fails on the first attempt only (a marker file remembers)
+        marker = f"{out}/failed-once"
+        print("attempt", os.environ["TORCHELASTIC_RESTART_COUNT"])
+        if rank == 2 and not os.path.exists(marker):
+            open(marker, "w").close()
+            print("first attempt fails", file=sys.stderr)
+            sys.exit(7)
+    elif mode == "always":
+        sys.exit(5 if rank == 3 else 0)
+    elif mode == "sleep":
+        time.sleep(60)
+""")
+
+
+@pytest.fixture
+def job(tmp_path):
+    (tmp_path / "job.py").write_text(JOB)
+    out = tmp_path / "out"
+    out.mkdir()
+    return tmp_path / "job.py", out
+
+
+def run(cluster, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return mfs("run", "--hosts", cluster.hostfile, "--token-file", cluster.token_file, *args,
+               check=False, timeout=timeout)
+
+
+def pids(out: Path) -> list[int]:
+    return [int(p.read_text()) for p in sorted(out.glob("*.pid"))]
+
+
+def by_rank(stdout: str) -> dict[int, list[str]]:
+    lines: dict[int, list[str]] = {}
+    for line in stdout.splitlines():
+        assert line.startswith("[rank "), line
+        rank, text = line[6:].split("] ", 1)
+        lines.setdefault(int(rank), []).append(text)
+    return lines
+
+
+def test_every_rank_gets_torchrun_env_and_prefixed_output(cluster, job, started):
+    script, out = job
+    r = run(cluster, "--per-host", "2", "--cwd", str(out), "--", sys.executable, str(script),
+            str(out), "env")
+    started.add(*pids(out), match=str(script))
+    assert r.returncode == 0, r.stderr
+    lines = by_rank(r.stdout)
+    assert sorted(lines) == [0, 1, 2, 3]
+    ports = set()
+    for rank, (env, two) in sorted(lines.items()):
+        env = json.loads(env)
+        assert two == f"line two of rank {rank}"
+        assert env["RANK"] == str(rank) and env["WORLD_SIZE"] == "4"
+        assert env["LOCAL_RANK"] == str(rank % 2) and env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["GROUP_RANK"] == str(rank // 2)
+        assert env["MASTER_ADDR"] == cluster.hosts[0].rsplit(":", 1)[0]
+        assert env["MONARCH_FS_MOUNT"] == str(cluster.mnt(rank // 2))
+        assert env["TORCHELASTIC_RESTART_COUNT"] == "0"
+        ports.add(env["MASTER_PORT"])
+    assert len(ports) == 1 and 0 < int(ports.pop()) < 65536
+    assert "all 4 ranks exited 0" in r.stderr
+
+
+def test_first_failure_is_reported_and_the_others_are_stopped(cluster, job, started):
+    script, out = job
+    t = time.monotonic()
+    r = run(cluster, "--per-host", "2", "--", sys.executable, str(script), str(out), "fail")
+    started.add(*pids(out), match=str(script))
+    assert time.monotonic() - t < 30  # not the others' 60 s sleep
+    assert r.returncode == 3, r.stderr  # the failing rank's exit code
+    assert f"rank 1 on node-0 ({cluster.hosts[0]}) failed: exit code 3" in r.stderr
+    assert "its stderr ended with:\n    rank 1 gives up" in r.stderr
+    assert "stopping the other 3 ranks" in r.stderr
+    assert "[rank 1] rank 1 gives up" in r.stderr  # streamed live too
+    assert len(pids(out)) == 4
+
+
+def test_a_signal_gives_128_plus_its_number(cluster, job, started):
+    script, out = job
+    r = run(cluster, "--per-host", "2", "--", sys.executable, str(script), str(out), "signal")
+    started.add(*pids(out), match=str(script))
+    assert r.returncode == 128 + signal.SIGKILL, r.stderr
+    assert "rank 0 on node-0" in r.stderr and "killed by SIGKILL" in r.stderr
+
+
+def test_max_restarts_restarts_the_whole_group(cluster, job, started):
+    script, out = job
+    r = run(cluster, "--per-host", "2", "--max-restarts", "2", "--", sys.executable,
+            str(script), str(out), "once")
+    started.add(*pids(out), match=str(script))
+    assert r.returncode == 0, r.stderr
+    assert "rank 2 on node-1" in r.stderr and "exit code 7 (attempt 1 of 3)" in r.stderr
+    assert "first attempt fails" in r.stderr
+    assert "restarting all 4 ranks (2 restarts left)" in r.stderr
+    assert "all 4 ranks exited 0 (after 1 restarts)" in r.stderr
+    second = [line for line in r.stdout.splitlines() if line.endswith("attempt 1")]
+    assert sorted(second) == [f"[rank {i}] attempt 1" for i in range(4)]
+
+
+def test_restarts_run_out(cluster, job, started):
+    script, out = job
+    r = run(cluster, "--per-host", "2", "--max-restarts", "1", "--", sys.executable,
+            str(script), str(out), "always")
+    started.add(*pids(out), match=str(script))
+    assert r.returncode == 5, r.stderr
+    assert "(attempt 2 of 2)" in r.stderr and "giving up: exit status 5" in r.stderr
+
+
+def test_launch_errors(cluster, job):
+    r = run(cluster, "--workspace", "nope", "--", "true")
+    assert r.returncode == 1 and "no workspace 'nope'" in r.stderr
+    r = run(cluster, "--", "/no/such/program")
+    assert r.returncode == 1 and "cannot start /no/such/program" in r.stderr
+    r = run(cluster)
+    assert r.returncode == 2 and "run needs a command" in r.stderr
+
+
+def test_killed_launcher_takes_its_ranks_along(cluster, job, started):
+    script, out = job
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "monarch_fs.daemon.cli", "run", "--hosts", cluster.hostfile,
+         "--token-file", cluster.token_file, "--per-host", "2", "--", sys.executable,
+         str(script), str(out), "sleep"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    started.add(proc.pid)
+    deadline = time.monotonic() + 30
+    while len(pids(out)) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    started.add(*pids(out), match=str(script))
+    assert len(started.alive()) == 5
+    proc.kill()
+    proc.wait()
+    assert not started.wait_gone(10), "ranks outlived the killed `monarch-fs run`"
+
+
+# ---- torch -------------------------------------------------------------------------------
+
+TRAIN = textwrap.dedent("""
+    import os
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    t = torch.tensor([float(rank + 1), 10.0 * rank])
+    dist.all_reduce(t)
+    print(json.dumps({"rank": rank, "world": dist.get_world_size(), "sum": t.tolist(),
+                      "torch": torch.__file__, "pid": os.getpid()}), flush=True)
+    dist.destroy_process_group()
+""").replace("import os\n", "import json, os\n", 1)
+
+
+@pytest.fixture(scope="module")
+def venv_pushed(cluster):
+    """This test venv (torch included), pushed once to every node as workspace "env"."""
+    cluster.push(Path(sys.prefix), "--name", "env", "--exclude", "__pycache__")
+    return cluster
+
+
+def test_gloo_all_reduce_with_torch_from_the_pushed_venv(venv_pushed, tmp_path, started):
+    cluster = venv_pushed
+    (tmp_path / "train.py").write_text(TRAIN)
+    r = run(cluster, "--per-host", "2", "--workspace", "env", "--cwd", str(tmp_path), "--",
+            "{workspace}/bin/python", "train.py", timeout=180)
+    results = {}
+    for line in r.stdout.splitlines():
+        rank, text = line[6:].split("] ", 1)
+        results[int(rank)] = json.loads(text)
+    started.add(*(res["pid"] for res in results.values()), match="train.py")
+    assert r.returncode == 0, r.stderr
+    assert sorted(results) == [0, 1, 2, 3]
+    version = cluster.status()[0]["workspaces"]["env"][0]
+    for rank, res in results.items():
+        assert res["rank"] == rank and res["world"] == 4
+        assert res["sum"] == [1.0 + 2 + 3 + 4, 10.0 * (0 + 1 + 2 + 3)]
+        pinned = cluster.mnt(rank // 2) / ".versions" / "env" / version
+        assert res["torch"].startswith(str(pinned) + "/"), res["torch"]  # torch came off the mount
+
+
+def test_killed_daemon_fails_the_job_and_leaves_no_rank(fresh_cluster, job, started):
+    """SIGKILL one node's daemon mid-job: its ranks die with it (PR_SET_PDEATHSIG), `run`
+    reports the lost host, stops the other ranks and exits 1."""
+    cluster = fresh_cluster(2)
+    script, out = job
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "monarch_fs.daemon.cli", "run", "--hosts", cluster.hostfile,
+         "--token-file", cluster.token_file, "--per-host", "2", "--", sys.executable,
+         str(script), str(out), "sleep"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    started.add(proc.pid)
+    deadline = time.monotonic() + 30
+    while len(pids(out)) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    started.add(*pids(out), match=str(script))
+    os.kill(cluster.pid(1), signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 1, stderr
+    assert "node-1" in stderr and "lost the connection to the node daemon" in stderr
+    assert not started.wait_gone(10)
