@@ -4,14 +4,14 @@ when the controller goes away, or when the daemon stops. No orphans: each proces
 process group and the whole group is killed, and it gets SIGKILL if the daemon itself is killed
 (PR_SET_PDEATHSIG).
 
-Which thread forks matters twice, so every proc is forked by one dedicated thread (the Forker):
+Which thread forks matters twice, so every proc is forked by one dedicated thread:
 - not a trio worker thread (what trio.lowlevel.open_process uses): the kernel ties
   PR_SET_PDEATHSIG to the *thread* that forked, not the process, and trio retires idle worker
   threads after 10 s, so every child was SIGKILLed 10 s after it started;
 - not the trio thread: Popen blocks until the child has exec'd, and exec'ing an interpreter
   that lives on this daemon's own mount (`{workspace}/bin/python`), or a chdir into it, needs the
   trio thread to answer the kernel's FUSE requests meanwhile: a deadlock.
-The Forker's thread comes from trio.lowlevel.start_thread_soon and lives as long as the daemon.
+That thread comes from trio.lowlevel.start_thread_soon and lives as long as the daemon.
 Exits are awaited through a pidfd, as trio does.
 """
 
@@ -21,7 +21,6 @@ import ctypes
 import itertools
 import logging
 import os
-import queue
 import signal
 import socket
 import subprocess
@@ -30,8 +29,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import outcome
 import trio
+
+from .dedicated_thread import DedicatedThread
 
 log = logging.getLogger("monarch_fs.procs")
 
@@ -73,47 +73,6 @@ def free_port() -> int:
 
 class SpawnError(Exception):
     pass
-
-
-class Forker:
-    """Runs blocking calls (Popen) one at a time on one thread that never retires."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._running = False
-
-    def _serve(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fn, deliver = job
-            deliver(outcome.capture(fn))
-
-    async def run(self, fn: Callable[[], object]) -> object:
-        """`fn()` on the forker thread. Not cancellable once submitted: the caller must learn
-        about a process that was started, or nobody would ever stop it."""
-        if not self._running:
-            trio.lowlevel.start_thread_soon(self._serve, lambda _: None, name="monarch-fs forker")
-            self._running = True
-        token = trio.lowlevel.current_trio_token()
-        done = trio.Event()
-        box: list[outcome.Outcome] = []
-
-        def deliver(result: outcome.Outcome) -> None:
-            box.append(result)
-            try:
-                token.run_sync_soon(done.set)
-            except trio.RunFinishedError:
-                pass
-
-        self._jobs.put((fn, deliver))
-        with trio.CancelScope(shield=True):
-            await done.wait()
-        return box[0].unwrap()
-
-    def close(self) -> None:
-        """End the thread (its children get PDEATHSIG: call this after they are stopped)."""
-        if self._running:
-            self._jobs.put(None)
-            self._running = False
 
 
 class _Child:
@@ -166,7 +125,7 @@ class ProcessTable:
         self.nursery = nursery
         self.procs: dict[int, Proc] = {}
         self._ids = itertools.count(1)
-        self._forker = Forker()
+        self._forker = DedicatedThread("monarch-fs forker")
 
     def expand(self, text: str, pins: dict[str, str]) -> str:
         """`{mount}` is this node's mount root, `{workspace}` the pinned version's folder."""
@@ -193,7 +152,7 @@ class ProcessTable:
         try:
             popen = await self._forker.run(lambda: subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, env=env, cwd=cwd,
-                start_new_session=True, preexec_fn=_die_with_parent(os.getpid())))
+                start_new_session=True, preexec_fn=_die_with_parent(os.getpid())), shield=True)
         except (OSError, subprocess.SubprocessError) as e:
             os.close(out_r)
             os.close(err_r)

@@ -14,7 +14,6 @@ talk with it goes through trio.from_thread.
 from __future__ import annotations
 
 import functools
-import queue
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -88,48 +87,6 @@ async def service_nursery() -> AsyncIterator[trio.Nursery]:
         nursery.cancel_scope.cancel()
     if body_exc is not None:
         raise body_exc
-
-
-class DedicatedThread:
-    """Runs sync calls one at a time on one thread of its own, kept for good (started through
-    trio.lowlevel.start_thread_soon). An actor's sync endpoints all run on its thread, so
-    per-thread state (torch.cuda.set_device, thread-locals) persists from call to call, as in a
-    plain script; trio's worker threads would hand each call to whichever thread is idle."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._running = False
-
-    def _serve(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fn, deliver = job
-            deliver(outcome.capture(fn))
-
-    async def run(self, fn: Callable[[], T]) -> T:
-        """`fn()` on the thread. Cancelling stops the wait, not the call."""
-        if not self._running:
-            trio.lowlevel.start_thread_soon(self._serve, lambda _: None, name=self.name)
-            self._running = True
-        token = trio.lowlevel.current_trio_token()
-        done = trio.Event()
-        box: list[outcome.Outcome] = []
-
-        def deliver(result: outcome.Outcome) -> None:
-            box.append(result)
-            try:
-                token.run_sync_soon(done.set)
-            except trio.RunFinishedError:
-                pass
-
-        self._jobs.put((fn, deliver))
-        await done.wait()
-        return box[0].unwrap()
-
-    def close(self) -> None:
-        if self._running:
-            self._jobs.put(None)
-            self._running = False
 
 
 class BackgroundLoop:

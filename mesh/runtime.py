@@ -40,7 +40,7 @@ from . import wire
 from .actor import is_endpoint
 from .errors import Failure, MeshError, SpawnError
 from .hosts import HostInfo, Launcher, OnEvent
-from .loop import DedicatedThread
+from ..daemon.dedicated_thread import DedicatedThread
 from .proc_mesh import MESH_MAX_FRAME, print_output
 
 EXIT_OWNER_GONE = 3
