@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 VERSIONS = b".versions"
 PREFETCH_CHUNKS = 2
-LISTING_CACHE_ENTRIES = 50_000
+LISTING_CACHE_ENTRIES = 10_000
 TIMEOUT = 24 * 3600.0  # entries are invalidated explicitly; the timeout is only a backstop
 _TYPE = {Kind.DIR: stat.S_IFDIR, Kind.FILE: stat.S_IFREG, Kind.SYMLINK: stat.S_IFLNK}
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC | os.O_CREAT
@@ -141,10 +141,9 @@ class SnapshotFS(pyfuse3.Operations):
     def _entry_node(self, ws: str, view: bytes | None, entry: Entry) -> Node:
         if entry.kind == Kind.DIR:
             key = ("dir", ws, view, entry.path)
-        else:  # what a reader sees of it, in 16 bytes rather than a tuple of every chunk id
-            key = ("obj", xxhash.xxh3_128_digest(repr((
-                ws, entry.path, entry.kind, entry.mode, entry.size, entry.mtime_ns,
-                entry.target, entry.chunks)).encode()))
+        else:  # everything a reader sees of it
+            key = ("obj", ws, entry.path, entry.kind, entry.mode, entry.size, entry.mtime_ns,
+                   entry.target, entry.chunks)
         return Node(key, entry, ws, view)
 
     def _tree(self, node: Node) -> Tree | None:
