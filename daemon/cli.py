@@ -64,7 +64,8 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     transport = resolve_local(args.transport)  # --transport rdma without a device: exit 1
     log.info("transport: %s (%s)", transport.kind, transport.reason)
     daemon = NodeDaemon(state=args.state, mount=args.mount, listen=args.listen, token=token,
-                        keep=args.keep, node_name=args.node_name, transport=transport)
+                        keep=args.keep, node_name=args.node_name, transport=transport,
+                        store_raw=not args.store_compressed)
     trio.run(lambda: daemon.run(ready_file=args.ready_file))
     return 0
 
@@ -175,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--state", required=True, metavar="DIR")
     d.add_argument("--token-file", metavar="F")
     d.add_argument("--keep", type=int, default=3, help="versions kept per workspace (default 3)")
+    d.add_argument("--store-compressed", action="store_true",
+                   help="keep chunks zstd-compressed on disk (less disk, slower cold reads)")
     d.add_argument("--ready-file", help="write {addr, pid} here once mounted and listening")
     d.add_argument("--node-name", default="", help="name reported in status (default hostname)")
     d.add_argument("--transport", choices=TRANSPORTS, default="auto", help=TRANSPORT_HELP)

@@ -113,7 +113,7 @@ def clear_stale_mount(mountpoint: Path) -> None:
 class NodeDaemon:
     def __init__(self, *, state: str | os.PathLike[str], mount: str | os.PathLike[str],
                  listen: str, token: bytes, keep: int = KEEP_VERSIONS, node_name: str = "",
-                 transport: bulk.LocalTransport | None = None):
+                 transport: bulk.LocalTransport | None = None, store_raw: bool = True):
         host, _ = parse_addr(listen, listen=True)
         if not token and not is_loopback(host):
             raise ValueError(f"refusing to listen on {listen} without a token: anyone on the "
@@ -122,6 +122,9 @@ class NodeDaemon:
         self.token = token
         # What this node offers for chunk payloads (--transport; RDMA only if a device works).
         self.transport = transport or bulk.LocalTransport("tcp", "tcp", "not probed")
+        # Chunks are kept decompressed: reads then cost a hash, not a decompression (twice the
+        # disk for text-like content). --store-compressed trades read speed for disk.
+        self.store_raw = store_raw
         self.keep = keep
         self.state = Path(state)
         self.mount = Path(mount)
@@ -326,7 +329,7 @@ class NodeDaemon:
 
     def _put(self, msg: p.PutChunk) -> bool:
         try:
-            return self.store.put_blob(msg.cid, msg.blob)
+            return self.store.put_blob(msg.cid, msg.blob, raw=self.store_raw)
         except CorruptChunk as e:
             raise RequestError(f"rejected {e}") from None
         except OSError as e:

@@ -24,13 +24,14 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
-from .chunk import ID_SIZE, CorruptChunk, chunk_id, decode, encode, verify
+from .chunk import ID_SIZE, RAW, CorruptChunk, chunk_id, decode, encode, verify
 
 _libc = ctypes.CDLL(None, use_errno=True)  # syncfs(2) has no os wrapper
 _RECORD = struct.Struct("<4s16sI")  # magic, chunk id, blob length
 _MAGIC = b"MFSR"
 _IDX = struct.Struct("<16sQI")  # chunk id, blob offset, blob length
 PACK_LIMIT = 256 * 1024 * 1024
+RAW_CODEC = bytes([RAW])
 
 
 class StoreBusy(Exception):
@@ -133,13 +134,20 @@ class Store:
     def ids(self) -> list[bytes]:
         return list(self._index)
 
-    def put_blob(self, cid: bytes, blob: bytes | memoryview) -> bool:
-        """Verify `blob` against `cid` and append it; False (a no-op) when the object exists."""
+    def put_blob(self, cid: bytes, blob: bytes | memoryview, *, raw: bool = False) -> bool:
+        """Verify `blob` against `cid` and append it; False (a no-op) when the object exists.
+
+        With `raw`, a compressed blob is stored decompressed: verifying it decompressed it
+        anyway, and reads of raw objects cost a hash instead of a decompression.
+        """
         if len(cid) != ID_SIZE:
             raise CorruptChunk(f"chunk id {cid.hex()} is not {ID_SIZE} bytes")
         if cid in self._index:
             return False
-        verify(cid, blob)
+        if raw and len(blob) and blob[0] != RAW:
+            blob = RAW_CODEC + decode(cid, blob)
+        else:
+            verify(cid, blob)
         header = _RECORD.pack(_MAGIC, cid, len(blob))
         size = len(header) + len(blob)
         with self._lock:

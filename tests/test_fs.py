@@ -1138,3 +1138,15 @@ async def test_cache_over_a_real_store(tmp_path):
     _flip(path, off + length - 1, 0x01)
     with pytest.raises(CorruptChunk):
         await cget(cache, other)
+
+
+def test_raw_store_keeps_compressed_blobs_decompressed(tmp_path):
+    s = Store(tmp_path / "store")
+    data = b"compressible text " * 5000
+    blob = chunk.encode(data)
+    assert blob[0] == ZSTD
+    assert s.put_blob(chunk_id(data), blob, raw=True)
+    assert _blob_bytes(s, chunk_id(data)) == bytes([RAW]) + data  # read back with a hash only
+    assert s.get(chunk_id(data)) == data
+    with pytest.raises(CorruptChunk):  # still verified before it is written
+        s.put_blob(chunk_id(b"other"), blob, raw=True)
