@@ -254,7 +254,7 @@ class NodeDaemon:
                     elif isinstance(msg, p.Request) and msg.op == "relay":
                         relay = Relay(self.token, msg.args.get("children", []),
                                       float(msg.args.get("timeout", 60)), nursery,
-                                      self.counters)
+                                      self.counters, self.transport)
                         await chan.send(p.Reply(msg.id, {"failed": await relay.open()}))
                     elif isinstance(msg, p.Request) and msg.op in ("spawn", "kill", "free_port"):
                         try:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import trio
 
+from . import bulk
 from . import protocol as p
 from .topology import patience
 from .transport import Channel, connect
@@ -35,6 +36,7 @@ class _Child:
         self.addr: str = spec["addr"]
         self.children: list[dict] = spec.get("children", [])
         self.chan: Channel | None = None
+        self.bulk: bulk.BulkSender | None = None
         self.need: set[bytes] = set()
         self.error: str | None = None
         self.send, self.receive = trio.open_memory_channel[tuple[bytes, bytes]](QUEUE)
@@ -43,9 +45,13 @@ class _Child:
 
 class Relay:
     def __init__(self, token: bytes, children: Sequence[dict], timeout: float,
-                 nursery: trio.Nursery, counters: dict[str, int]):
+                 nursery: trio.Nursery, counters: dict[str, int],
+                 local: bulk.LocalTransport | None = None):
         self.token = token
         self.counters = counters
+        # Chunks go to each child over the best bulk transport both ends have (RDMA or TCP),
+        # as the dev box does to the roots; control stays on the TCP channel.
+        self.local = local or bulk.LocalTransport()
         self.timeout = timeout
         self.nursery = nursery
         self.children = [_Child(spec) for spec in children]
@@ -76,6 +82,9 @@ class Relay:
         """Connect to every child and have it open its own subtree."""
         async def start(child: _Child) -> None:
             child.chan = await connect(child.addr, self.token, timeout=min(10.0, self.timeout))
+            policy = "tcp" if self.local.kind == bulk.TCP else "auto"
+            kind, _ = bulk.choose_for_peer(self.local, policy, child.chan.info)
+            child.bulk = await bulk.open_sender(child.chan, kind, self.local, child.chan.info)
             reply = await child.chan.request("relay", children=child.children,
                                              timeout=self.timeout)
             self.failures.update(reply.get("failed", {}))
@@ -108,7 +117,7 @@ class Relay:
         try:
             async for cid, blob in child.receive:
                 with trio.fail_after(self.timeout * patience(child.children)):
-                    await child.chan.send(p.PutChunk(cid, blob))
+                    await child.bulk.send_chunk(cid, blob)
                 self.counters["chunks_forwarded"] += 1
         except Exception as e:
             self._fail(child, e)
@@ -123,7 +132,8 @@ class Relay:
         async def drain(child: _Child) -> None:
             await child.done.wait()
             if child.error is None:
-                reply = await child.chan.request("flush")
+                extra = await child.bulk.flush()  # RDMA: the child waits for that many chunks
+                reply = await child.chan.request("flush", **extra)
                 for addr, cause in reply.get("failed", {}).items():
                     self.failures[addr or child.addr] = cause  # "" is the child itself
 
@@ -133,6 +143,9 @@ class Relay:
     async def aclose(self) -> None:
         for child in self.children:
             child.send.close()
+            if child.bulk is not None:
+                with trio.CancelScope(shield=True):
+                    await child.bulk.aclose()
             if child.chan is not None:
                 with trio.CancelScope(shield=True):
                     await child.chan.aclose()
