@@ -72,6 +72,7 @@ class Node:
     ws: str | None = None
     view: bytes | None = None
     special: str | None = None  # "root", "versions" or "wsv" for the synthetic directories
+    lookups: int = 0  # how many times the kernel was handed this inode and has not forgotten
 
 
 @dataclass
@@ -101,7 +102,6 @@ class SnapshotFS(pyfuse3.Operations):
         self.mtime_ns = 0
         self._nodes: dict[int, Node] = {}
         self._inos: dict[tuple, int] = {}
-        self._lookups: dict[int, int] = {}
         self._handles: dict[int, object] = {}
         self._next_fh = 1
         self.nursery: trio.Nursery | None = None  # for prefetches, set while serving
@@ -135,8 +135,9 @@ class SnapshotFS(pyfuse3.Operations):
     def _remember(self, node: Node) -> pyfuse3.EntryAttributes:
         """Hand an inode to the kernel (lookup or readdirplus): it now counts one more lookup."""
         ino = self._ino(node)
-        self._lookups[ino] = self._lookups.get(ino, 0) + 1
-        return self._attr(ino, self._nodes[ino])
+        live = self._nodes[ino]
+        live.lookups += 1
+        return self._attr(ino, live)
 
     def _entry_node(self, ws: str, view: bytes | None, entry: Entry) -> Node:
         if entry.kind == Kind.DIR:
@@ -225,7 +226,7 @@ class SnapshotFS(pyfuse3.Operations):
         def known_ino(key: tuple) -> int | None:
             """The inode for key, if the kernel knows it (else it has nothing cached to drop)."""
             ino = self._inos.get(key)
-            return ino if ino is not None and self._lookups.get(ino) else None
+            return ino if ino is not None and self._nodes[ino].lookups else None
 
         # Names that appear or go away: a new workspace (the kernel may hold a negative entry
         # for it), and retained versions added or dropped.
@@ -295,15 +296,15 @@ class SnapshotFS(pyfuse3.Operations):
     async def forget(self, inode_list):
         self.ops["forget"] += 1
         for ino, n in inode_list:
-            left = self._lookups.get(ino, 0) - n
-            if left > 0:
-                self._lookups[ino] = left
+            node = self._nodes.get(ino)
+            if node is None:
                 continue
-            self._lookups.pop(ino, None)
-            if ino != pyfuse3.ROOT_INODE:
-                node = self._nodes.pop(ino, None)
-                if node is not None and self._inos.get(node.key) == ino:
-                    del self._inos[node.key]
+            node.lookups = max(0, node.lookups - n)
+            if node.lookups or ino == pyfuse3.ROOT_INODE:
+                continue
+            del self._nodes[ino]
+            if self._inos.get(node.key) == ino:
+                del self._inos[node.key]
 
     async def getattr(self, inode, ctx=None):
         self.ops["getattr"] += 1
@@ -348,7 +349,7 @@ class SnapshotFS(pyfuse3.Operations):
             ino = self._ino(node)
             if not pyfuse3.readdir_reply(token, name, self._attr(ino, self._nodes[ino]), i + 1):
                 return
-            self._lookups[ino] = self._lookups.get(ino, 0) + 1
+            self._nodes[ino].lookups += 1
 
     async def releasedir(self, fh):
         self.ops["releasedir"] += 1

@@ -34,6 +34,15 @@ PACK_LIMIT = 256 * 1024 * 1024
 RAW_CODEC = bytes([RAW])
 
 
+def _loc(pack: int, offset: int, length: int) -> int:
+    """Where an object is, as one int: a 100k-chunk index is 8 MB smaller than with tuples."""
+    return pack << 72 | offset << 32 | length
+
+
+def _unloc(loc: int) -> tuple[int, int, int]:
+    return loc >> 72, (loc >> 32) & ((1 << 40) - 1), loc & 0xFFFFFFFF
+
+
 class StoreBusy(Exception):
     """Another process owns this store."""
 
@@ -50,7 +59,7 @@ class Store:
         except BlockingIOError:
             os.close(self._lockfd)
             raise StoreBusy(f"store {self.root} is in use by another process") from None
-        self._index: dict[bytes, tuple[int, int, int]] = {}  # id -> (pack, offset, length)
+        self._index: dict[bytes, int] = {}  # id -> _loc(pack, offset, length)
         self._readers: dict[int, int] = {}
         self._lock = threading.Lock()
         numbers = sorted(int(p.stem) for p in self.packs.glob("*.pack"))
@@ -79,7 +88,7 @@ class Store:
         if len(data) % _IDX.size:
             return False  # damaged index: rebuild from the pack
         for cid, off, length in _IDX.iter_unpack(data):
-            self._index[cid] = (n, off, length)
+            self._index[cid] = _loc(n, off, length)
         return True
 
     def _scan(self, n: int) -> None:
@@ -94,7 +103,7 @@ class Store:
                 end = off + _RECORD.size + length
                 if magic != _MAGIC or end > size:
                     break
-                self._index[cid] = (n, off + _RECORD.size, length)
+                self._index[cid] = _loc(n, off + _RECORD.size, length)
                 off = end
         if off != size:
             os.truncate(path, off)
@@ -110,7 +119,8 @@ class Store:
         os.close(self._fd)
         n = self._cur
         records = b"".join(_IDX.pack(cid, off, length)
-                           for cid, (p, off, length) in self._index.items() if p == n)
+                           for cid, (p, off, length) in
+                           ((c, _unloc(v)) for c, v in self._index.items()) if p == n)
         tmp = self._idx_path(n).with_suffix(".tmp")
         with open(tmp, "wb") as f:
             f.write(records)
@@ -164,7 +174,7 @@ class Store:
                 os.ftruncate(self._fd, off)  # no partial record stays behind
                 raise
             self._size = off + size
-            self._index[cid] = (self._cur, off + _RECORD.size, len(blob))
+            self._index[cid] = _loc(self._cur, off + _RECORD.size, len(blob))
             if self._size >= self.pack_limit:
                 self._seal()
         return True
@@ -177,12 +187,12 @@ class Store:
 
     def locate(self, cid: bytes) -> tuple[Path, int, int]:
         """(pack file, offset, length) of an object's blob: for checks and repairs."""
-        n, off, length = self._index[cid]
+        n, off, length = _unloc(self._index[cid])
         return self._pack_path(n), off, length
 
     def get_blob(self, cid: bytes) -> bytes:
         try:
-            n, off, length = self._index[cid]
+            n, off, length = _unloc(self._index[cid])
         except KeyError:
             raise KeyError(cid.hex()) from None
         fd = self._readers.get(n)
