@@ -366,6 +366,19 @@ def remove_work(work: Path) -> None:
     shutil.rmtree(work, ignore_errors=True)
 
 
+def run_in_work(cache: Path, measure: Callable[[Path], dict]) -> int:
+    """A workload run on its own: `measure(work)` in a fresh folder under the cache, whose
+    result is printed as JSON."""
+    cache.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="run-", dir=cache))
+    try:
+        result = measure(work)
+    finally:
+        remove_work(work)
+    print(json.dumps(result, indent=1))
+    return 0
+
+
 def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":

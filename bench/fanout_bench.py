@@ -360,7 +360,7 @@ def markdown(report: dict) -> str:
         + (" (**other users were busy: CPU figures are noisy**)" if cfg["background_load"] > 0.2
            else ""),
         f"- monarch-fs {cfg['monarch_fs']}",
-        f"- egress: the kernel's tx_bytes on the dev box's interface (headers included)",
+        "- egress: the kernel's tx_bytes on the dev box's interface (headers included)",
         "",
         table(report["runs"]),
         "push s: the CLI's own `seconds` (scan, hash, negotiate, send, two-phase publish); wall "

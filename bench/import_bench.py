@@ -36,13 +36,12 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (DEFAULT_CACHE, REPO, BenchError, LocalCluster, Observed,  # noqa: E402
-                    PageCache, fmt_bytes, log, own_disk_kib, remove_work, rounds,
+from common import (run_in_work, DEFAULT_CACHE, REPO, BenchError, LocalCluster, Observed,  # noqa: E402
+                    PageCache, fmt_bytes, log, own_disk_kib, rounds,
                     run, summary)
 
 STAGE_VERSION = 1
@@ -188,15 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warm-runs", type=int, default=5)
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     args = parser.parse_args(argv)
-    args.cache.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="run-", dir=args.cache))
-    try:
-        res = measure(work, args.cache, args.module, args.cold_runs, args.warm_runs,
-                      tuple(args.exclude))
-    finally:
-        remove_work(work)
-    print(json.dumps(res, indent=1))
-    return 0
+    return run_in_work(args.cache, lambda work: measure(work, args.cache, args.module, args.cold_runs, args.warm_runs, tuple(args.exclude)))
 
 
 if __name__ == "__main__":

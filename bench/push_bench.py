@@ -40,7 +40,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import random
 import shlex
 import shutil
@@ -51,18 +50,17 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from common import (DEFAULT_CACHE, MiB, BenchError, PageCache,  # noqa: E402
+                    fmt_bytes, machine_facts, remove_work, sync)
 from monarch_fs.daemon import cluster
 
 GENERATOR_VERSION = 1
-MiB = 1024 * 1024
 SMALL_FRACTION = 0.25
 SMALL_SIZES = (1024, 40 * 1024)  # bytes, uniform
 LARGE_SIZES = (50 * MiB, 200 * MiB)  # bytes, uniform
 LINE_POOL = 5000  # distinct pseudo-source lines: sets how well the small files compress
 VERIFY_SAMPLE = 200  # files compared byte for byte after the cold push
 EDIT_LINE = b"# edited by push_bench\n"
-DEFAULT_CACHE = Path(tempfile.gettempdir()) / "monarch-fs-bench"
-REPO = Path(__file__).resolve().parent.parent
 
 WORDS = (
     "self def return import from class if else elif for in while try except finally with as None "
@@ -90,10 +88,6 @@ LARGE_NAMES = (
     ("safetensors_cache/model-00004-of-00004.safetensors", False),
 )
 SITE = "lib/python3.11/site-packages"
-
-
-class BenchError(Exception):
-    """The benchmark cannot go on (a tool failed, or the pushed tree is wrong)."""
 
 
 # ---- the generated tree -------------------------------------------------------------------
@@ -268,36 +262,6 @@ def clean_cache(cache: Path) -> None:
 
 # ---- measuring ----------------------------------------------------------------------------
 
-class PageCache:
-    """Drops the page cache before cold runs when it can, and remembers whether it did."""
-
-    def __init__(self) -> None:
-        self.reason: str | None = None if os.geteuid() == 0 else "not root"
-
-    def drop(self) -> bool:
-        sync()
-        if self.reason:
-            return False
-        try:
-            Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        except OSError as e:
-            self.reason = f"cannot write /proc/sys/vm/drop_caches: {e.strerror}"
-            return False
-        return True
-
-    def describe(self) -> str:
-        if self.reason:
-            return f"NOT dropped ({self.reason}): cold figures are warm-cache figures"
-        return "dropped before each cold run (sync; echo 3 > /proc/sys/vm/drop_caches)"
-
-
-def sync() -> float:
-    """Flush dirty pages; returns how long it took."""
-    t = time.monotonic()
-    subprocess.run(["sync"], check=True)
-    return time.monotonic() - t
-
-
 def run(cmd: list[str], **kw) -> tuple[float, subprocess.CompletedProcess]:
     """Run a command to completion; wall-clock seconds and its result. Fails loudly."""
     t = time.monotonic()
@@ -436,50 +400,15 @@ def verify_edit(tree: Path, info: TreeInfo, mounts: list[Path]) -> str:
 CASES = (("cold", "cold"), ("nochange", "re-push, no change"), ("edit", "re-push, 1 small file edited"))
 
 
-def machine_facts() -> dict:
-    def first_line(cmd: list[str]) -> str:
-        try:
-            return subprocess.run(cmd, capture_output=True, text=True).stdout.splitlines()[0]
-        except (OSError, IndexError):
-            return "?"
-
-    mem = next((ln.split()[1] for ln in Path("/proc/meminfo").read_text().splitlines()
-                if ln.startswith("MemTotal:")), "0")
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True,
-                              text=True).stdout.strip()
-
-    commit = git("rev-parse", "--short", "HEAD")
-    if commit and git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench"):
-        commit += "+uncommitted changes"  # the figures are for the working tree, not the commit
-    return {
-        "nproc": int(first_line(["nproc"]) or 0),
-        "kernel": platform.release(),
-        "python": sys.version.split()[0],
-        "mem_gib": round(int(mem) / MiB, 1),
-        "rsync": " ".join(first_line(["rsync", "--version"]).split()[:3]),
-        "zstd": first_line(["zstd", "--version"]),
-        "monarch_fs_commit": commit or "?",
-    }
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return ""
-
-
 def markdown(report: dict) -> str:
     by = {(m["tool"], m["case"]): m for m in report["measurements"]}
     t, m = report["tree"], report["machine"]
     lines = [
         f"## monarch-fs push benchmark, {report['date']}",
         "",
-        f"- tree: {t['entries']} entries, {_fmt_bytes(t['bytes'])}: {t['small_files']} small "
-        f"text files ({_fmt_bytes(t['small_bytes'])}), {len(t['large_files'])} binaries "
-        f"({_fmt_bytes(t['bytes'] - t['small_bytes'])}); {t['path']}",
+        f"- tree: {t['entries']} entries, {fmt_bytes(t['bytes'])}: {t['small_files']} small "
+        f"text files ({fmt_bytes(t['small_bytes'])}), {len(t['large_files'])} binaries "
+        f"({fmt_bytes(t['bytes'] - t['small_bytes'])}); {t['path']}",
         f"- {report['nodes']} nodes: monarch-fs to a local cluster (loopback TCP, FUSE), "
         f"rsync and tar|zstd to {report['nodes']} local folders one after another",
         f"- machine: {m['nproc']} cores, kernel {m['kernel']}, Python {m['python']}, "
@@ -500,7 +429,7 @@ def markdown(report: dict) -> str:
                 row += ["n/a", "n/a"]
             else:
                 row += [f"{other['seconds']:.2f}", f"{other['seconds'] / mfs['seconds']:.2f}x"]
-        row += [f"{mfs['push']['bytes_sent']:,} ({_fmt_bytes(mfs['push']['bytes_sent'])})",
+        row += [f"{mfs['push']['bytes_sent']:,} ({fmt_bytes(mfs['push']['bytes_sent'])})",
                 f"{mfs['push']['chunks_sent']:,} (snapshot: {mfs['push']['chunks_total']:,})"]
         lines.append("| " + " | ".join(row) + " |")
     flush = ", ".join(f"{tool} {case} {by[(tool, case)]['flush_seconds']:.2f}s"
@@ -568,24 +497,12 @@ def benchmark(tree: Path, info: TreeInfo, nodes: int, work: Path) -> tuple[list[
     return results, verify, cache
 
 
-def remove_work(work: Path) -> None:
-    """Remove the run's folder, but never descend into a mount a daemon failed to release."""
-    with open("/proc/self/mountinfo", "rb") as f:
-        mounts = [line.split()[4] for line in f]
-    prefix = os.fsencode(str(work)) + b"/"
-    if any(m.startswith(prefix) for m in mounts):
-        print(f"warning: a mount is still active under {work}; leaving it in place",
-              file=sys.stderr)
-        return
-    shutil.rmtree(work, ignore_errors=True)
-
-
 def measure(size_mb: int, nodes: int, cache_dir: Path = DEFAULT_CACHE) -> dict:
     """Generate (or reuse) the tree, run every tool and case, and return the report (what
     main() writes as JSON). Raises BenchError when a tool fails or a copy is wrong."""
     tree, info, generated = ensure_tree(cache_dir, size_mb)
     print(f"tree {tree}: {info.small_files} small files, {len(info.large_files)} binaries, "
-          f"{_fmt_bytes(info.total_bytes)}" + (" (generated now)" if generated else " (cached)"),
+          f"{fmt_bytes(info.total_bytes)}" + (" (generated now)" if generated else " (cached)"),
           file=sys.stderr)
     work = Path(tempfile.mkdtemp(prefix="run-", dir=cache_dir))
     try:

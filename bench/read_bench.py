@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import xxhash  # noqa: E402
 
-from common import (DEFAULT_CACHE, MiB, BenchError, LocalCluster, Observed,  # noqa: E402
-                    PageCache, log, own_disk_kib, remove_work, rounds,
+from common import (run_in_work, DEFAULT_CACHE, MiB, BenchError, LocalCluster, Observed,  # noqa: E402
+                    PageCache, log, own_disk_kib, rounds,
                     summary)
 
 GENERATOR_VERSION = 1
@@ -162,15 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warm-runs", type=int, default=5)
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     args = parser.parse_args(argv)
-    args.cache.mkdir(parents=True, exist_ok=True)
-    import tempfile
-    work = Path(tempfile.mkdtemp(prefix="run-", dir=args.cache))
-    try:
-        res = measure(work, args.cache, args.size_mb, args.cold_runs, args.warm_runs)
-    finally:
-        remove_work(work)
-    print(json.dumps(res, indent=1))
-    return 0
+    return run_in_work(args.cache, lambda work: measure(work, args.cache, args.size_mb, args.cold_runs, args.warm_runs))
 
 
 if __name__ == "__main__":

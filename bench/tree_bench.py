@@ -30,13 +30,12 @@ import os
 import random
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (DEFAULT_CACHE, BenchError, LocalCluster, Observed, PageCache,  # noqa: E402
-                    log, own_disk_kib, remove_work, rounds, run, summary)
+from common import (run_in_work, DEFAULT_CACHE, BenchError, LocalCluster, Observed, PageCache,  # noqa: E402
+                    log, own_disk_kib, rounds, run, summary)
 
 GENERATOR_VERSION = 1
 PER_DIR = 100
@@ -160,14 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warm-runs", type=int, default=5)
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     args = parser.parse_args(argv)
-    args.cache.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="run-", dir=args.cache))
-    try:
-        res = measure(work, args.cache, args.files, args.cold_runs, args.warm_runs)
-    finally:
-        remove_work(work)
-    print(json.dumps(res, indent=1))
-    return 0
+    return run_in_work(args.cache, lambda work: measure(work, args.cache, args.files, args.cold_runs, args.warm_runs))
 
 
 if __name__ == "__main__":
