@@ -27,7 +27,7 @@ from . import bulk
 from . import protocol as p
 from . import topology
 from .refs import check_workspace_name
-from .transport import Channel, ConnectError, ConnectionLost, RemoteError, connect
+from .transport import Channel, ConnectError, RemoteError, connect, describe_failure
 
 CONNECT_TIMEOUT = 10.0
 STALL_TIMEOUT = 60.0  # no progress on one node for this long fails that node
@@ -81,23 +81,6 @@ class Progress:
     def update(self, done: int) -> None: ...
 
 
-def describe(e: BaseException, timeout: float = STALL_TIMEOUT) -> str:
-    """One line a person can act on, without internal frames."""
-    if isinstance(e, trio.TooSlowError):
-        return f"no progress for {timeout:g}s (node stalled or unreachable)"
-    if isinstance(e, RemoteError):
-        return e.message
-    if isinstance(e, ConnectionLost):
-        return str(e).removeprefix(f"{e.peer}: ")
-    if isinstance(e, ConnectError):
-        return str(e).split(": ", 1)[-1]
-    if isinstance(e, (trio.BrokenResourceError, trio.ClosedResourceError, EOFError)):
-        return "connection lost"
-    if isinstance(e, OSError):
-        return e.strerror or str(e)
-    return str(e) or type(e).__name__
-
-
 class _Node:
     def __init__(self, addr: str):
         self.addr = addr
@@ -109,7 +92,7 @@ class _Node:
 
     def fail(self, e: BaseException | str, timeout: float = STALL_TIMEOUT) -> None:
         if self.error is None:
-            self.error = e if isinstance(e, str) else describe(e, timeout)
+            self.error = e if isinstance(e, str) else describe_failure(e, timeout)
 
 
 _NODE_ERRORS = (OSError, bulk.BulkError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
@@ -287,7 +270,7 @@ class _Push:
                 nursery.start_soon(sender, r)
         if local_error:
             e = local_error[0]
-            raise e if isinstance(e, SourceChanged) else SourceChanged(describe(e))
+            raise e if isinstance(e, SourceChanged) else SourceChanged(describe_failure(e, self.timeout))
 
         async def flush(root: _Node) -> None:
             extra = await root.bulk.flush()  # RDMA: the node waits for that many chunks

@@ -18,17 +18,11 @@ import trio
 from . import bulk
 from . import protocol as p
 from .topology import patience
-from .transport import Channel, connect
+from .transport import Channel, connect, describe_failure
 
 log = logging.getLogger("monarch_fs.relay")
 
 QUEUE = 8  # chunks buffered per child
-
-
-def _why(e: BaseException, timeout: float) -> str:
-    if isinstance(e, trio.TooSlowError):
-        return f"no progress for {timeout:g}s (stalled)"
-    return str(e).split(": ", 1)[-1] if ": " in str(e) else (str(e) or type(e).__name__)
 
 
 class _Child:
@@ -59,7 +53,7 @@ class Relay:
 
     def _fail(self, child: _Child, e: BaseException | str) -> None:
         if child.error is None:
-            child.error = e if isinstance(e, str) else _why(e, self.timeout)
+            child.error = e if isinstance(e, str) else describe_failure(e, self.timeout)
             self.failures[child.addr] = child.error
             log.warning("relay to %s failed: %s", child.addr, child.error)
             child.receive.close()  # the forwarder stops queueing for it

@@ -279,3 +279,21 @@ async def accept(
         await trio.aclose_forcefully(stream)
         raise
     return channel
+
+
+def describe_failure(e: BaseException, timeout: float) -> str:
+    """What went wrong with a peer, in one line a person can act on (no internal frames);
+    `timeout` is the stall limit a TooSlowError stands for."""
+    if isinstance(e, trio.TooSlowError):
+        return f"no progress for {timeout:g}s (node stalled or unreachable)"
+    if isinstance(e, RemoteError):
+        return e.message
+    if isinstance(e, ConnectionLost):
+        return str(e).removeprefix(f"{e.peer}: ")
+    if isinstance(e, ConnectError):
+        return str(e).split(": ", 1)[-1]
+    if isinstance(e, (trio.BrokenResourceError, trio.ClosedResourceError, EOFError)):
+        return "connection lost"
+    if isinstance(e, OSError):
+        return e.strerror or str(e)
+    return str(e) or type(e).__name__
