@@ -116,6 +116,18 @@ def _push_v1(c: Cluster, tmp_path: Path) -> Path:
     return src
 
 
+def push_under_way(c: Cluster, tmp_path: Path, mb: int, node: int, arrived: int,
+                   *args: str) -> tuple[Path, subprocess.Popen]:
+    """Every node on v1, then a push of `mb` MiB of v2 that has delivered `arrived` bytes to
+    `node`: the moment the tests below break something."""
+    src = _push_v1(c, tmp_path)
+    big_tree(src, mb)
+    before = objects(c, node)
+    push = start_push(c, src, *args)
+    wait_for(lambda: objects(c, node) > before + arrived, what=f"node-{node} to receive chunks")
+    return src, push
+
+
 def _on_v1_everywhere(c: Cluster, nodes=None) -> None:
     for i in nodes if nodes is not None else range(len(c.hosts)):
         assert (c.mnt(i) / "ws" / "small.txt").read_text() == "v1\n"
@@ -124,11 +136,7 @@ def _on_v1_everywhere(c: Cluster, nodes=None) -> None:
 
 def test_node_killed_mid_push_fails_and_publishes_nothing(fresh_cluster, tmp_path):
     c = fresh_cluster(4)
-    src = _push_v1(c, tmp_path)
-    big_tree(src, 128)
-    before = objects(c, 1)
-    push = start_push(c, src, "--topology", "chain", "--timeout", "10")
-    wait_for(lambda: objects(c, 1) > before + 2 * MiB, what="node-1 to receive chunks")
+    src, push = push_under_way(c, tmp_path, 128, 1, 2 * MiB, "--topology", "chain", "--timeout", "10")
     kill_mid_push(c.pid(1))
     _, err = push.communicate(timeout=60)
     assert push.returncode == 1
@@ -138,11 +146,7 @@ def test_node_killed_mid_push_fails_and_publishes_nothing(fresh_cluster, tmp_pat
 
 def test_allow_partial_routes_around_a_dead_node(fresh_cluster, tmp_path):
     c = fresh_cluster(4)
-    src = _push_v1(c, tmp_path)
-    big_tree(src, 128)
-    before = objects(c, 1)
-    push = start_push(c, src, "--topology", "chain", "--timeout", "10", "--allow-partial")
-    wait_for(lambda: objects(c, 1) > before + 2 * MiB, what="node-1 to receive chunks")
+    src, push = push_under_way(c, tmp_path, 128, 1, 2 * MiB, "--topology", "chain", "--timeout", "10", "--allow-partial")
     kill_mid_push(c.pid(1))
     out, err = push.communicate(timeout=60)
     assert push.returncode == 0, err
@@ -155,11 +159,7 @@ def test_allow_partial_routes_around_a_dead_node(fresh_cluster, tmp_path):
 
 def test_stalled_node_is_detected_by_timeout(fresh_cluster, tmp_path):
     c = fresh_cluster(3)
-    src = _push_v1(c, tmp_path)
-    big_tree(src, 64)
-    before = objects(c, 1)
-    push = start_push(c, src, "--topology", "chain", "--timeout", "3")
-    wait_for(lambda: objects(c, 1) > before + MiB, what="node-1 to receive chunks")
+    src, push = push_under_way(c, tmp_path, 64, 1, 1 * MiB, "--topology", "chain", "--timeout", "3")
     os.kill(c.pid(1), signal.SIGSTOP)
     try:
         t0 = time.monotonic()
@@ -174,11 +174,7 @@ def test_stalled_node_is_detected_by_timeout(fresh_cluster, tmp_path):
 
 def test_devbox_killed_mid_push_then_next_push_reuses_what_arrived(fresh_cluster, tmp_path):
     c = fresh_cluster(2)
-    src = _push_v1(c, tmp_path)
-    big_tree(src, 96)
-    before = objects(c, 1)
-    push = start_push(c, src, "--topology", "chain")
-    wait_for(lambda: objects(c, 1) > before + 3 * MiB, what="node-1 to receive chunks")
+    src, push = push_under_way(c, tmp_path, 96, 1, 3 * MiB, "--topology", "chain")
     push.kill()
     push.wait(timeout=10)
     _on_v1_everywhere(c)
@@ -191,11 +187,7 @@ def test_devbox_killed_mid_push_then_next_push_reuses_what_arrived(fresh_cluster
 
 def test_daemon_sigkilled_mid_push_restarts_on_last_good_version(fresh_cluster, tmp_path):
     c = fresh_cluster(2)
-    src = _push_v1(c, tmp_path)
-    big_tree(src, 96)
-    before = objects(c, 0)
-    push = start_push(c, src, "--topology", "chain")
-    wait_for(lambda: objects(c, 0) > before + 2 * MiB, what="node-0 to receive chunks")
+    src, push = push_under_way(c, tmp_path, 96, 0, 2 * MiB, "--topology", "chain")
     kill_mid_push(c.pid(0))
     _, err = push.communicate(timeout=60)
     assert push.returncode == 1 and c.hosts[0] in err
