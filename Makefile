@@ -7,6 +7,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 MFS := $(VENV)/bin/monarch-fs
 STAMP := $(VENV)/.installed
+PYFUSE3_STAMP := $(VENV)/.pyfuse3-patched
+PYFUSE3_VERSION := 3.5.0
+PYFUSE3_SHA256 := 88399a9494b88603230bba300f4ba9ad63fece5ed514ca3633d555a0c6a42b24
 APT_PACKAGES := fuse3 libfuse3-dev pkg-config rsync zstd iproute2
 
 .PHONY: test demo bench system-deps clean
@@ -73,12 +76,26 @@ system-deps:
 	  fi; \
 	fi
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(PYFUSE3_STAMP)
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+# pyfuse3 from its PyPI sdist (checked against a pinned sha256) with fs/pyfuse3-no-open.patch,
+# which lets the mount run without open/opendir round trips (see fs/fuse_ops.py).
+$(PYFUSE3_STAMP): fs/pyfuse3-no-open.patch
 	@$(MAKE) --no-print-directory system-deps
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
-	@touch $(STAMP)
+	@set -euo pipefail; d="$$(mktemp -d)"; trap 'rm -rf "$$d"' EXIT; \
+	echo "building pyfuse3 $(PYFUSE3_VERSION) with fs/pyfuse3-no-open.patch"; \
+	$(PY) -m pip download -q --no-deps --no-binary :all: pyfuse3==$(PYFUSE3_VERSION) -d "$$d"; \
+	echo "$(PYFUSE3_SHA256)  $$d/pyfuse3-$(PYFUSE3_VERSION).tar.gz" | sha256sum -c --quiet; \
+	tar -xzf "$$d/pyfuse3-$(PYFUSE3_VERSION).tar.gz" -C "$$d"; \
+	src="$$d/pyfuse3-$(PYFUSE3_VERSION)"; \
+	(cd "$$src" && git apply "$(CURDIR)/fs/pyfuse3-no-open.patch" && rm -f src/pyfuse3/__init__.c); \
+	SETUPTOOLS_SCM_PRETEND_VERSION=$(PYFUSE3_VERSION) $(PY) -m pip install -q --force-reinstall --no-deps "$$src"
+	$(PY) -c 'import pyfuse3; assert pyfuse3.FH_ZERO_IS_INODE'
+	@touch $(PYFUSE3_STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -10,6 +10,13 @@ file pages are kept across opens (`keep_cache`). When a workspace switches versi
 kernel entries that changed are invalidated before `set_workspace` returns, so nobody reads stale
 content after a push has succeeded.
 
+Open files and directories have no state here: a handle is the inode number. With the patched
+pyfuse3 the Makefile builds (`fs/pyfuse3-no-open.patch`), `open` and `opendir` answer ENOSYS,
+which tells the kernel to stop sending open/opendir/release/releasedir at all and to keep file
+pages and directory listings in its own cache (FUSE "no-open"). Warm `find` and warm imports
+then cost no round trips; the patch only makes pyfuse3 hand read/readdir the inode when the
+kernel sends handle 0. With a stock pyfuse3 every open is a round trip, and nothing else differs.
+
 Inode numbers: a directory of the current view keeps its inode across versions (keyed by its
 path), and a file or symlink is keyed by its path and content, so an unchanged file keeps its
 inode and page cache across versions, while a changed file gets a new inode (a reader holding the
@@ -38,6 +45,7 @@ log = logging.getLogger(__name__)
 VERSIONS = b".versions"
 PREFETCH_CHUNKS = 2
 LISTING_CACHE_ENTRIES = 10_000
+NO_OPEN = getattr(pyfuse3, "FH_ZERO_IS_INODE", False)
 TIMEOUT = 24 * 3600.0  # entries are invalidated explicitly; the timeout is only a backstop
 _TYPE = {Kind.DIR: stat.S_IFDIR, Kind.FILE: stat.S_IFREG, Kind.SYMLINK: stat.S_IFLNK}
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC | os.O_CREAT
@@ -73,12 +81,7 @@ class Node:
     view: bytes | None = None
     special: str | None = None  # "root", "versions" or "wsv" for the synthetic directories
     lookups: int = 0  # how many times the kernel was handed this inode and has not forgotten
-
-
-@dataclass
-class _OpenFile:
-    entry: Entry
-    chunk_size: int
+    chunk_size: int = 0  # files: how the content is cut (from its snapshot's manifest)
 
 
 def _changes(before: Tree, after: Tree) -> list[tuple[Entry | None, Entry | None]]:
@@ -102,8 +105,6 @@ class SnapshotFS(pyfuse3.Operations):
         self.mtime_ns = 0
         self._nodes: dict[int, Node] = {}
         self._inos: dict[tuple, int] = {}
-        self._handles: dict[int, object] = {}
-        self._next_fh = 1
         self.nursery: trio.Nursery | None = None  # for prefetches, set while serving
         self.ops: Counter[str] = Counter()  # requests served, by operation (user.monarch.ops)
         self._listings: OrderedDict[tuple, list[tuple[bytes, Node]]] = OrderedDict()
@@ -139,13 +140,13 @@ class SnapshotFS(pyfuse3.Operations):
         live.lookups += 1
         return self._attr(ino, live)
 
-    def _entry_node(self, ws: str, view: bytes | None, entry: Entry) -> Node:
+    def _entry_node(self, ws: str, view: bytes | None, entry: Entry, chunk_size: int) -> Node:
         if entry.kind == Kind.DIR:
-            key = ("dir", ws, view, entry.path)
-        else:  # everything a reader sees of it
-            key = ("obj", ws, entry.path, entry.kind, entry.mode, entry.size, entry.mtime_ns,
-                   entry.target, entry.chunks)
-        return Node(key, entry, ws, view)
+            return Node(("dir", ws, view, entry.path), entry, ws, view)
+        # everything a reader sees of it
+        key = ("obj", ws, entry.path, entry.kind, entry.mode, entry.size, entry.mtime_ns,
+               entry.target, entry.chunks, chunk_size)
+        return Node(key, entry, ws, view, chunk_size=chunk_size)
 
     def _tree(self, node: Node) -> Tree | None:
         trees = self.workspaces.get(node.ws or "")
@@ -184,19 +185,19 @@ class SnapshotFS(pyfuse3.Operations):
             out = [(VERSIONS, Node(("versions",), self._synthetic(), special="versions"))]
             for ws in names:
                 tree = self.workspaces[ws][0]
-                out.append((ws.encode(), self._entry_node(ws, None, tree.entries[b""])))
+                out.append((ws.encode(), self._entry_node(ws, None, tree.entries[b""], 0)))
             return out
         if node.special == "versions":
             return [(ws.encode(), Node(("wsv", ws), self._synthetic(), ws=ws, special="wsv"))
                     for ws in sorted(self.workspaces)]
         if node.special == "wsv":
-            return [(t.hex.encode(), self._entry_node(node.ws, t.version, t.entries[b""]))
+            return [(t.hex.encode(), self._entry_node(node.ws, t.version, t.entries[b""], 0))
                     for t in self.workspaces.get(node.ws, [])]
         tree = self._tree(node)
         if tree is None or node.entry.path not in tree.children:
             return []
-        path = node.entry.path
-        return [(name, self._entry_node(node.ws, node.view, tree.entries[_child(path, name)]))
+        path, size = node.entry.path, tree.manifest.chunk_size
+        return [(name, self._entry_node(node.ws, node.view, tree.entries[_child(path, name)], size))
                 for name in tree.children[path]]
 
     def _lookup_child(self, node: Node, name: bytes) -> Node | None:
@@ -206,7 +207,7 @@ class SnapshotFS(pyfuse3.Operations):
         if tree is None:
             return None
         e = tree.entries.get(_child(node.entry.path, name))
-        return None if e is None else self._entry_node(node.ws, node.view, e)
+        return None if e is None else self._entry_node(node.ws, node.view, e, tree.manifest.chunk_size)
 
     # ---- publishing -----------------------------------------------------------------------
 
@@ -221,7 +222,9 @@ class SnapshotFS(pyfuse3.Operations):
         if not self.mounted:
             return
         inval_entries: list[tuple[int, bytes]] = []
-        inval_attrs: list[int] = [pyfuse3.ROOT_INODE]
+        # Directories whose listing or attributes changed: the kernel drops both (it caches
+        # listings itself under no-open).
+        inval_dirs: set[int] = {pyfuse3.ROOT_INODE}
 
         def known_ino(key: tuple) -> int | None:
             """The inode for key, if the kernel knows it (else it has nothing cached to drop)."""
@@ -235,28 +238,30 @@ class SnapshotFS(pyfuse3.Operations):
             versions_dir = known_ino(("versions",))
             if versions_dir is not None:
                 inval_entries.append((versions_dir, name.encode()))
+                inval_dirs.add(versions_dir)
         wsv = known_ino(("wsv", name))
         if wsv is not None:
-            inval_attrs.append(wsv)
+            inval_dirs.add(wsv)
             before, after = {t.version for t in old}, {t.version for t in trees}
             inval_entries += [(wsv, v.hex().encode()) for v in before ^ after]
 
-        # The current view: names whose entry changed, and directories whose attributes did
-        # (a directory keeps its inode, so only its attributes are dropped).
+        # The current view: names whose entry changed (and so their parent's listing), and
+        # directories whose attributes did (a directory keeps its inode across versions).
         for a, b in changed:
             if a is not None and b is not None and a.kind == b.kind == Kind.DIR:
                 dir_ino = known_ino(("dir", name, None, b.path))
                 if dir_ino is not None:
                     self._nodes[dir_ino].entry = b
-                    inval_attrs.append(dir_ino)
+                    inval_dirs.add(dir_ino)
             elif (a or b).path:
                 parent = known_ino(("dir", name, None, (a or b).parent))
                 if parent is not None:
                     inval_entries.append((parent, (a or b).name))
-        await trio.to_thread.run_sync(self._invalidate, inval_entries, inval_attrs)
+                    inval_dirs.add(parent)
+        await trio.to_thread.run_sync(self._invalidate, inval_entries, sorted(inval_dirs))
 
     @staticmethod
-    def _invalidate(entries: list[tuple[int, bytes]], attrs: list[int]) -> None:
+    def _invalidate(entries: list[tuple[int, bytes]], dirs: list[int]) -> None:
         # Runs in a worker thread: the synchronous calls return once the kernel has dropped the
         # entries, while the trio thread keeps answering the requests they may wait for.
         for parent, name in entries:
@@ -265,9 +270,9 @@ class SnapshotFS(pyfuse3.Operations):
             except OSError as e:
                 if e.errno != errno.ENOENT:
                     log.warning("invalidating entry %r: %s", name, e)
-        for ino in attrs:
+        for ino in dirs:
             try:
-                pyfuse3.invalidate_inode(ino, attr_only=True)
+                pyfuse3.invalidate_inode(ino)
             except OSError as e:
                 if e.errno != errno.ENOENT:
                     log.warning("invalidating inode %d: %s", ino, e)
@@ -322,7 +327,9 @@ class SnapshotFS(pyfuse3.Operations):
         node = self._node(inode)
         if node.entry.kind != Kind.DIR:
             raise pyfuse3.FUSEError(errno.ENOTDIR)
-        return self._new_handle(self._listing(node))
+        if NO_OPEN:
+            raise pyfuse3.FUSEError(errno.ENOSYS)  # no-opendir: the kernel caches listings
+        return inode
 
     def _listing(self, node: Node) -> list[tuple[bytes, Node]]:
         """A directory's entries. Snapshot directories never change, and every `ls`, `find`
@@ -343,7 +350,7 @@ class SnapshotFS(pyfuse3.Operations):
 
     async def readdir(self, fh, start_id, token):
         self.ops["readdir"] += 1
-        listing = self._handles[fh]
+        listing = self._listing(self._node(fh))  # a handle is the directory's inode
         for i in range(start_id, len(listing)):
             name, node = listing[i]
             ino = self._ino(node)
@@ -353,7 +360,6 @@ class SnapshotFS(pyfuse3.Operations):
 
     async def releasedir(self, fh):
         self.ops["releasedir"] += 1
-        self._handles.pop(fh, None)
 
     async def open(self, inode, flags, ctx):
         self.ops["open"] += 1
@@ -362,29 +368,31 @@ class SnapshotFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EROFS)
         if node.entry.kind != Kind.FILE:
             raise pyfuse3.FUSEError(errno.EISDIR if node.entry.kind == Kind.DIR else errno.EINVAL)
-        tree = self._tree(node) if node.view is not None else None
-        chunk_size = (tree or self.workspaces[node.ws][0]).manifest.chunk_size
-        fh = self._new_handle(_OpenFile(node.entry, chunk_size))
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+        if NO_OPEN:
+            raise pyfuse3.FUSEError(errno.ENOSYS)  # no-open: reads come with the inode
+        return pyfuse3.FileInfo(fh=inode, keep_cache=True)
 
     async def read(self, fh, off, size):
         self.ops["read"] += 1
-        f: _OpenFile = self._handles[fh]
-        end = min(off + size, f.entry.size)
+        # A handle is the file's inode. The kernel holds the inode while the file is open, so
+        # the node (and the content it was opened with) outlives any publish.
+        node = self._node(fh)
+        entry, chunk_size = node.entry, node.chunk_size
+        end = min(off + size, entry.size)
         parts = []
-        chunks = f.entry.chunks
-        last = (end - 1) // f.chunk_size
+        chunks = entry.chunks
+        last = (end - 1) // chunk_size
         if self.nursery is not None and end > off:
             # Sequential readers come back for the next chunks: load (and decompress, on both
             # cores) a few ahead while they use this one.
             for cid in chunks[last + 1:last + 1 + PREFETCH_CHUNKS]:
                 self.chunks.prefetch(self.nursery, cid)
         while off < end:
-            i, within = divmod(off, f.chunk_size)
+            i, within = divmod(off, chunk_size)
             try:
-                data = await self.chunks.get(f.entry.chunks[i])
+                data = await self.chunks.get(chunks[i])
             except Exception as e:  # missing or corrupt object: an I/O error, never wrong bytes
-                log.error("reading %r: %s", f.entry.path, e)
+                log.error("reading %r: %s", entry.path, e)
                 raise pyfuse3.FUSEError(errno.EIO) from None
             piece = data[within:within + end - off]
             parts.append(piece)
@@ -395,7 +403,6 @@ class SnapshotFS(pyfuse3.Operations):
 
     async def release(self, fh):
         self.ops["release"] += 1
-        self._handles.pop(fh, None)
 
     async def statfs(self, ctx):
         self.ops["statfs"] += 1
@@ -436,12 +443,6 @@ class SnapshotFS(pyfuse3.Operations):
     async def listxattr(self, inode, ctx):
         self.ops["listxattr"] += 1
         return list(self._xattrs(self._node(inode)))
-
-    def _new_handle(self, obj: object) -> int:
-        fh = self._next_fh
-        self._next_fh += 1
-        self._handles[fh] = obj
-        return fh
 
 
 def set_readahead(mountpoint: str, kb: int = 4096) -> bool:
