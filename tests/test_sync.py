@@ -69,22 +69,31 @@ def test_edits_visible_everywhere_and_old_version_kept(cluster3, tmp_path):
     (src / "delete.txt").write_text("deleted soon")
     (src / "d" / "rename-me.txt").write_text("moving")
     (src / "mode.sh").write_text("#!/bin/sh\n")
+    (src / "grows").mkdir()
+    (src / "grows" / "a").write_text("a")
     first = cluster3.push_json(src)
-    # Readers look before the edit, so the kernel has the old entries cached.
+    # Readers look before the edit, so the kernel has the old entries, pages and listings
+    # cached.
     for mnt in cluster3.mounts():
         assert (mnt / "edits" / "modify.txt").read_text() == "before"
         assert (mnt / "edits" / "delete.txt").exists()
         assert (mnt / "edits" / "d" / "rename-me.txt").exists()
+        assert tree(mnt / "edits") == tree(src)
+        assert os.listdir(mnt / ".versions" / "edits") == [first["version"]]
     inode_before = os.stat(cluster3.mnt(0) / "edits" / "keep.txt").st_ino
+    dir_times = {d: d.stat().st_mtime_ns for d in (src, src / "d", src / "grows")}
 
     (src / "modify.txt").write_text("after, and longer")
     (src / "delete.txt").unlink()
     (src / "added.txt").write_text("new file")
     (src / "d" / "rename-me.txt").rename(src / "renamed.txt")
     (src / "mode.sh").chmod(0o755)
+    (src / "grows" / "b").write_text("b")  # a name the kernel never looked up
+    for d, mtime in dir_times.items():  # listings change while the folders' times do not
+        os.utime(d, ns=(mtime, mtime))
     second = cluster3.push_json(src)
     assert second["version"] != first["version"]
-    assert second["chunks_sent"] <= 3 * 2  # only the new content: two new chunks per node
+    assert second["chunks_sent"] <= 3 * 3  # only the new content: three new chunks per node
 
     expected = tree(src)
     for mnt in cluster3.mounts():
