@@ -277,9 +277,10 @@ class LocalTransport:
 
 
 def resolve_local(requested: str = "auto", *, probe: Callable[[], tuple[list[dict], str]] | None
-                  = None) -> LocalTransport:
+                  = None, where: str = "this host") -> LocalTransport:
     """This host's transport for `--transport requested`. `rdma` without a usable device raises
-    TransportUnavailable; `auto` falls back to TCP and says why in `reason`."""
+    TransportUnavailable ("no RDMA device on `where` (why)"); `auto` falls back to TCP and says
+    why in `reason`."""
     if requested not in TRANSPORTS:
         raise ValueError(f"unknown transport {requested!r}: use one of {', '.join(TRANSPORTS)}")
     if requested == "tcp":
@@ -293,8 +294,8 @@ def resolve_local(requested: str = "auto", *, probe: Callable[[], tuple[list[dic
         return LocalTransport(requested, "rdma", f"RDMA device {names}", good)
     why = why or bad or "none found"
     if requested == "rdma":
-        raise TransportUnavailable(f"--transport rdma: no RDMA device on this host ({why})")
-    return LocalTransport(requested, TCP, f"auto: no RDMA device on this host ({why})", [], why)
+        raise TransportUnavailable(f"--transport rdma: no RDMA device on {where} ({why})")
+    return LocalTransport(requested, TCP, f"auto: no RDMA device on {where} ({why})", [], why)
 
 
 def choose_for_peer(local: LocalTransport, requested: str, peer_info: dict) -> tuple[str, str]:
@@ -305,18 +306,28 @@ def choose_for_peer(local: LocalTransport, requested: str, peer_info: dict) -> t
         peer_why=peer_info.get("transport_reason", "it does not advertise a transport"))
 
 
-def log_choices(choices: dict[str, tuple[str, str]], requested: str) -> None:
-    """One log line for all the peers that fell back to TCP under `auto`: a warning when RDMA
-    was available somewhere (a surprise worth showing), otherwise at info level."""
+def fallback_line(choices: dict[str, tuple[str, str]], requested: str
+                  ) -> tuple[int, str] | None:
+    """The one line that says which peers fell back to TCP under `auto` and why, and its log
+    level: a warning when RDMA was available somewhere (a surprise worth showing), otherwise
+    info. None when nothing fell back (or the transport was not `auto`). `choices` maps a peer's
+    name to choose_for_peer()'s (kind, reason)."""
     fell = {addr: why for addr, (kind, why) in choices.items()
             if kind == TCP and requested == "auto"}
     if not fell:
-        return
+        return None
     reasons = sorted(set(fell.values()))
     level = (logging.INFO if all(r.startswith("no RDMA device on this host") for r in reasons)
              else logging.WARNING)
     who = f"all {len(fell)} nodes" if len(fell) == len(choices) else ", ".join(sorted(fell))
-    log.log(level, "transport: tcp to %s (RDMA not used: %s)", who, "; ".join(reasons))
+    return level, f"transport: tcp to {who} (RDMA not used: {'; '.join(reasons)})"
+
+
+def log_choices(choices: dict[str, tuple[str, str]], requested: str) -> None:
+    """Log fallback_line(), if any (push does; `run` prints it on its own stderr instead)."""
+    line = fallback_line(choices, requested)
+    if line is not None:
+        log.log(line[0], "%s", line[1])
 
 
 # ---- opening channels ---------------------------------------------------------------------------

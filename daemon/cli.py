@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -160,9 +161,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         print("monarch-fs: error: --per-host must be >= 1 and --max-restarts >= 0",
               file=sys.stderr)
         return 2
+    hosts = parse_hosts(args.hosts)
+    token = resolve_token(args.token_file)
+    # --transport rdma without a device here: exit 1 before connecting; the hosts are checked
+    # once connected (spmd.choose_transports), still before anything is launched.
+    local = resolve_local(args.transport, where=f"the controller {socket.gethostname()}")
     job = Job(argv, per_host=args.per_host, cwd=args.cwd, workspace=args.workspace,
-              max_restarts=args.max_restarts)
-    return trio.run(run_job, parse_hosts(args.hosts), resolve_token(args.token_file), job)
+              max_restarts=args.max_restarts, transport=args.transport)
+    return trio.run(run_job, hosts, token, job, local)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -234,6 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pin the procs to the version of workspace NAME that the first host "
                         "serves now, the same on every node; {workspace} is its folder")
     r.add_argument("--token-file", metavar="F")
+    r.add_argument("--transport", choices=TRANSPORTS, default="auto",
+                   help="auto (RDMA when this host and a node both have a usable device, else "
+                        "TCP, saying why), tcp, or rdma (an error naming the host without one). "
+                        "run moves no bulk data itself: ranks get MONARCH_FS_TRANSPORT "
+                        "(tcp, rdma-rc, rdma-srd) and the summary names it")
     r.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS")
     r.set_defaults(fn=cmd_run)
 

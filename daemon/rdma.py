@@ -547,8 +547,9 @@ class RdmaSender(BulkSender):
         return cls(ep, SenderEngine(mode, slots, size), chan.peer)
 
     def _check(self) -> None:
+        # Not prefixed with the peer: push and the relay report it under the node's address.
         if self.engine.error:
-            raise BulkError(f"{self.peer}: rdma: {self.engine.error}")
+            raise BulkError(f"rdma: {self.engine.error}")
 
     def _post(self) -> None:
         for w in self.engine.work():

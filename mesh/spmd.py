@@ -14,6 +14,19 @@ Exit status: 0 when every rank exited 0; otherwise that of the first failing ran
 attempt: its exit code, or 128 + the signal number if a signal killed it (as a shell reports
 it); 1 if the job could not be launched at all (unreachable host, unknown workspace, bad
 command) or a host was lost.
+
+Transport (`--transport auto|tcp|rdma`): chosen exactly as `push` chooses it, per host, with
+daemon/bulk.py's `choose_for_peer()` between this controller and each host's daemon (what the
+daemon advertised in its Welcome). `rdma` where the controller or a host has no usable device
+fails before anything is launched, naming the host; `auto` falls back to TCP with one line saying
+why (`bulk.fallback_line()`); `tcp` never probes. What the choice carries, plainly: `run` moves no
+bulk payloads at all. The controller only exchanges control messages with the daemons (spawn,
+kill, output lines, exit reports), and those always stay on the TCP channel; the ranks exchange
+their own data (torch.distributed, NCCL, gloo), which monarch-fs neither sees nor routes. So the
+choice is made visible instead: every rank gets MONARCH_FS_TRANSPORT (tcp, rdma-rc or rdma-srd:
+what monarch-fs found between the controller and that rank's host), and the run's summary line
+names it. (The actor mesh, mesh/proc_mesh.py, sends tensors as out-of-band pickle buffers, but
+inside DATA frames on its TCP connections, not through a bulk channel; it has no --transport.)
 """
 
 from __future__ import annotations
@@ -25,6 +38,7 @@ from typing import TextIO
 
 import trio
 
+from ..daemon import bulk
 from .errors import MeshError
 from .hosts import Daemons, HostInfo, open_daemons, workspace_version
 
@@ -65,6 +79,7 @@ class Job:
     workspace: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     max_restarts: int = 0
+    transport: str = "auto"  # --transport: auto, tcp or rdma
     out: TextIO = sys.stdout
     err: TextIO = sys.stderr
 
@@ -75,9 +90,10 @@ class Job:
 class _Attempt:
     """One launch of every rank, until all exit 0 or the first one fails."""
 
-    def __init__(self, job: Job, daemons: Daemons) -> None:
+    def __init__(self, job: Job, daemons: Daemons, transports: list[str]) -> None:
         self.job = job
         self.daemons = daemons
+        self.transports = transports  # per host: tcp, rdma-rc or rdma-srd
         self.world = job.per_host * len(daemons.hosts)
         self.procs: dict[int, tuple[int, int]] = {}  # rank -> (host, daemon's proc id)
         self.exited: set[int] = set()
@@ -125,6 +141,7 @@ class _Attempt:
                         "LOCAL_WORLD_SIZE": str(job.per_host),
                         "GROUP_RANK": str(self._host(rank)), "MASTER_ADDR": master,
                         "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": str(restart),
+                        "MONARCH_FS_TRANSPORT": self.transports[self._host(rank)],
                     }
                     spec: dict = {"argv": job.argv, "env": env}
                     if job.cwd or job.workspace:
@@ -180,21 +197,50 @@ class _Attempt:
                 await self._wait(lambda: all(r in self.exited for r in running))
 
 
-async def run_job(addrs: list[str], token: bytes, job: Job) -> int:
-    """Run the job until it succeeds or its restarts are used up; the exit status."""
+def choose_transports(daemons: Daemons, job: Job, local: bulk.LocalTransport) -> list[str]:
+    """The bulk transport kind per host, by bulk.choose_for_peer() (the one decision push uses)
+    from what each daemon advertised. `rdma` that some host cannot do raises
+    TransportUnavailable naming every such host; under `auto` the one fallback line is said."""
+    choices: dict[str, tuple[str, str]] = {}
+    refused: list[str] = []
+    for info, link in zip(daemons.hosts, daemons.links):
+        try:
+            choices[str(info)] = bulk.choose_for_peer(local, job.transport, link.chan.info)
+        except bulk.TransportUnavailable as e:
+            refused.append(f"{info}: {str(e).removeprefix('--transport rdma: ')}")
+    if refused:
+        raise bulk.TransportUnavailable("--transport rdma: " + "; ".join(refused))
+    line = bulk.fallback_line(choices, job.transport)
+    if line is not None:
+        job.say(line[1])
+    return [choices[str(info)][0] for info in daemons.hosts]
+
+
+async def run_job(addrs: list[str], token: bytes, job: Job,
+                  local: bulk.LocalTransport | None = None) -> int:
+    """Run the job until it succeeds or its restarts are used up; the exit status.
+
+    `local` is this controller's bulk.resolve_local(job.transport) (resolved here if not
+    given; the CLI resolves it first, so `--transport rdma` without a local device fails
+    before connecting). bulk.TransportUnavailable propagates, raised before any rank starts."""
+    if local is None:
+        local = bulk.resolve_local(job.transport)
     try:
         async with open_daemons(addrs, token) as daemons:
+            kinds = choose_transports(daemons, job, local)
+            summary = "transport " + ",".join(sorted(set(kinds)))
             world = job.per_host * len(daemons.hosts)
             for restart in range(job.max_restarts + 1):
-                failure = await _Attempt(job, daemons).run(restart)
+                failure = await _Attempt(job, daemons, kinds).run(restart)
                 if failure is None:
                     job.say(f"all {world} ranks exited 0" +
-                            (f" (after {restart} restarts)" if restart else ""))
+                            (f" (after {restart} restarts)" if restart else "") +
+                            f"; {summary}")
                     return 0
                 left = job.max_restarts - restart
                 if left:
                     job.say(f"restarting all {world} ranks ({left} restarts left)")
-            job.say(f"giving up: exit status {failure.exit_status()}")
+            job.say(f"giving up: exit status {failure.exit_status()}; {summary}")
             return failure.exit_status()
     except MeshError as e:
         job.say(f"error: {e}")

@@ -5,6 +5,7 @@ pyverbs (checked against rdma-core 44 and pyverbs 59), over an in-process fabric
 are bytearrays at fake addresses, RDMA WRITE/READ copy between them (checking rkeys and bounds),
 a SEND or WRITE WITH IMM consumes a posted receive at the target or fails loudly (an RNR on real
 hardware), and completions queue up on CQs. SRD CQs hand completions back in a random order.
+A queue pair put in `Fabric.broken` fails its sends as a QP whose link went down does.
 
 What this proves: rdma.py's driving of the state machines (offsets, immediates, receive
 accounting, credits, polling, closing). What it cannot prove: that real pyverbs and a real NIC
@@ -25,7 +26,8 @@ FLAT = dict(
     IBV_QP_EX_WITH_RDMA_READ=1 << 3, IBV_QP_EX_WITH_SEND=1 << 4,
     IBV_QP_INIT_ATTR_PD=1, IBV_QP_INIT_ATTR_SEND_OPS_FLAGS=1 << 10, IBV_SEND_SIGNALED=2,
     IBV_WR_RDMA_WRITE=0, IBV_WR_RDMA_WRITE_WITH_IMM=1, IBV_WR_SEND=2, IBV_WC_SUCCESS=0,
-    IBV_WC_REM_ACCESS_ERR=10, IBV_WC_SEND=0, IBV_WC_RDMA_WRITE=1, IBV_WC_RDMA_READ=2,
+    IBV_WC_WR_FLUSH_ERR=5, IBV_WC_REM_ACCESS_ERR=10, IBV_WC_RETRY_EXC_ERR=12, IBV_WC_SEND=0,
+    IBV_WC_RDMA_WRITE=1, IBV_WC_RDMA_READ=2,
     IBV_WC_RECV=128, IBV_WC_RECV_RDMA_WITH_IMM=129, IBV_TRANSPORT_IB=0, IBV_TRANSPORT_IWARP=1,
     IBV_LINK_LAYER_INFINIBAND=1, IBV_LINK_LAYER_ETHERNET=2, IBV_PORT_ACTIVE=4,
     IBV_GID_TYPE_SYSFS_IB_ROCE_V1=0, IBV_GID_TYPE_SYSFS_ROCE_V2=1,
@@ -54,6 +56,9 @@ class Fabric:
         self.next_addr = 0x10000000
         self.next_qpn = 100
         self.ops = 0
+        # QPs whose link is down: their next send completes with a retry-exceeded error and
+        # every later one is flushed, as a real QP in the error state does; nothing arrives.
+        self.broken: set[int] = set()
 
     def mr_at(self, addr: int, length: int, key: int, remote: bool, access: int) -> tuple:
         for mr in self.mrs.values():
@@ -305,6 +310,14 @@ class _QPBase(_CM):
         mr, off = FABRIC.mr_at(sge.addr, sge.length, sge.lkey, False, access)
         return mr, off
 
+    def _fail_if_broken(self, wr_id) -> bool:
+        if self.qp_num not in FABRIC.broken:
+            return False
+        status = "IBV_WC_WR_FLUSH_ERR" if self.state == "ERR" else "IBV_WC_RETRY_EXC_ERR"
+        self.state = "ERR"
+        self.scq.push(WC(wr_id, FLAT["IBV_WC_SEND"], status=FLAT[status]))
+        return True
+
     def _deliver_send(self, peer, data, wr_id, opcode_local, imm=None):
         if not peer.recvs:
             raise RNR(f"QP {peer.qp_num}: a message arrived with no receive posted")
@@ -333,6 +346,8 @@ class QP(_QPBase):
     def post_send(self, wr, bad_wr):
         assert not self.closed
         FABRIC.ops += 1
+        if self._fail_if_broken(wr.wr_id):
+            return
         peer = self._peer(self.remote)
         sge = wr.sg[0]
         mr, off = FABRIC.mr_at(sge.addr, sge.length, sge.lkey, False, 0)
@@ -389,6 +404,8 @@ class SRDQPEx(_QPBase):
         assert not self.closed
         FABRIC.ops += 1
         w, self._wr = self._wr, None
+        if self._fail_if_broken(w["id"]):
+            return
         peer = self._peer(w["qpn"])
         sge = w["sge"]
         mr, off = FABRIC.mr_at(sge.addr, sge.length, sge.lkey, False, 0)
@@ -447,3 +464,35 @@ def install(monkeypatch, devices: list[dict], *, layout: str = "44", seed: int =
     for attr in ("_enums", "_efa_enums", "_probed"):
         monkeypatch.setattr(rdma, attr, None)
     return FABRIC
+
+
+class _Setter:
+    """monkeypatch's setitem/delitem/setattr without undo, for a whole process."""
+
+    @staticmethod
+    def setitem(d, key, value):
+        d[key] = value
+
+    @staticmethod
+    def delitem(d, key):
+        del d[key]
+
+    @staticmethod
+    def setattr(obj, name, value):
+        setattr(obj, name, value)
+
+
+ENV = "MONARCH_FS_FAKE_PYVERBS"
+
+
+def install_from_env() -> None:
+    """In a child process (a daemon, `monarch-fs run`): install the fake for the whole process
+    if $MONARCH_FS_FAKE_PYVERBS holds a JSON list of devices. Called from the sitecustomize.py
+    that tests write (see test_run.py); the fabric is this process's own, so it can make a host
+    look RDMA-capable, but no bytes can cross processes through it."""
+    import json
+    import os
+
+    spec = os.environ.get(ENV)
+    if spec:
+        install(_Setter, json.loads(spec))

@@ -5,9 +5,11 @@ Every test checks (through /proc) that each rank it started is gone when it ends
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -45,7 +47,8 @@ JOB = textwrap.dedent("""
         while len([n for n in os.listdir(out) if n.endswith(".pid")]) < int(os.environ["WORLD_SIZE"]):
             time.sleep(0.02)
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-            "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "MONARCH_FS_MOUNT")
+            "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "MONARCH_FS_MOUNT",
+            "MONARCH_FS_TRANSPORT")
     if mode == "env":
         print(json.dumps({k: os.environ.get(k) for k in keys}))
         print(f"line two of rank {rank}")
@@ -258,3 +261,122 @@ def test_killed_daemon_fails_the_job_and_leaves_no_rank(fresh_cluster, job, star
     assert proc.returncode == 1, stderr
     assert "node-1" in stderr and "lost the connection to the node daemon" in stderr
     assert not started.wait_gone(10)
+
+
+# ---- --transport ---------------------------------------------------------------------------
+
+
+def _host_has_rdma() -> bool:
+    from monarch_fs.daemon import bulk, rdma
+
+    devices, _ = rdma.probe_devices()
+    return any(bulk.device_mode(d)[0] for d in devices)
+
+
+no_rdma_here = pytest.mark.skipif("_host_has_rdma()",
+                                  reason="this host has an RDMA device: no fallback to observe")
+
+
+@no_rdma_here
+def test_transport_rdma_without_a_device_fails_naming_the_host_and_launches_nothing(cluster, job):
+    script, out = job
+    r = run(cluster, "--per-host", "2", "--transport", "rdma", "--", sys.executable,
+            str(script), str(out), "env")
+    assert r.returncode == 1 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr  # one line, no traceback
+    assert lines[0].startswith("monarch-fs: error: --transport rdma: no RDMA device on the "
+                               f"controller {socket.gethostname()} ("), lines[0]
+    assert pids(out) == []  # no rank ran
+
+
+@no_rdma_here
+def test_transport_auto_falls_back_to_tcp_with_one_line(cluster, job, started):
+    script, out = job
+    r = run(cluster, "--per-host", "2", "--transport", "auto", "--", sys.executable,
+            str(script), str(out), "env")
+    started.add(*pids(out), match=str(script))
+    assert r.returncode == 0, r.stderr
+    said = [line for line in r.stderr.splitlines() if "transport" in line]
+    assert len(said) == 2, r.stderr  # the fallback line, and the summary
+    assert said[0].startswith("monarch-fs run: transport: tcp to all 2 nodes (RDMA not used: "
+                              "no RDMA device on this host ("), said[0]
+    assert said[1] == "monarch-fs run: all 4 ranks exited 0; transport tcp"
+    envs = {rank: json.loads(lines[0]) for rank, lines in by_rank(r.stdout).items()}
+    assert sorted(envs) == [0, 1, 2, 3]
+    assert {e["MONARCH_FS_TRANSPORT"] for e in envs.values()} == {"tcp"}
+
+
+def test_transport_tcp_runs_silently(cluster, job, started):
+    script, out = job
+    r = run(cluster, "--transport", "tcp", "--", sys.executable, str(script), str(out), "env")
+    started.add(*pids(out), match=str(script))
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines() == ["monarch-fs run: all 2 ranks exited 0; transport tcp"]
+    envs = [json.loads(lines[0]) for lines in by_rank(r.stdout).values()]
+    assert [e["MONARCH_FS_TRANSPORT"] for e in envs] == ["tcp", "tcp"]
+
+
+@no_rdma_here
+async def test_transport_rdma_refused_by_the_hosts_names_them_and_launches_nothing(
+        cluster, job, started):
+    """The host side of the check, in process: a controller that has a (pretend) RDMA device,
+    against the cluster's daemons, which offer none. `rdma` names every host and starts no
+    rank; `auto` runs over TCP and says once why (a warning-level surprise: RDMA was available
+    on this side)."""
+    from monarch_fs.daemon import bulk
+    from monarch_fs.daemon.auth import load_token
+    from monarch_fs.mesh.spmd import Job, run_job
+
+    script, out = job
+    local = bulk.LocalTransport("rdma", "rdma", "a pretend device",
+                                [{"name": "mlx5_0", "kind": "ib", "port": 1, "active": True}])
+    token = load_token(cluster.token_file)
+
+    def make(transport: str) -> Job:
+        return Job([sys.executable, str(script), str(out), "env"], per_host=1,
+                   transport=transport, out=io.StringIO(), err=io.StringIO())
+
+    refused = make("rdma")
+    with pytest.raises(bulk.TransportUnavailable) as e:
+        await run_job(cluster.hosts, token, refused, local)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("--transport rdma: node-0 ("), msg
+    for i, addr in enumerate(cluster.hosts):
+        assert f"node-{i} ({addr}): the peer offers no RDMA (auto: no RDMA device" in msg
+    assert pids(out) == [] and refused.out.getvalue() == ""
+
+    auto = make("auto")
+    assert await run_job(cluster.hosts, token, auto, local) == 0
+    started.add(*pids(out), match=str(script))
+    said = auto.err.getvalue().splitlines()
+    assert said[0].startswith("monarch-fs run: transport: tcp to all 2 nodes (RDMA not used: "
+                              "the peer offers no RDMA (auto: no RDMA device on this host ("), said
+    assert sum("RDMA not used" in line for line in said) == 1
+    assert said[-1] == "monarch-fs run: all 2 ranks exited 0; transport tcp"
+
+
+def test_transport_rdma_where_every_host_has_a_device(fresh_cluster, job, started, tmp_path,
+                                                      monkeypatch):
+    """Daemons and controller that find an RoCE device: the fake verbs (tests/fake_pyverbs.py)
+    installed in every process they start, through a sitecustomize.py on PYTHONPATH. `rdma`
+    launches and every rank sees rdma-rc; `auto` picks it without a fallback line. The fake's
+    fabric cannot carry bytes between processes, and none need to: `run` moves no bulk data, it
+    only chooses and reports (see mesh/spmd.py)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import fake_pyverbs\nfake_pyverbs.install_from_env()\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(site), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("MONARCH_FS_FAKE_PYVERBS", json.dumps([{"name": "rxe0", "link": "eth"}]))
+    c = fresh_cluster(2)
+    assert [n["transport"] for n in c.status()] == ["rdma", "rdma"]
+    script, out = job
+    for transport in ("rdma", "auto"):
+        r = run(c, "--per-host", "2", "--transport", transport, "--", sys.executable,
+                str(script), str(out), "env")
+        started.add(*pids(out), match=str(script))
+        assert r.returncode == 0, r.stderr
+        assert r.stderr.splitlines() == ["monarch-fs run: all 4 ranks exited 0; transport rdma-rc"]
+        envs = [json.loads(lines[0]) for lines in by_rank(r.stdout).values()]
+        assert [e["MONARCH_FS_TRANSPORT"] for e in envs] == ["rdma-rc"] * 4
