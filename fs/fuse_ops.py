@@ -29,6 +29,7 @@ import errno
 import logging
 import os
 import stat
+import struct
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,7 +48,9 @@ PREFETCH_CHUNKS = 2
 LISTING_CACHE_ENTRIES = 10_000
 NO_OPEN = getattr(pyfuse3, "FH_ZERO_IS_INODE", False)
 TIMEOUT = 24 * 3600.0  # entries are invalidated explicitly; the timeout is only a backstop
-_TYPE = {Kind.DIR: stat.S_IFDIR, Kind.FILE: stat.S_IFREG, Kind.SYMLINK: stat.S_IFLNK}
+# Enum members as plain names: `DIR` is a descriptor lookup, and listings test it per entry.
+DIR, FILE, SYMLINK = Kind.DIR, Kind.FILE, Kind.SYMLINK
+_TYPE = {DIR: stat.S_IFDIR, FILE: stat.S_IFREG, SYMLINK: stat.S_IFLNK}
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC | os.O_CREAT
 
 
@@ -58,13 +61,14 @@ class Tree:
         self.version = version
         self.manifest = manifest
         self.entries: dict[bytes, Entry] = {}
-        self.children: dict[bytes, list[bytes]] = {}
+        self.children: dict[bytes, list[Entry]] = {}  # in name order
+        self.total_bytes = manifest.total_bytes  # for statfs, which `find` and `df` call
         for e in manifest.entries:  # sorted: parents first, names in order within a directory
             self.entries[e.path] = e
-            if e.kind == Kind.DIR:
+            if e.kind == DIR:
                 self.children[e.path] = []
             if e.path:
-                self.children[e.parent].append(e.name)
+                self.children[e.parent].append(e)
 
     @property
     def hex(self) -> str:
@@ -75,7 +79,7 @@ class Tree:
 class Node:
     """What one inode is. `view` is None for the current view of `ws`, else a version id."""
 
-    key: tuple
+    key: bytes  # what it is (see _dir_key, _obj_key): equal keys, same inode
     entry: Entry
     ws: str | None = None
     view: bytes | None = None
@@ -97,6 +101,22 @@ def _child(path: bytes, name: bytes) -> bytes:
     return path + b"/" + name if path else name
 
 
+# Inode keys are bytes (hashed for the inode number), built without a repr: listing a large
+# directory computes one per entry.
+_OBJ = struct.Struct("<BIQqII")  # kind, mode, size, mtime_ns, chunk size, path length
+
+
+def _dir_key(ws: str, view: bytes | None, path: bytes) -> bytes:
+    """A directory keeps its inode across versions of the current view (keyed by path)."""
+    return b"".join((b"D", ws.encode(), b"\0", view or b"", b"\0", path))
+
+
+def _obj_key(ws: str, e: Entry, chunk_size: int) -> bytes:
+    """A file or symlink is keyed by everything a reader sees of it."""
+    head = _OBJ.pack(e.kind, e.mode, e.size, e.mtime_ns, chunk_size, len(e.path))
+    return b"".join((b"O", ws.encode(), b"\0", head, e.path, e.target, *e.chunks))
+
+
 class SnapshotFS(pyfuse3.Operations):
     def __init__(self, load_chunk: Callable[[bytes], bytes], *, cache_bytes: int = 128 << 20):
         super().__init__()
@@ -104,7 +124,7 @@ class SnapshotFS(pyfuse3.Operations):
         self.workspaces: dict[str, list[Tree]] = {}  # name -> [current, older...]
         self.mtime_ns = 0
         self._nodes: dict[int, Node] = {}
-        self._inos: dict[tuple, int] = {}
+        self._inos: dict[bytes, int] = {}
         self.nursery: trio.Nursery | None = None  # for prefetches, set while serving
         self.ops: Counter[str] = Counter()  # requests served, by operation (user.monarch.ops)
         self._listings: OrderedDict[tuple, list[tuple[bytes, Node]]] = OrderedDict()
@@ -112,21 +132,21 @@ class SnapshotFS(pyfuse3.Operations):
         self.uid = os.getuid()
         self.gid = os.getgid()
         self.mounted = False
-        root = Node(("root",), self._synthetic(), special="root")
+        root = Node(b"root", self._synthetic(), special="root")
         self._nodes[pyfuse3.ROOT_INODE] = root
         self._inos[root.key] = pyfuse3.ROOT_INODE
 
     # ---- the inode table ------------------------------------------------------------------
 
     def _synthetic(self) -> Entry:
-        return Entry(b"", Kind.DIR, 0o755, 0, self.mtime_ns)
+        return Entry(b"", DIR, 0o755, 0, self.mtime_ns)
 
     def _ino(self, node: Node) -> int:
         """A node's inode number is a hash of what it is, so an unchanged file keeps its number
         across versions, after the kernel forgot it, and across daemon restarts."""
         ino = self._inos.get(node.key)
         if ino is None:
-            ino = max(2, xxhash.xxh3_64_intdigest(repr(node.key).encode()) >> 1)
+            ino = max(2, xxhash.xxh3_64_intdigest(node.key) >> 1)
             while ino in self._nodes:  # another live node hashed here: probe on
                 ino = ino + 1 if ino + 1 < 1 << 63 else 2
             self._inos[node.key] = ino
@@ -141,12 +161,9 @@ class SnapshotFS(pyfuse3.Operations):
         return self._attr(ino, live)
 
     def _entry_node(self, ws: str, view: bytes | None, entry: Entry, chunk_size: int) -> Node:
-        if entry.kind == Kind.DIR:
-            return Node(("dir", ws, view, entry.path), entry, ws, view)
-        # everything a reader sees of it
-        key = ("obj", ws, entry.path, entry.kind, entry.mode, entry.size, entry.mtime_ns,
-               entry.target, entry.chunks, chunk_size)
-        return Node(key, entry, ws, view, chunk_size=chunk_size)
+        if entry.kind == DIR:
+            return Node(_dir_key(ws, view, entry.path), entry, ws, view)
+        return Node(_obj_key(ws, entry, chunk_size), entry, ws, view, chunk_size=chunk_size)
 
     def _tree(self, node: Node) -> Tree | None:
         trees = self.workspaces.get(node.ws or "")
@@ -163,7 +180,7 @@ class SnapshotFS(pyfuse3.Operations):
         a.entry_timeout = TIMEOUT
         a.attr_timeout = TIMEOUT
         a.st_mode = _TYPE[e.kind] | e.mode
-        a.st_nlink = 2 if e.kind == Kind.DIR else 1
+        a.st_nlink = 2 if e.kind == DIR else 1
         a.st_uid = self.uid
         a.st_gid = self.gid
         a.st_size = e.size
@@ -182,13 +199,13 @@ class SnapshotFS(pyfuse3.Operations):
         """The entries of a directory node, in a stable order."""
         if node.special == "root":
             names = sorted(self.workspaces)
-            out = [(VERSIONS, Node(("versions",), self._synthetic(), special="versions"))]
+            out = [(VERSIONS, Node(b"versions", self._synthetic(), special="versions"))]
             for ws in names:
                 tree = self.workspaces[ws][0]
                 out.append((ws.encode(), self._entry_node(ws, None, tree.entries[b""], 0)))
             return out
         if node.special == "versions":
-            return [(ws.encode(), Node(("wsv", ws), self._synthetic(), ws=ws, special="wsv"))
+            return [(ws.encode(), Node(b"wsv\0" + ws.encode(), self._synthetic(), ws=ws, special="wsv"))
                     for ws in sorted(self.workspaces)]
         if node.special == "wsv":
             return [(t.hex.encode(), self._entry_node(node.ws, t.version, t.entries[b""], 0))
@@ -196,9 +213,8 @@ class SnapshotFS(pyfuse3.Operations):
         tree = self._tree(node)
         if tree is None or node.entry.path not in tree.children:
             return []
-        path, size = node.entry.path, tree.manifest.chunk_size
-        return [(name, self._entry_node(node.ws, node.view, tree.entries[_child(path, name)], size))
-                for name in tree.children[path]]
+        ws, view, size = node.ws, node.view, tree.manifest.chunk_size
+        return [(e.name, self._entry_node(ws, view, e, size)) for e in tree.children[node.entry.path]]
 
     def _lookup_child(self, node: Node, name: bytes) -> Node | None:
         if node.special is not None:
@@ -226,7 +242,7 @@ class SnapshotFS(pyfuse3.Operations):
         # listings itself under no-open).
         inval_dirs: set[int] = {pyfuse3.ROOT_INODE}
 
-        def known_ino(key: tuple) -> int | None:
+        def known_ino(key: bytes) -> int | None:
             """The inode for key, if the kernel knows it (else it has nothing cached to drop)."""
             ino = self._inos.get(key)
             return ino if ino is not None and self._nodes[ino].lookups else None
@@ -235,11 +251,11 @@ class SnapshotFS(pyfuse3.Operations):
         # for it), and retained versions added or dropped.
         if not old:
             inval_entries.append((pyfuse3.ROOT_INODE, name.encode()))
-            versions_dir = known_ino(("versions",))
+            versions_dir = known_ino(b"versions")
             if versions_dir is not None:
                 inval_entries.append((versions_dir, name.encode()))
                 inval_dirs.add(versions_dir)
-        wsv = known_ino(("wsv", name))
+        wsv = known_ino(b"wsv\0" + name.encode())
         if wsv is not None:
             inval_dirs.add(wsv)
             before, after = {t.version for t in old}, {t.version for t in trees}
@@ -248,13 +264,13 @@ class SnapshotFS(pyfuse3.Operations):
         # The current view: names whose entry changed (and so their parent's listing), and
         # directories whose attributes did (a directory keeps its inode across versions).
         for a, b in changed:
-            if a is not None and b is not None and a.kind == b.kind == Kind.DIR:
-                dir_ino = known_ino(("dir", name, None, b.path))
+            if a is not None and b is not None and a.kind == b.kind == DIR:
+                dir_ino = known_ino(_dir_key(name, None, b.path))
                 if dir_ino is not None:
                     self._nodes[dir_ino].entry = b
                     inval_dirs.add(dir_ino)
             elif (a or b).path:
-                parent = known_ino(("dir", name, None, (a or b).parent))
+                parent = known_ino(_dir_key(name, None, (a or b).parent))
                 if parent is not None:
                     inval_entries.append((parent, (a or b).name))
                     inval_dirs.add(parent)
@@ -282,7 +298,7 @@ class SnapshotFS(pyfuse3.Operations):
     async def lookup(self, parent_inode, name, ctx=None):
         self.ops["lookup"] += 1
         node = self._node(parent_inode)
-        if node.entry.kind != Kind.DIR:
+        if node.entry.kind != DIR:
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         if name == b".":
             return self._remember(node)
@@ -318,14 +334,14 @@ class SnapshotFS(pyfuse3.Operations):
     async def readlink(self, inode, ctx):
         self.ops["readlink"] += 1
         node = self._node(inode)
-        if node.entry.kind != Kind.SYMLINK:
+        if node.entry.kind != SYMLINK:
             raise pyfuse3.FUSEError(errno.EINVAL)
         return node.entry.target
 
     async def opendir(self, inode, ctx):
         self.ops["opendir"] += 1
         node = self._node(inode)
-        if node.entry.kind != Kind.DIR:
+        if node.entry.kind != DIR:
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         if NO_OPEN:
             raise pyfuse3.FUSEError(errno.ENOSYS)  # no-opendir: the kernel caches listings
@@ -366,8 +382,8 @@ class SnapshotFS(pyfuse3.Operations):
         node = self._node(inode)
         if flags & _WRITE_FLAGS:
             raise pyfuse3.FUSEError(errno.EROFS)
-        if node.entry.kind != Kind.FILE:
-            raise pyfuse3.FUSEError(errno.EISDIR if node.entry.kind == Kind.DIR else errno.EINVAL)
+        if node.entry.kind != FILE:
+            raise pyfuse3.FUSEError(errno.EISDIR if node.entry.kind == DIR else errno.EINVAL)
         if NO_OPEN:
             raise pyfuse3.FUSEError(errno.ENOSYS)  # no-open: reads come with the inode
         return pyfuse3.FileInfo(fh=inode, keep_cache=True)
@@ -407,7 +423,7 @@ class SnapshotFS(pyfuse3.Operations):
     async def statfs(self, ctx):
         self.ops["statfs"] += 1
         s = pyfuse3.StatvfsData()
-        total = sum(t[0].manifest.total_bytes for t in self.workspaces.values())
+        total = sum(t[0].total_bytes for t in self.workspaces.values())
         s.f_bsize = s.f_frsize = 4096
         s.f_blocks = (total + 4095) // 4096
         s.f_bfree = s.f_bavail = 0
@@ -429,7 +445,7 @@ class SnapshotFS(pyfuse3.Operations):
         if tree is not None:
             out[b"user.monarch.workspace"] = node.ws.encode()
             out[b"user.monarch.version"] = tree.hex.encode()
-        if node.entry.kind == Kind.FILE:
+        if node.entry.kind == FILE:
             out[b"user.monarch.chunks"] = " ".join(c.hex() for c in node.entry.chunks).encode()
         return out
 
