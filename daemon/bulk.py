@@ -69,6 +69,12 @@ class BulkSender(abc.ABC):
     async def send_chunk(self, cid: bytes, blob: bytes) -> None:
         """Hand one chunk to the transport; may wait for buffer space (credits)."""
 
+    async def send_chunks(self, batch: list[tuple[bytes, bytes]]) -> None:
+        """Hand several (id, blob) pairs over, in order: what a pusher of many small chunks
+        calls, so a transport can move them in fewer operations."""
+        for cid, blob in batch:
+            await self.send_chunk(cid, blob)
+
     @abc.abstractmethod
     async def flush(self) -> dict:
         """Wait until every chunk given to send_chunk() has left this host's buffers; returns
@@ -144,9 +150,12 @@ class TcpBulkSender(BulkSender):
         self.chan = chan
 
     async def send_chunk(self, cid: bytes, blob: bytes) -> None:
-        await self.chan.send(p.PutChunk(cid, blob))
-        self.chunks_sent += 1
-        self.bytes_sent += len(blob)
+        await self.send_chunks([(cid, blob)])
+
+    async def send_chunks(self, batch: list[tuple[bytes, bytes]]) -> None:
+        await self.chan.send_many([p.PutChunk(cid, blob) for cid, blob in batch])
+        self.chunks_sent += len(batch)
+        self.bytes_sent += sum(len(blob) for _, blob in batch)
 
     async def flush(self) -> dict:
         return {}

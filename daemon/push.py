@@ -31,7 +31,9 @@ from .transport import Channel, ConnectError, RemoteError, connect, describe_fai
 
 CONNECT_TIMEOUT = 10.0
 STALL_TIMEOUT = 60.0  # no progress on one node for this long fails that node
-_QUEUE = 4  # blobs buffered per root
+_QUEUE = 4  # batches buffered per root
+_BATCH_BYTES = 1 << 20  # small chunks are read, compressed and sent in batches of this much
+_BATCH_CHUNKS = 256
 _ENCODERS = 2
 
 
@@ -221,25 +223,38 @@ class _Push:
         self.progress.phase("sending", sum(self.sizes[c] for r in live for c in wants[r.addr]))
         sent = 0
         local_error: list[BaseException] = []
-        queues = {r.addr: trio.open_memory_channel[tuple[bytes, bytes]](_QUEUE) for r in live}
+        Batch = list[tuple[bytes, bytes]]
+        queues = {r.addr: trio.open_memory_channel[Batch](_QUEUE) for r in live}
         todo = iter(order)
 
-        def load(cid: bytes) -> bytes:
-            data = self.manifest_bytes if cid == self.version else self.snap.read_chunk(cid)
-            return chunk.encode(data)
+        def next_batch() -> list[bytes]:
+            """Take chunks off the shared iterator (each is read and compressed once) until
+            the batch is worth a thread hop and a write."""
+            batch, size = [], 0
+            for cid in todo:
+                batch.append(cid)
+                size += self.sizes[cid]
+                if size >= _BATCH_BYTES or len(batch) >= _BATCH_CHUNKS:
+                    break
+            return batch
+
+        def load(cids: list[bytes]) -> Batch:
+            return [(cid, chunk.encode(self.manifest_bytes if cid == self.version
+                                       else self.snap.read_chunk(cid))) for cid in cids]
 
         async def encoder() -> None:
-            for cid in todo:  # shared iterator: each chunk is read and compressed once
+            while cids := next_batch():
                 try:
-                    blob = await trio.to_thread.run_sync(load, cid)
+                    blobs = await trio.to_thread.run_sync(load, cids)
                 except (SourceChanged, OSError) as e:
                     local_error.append(e)
                     nursery.cancel_scope.cancel()
                     return
                 for r in live:
-                    if cid in wants[r.addr] and r.error is None:
+                    mine = [(cid, blob) for cid, blob in blobs if cid in wants[r.addr]]
+                    if mine and r.error is None:
                         try:
-                            await queues[r.addr][0].send((cid, blob))
+                            await queues[r.addr][0].send(mine)
                         except trio.BrokenResourceError:
                             pass  # that root failed; its sender said why
 
@@ -254,12 +269,13 @@ class _Push:
             nonlocal sent
             async with queues[root.addr][1] as receive:
                 try:
-                    async for cid, blob in receive:
+                    async for batch in receive:
                         with trio.fail_after(self.timeout * levels[root.addr]):
-                            await root.bulk.send_chunk(cid, blob)
-                        self.chunks_sent += cid != self.version
-                        self.bytes_sent += len(blob)
-                        sent += self.sizes[cid]
+                            await root.bulk.send_chunks(batch)
+                        for cid, blob in batch:
+                            self.chunks_sent += cid != self.version
+                            self.bytes_sent += len(blob)
+                            sent += self.sizes[cid]
                         self.progress.update(sent)
                 except _NODE_ERRORS as e:
                     root.fail(e, self.timeout)

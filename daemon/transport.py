@@ -136,10 +136,14 @@ class Channel:
     async def send(self, msg: Message) -> None:
         """Send one message. If a send is cancelled, part of a frame may have gone out, so the
         channel refuses further sends (receive() stays safe to cancel)."""
+        await self.send_many([msg])
+
+    async def send_many(self, msgs: list[Message]) -> None:
+        """Send messages back to back in one write (many small chunks: one syscall)."""
         async with self._send_lock:
             if self._send_broken:
                 raise ConnectionLost(self.peer, "an earlier send was interrupted mid-frame")
-            data = self.conn.send(msg)
+            data = b"".join([self.conn.send(msg) for msg in msgs])
             try:
                 await self.stream.send_all(data)
             except trio.BrokenResourceError as e:

@@ -183,27 +183,42 @@ def _walk(root: bytes, excludes: Sequence[str], cache: ScanCache | None = None,
 _Hashed = tuple[int, list[tuple[bytes, Source]], bool]
 
 
-def _hash_file(f: _File, chunk_size: int) -> _Hashed:
+def _hash_file(f: _File, buf: memoryview) -> _Hashed:
     """(size actually read, [(chunk id, source)], unchanged): reads to EOF, so a file that grew
     is whole; `unchanged` when the file's stat key after reading is still the walk's, so what
-    was read is what the key describes (a file written meanwhile is not cached)."""
+    was read is what the key describes (a file written meanwhile is not cached).
+
+    Reads go into `buf` (one chunk long, reused): a `read(chunk_size)` per small file would
+    allocate, fault in and free a whole chunk each time."""
     out = []
     offset = 0
-    with open(f.abspath, "rb") as fh:
+    with open(f.abspath, "rb", buffering=0) as fh:
         while True:
-            data = fh.read(chunk_size)
-            if not data:
+            n = _fill(fh, buf)
+            if not n:
                 break
-            out.append((chunk_id(data), Source(f.abspath, offset, len(data))))
-            offset += len(data)
-            if len(data) < chunk_size:
+            out.append((chunk_id(buf[:n]), Source(f.abspath, offset, n)))
+            offset += n
+            if n < len(buf):
                 break
         unchanged = stat_key(os.fstat(fh.fileno())) == f.stat and offset == f.size
     return offset, out, unchanged
 
 
+def _fill(fh, buf: memoryview) -> int:
+    """Read until `buf` is full or the file ends."""
+    got = 0
+    while got < len(buf):
+        n = fh.readinto(buf[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
 def _hash_batch(batch: list[_File], chunk_size: int) -> list[_Hashed]:
-    return [_hash_file(f, chunk_size) for f in batch]
+    buf = memoryview(bytearray(chunk_size))
+    return [_hash_file(f, buf) for f in batch]
 
 
 def _finish(entries: list[Entry], chunk_size: int, cache: ScanCache | None) -> Manifest:
