@@ -15,12 +15,12 @@ import trio
 
 
 class ChunkCache:
-    def __init__(self, load: Callable[[bytes], bytes], max_bytes: int = 128 * 1024 * 1024,
-                 threads: int = 4):
+    def __init__(self, load: Callable[[bytes], bytes | memoryview],
+                 max_bytes: int = 128 * 1024 * 1024, threads: int = 4):
         self._load = load
         self._max = max_bytes
         self._bytes = 0
-        self._data: OrderedDict[bytes, bytes] = OrderedDict()
+        self._data: OrderedDict[bytes, bytes | memoryview] = OrderedDict()
         self._loading: dict[bytes, trio.Event] = {}
         self._limiter = trio.CapacityLimiter(threads)
         self.hits = 0
@@ -37,7 +37,7 @@ class ChunkCache:
         except Exception:
             pass  # the reader that needs it will get the error itself
 
-    async def get(self, cid: bytes) -> bytes:
+    async def get(self, cid: bytes) -> bytes | memoryview:
         while True:
             data = self._data.get(cid)
             if data is not None:

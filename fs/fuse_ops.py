@@ -118,7 +118,7 @@ def _obj_key(ws: str, e: Entry, chunk_size: int) -> bytes:
 
 
 class SnapshotFS(pyfuse3.Operations):
-    def __init__(self, load_chunk: Callable[[bytes], bytes], *, cache_bytes: int = 128 << 20):
+    def __init__(self, load_chunk: Callable[[bytes], bytes | memoryview], *, cache_bytes: int = 128 << 20):
         super().__init__()
         self.chunks = ChunkCache(load_chunk, cache_bytes)
         self.workspaces: dict[str, list[Tree]] = {}  # name -> [current, older...]
@@ -410,12 +410,14 @@ class SnapshotFS(pyfuse3.Operations):
             except Exception as e:  # missing or corrupt object: an I/O error, never wrong bytes
                 log.error("reading %r: %s", entry.path, e)
                 raise pyfuse3.FUSEError(errno.EIO) from None
-            piece = data[within:within + end - off]
+            piece = memoryview(data)[within:within + end - off]
             parts.append(piece)
             off += len(piece)
             if not piece:
                 break
-        return b"".join(parts)
+        # One piece (the usual case) goes out as a view of the cached chunk: pyfuse3 takes any
+        # buffer, and slicing bytes would copy it.
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def release(self, fh):
         self.ops["release"] += 1

@@ -155,26 +155,28 @@ class Store:
         if cid in self._index:
             return False
         if raw and len(blob) and blob[0] != RAW:
-            blob = RAW_CODEC + decode(cid, blob)
+            parts = [RAW_CODEC, decode(cid, blob)]
         else:
             verify(cid, blob)
-        header = _RECORD.pack(_MAGIC, cid, len(blob))
-        size = len(header) + len(blob)
+            parts = [blob]
+        length = sum(len(part) for part in parts)
+        header = _RECORD.pack(_MAGIC, cid, length)
+        size = len(header) + length
         with self._lock:
             if cid in self._index:
                 return False
             off = self._size
             try:
-                written = os.writev(self._fd, [header, blob])
+                written = os.writev(self._fd, [header, *parts])
                 if written < size:  # short write: finish it from where it stopped
-                    rest = memoryview(header + bytes(blob))[written:]
+                    rest = memoryview(b"".join([header, *parts]))[written:]
                     while rest:
                         rest = rest[os.write(self._fd, rest):]
             except BaseException:
                 os.ftruncate(self._fd, off)  # no partial record stays behind
                 raise
             self._size = off + size
-            self._index[cid] = _loc(self._cur, off + _RECORD.size, len(blob))
+            self._index[cid] = _loc(self._cur, off + _RECORD.size, length)
             if self._size >= self.pack_limit:
                 self._seal()
         return True
@@ -206,7 +208,7 @@ class Store:
             raise CorruptChunk(f"chunk {cid.hex()}: pack {n} is shorter than its index says")
         return blob
 
-    def get(self, cid: bytes) -> bytes:
+    def get(self, cid: bytes) -> bytes | memoryview:
         """The verified raw bytes of a chunk. KeyError if absent, CorruptChunk if damaged."""
         return decode(cid, self.get_blob(cid))
 
