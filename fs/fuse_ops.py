@@ -46,7 +46,9 @@ log = logging.getLogger(__name__)
 VERSIONS = b".versions"
 PREFETCH_CHUNKS = 2
 LISTING_CACHE_ENTRIES = 10_000
-NO_OPEN = getattr(pyfuse3, "FH_ZERO_IS_INODE", False)
+# MONARCH_FS_NO_OPEN=0 keeps the open round trips (what a stock pyfuse3 does), to compare or debug.
+NO_OPEN = (getattr(pyfuse3, "FH_ZERO_IS_INODE", False)
+           and os.environ.get("MONARCH_FS_NO_OPEN", "1") != "0")
 TIMEOUT = 24 * 3600.0  # entries are invalidated explicitly; the timeout is only a backstop
 # Enum members as plain names: `DIR` is a descriptor lookup, and listings test it per entry.
 DIR, FILE, SYMLINK = Kind.DIR, Kind.FILE, Kind.SYMLINK

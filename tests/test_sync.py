@@ -164,6 +164,31 @@ def test_xattrs_name_version_and_chunks(cluster3, tmp_path):
     assert int(after["read"]) == int(before.get("read", 0)) + 1
 
 
+def test_with_open_round_trips_files_and_listings_still_follow_each_version(
+        fresh_cluster, tmp_path, monkeypatch):
+    """The path a stock pyfuse3 takes (open/opendir answered, handles are inodes): reads,
+    listings and edits behave the same, only each open is a request."""
+    monkeypatch.setenv("MONARCH_FS_NO_OPEN", "0")
+    c = fresh_cluster(1)
+    src = tmp_path / "stock"
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "a").write_text("a1")
+    (src / "big").write_bytes(os.urandom(5 << 20))  # two chunks
+    c.push(src)
+    mnt = c.mnt(0) / "stock"
+    assert tree(mnt) == tree(src)
+    root = c.mnt(0)
+    opens = lambda: int(dict(kv.split("=") for kv in os.getxattr(root, "user.monarch.ops")
+                             .decode().split()).get("open", 0))
+    before = opens()
+    assert (mnt / "d" / "a").read_text() == "a1"
+    assert opens() == before + 1
+    (src / "d" / "a").write_text("a2, longer")
+    (src / "d" / "b").write_text("b")
+    c.push(src)
+    assert tree(mnt) == tree(src)
+
+
 def test_warm_reads_and_listings_cost_no_requests(cluster3, tmp_path):
     """Once read, a file's pages and a directory's listing stay in the kernel: reading and
     listing again sends the daemon nothing (FUSE no-open through the patched pyfuse3)."""
