@@ -1,6 +1,6 @@
 """A node's side of a broadcast: store what it lacks, and forward each chunk to the children
-whose subtrees lack it while the next chunk arrives (a bounded queue per child, so a slow child
-slows its parent instead of filling its memory).
+whose subtrees lack it while the next chunk arrives (a queue per child bounded in bytes, so a
+slow child slows its parent instead of filling its memory). Small chunks go down in batches.
 
 A relay session runs inside one connection: `relay` opens the children (recursively: each child
 opens its own), `QueryMissing` learns what each subtree lacks, `PutChunk`s flow down, and `flush`
@@ -22,7 +22,9 @@ from .transport import Channel, connect, describe_failure
 
 log = logging.getLogger("monarch_fs.relay")
 
-QUEUE = 8  # chunks buffered per child
+QUEUE_BYTES = 16 << 20  # buffered per child, at most (plus the one chunk that crosses it)
+BATCH_BYTES = 1 << 20  # what one send to a child carries, at most (or one larger chunk)
+BATCH_CHUNKS = 256
 
 
 class _Child:
@@ -33,8 +35,15 @@ class _Child:
         self.bulk: bulk.BulkSender | None = None
         self.need: set[bytes] = set()
         self.error: str | None = None
-        self.send, self.receive = trio.open_memory_channel[tuple[bytes, bytes]](QUEUE)
+        self.send, self.receive = trio.open_memory_channel[tuple[bytes, bytes]](float("inf"))
+        self.queued = 0  # bytes in the queue; forward() waits while it is over QUEUE_BYTES
+        self.space = trio.Event()  # set (and replaced) whenever the sender takes bytes out
         self.done = trio.Event()
+
+    def took(self, size: int) -> None:
+        self.queued -= size
+        self.space.set()
+        self.space = trio.Event()
 
 
 class Relay:
@@ -57,6 +66,7 @@ class Relay:
             self.failures[child.addr] = child.error
             log.warning("relay to %s failed: %s", child.addr, child.error)
             child.receive.close()  # the forwarder stops queueing for it
+            child.took(0)  # and stops waiting for room
 
     async def _each(self, fn) -> None:
         async def one(child: _Child) -> None:
@@ -101,18 +111,33 @@ class Relay:
 
     async def forward(self, cid: bytes, blob: bytes) -> None:
         for child in self.children:
-            if cid in child.need and child.error is None:
-                try:
-                    await child.send.send((cid, blob))
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    pass  # the child failed meanwhile; _fail recorded why
+            if cid not in child.need:
+                continue
+            while child.queued >= QUEUE_BYTES and child.error is None:
+                await child.space.wait()
+            if child.error is not None:
+                continue  # the child failed meanwhile; _fail recorded why
+            try:
+                child.send.send_nowait((cid, blob))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                continue  # failed, or the session is closing
+            child.queued += len(blob)
 
     async def _sender(self, child: _Child) -> None:
         try:
-            async for cid, blob in child.receive:
+            async for first in child.receive:
+                batch, size = [first], len(first[1])
+                while size < BATCH_BYTES and len(batch) < BATCH_CHUNKS:
+                    try:
+                        item = child.receive.receive_nowait()
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break  # nothing more queued yet, or nothing more at all
+                    batch.append(item)
+                    size += len(item[1])
                 with trio.fail_after(self.timeout * patience(child.children)):
-                    await child.bulk.send_chunk(cid, blob)
-                self.counters["chunks_forwarded"] += 1
+                    await child.bulk.send_chunks(batch)
+                child.took(size)
+                self.counters["chunks_forwarded"] += len(batch)
         except Exception as e:
             self._fail(child, e)
         finally:
