@@ -1,0 +1,251 @@
+#!/usr/bin/env python3
+"""Cold push over a network: `monarch-fs push` to N hosts vs `rsync -a` to each of them.
+
+    .venv/bin/python bench/network_push_bench.py                    # 512 MB tree, N=3, 1gbit
+    .venv/bin/python bench/network_push_bench.py --nodes 1,3 --rate 400mbit --size-mb 256
+
+push_bench.py compares against rsync into local folders, which costs rsync no network at all.
+What a user actually does is rsync from the dev box to every node, over links. This benchmark
+asks that question on one machine: every node is a real host in its own network namespace
+(tests/netns.py, the fan-out harness), every link limited to --rate each way, and rsync runs as
+a daemon on each node (`rsync -a SRC/ rsync://NODE/...`, no ssh cipher on its clock).
+
+Rules, and why:
+
+- The same generated tree as push_bench (25% small pseudo-source files, binaries half
+  compressible), so compression helps monarch-fs exactly as much as it would on that tree.
+- Cold for both: a fresh cluster with empty stores for each monarch-fs run; empty destination
+  folders for rsync. The tree is read once untimed first, so neither pays for the source disk.
+- rsync runs two ways: one host after another (a loop in a script) and all hosts at once
+  (`for h in ...; do rsync ... & done; wait`); both are reported.
+- Destinations and node stores are on tmpfs (--store-dir), so the shared disk of this one
+  machine (N nodes writing N copies) is not what is measured. monarch-fs still verifies every
+  chunk on every node and publishes atomically; rsync does neither.
+- Each result is checked: monarch-fs's version must be served by every node, and rsync's copy
+  must have every file with the right size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))  # the namespace harness lives with the tests
+sys.path.insert(0, str(REPO / "bench"))
+
+from common import DEFAULT_CACHE, RESULTS, fmt_bytes, log, machine_facts  # noqa: E402
+from netns import NetCluster, NetnsUnsupported  # noqa: E402
+from push_bench import ensure_tree  # noqa: E402
+
+RSYNC_PORT = 8730
+
+
+class BenchError(Exception):
+    pass
+
+
+def tree_stats(root: Path) -> tuple[int, int]:
+    """(entries that are not folders, bytes of regular files): symlink targets are left out,
+    because an rsync daemon without chroot rewrites absolute ones."""
+    files = size = 0
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            st = os.lstat(os.path.join(dirpath, name))
+            files += 1
+            size += st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return files, size
+
+
+def read_once(root: Path) -> None:
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            p = os.path.join(dirpath, name)
+            if os.path.isfile(p) and not os.path.islink(p):
+                with open(p, "rb") as f:
+                    while f.read(1 << 20):
+                        pass
+
+
+class RsyncDaemons:
+    """An rsync daemon on each node of `cluster`, serving a fresh folder as module `dst`;
+    started and stopped by PID (nsenter into the node's network namespace)."""
+
+    def __init__(self, cluster: NetCluster, base: Path):
+        self.cluster = cluster
+        self.base = base
+        self.procs: list[subprocess.Popen] = []
+        self.dests: list[Path] = []
+
+    def __enter__(self) -> RsyncDaemons:
+        for i, pid in enumerate(self.cluster.pids):
+            d = self.base / f"node-{i}"
+            (d / "dst").mkdir(parents=True)
+            conf = d / "rsyncd.conf"
+            conf.write_text(f"use chroot = no\nmunge symlinks = no\nuid = root\ngid = root\n"
+                            f"pid file = {d}/pid\n"
+                            f"[dst]\n  path = {d}/dst\n  read only = no\n")
+            self.procs.append(subprocess.Popen(
+                ["nsenter", "--target", str(pid), "--net", "rsync", "--daemon", "--no-detach",
+                 f"--port={RSYNC_PORT}", f"--config={conf}"],
+                stdout=subprocess.DEVNULL, stderr=open(d / "log", "wb")))
+            self.dests.append(d / "dst")
+        deadline = time.monotonic() + 10
+        for i in range(len(self.procs)):  # ready when its port answers
+            while self.cluster.run_devbox(["rsync", f"rsync://{self.addr(i)}:{RSYNC_PORT}/"],
+                                          timeout=10).returncode != 0:
+                if time.monotonic() > deadline or self.procs[i].poll() is not None:
+                    raise BenchError(f"rsync daemon on node {i} did not start: "
+                                     f"{(self.base / f'node-{i}' / 'log').read_text()[-500:]}")
+                time.sleep(0.1)
+        return self
+
+    def addr(self, i: int) -> str:
+        return self.cluster.hosts[i].rpartition(":")[0]
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def reset(self) -> None:
+        for d in self.dests:
+            shutil.rmtree(d)
+            d.mkdir()
+
+    def copy(self, src: Path, parallel: bool) -> float:
+        urls = [f"rsync://{self.addr(i)}:{RSYNC_PORT}/dst/" for i in range(len(self.dests))]
+        loop = " & ".join if parallel else " && ".join
+        script = loop([f"rsync -a {src}/ {u}" for u in urls]) + (" & wait" if parallel else "")
+        start = time.monotonic()
+        proc = self.cluster.run_devbox(["sh", "-c", script], timeout=3600)
+        seconds = time.monotonic() - start
+        if proc.returncode != 0:
+            raise BenchError(f"rsync failed: {proc.stderr.strip()[-1000:]}")
+        return seconds
+
+
+def run_n(src: Path, n: int, args: argparse.Namespace, expect: tuple[int, int]) -> dict:
+    base = Path(tempfile.mkdtemp(prefix="netpush-", dir=args.store_dir))
+    try:
+        with NetCluster(n, rate=args.rate, workdir=base / "cluster") as cluster:
+            start = time.monotonic()
+            proc = cluster.run_devbox(cluster.push_argv(src, "--json", "--no-cache",
+                                                        "--timeout", "300"), timeout=3600)
+            push_s = time.monotonic() - start
+            if proc.returncode != 0:
+                raise BenchError(f"push to {n} nodes failed: {proc.stderr.strip()[-2000:]}")
+            pushed = json.loads(proc.stdout)
+            for i in range(n):  # every node serves the new version
+                got = cluster.run_on_node(i, [sys.executable, "-c", "import os, sys; print("
+                                              "os.getxattr(sys.argv[1], 'user.monarch.version')"
+                                              ".decode())", f"{cluster.mount}/{src.name}"],
+                                          check=True).stdout
+                if got.strip() != pushed["version"]:
+                    raise BenchError(f"node {i} serves {got.strip()!r}, not {pushed['version']}")
+            with RsyncDaemons(cluster, base / "rsync") as rsync:
+                seq_s = rsync.copy(src, parallel=False)
+                for d in rsync.dests:
+                    if tree_stats(d) != expect:
+                        raise BenchError(f"rsync left {tree_stats(d)} in {d}, expected {expect}")
+                rsync.reset()
+                par_s = rsync.copy(src, parallel=True)
+                for d in rsync.dests:
+                    if tree_stats(d) != expect:
+                        raise BenchError(f"rsync left {tree_stats(d)} in {d}, expected {expect}")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    return {"nodes": n, "monarch_fs_s": round(push_s, 2), "monarch_fs_bytes_sent": pushed["bytes_sent"],
+            "topology": pushed["topology"], "rsync_one_by_one_s": round(seq_s, 2),
+            "rsync_all_at_once_s": round(par_s, 2),
+            "vs_rsync_one_by_one": round(seq_s / push_s, 2),
+            "vs_rsync_all_at_once": round(par_s / push_s, 2)}
+
+
+def markdown(report: dict) -> str:
+    c = report["config"]
+    lines = [f"## Cold push over {c['rate']} links: monarch-fs vs rsync -a, {report['date']}", "",
+             f"- machine: {c['machine']}",
+             f"- tree: {c['files']:,} files, {fmt_bytes(c['bytes'])} (push_bench's generated "
+             f"tree, {c['size_mb']} MB); every host in its own network namespace, every link "
+             f"{c['rate']} each way; stores and rsync destinations on {c['store_dir']}",
+             "- x: how many times faster monarch-fs is", "",
+             "| nodes | monarch-fs | sent by monarch-fs | rsync -a, one host after another | x "
+             "| rsync -a, all hosts at once | x |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in report["runs"]:
+        lines.append(f"| {r['nodes']} | {r['monarch_fs_s']:.2f} s ({r['topology']}) | "
+                     f"{fmt_bytes(r['monarch_fs_bytes_sent'])} | {r['rsync_one_by_one_s']:.2f} s | "
+                     f"{r['vs_rsync_one_by_one']:.2f}x | {r['rsync_all_at_once_s']:.2f} s | "
+                     f"{r['vs_rsync_all_at_once']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-mb", type=int, default=512)
+    parser.add_argument("--nodes", default="3", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--rate", default="1gbit", help="every link, each way (tc units)")
+    parser.add_argument("--store-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    if shutil.which("rsync") is None:
+        print("network_push_bench: needs rsync (apt-get install rsync)", file=sys.stderr)
+        return 2
+    src, _, _ = ensure_tree(args.cache, args.size_mb)
+    expect = tree_stats(src)
+    read_once(src)
+    log(f"tree {src}: {expect[0]:,} files, {fmt_bytes(expect[1])}; links {args.rate}")
+    runs = []
+    try:
+        for n in args.nodes:
+            log(f"  N={n} ...", end="")
+            runs.append(run_n(src, n, args, expect))
+            r = runs[-1]
+            log(f" monarch-fs {r['monarch_fs_s']:.2f}s, rsync one by one {r['rsync_one_by_one_s']:.2f}s "
+                f"({r['vs_rsync_one_by_one']:.2f}x), all at once {r['rsync_all_at_once_s']:.2f}s "
+                f"({r['vs_rsync_all_at_once']:.2f}x)")
+    except NetnsUnsupported as e:
+        print(f"network_push_bench: cannot run here: {e}", file=sys.stderr)
+        return 2
+    except BenchError as e:
+        print(f"network_push_bench: FAILED: {e}", file=sys.stderr)
+        return 1
+    now = datetime.datetime.now()
+    f = machine_facts()
+    facts = (f"{f['nproc']} cores ({f['cpu']}), kernel {f['kernel']}, {f['rsync']}; "
+             f"monarch-fs {f['monarch_fs_commit']}")
+    report = {"date": now.isoformat(timespec="seconds"),
+              "config": {"size_mb": args.size_mb, "files": expect[0], "bytes": expect[1],
+                         "rate": args.rate, "store_dir": args.store_dir,
+                         "machine": facts},
+              "runs": runs}
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"netpush-{now:%Y%m%d-%H%M%S}"
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    md = markdown(report)
+    stem.with_suffix(".md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
