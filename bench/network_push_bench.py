@@ -44,15 +44,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))  # the namespace harness lives with the tests
 sys.path.insert(0, str(REPO / "bench"))
 
-from common import DEFAULT_CACHE, RESULTS, fmt_bytes, log, machine_facts  # noqa: E402
+from common import DEFAULT_CACHE, RESULTS, BenchError, fmt_bytes, log, machine_facts  # noqa: E402
 from netns import NetCluster, NetnsUnsupported  # noqa: E402
 from push_bench import ensure_tree  # noqa: E402
 
 RSYNC_PORT = 8730
-
-
-class BenchError(Exception):
-    pass
 
 
 def tree_stats(root: Path) -> tuple[int, int]:
