@@ -61,6 +61,9 @@ class Entry:
             other.kind, other.mode, other.size, other.mtime_ns, other.target, other.chunks)
 
 
+_KINDS = {k.value: k for k in Kind}
+
+
 def sort_key(path: bytes) -> tuple[bytes, ...]:
     """Parents sort before their children, and each directory's subtree is contiguous."""
     return tuple(path.split(b"/")) if path else ()
@@ -69,9 +72,15 @@ def sort_key(path: bytes) -> tuple[bytes, ...]:
 def check_path(path: bytes) -> None:
     if path == b"":
         return
+    parts = path.split(b"/")
+    # The common case in a few C-level passes (a daemon checks every entry of every manifest);
+    # the loop below only runs to say what is wrong.
+    if (len(path) <= MAX_PATH and b"\0" not in path and b"" not in parts and b"." not in parts
+            and b".." not in parts and max(map(len, parts)) <= MAX_NAME):
+        return
     if len(path) > MAX_PATH:
         raise UnsafePath(f"path too long ({len(path)} bytes): {path[:64]!r}...")
-    for part in path.split(b"/"):
+    for part in parts:
         if part in (b"", b".", b".."):
             raise UnsafePath(f"unsafe path {path!r}: empty, '.' or '..' component (or absolute)")
         if b"\0" in part:
@@ -143,12 +152,17 @@ class Manifest:
                 if end > len(view):
                     raise ManifestError("manifest truncated inside an entry")
                 path = bytes(view[pos:pos + plen])
-                target = bytes(view[pos + plen:pos + plen + tlen])
+                target = bytes(view[pos + plen:pos + plen + tlen]) if tlen else b""
                 base = pos + plen + tlen
-                chunks = tuple(bytes(view[base + i * ID_SIZE:base + (i + 1) * ID_SIZE])
-                               for i in range(nchunks))
+                if nchunks == 1:  # most files
+                    chunks: tuple[bytes, ...] = (bytes(view[base:end]),)
+                else:
+                    raw = bytes(view[base:end])
+                    chunks = tuple(raw[i:i + ID_SIZE] for i in range(0, len(raw), ID_SIZE))
                 pos = end
-                entries.append(Entry(path, Kind(kind), mode, size, mtime, target, chunks))
+                if kind not in _KINDS:
+                    raise ManifestError(f"entry {path!r}: unknown kind {kind}")
+                entries.append(Entry(path, _KINDS[kind], mode, size, mtime, target, chunks))
         except (struct.error, ValueError) as e:
             if isinstance(e, ManifestError):
                 raise
