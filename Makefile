@@ -96,7 +96,7 @@ $(PYFUSE3_STAMP): fs/pyfuse3-no-open.patch
 	tar -xzf "$$d/pyfuse3-$(PYFUSE3_VERSION).tar.gz" -C "$$d"; \
 	src="$$d/pyfuse3-$(PYFUSE3_VERSION)"; \
 	(cd "$$src" && git apply "$(CURDIR)/fs/pyfuse3-no-open.patch" && rm -f src/pyfuse3/__init__.c); \
-	SETUPTOOLS_SCM_PRETEND_VERSION=$(PYFUSE3_VERSION) $(PY) -m pip install -q --force-reinstall --no-deps "$$src"
+	SETUPTOOLS_SCM_PRETEND_VERSION=$(PYFUSE3_VERSION) $(PY) -m pip install -q --force-reinstall "$$src"
 	$(PY) -c 'import pyfuse3; assert pyfuse3.FH_ZERO_IS_INODE'
 	@touch $(PYFUSE3_STAMP)
 
