@@ -81,7 +81,7 @@ class Tree:
 class Node:
     """What one inode is. `view` is None for the current view of `ws`, else a version id."""
 
-    key: bytes  # what it is (see _dir_key, _obj_key): equal keys, same inode
+    key: bytes  # what it is (a digest, see _dir_key and _obj_key): equal keys, same inode
     entry: Entry
     ws: str | None = None
     view: bytes | None = None
@@ -103,20 +103,22 @@ def _child(path: bytes, name: bytes) -> bytes:
     return path + b"/" + name if path else name
 
 
-# Inode keys are bytes (hashed for the inode number), built without a repr: listing a large
-# directory computes one per entry.
+# Inode keys are the xxh3_128 digest of what an entry is, built without a repr (listing a large
+# directory computes one per entry) and 16 bytes whatever the path (the daemon holds one per
+# inode the kernel knows: 100k of them after a `find`).
 _OBJ = struct.Struct("<BIQqII")  # kind, mode, size, mtime_ns, chunk size, path length
 
 
 def _dir_key(ws: str, view: bytes | None, path: bytes) -> bytes:
     """A directory keeps its inode across versions of the current view (keyed by path)."""
-    return b"".join((b"D", ws.encode(), b"\0", view or b"", b"\0", path))
+    return xxhash.xxh3_128_digest(b"".join((b"D", ws.encode(), b"\0", view or b"", b"\0", path)))
 
 
 def _obj_key(ws: str, e: Entry, chunk_size: int) -> bytes:
     """A file or symlink is keyed by everything a reader sees of it."""
     head = _OBJ.pack(e.kind, e.mode, e.size, e.mtime_ns, chunk_size, len(e.path))
-    return b"".join((b"O", ws.encode(), b"\0", head, e.path, e.target, *e.chunks))
+    return xxhash.xxh3_128_digest(b"".join((b"O", ws.encode(), b"\0", head, e.path, e.target,
+                                            *e.chunks)))
 
 
 class SnapshotFS(pyfuse3.Operations):
