@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 VERSIONS = b".versions"
 PREFETCH_CHUNKS = 2
 LISTING_CACHE_ENTRIES = 10_000
+# No-open needs the patched pyfuse3, and a kernel that supports it (checked at INIT, see init()).
 # MONARCH_FS_NO_OPEN=0 keeps the open round trips (what a stock pyfuse3 does), to compare or debug.
 NO_OPEN = (getattr(pyfuse3, "FH_ZERO_IS_INODE", False)
            and os.environ.get("MONARCH_FS_NO_OPEN", "1") != "0")
@@ -136,6 +137,7 @@ class SnapshotFS(pyfuse3.Operations):
         self.uid = os.getuid()
         self.gid = os.getgid()
         self.mounted = False
+        self.no_open = False  # decided at FUSE INIT
         root = Node(b"root", self._synthetic(), special="root")
         self._nodes[pyfuse3.ROOT_INODE] = root
         self._inos[root.key] = pyfuse3.ROOT_INODE
@@ -299,6 +301,13 @@ class SnapshotFS(pyfuse3.Operations):
 
     # ---- FUSE operations ------------------------------------------------------------------
 
+    def init(self) -> None:
+        """FUSE INIT: answer open/opendir with ENOSYS only where the kernel understands it
+        (Linux 5.1+); an older kernel would fail every `ls` with ENOSYS."""
+        self.no_open = NO_OPEN and getattr(pyfuse3, "NO_OPEN_SUPPORTED", False)
+        if NO_OPEN and not self.no_open:
+            log.info("this kernel has no FUSE no-open support: every open is a round trip")
+
     async def lookup(self, parent_inode, name, ctx=None):
         self.ops["lookup"] += 1
         node = self._node(parent_inode)
@@ -347,7 +356,7 @@ class SnapshotFS(pyfuse3.Operations):
         node = self._node(inode)
         if node.entry.kind != DIR:
             raise pyfuse3.FUSEError(errno.ENOTDIR)
-        if NO_OPEN:
+        if self.no_open:
             raise pyfuse3.FUSEError(errno.ENOSYS)  # no-opendir: the kernel caches listings
         return inode
 
@@ -388,7 +397,7 @@ class SnapshotFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EROFS)
         if node.entry.kind != FILE:
             raise pyfuse3.FUSEError(errno.EISDIR if node.entry.kind == DIR else errno.EINVAL)
-        if NO_OPEN:
+        if self.no_open:
             raise pyfuse3.FUSEError(errno.ENOSYS)  # no-open: reads come with the inode
         return pyfuse3.FileInfo(fh=inode, keep_cache=True)
 
