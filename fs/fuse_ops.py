@@ -180,17 +180,26 @@ class SnapshotFS(pyfuse3.Operations):
         return next((t for t in trees if t.version == node.view), None)
 
     def _attr(self, ino: int, node: Node) -> pyfuse3.EntryAttributes:
-        e = node.entry
+        return self._set_attr(self._blank_attr(), ino, node)
+
+    def _blank_attr(self) -> pyfuse3.EntryAttributes:
+        """Attributes with the fields every entry shares already set."""
         a = pyfuse3.EntryAttributes()
-        a.st_ino = ino
         a.entry_timeout = TIMEOUT
         a.attr_timeout = TIMEOUT
-        a.st_mode = _TYPE[e.kind] | e.mode
-        a.st_nlink = 2 if e.kind == DIR else 1
         a.st_uid = self.uid
         a.st_gid = self.gid
-        a.st_size = e.size
         a.st_blksize = 128 * 1024
+        return a
+
+    @staticmethod
+    def _set_attr(a: pyfuse3.EntryAttributes, ino: int, node: Node) -> pyfuse3.EntryAttributes:
+        """The fields that are the entry's own."""
+        e = node.entry
+        a.st_ino = ino
+        a.st_mode = _TYPE[e.kind] | e.mode
+        a.st_nlink = 2 if e.kind is DIR else 1
+        a.st_size = e.size
         a.st_blocks = (e.size + 511) // 512
         a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = e.mtime_ns
         return a
@@ -380,12 +389,14 @@ class SnapshotFS(pyfuse3.Operations):
     async def readdir(self, fh, start_id, token):
         self.ops["readdir"] += 1
         listing = self._listing(self._node(fh))  # a handle is the directory's inode
+        attr = self._blank_attr()  # one object for every entry: readdir_reply copies it out
         for i in range(start_id, len(listing)):
             name, node = listing[i]
             ino = self._ino(node)
-            if not pyfuse3.readdir_reply(token, name, self._attr(ino, self._nodes[ino]), i + 1):
+            live = self._nodes[ino]
+            if not pyfuse3.readdir_reply(token, name, self._set_attr(attr, ino, live), i + 1):
                 return
-            self._nodes[ino].lookups += 1
+            live.lookups += 1
 
     async def releasedir(self, fh):
         self.ops["releasedir"] += 1
