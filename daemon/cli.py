@@ -133,7 +133,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             ws = ", ".join(f"{name}={vs[0][:12]}" + (f" (+{len(vs) - 1} older)" if len(vs) > 1 else "")
                            for name, vs in sorted(n["workspaces"].items())) or "no workspaces"
             print(f"{n['host']}  {n['node']}  {ws}  store {_size(n['store_bytes'])}"
-                  f" in {n['store_objects']} objects  transport {n.get('transport', 'tcp')}")
+                  f" in {n['store_objects']} objects  transport {n.get('transport', 'tcp')}"
+                  f"  fuse {n.get('fuse', '?')}")
     return 0 if all(n["reachable"] for n in nodes) else 1
 
 

@@ -436,6 +436,7 @@ class NodeDaemon:
             "uptime": round(time.time() - self.started, 1),
             "store_objects": objects,
             "store_bytes": size,
+            "fuse": self.fs.open_mode,
             **self.counters,
             "workspaces": {n: [v.hex() for v in vs] for n, vs in self.refs.workspaces.items()},
         }

@@ -138,6 +138,7 @@ class SnapshotFS(pyfuse3.Operations):
         self.gid = os.getgid()
         self.mounted = False
         self.no_open = False  # decided at FUSE INIT
+        self.open_mode = "not mounted"  # what `monarch-fs status` shows: no-open, or why not
         root = Node(b"root", self._synthetic(), special="root")
         self._nodes[pyfuse3.ROOT_INODE] = root
         self._inos[root.key] = pyfuse3.ROOT_INODE
@@ -314,8 +315,16 @@ class SnapshotFS(pyfuse3.Operations):
         """FUSE INIT: answer open/opendir with ENOSYS only where the kernel understands it
         (Linux 5.1+); an older kernel would fail every `ls` with ENOSYS."""
         self.no_open = NO_OPEN and getattr(pyfuse3, "NO_OPEN_SUPPORTED", False)
-        if NO_OPEN and not self.no_open:
-            log.info("this kernel has no FUSE no-open support: every open is a round trip")
+        if self.no_open:
+            self.open_mode = "no-open"
+        elif not getattr(pyfuse3, "FH_ZERO_IS_INODE", False):
+            self.open_mode = "open per file (pyfuse3 without fs/pyfuse3-no-open.patch)"
+        elif not NO_OPEN:
+            self.open_mode = "open per file (MONARCH_FS_NO_OPEN=0)"
+        else:
+            self.open_mode = "open per file (the kernel has no FUSE no-open support)"
+        if self.open_mode != "no-open":
+            log.info("FUSE: %s: every open is a round trip", self.open_mode)
 
     async def lookup(self, parent_inode, name, ctx=None):
         self.ops["lookup"] += 1

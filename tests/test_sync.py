@@ -170,6 +170,7 @@ def test_with_open_round_trips_files_and_listings_still_follow_each_version(
     listings and edits behave the same, only each open is a request."""
     monkeypatch.setenv("MONARCH_FS_NO_OPEN", "0")
     c = fresh_cluster(1)
+    assert c.status()[0]["fuse"] == "open per file (MONARCH_FS_NO_OPEN=0)"
     src = tmp_path / "stock"
     (src / "d").mkdir(parents=True)
     (src / "d" / "a").write_text("a1")
@@ -194,6 +195,7 @@ def test_warm_reads_and_listings_cost_no_requests(cluster3, tmp_path):
     listing again sends the daemon nothing (FUSE no-open through the patched pyfuse3)."""
     from monarch_fs.fs import fuse_ops
     assert fuse_ops.NO_OPEN, "pyfuse3 is not the patched build (make builds it)"
+    assert {n["fuse"] for n in cluster3.status()} == {"no-open"}
     src = tmp_path / "warm"
     (src / "pkg").mkdir(parents=True)
     for i in range(50):
