@@ -48,7 +48,8 @@ demo: $(STAMP)
 	step monarch-fs cluster down
 
 # The suite (bench/run_all.py: push, reads, import torch, find over 100k files; then, as root,
-# a cold push over 1 Gbit/s links vs rsync -a to each host; under 10 minutes on 2 cores). BENCH_ARGS=--quick for a 1-2 minute smoke run. FANOUT=1 adds the fan-out
+# a cold push over 1 Gbit/s links vs rsync -a to each host; under 10 minutes on 2 cores).
+# BENCH_ARGS=--quick for a 1-2 minute smoke run (without the network push). FANOUT=1 adds the fan-out
 # benchmark (network namespaces, root; several more minutes, so not in the default budget).
 bench: $(STAMP)
 	$(PY) bench/run_all.py $(BENCH_ARGS)

@@ -56,6 +56,12 @@ class BulkRefused(BulkError):
 # ---- the interface ----------------------------------------------------------------------------
 
 
+# What one send_chunks() call carries at most (or one larger chunk): small chunks are read,
+# compressed and sent in batches this big by the pusher and by relays.
+BATCH_BYTES = 1 << 20
+BATCH_CHUNKS = 256
+
+
 class BulkSender(abc.ABC):
     """Sends chunk payloads to one peer."""
 

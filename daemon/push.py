@@ -32,8 +32,6 @@ from .transport import Channel, ConnectError, RemoteError, connect, describe_fai
 CONNECT_TIMEOUT = 10.0
 STALL_TIMEOUT = 60.0  # no progress on one node for this long fails that node
 _QUEUE = 4  # batches buffered per root
-_BATCH_BYTES = 1 << 20  # small chunks are read, compressed and sent in batches of this much
-_BATCH_CHUNKS = 256
 _ENCODERS = 2
 
 
@@ -234,7 +232,7 @@ class _Push:
             for cid in todo:
                 batch.append(cid)
                 size += self.sizes[cid]
-                if size >= _BATCH_BYTES or len(batch) >= _BATCH_CHUNKS:
+                if size >= bulk.BATCH_BYTES or len(batch) >= bulk.BATCH_CHUNKS:
                     break
             return batch
 

@@ -23,8 +23,6 @@ from .transport import Channel, connect, describe_failure
 log = logging.getLogger("monarch_fs.relay")
 
 QUEUE_BYTES = 16 << 20  # buffered per child, at most (plus the one chunk that crosses it)
-BATCH_BYTES = 1 << 20  # what one send to a child carries, at most (or one larger chunk)
-BATCH_CHUNKS = 256
 
 
 class _Child:
@@ -127,7 +125,7 @@ class Relay:
         try:
             async for first in child.receive:
                 batch, size = [first], len(first[1])
-                while size < BATCH_BYTES and len(batch) < BATCH_CHUNKS:
+                while size < bulk.BATCH_BYTES and len(batch) < bulk.BATCH_CHUNKS:
                     try:
                         item = child.receive.receive_nowait()
                     except (trio.WouldBlock, trio.EndOfChannel):

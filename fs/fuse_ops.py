@@ -51,7 +51,7 @@ LISTING_CACHE_ENTRIES = 10_000
 NO_OPEN = (getattr(pyfuse3, "FH_ZERO_IS_INODE", False)
            and os.environ.get("MONARCH_FS_NO_OPEN", "1") != "0")
 TIMEOUT = 24 * 3600.0  # entries are invalidated explicitly; the timeout is only a backstop
-# Enum members as plain names: `DIR` is a descriptor lookup, and listings test it per entry.
+# Enum members as plain names: `Kind.DIR` is a descriptor lookup, and listings test it per entry.
 DIR, FILE, SYMLINK = Kind.DIR, Kind.FILE, Kind.SYMLINK
 _TYPE = {DIR: stat.S_IFDIR, FILE: stat.S_IFREG, SYMLINK: stat.S_IFLNK}
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC | os.O_CREAT
@@ -123,7 +123,8 @@ def _obj_key(ws: str, e: Entry, chunk_size: int) -> bytes:
 
 
 class SnapshotFS(pyfuse3.Operations):
-    def __init__(self, load_chunk: Callable[[bytes], bytes | memoryview], *, cache_bytes: int = 128 << 20):
+    def __init__(self, load_chunk: Callable[[bytes], bytes | memoryview], *,
+                 cache_bytes: int = 128 << 20):
         super().__init__()
         self.chunks = ChunkCache(load_chunk, cache_bytes)
         self.workspaces: dict[str, list[Tree]] = {}  # name -> [current, older...]
@@ -221,7 +222,8 @@ class SnapshotFS(pyfuse3.Operations):
                 out.append((ws.encode(), self._entry_node(ws, None, tree.entries[b""], 0)))
             return out
         if node.special == "versions":
-            return [(ws.encode(), Node(b"wsv\0" + ws.encode(), self._synthetic(), ws=ws, special="wsv"))
+            return [(ws.encode(),
+                     Node(b"wsv\0" + ws.encode(), self._synthetic(), ws=ws, special="wsv"))
                     for ws in sorted(self.workspaces)]
         if node.special == "wsv":
             return [(t.hex.encode(), self._entry_node(node.ws, t.version, t.entries[b""], 0))
@@ -230,7 +232,8 @@ class SnapshotFS(pyfuse3.Operations):
         if tree is None or node.entry.path not in tree.children:
             return []
         ws, view, size = node.ws, node.view, tree.manifest.chunk_size
-        return [(e.name, self._entry_node(ws, view, e, size)) for e in tree.children[node.entry.path]]
+        return [(e.name, self._entry_node(ws, view, e, size))
+                for e in tree.children[node.entry.path]]
 
     def _lookup_child(self, node: Node, name: bytes) -> Node | None:
         if node.special is not None:
@@ -239,7 +242,9 @@ class SnapshotFS(pyfuse3.Operations):
         if tree is None:
             return None
         e = tree.entries.get(_child(node.entry.path, name))
-        return None if e is None else self._entry_node(node.ws, node.view, e, tree.manifest.chunk_size)
+        if e is None:
+            return None
+        return self._entry_node(node.ws, node.view, e, tree.manifest.chunk_size)
 
     # ---- publishing -----------------------------------------------------------------------
 
