@@ -63,15 +63,6 @@ def encode(data: bytes) -> bytes:
     return bytes([RAW]) + data
 
 
-def verify(cid: bytes, blob: bytes | memoryview, max_size: int = MAX_CHUNK_SIZE) -> None:
-    """Check a blob against its id without keeping its bytes (no copy for a raw blob)."""
-    if len(blob) >= 1 and blob[0] == RAW:
-        if len(blob) - 1 > max_size or chunk_id(memoryview(blob)[1:]) != cid:
-            raise CorruptChunk(f"chunk {cid.hex()}: content does not match its id")
-        return
-    decode(cid, blob, max_size)
-
-
 def decode(cid: bytes, blob: bytes | memoryview,
            max_size: int = MAX_CHUNK_SIZE) -> bytes | memoryview:
     """The raw bytes of a blob, verified against `cid`. Raises CorruptChunk, never wrong bytes.

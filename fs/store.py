@@ -24,7 +24,7 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
-from .chunk import ID_SIZE, RAW, CorruptChunk, chunk_id, decode, encode, verify
+from .chunk import ID_SIZE, RAW, CorruptChunk, chunk_id, decode, encode
 
 _libc = ctypes.CDLL(None, use_errno=True)  # syncfs(2) has no os wrapper
 _RECORD = struct.Struct("<4s16sI")  # magic, chunk id, blob length
@@ -69,8 +69,11 @@ class Store:
         # Append to the last pack unless it is sealed (has an index) or full.
         last = numbers[-1] if numbers else 0
         if not last or self._idx_path(last).exists():
-            last += 1
-        self._open_pack(last)
+            self._open_pack(last + 1)
+        else:  # reopened: the records _scan found go into its index when it is sealed
+            self._open_pack(last)
+            self._records.extend(_IDX.pack(cid, *_unloc(v)[1:])
+                                 for cid, v in self._index.items() if v >> 72 == last)
 
     # ---- layout -------------------------------------------------------------------------
 
@@ -112,15 +115,14 @@ class Store:
         self._cur = n
         self._fd = os.open(self._pack_path(n), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._size = os.fstat(self._fd).st_size
+        self._records: list[bytes] = []  # the current pack's _IDX records, in append order
 
     def _seal(self) -> None:
         """Make the full pack durable and write its index, then start the next one."""
         os.fsync(self._fd)
         os.close(self._fd)
         n = self._cur
-        records = b"".join(_IDX.pack(cid, off, length)
-                           for cid, (p, off, length) in
-                           ((c, _unloc(v)) for c, v in self._index.items()) if p == n)
+        records = b"".join(self._records)
         tmp = self._idx_path(n).with_suffix(".tmp")
         with open(tmp, "wb") as f:
             f.write(records)
@@ -154,11 +156,8 @@ class Store:
             raise CorruptChunk(f"chunk id {cid.hex()} is not {ID_SIZE} bytes")
         if cid in self._index:
             return False
-        if raw and len(blob) and blob[0] != RAW:
-            parts = [RAW_CODEC, decode(cid, blob)]
-        else:
-            verify(cid, blob)
-            parts = [blob]
+        data = decode(cid, blob)
+        parts = [RAW_CODEC, data] if raw and blob[0] != RAW else [blob]
         length = sum(len(part) for part in parts)
         header = _RECORD.pack(_MAGIC, cid, length)
         size = len(header) + length
@@ -177,6 +176,7 @@ class Store:
                 raise
             self._size = off + size
             self._index[cid] = _loc(self._cur, off + _RECORD.size, length)
+            self._records.append(_IDX.pack(cid, off + _RECORD.size, length))
             if self._size >= self.pack_limit:
                 self._seal()
         return True
