@@ -82,10 +82,6 @@ class _Child:
         self.popen = popen
         self.pid = popen.pid
 
-    @property
-    def returncode(self) -> int | None:
-        return self.popen.poll()
-
     async def wait(self) -> int:
         """Reap the process once it exits. Each waiter opens its own pidfd, so the supervisor and
         a concurrent stop() never contend for one fd."""
@@ -104,13 +100,10 @@ class _Child:
 @dataclass
 class Proc:
     id: int
-    argv: list[str]
     process: _Child
     owner: object
     emit: Emit
     stderr_tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
-    ended: trio.Event = field(default_factory=trio.Event)
-    status: dict | None = None
 
     def signal_group(self, sig: int) -> None:
         try:
@@ -162,7 +155,7 @@ class ProcessTable:
         finally:
             os.close(out_w)
             os.close(err_w)
-        proc = Proc(next(self._ids), argv, _Child(popen), owner, emit)
+        proc = Proc(next(self._ids), _Child(popen), owner, emit)
         self.procs[proc.id] = proc
         self.nursery.start_soon(self._supervise, proc, trio.lowlevel.FdStream(out_r),
                                 trio.lowlevel.FdStream(err_r))
@@ -189,11 +182,10 @@ class ProcessTable:
             pumps.deadline = trio.current_time() + DRAIN_GRACE
         await stdout.aclose()
         await stderr.aclose()
-        proc.status = describe_status(returncode)
-        proc.ended.set()
+        status = describe_status(returncode)
         self.procs.pop(proc.id, None)
-        log.info("proc %d ended: %s", proc.id, proc.status)
-        await self._emit(proc, "exit", {"proc": proc.id, **proc.status,
+        log.info("proc %d ended: %s", proc.id, status)
+        await self._emit(proc, "exit", {"proc": proc.id, **status,
                                         "stderr_tail": list(proc.stderr_tail)})
 
     async def _pump(self, proc: Proc, stream: str, pipe: trio.abc.ReceiveStream) -> None:
