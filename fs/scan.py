@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from .chunk import CHUNK_SIZE, chunk_id
+from .chunk import CHUNK_SIZE, chunk_id, spans
 from .manifest import Entry, Kind, Manifest
 from .scan_cache import Key, ScanCache, stat_key
 
@@ -86,10 +86,20 @@ class _File:
     path: bytes  # relative
     abspath: bytes
     mode: int
-    mtime_ns: int
-    size: int
-    key: tuple[int, int]  # (st_dev, st_ino): hard links are hashed once
     stat: Key
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """(st_dev, st_ino): hard links are hashed once."""
+        return self.stat[:2]
+
+    @property
+    def size(self) -> int:
+        return self.stat[2]
+
+    @property
+    def mtime_ns(self) -> int:
+        return self.stat[3]
 
 
 def _excluded(rel: bytes, patterns: Sequence[str]) -> bool:
@@ -157,19 +167,16 @@ def _walk(root: bytes, excludes: Sequence[str], cache: ScanCache | None = None,
                 # The walk's hot loop: on a re-scan this is all the work a file costs.
                 chunks = lookup(st) if lookup is not None else None
                 if chunks is None:
-                    files.append(_File(rel, d.path, mode, st.st_mtime_ns, st.st_size,
-                                       (st.st_dev, st.st_ino), stat_key(st)))
+                    files.append(_File(rel, d.path, mode, stat_key(st)))
                     continue
                 cached += 1
                 size = st.st_size
                 entries.append(Entry(rel, Kind.FILE, mode, size, st.st_mtime_ns, b"", chunks))
                 key = None
-                off = 0
-                for cid in chunks:
+                for cid, (off, length) in zip(chunks, spans(size, chunk_size)):
                     if cid not in sources:
                         key = key or stat_key(st)
-                        sources[cid] = Source(d.path, off, min(chunk_size, size - off), key)
-                    off += chunk_size
+                        sources[cid] = Source(d.path, off, length, key)
             elif fmt == _S_IFLNK:
                 target = os.readlink(d.path)
                 entries.append(Entry(rel, Kind.SYMLINK, mode, len(target), st.st_mtime_ns,
