@@ -13,16 +13,18 @@ from collections.abc import Callable
 
 import trio
 
+LOAD_THREADS = 4  # chunk loads (read, decompress, hash) running at once
+
 
 class ChunkCache:
     def __init__(self, load: Callable[[bytes], bytes | memoryview],
-                 max_bytes: int = 128 * 1024 * 1024, threads: int = 4):
+                 max_bytes: int = 128 * 1024 * 1024):
         self._load = load
         self._max = max_bytes
         self._bytes = 0
         self._data: OrderedDict[bytes, bytes | memoryview] = OrderedDict()
         self._loading: dict[bytes, trio.Event] = {}
-        self._limiter = trio.CapacityLimiter(threads)
+        self._limiter = trio.CapacityLimiter(LOAD_THREADS)
         self.hits = 0
         self.misses = 0
 

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 VERSIONS = b".versions"
 PREFETCH_CHUNKS = 2
+CHUNK_CACHE_BYTES = 128 << 20  # decoded chunks kept for the read path
 LISTING_CACHE_ENTRIES = 10_000
 # No-open needs the patched pyfuse3, and a kernel that supports it (checked at INIT, see init()).
 # MONARCH_FS_NO_OPEN=0 keeps the open round trips (what a stock pyfuse3 does), to compare or debug.
@@ -123,10 +124,9 @@ def _obj_key(ws: str, e: Entry, chunk_size: int) -> bytes:
 
 
 class SnapshotFS(pyfuse3.Operations):
-    def __init__(self, load_chunk: Callable[[bytes], bytes | memoryview], *,
-                 cache_bytes: int = 128 << 20):
+    def __init__(self, load_chunk: Callable[[bytes], bytes | memoryview]):
         super().__init__()
-        self.chunks = ChunkCache(load_chunk, cache_bytes)
+        self.chunks = ChunkCache(load_chunk, CHUNK_CACHE_BYTES)
         self.workspaces: dict[str, list[Tree]] = {}  # name -> [current, older...]
         self.mtime_ns = 0
         self._nodes: dict[int, Node] = {}
@@ -149,22 +149,24 @@ class SnapshotFS(pyfuse3.Operations):
     def _synthetic(self) -> Entry:
         return Entry(b"", DIR, 0o755, 0, self.mtime_ns)
 
-    def _ino(self, node: Node) -> int:
-        """A node's inode number is a hash of what it is, so an unchanged file keeps its number
-        across versions, after the kernel forgot it, and across daemon restarts."""
+    def _ino(self, node: Node) -> tuple[int, Node]:
+        """(inode number, live node): the live node is the one already in the table under
+        `node`'s key, else `node` itself, now added. A node's inode number is a hash of what it
+        is, so an unchanged file keeps its number across versions, after the kernel forgot it,
+        and across daemon restarts."""
         ino = self._inos.get(node.key)
-        if ino is None:
-            ino = max(2, xxhash.xxh3_64_intdigest(node.key) >> 1)
-            while ino in self._nodes:  # another live node hashed here: probe on
-                ino = ino + 1 if ino + 1 < 1 << 63 else 2
-            self._inos[node.key] = ino
-            self._nodes[ino] = node
-        return ino
+        if ino is not None:
+            return ino, self._nodes[ino]
+        ino = max(2, xxhash.xxh3_64_intdigest(node.key) >> 1)
+        while ino in self._nodes:  # another live node hashed here: probe on
+            ino = ino + 1 if ino + 1 < 1 << 63 else 2
+        self._inos[node.key] = ino
+        self._nodes[ino] = node
+        return ino, node
 
     def _remember(self, node: Node) -> pyfuse3.EntryAttributes:
         """Hand an inode to the kernel (lookup or readdirplus): it now counts one more lookup."""
-        ino = self._ino(node)
-        live = self._nodes[ino]
+        ino, live = self._ino(node)
         live.lookups += 1
         return self._attr(ino, live)
 
@@ -406,8 +408,7 @@ class SnapshotFS(pyfuse3.Operations):
         attr = self._blank_attr()  # one object for every entry: readdir_reply copies it out
         for i in range(start_id, len(listing)):
             name, node = listing[i]
-            ino = self._ino(node)
-            live = self._nodes[ino]
+            ino, live = self._ino(node)
             if not pyfuse3.readdir_reply(token, name, self._set_attr(attr, ino, live), i + 1):
                 return
             live.lookups += 1
