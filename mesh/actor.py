@@ -21,7 +21,6 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from . import wire
 from .errors import MeshError
 from .loop import post_sync_api, run_async_api, run_sync_api
 from .shape import Selector, Shaped, ValueMesh
@@ -122,29 +121,14 @@ class ActorMesh(Shaped):
     def _post(self, method: str, args: tuple, kwargs: dict, reply: bool) -> PendingCall | None:
         """Queue the call to every rank of this view, in the loop, without waiting: sends keep
         the order of posts, so one actor sees calls in the order they were made."""
-        from .proc_mesh import PendingCall
-
-        state = self._state
-        state.check()
-        cid = next(state.call_ids)
-        header = {"op": "call", "call": cid if reply else None, "actor": self._name,
-                  "method": method}
-        msg = wire.encode(header, (args, kwargs), has_body=True, copy=not reply)
-        pending = None
-        if reply:
-            pending = state.calls[cid] = PendingCall(cid, self.ranks, self._name, method)
-        for rank in self.ranks:
-            state.procs[rank].post(msg)
-        return pending
+        self._state.check()
+        return self._state.post_call(self.ranks, "call", self._name, method, {"method": method},
+                                     args, kwargs, reply)
 
     async def _call(self, method: str, args: tuple, kwargs: dict) -> ValueMesh:
         pending = self._post(method, args, kwargs, True)
         assert pending is not None
-        try:
-            await pending.done.wait()
-        finally:
-            self._state.calls.pop(pending.id, None)
-        results = pending.outcome()
+        results = await self._state.wait_call(pending)
         return ValueMesh(self.ranks, [results[r] for r in self.ranks])
 
     def __repr__(self) -> str:

@@ -5,8 +5,8 @@ Two kinds of failure, because a person reacts to them differently:
 - ActorError: an endpoint raised. The actor is still alive; only that call failed. The message
   names the actor, the rank and the host, and carries the remote traceback as text (the
   exception object itself is not sent: its class may not exist on the controller).
-- ProcFailure (a SupervisionError): a proc died or became unreachable. The whole proc mesh is
-  then failed: pending calls fail at once, and so does every later call, with the same cause.
+- SupervisionError: a proc died or became unreachable. The whole proc mesh is then failed:
+  pending calls fail at once, and so does every later call, with the same cause.
 """
 
 from __future__ import annotations
@@ -82,5 +82,3 @@ class SupervisionError(MeshError):
         prefix = f"{self.context}: " if self.context else ""
         return prefix + self.failure.describe()
 
-
-ProcFailure = SupervisionError

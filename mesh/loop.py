@@ -43,21 +43,23 @@ def run_sync_api(token: trio.lowlevel.TrioToken, name: str,
     if current is not None:
         raise RuntimeError(f"{name}() called from inside another trio loop; use "
                            f"`await {name}_async(...)`")
-    try:
-        return trio.from_thread.run(afn, *args, trio_token=token)
-    except MeshError as e:  # the frames of the loop thread say nothing to the script's author
-        raise e.with_traceback(None) from None
-    except trio.RunFinishedError:
-        raise MeshError("its host mesh has been closed") from None
+    return _in_loop(trio.from_thread.run, token, afn, *args)
 
 
 def post_sync_api(token: trio.lowlevel.TrioToken, fn: Callable[..., T], *args: Any) -> T:
     """Run the non-blocking `fn(*args)` in the mesh's loop, from its own thread or any other."""
     if _current_token() is token:
         return fn(*args)
+    return _in_loop(trio.from_thread.run_sync, token, fn, *args)
+
+
+def _in_loop(via: Callable[..., T], token: trio.lowlevel.TrioToken, fn: Callable[..., Any],
+             *args: Any) -> T:
+    """`via(fn, *args)` in the mesh's loop (via is trio.from_thread.run or run_sync), with its
+    errors as a script should see them."""
     try:
-        return trio.from_thread.run_sync(fn, *args, trio_token=token)
-    except MeshError as e:
+        return via(fn, *args, trio_token=token)
+    except MeshError as e:  # the frames of the loop thread say nothing to the script's author
         raise e.with_traceback(None) from None
     except trio.RunFinishedError:
         raise MeshError("its host mesh has been closed") from None

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import itertools
-import json
 import logging
 import math
 import os
@@ -30,7 +29,7 @@ from typing import Any
 import trio
 
 from ..daemon import protocol as p
-from ..daemon.transport import Channel, ConnectionLost, RemoteError, accept, format_addr
+from ..daemon.transport import Channel, ConnectionLost, accept, format_addr
 from . import wire
 from .actor import ActorMesh, class_ref
 from .errors import ActorError, Failure, MeshError, SpawnError, SupervisionError
@@ -77,11 +76,14 @@ class Proc:
     launched: list[tuple[int, int]] = field(default_factory=list)  # (host, proc id) of procs
     # that actors in this proc launched through us
     spawned: trio.Event = field(default_factory=trio.Event)
-    connected: trio.Event = field(default_factory=trio.Event)
     exited: trio.Event = field(default_factory=trio.Event)  # or known to be unreachable
 
     def __post_init__(self) -> None:
         self.outbox, self._outbox_recv = trio.open_memory_channel[p.Data](math.inf)
+
+    @property
+    def connected(self) -> bool:
+        return self.chan is not None
 
     def post(self, msg: p.Data) -> None:
         try:
@@ -133,14 +135,13 @@ class PendingCall:
 class MeshState:
     """Everything a proc mesh, its slices and its actor meshes share."""
 
-    def __init__(self, name: str, launcher: Launcher, hosts: list[int], per_host: int,
-                 supervisor: Supervisor, output: Output | None) -> None:
+    def __init__(self, name: str, launcher: Launcher, per_host: int, supervisor: Supervisor,
+                 output: Output | None) -> None:
         self.name = name
         self.launcher = launcher
         self.per_host = per_host
-        self.hosts = hosts  # launcher host indices, in mesh order
-        self.procs = [Proc(h * per_host + lr, host, lr, launcher.hosts[host])
-                      for h, host in enumerate(hosts) for lr in range(per_host)]
+        self.procs = [Proc(h * per_host + lr, h, lr, info)
+                      for h, info in enumerate(launcher.hosts) for lr in range(per_host)]
         self.token = secrets.token_bytes(32)
         self.supervisor = supervisor
         self.output = output
@@ -148,7 +149,7 @@ class MeshState:
         self.stopping = False
         self.stopped = False
         self.calls: dict[int, PendingCall] = {}
-        self.actors: dict[str, tuple[int, ...]] = {}  # actor name -> ranks it lives on
+        self.actors: set[str] = set()  # names of the actor meshes spawned on these procs
         self.call_ids = itertools.count(1)
         self.trio_token = trio.lowlevel.current_trio_token()
         self._changed = trio.Event()
@@ -165,7 +166,7 @@ class MeshState:
         """Raise at once if the mesh cannot take calls."""
         if self.failure is not None:
             raise SupervisionError(self.failure)
-        if self.stopping or self.stopped:
+        if self.stopping:  # stop() sets it first
             raise MeshError(f"proc mesh {self.name!r} has been stopped")
 
     def fail(self, proc: Proc, failure: Failure) -> None:
@@ -173,7 +174,7 @@ class MeshState:
             return
         proc.failure = failure
         self.wake()
-        if self.stopping or self.stopped:
+        if self.stopping:
             return
         self._kill_launched(proc)
         if self.failure is not None:
@@ -191,6 +192,31 @@ class MeshState:
         ex = proc.exit or {}
         return Failure(self.name, proc.rank, str(proc.info), proc.pid, ex.get("code"),
                        ex.get("signal"), reason, list(ex.get("stderr_tail") or []))
+
+    # ---- calls -------------------------------------------------------------------------
+
+    def post_call(self, ranks: list[int], op: str, actor: str, method: str, fields: dict,
+                  args: tuple, kwargs: dict, reply: bool = True) -> PendingCall | None:
+        """Queue one message to every rank in `ranks`, without waiting. With `reply`, the call
+        whose replies the readers settle; without, the arguments are copied now (the caller
+        may change them as soon as this returns)."""
+        cid = next(self.call_ids)
+        header = {"op": op, "call": cid if reply else None, "actor": actor, **fields}
+        msg = wire.encode(header, (args, kwargs), has_body=True, copy=not reply)
+        pending = None
+        if reply:
+            pending = self.calls[cid] = PendingCall(cid, ranks, actor, method)
+        for rank in ranks:
+            self.procs[rank].post(msg)
+        return pending
+
+    async def wait_call(self, pending: PendingCall) -> dict[int, Any]:
+        """The results of a posted call, by rank (or what it raised)."""
+        try:
+            await pending.done.wait()
+        finally:
+            self.calls.pop(pending.id, None)
+        return pending.outcome()
 
     # ---- events from the daemons -------------------------------------------------------
 
@@ -253,7 +279,6 @@ class MeshState:
         if h.get("op") != "hello" or proc.chan is not None or h.get("pid") != proc.pid:
             return None
         proc.chan = chan
-        proc.connected.set()
         self.wake()
         return proc
 
@@ -265,18 +290,7 @@ class MeshState:
             pass
 
     async def _reader(self, proc: Proc, chan: Channel) -> None:
-        while True:
-            try:
-                msg = await chan.receive()
-            except (ConnectionLost, RemoteError, p.ProtocolError, trio.ClosedResourceError,
-                    trio.BrokenResourceError):
-                return
-            if not isinstance(msg, p.Data):
-                continue
-            try:
-                h = wire.header(msg)
-            except wire.WireError:
-                continue
+        async for h, msg in wire.messages(chan):
             self._message(proc, h, msg)
 
     def _message(self, proc: Proc, h: dict, msg: p.Data) -> None:
@@ -359,10 +373,10 @@ class MeshState:
             while True:
                 if self.failure is not None:
                     raise SupervisionError(self.failure, f"starting proc mesh {self.name!r}")
-                if all(pr.connected.is_set() for pr in self.procs):
+                if all(pr.connected for pr in self.procs):
                     return
                 await self._changed.wait()
-        waiting = [pr.rank for pr in self.procs if not pr.connected.is_set()]
+        waiting = [pr.rank for pr in self.procs if not pr.connected]
         raise SpawnError(f"proc mesh {self.name!r}: ranks {waiting} did not connect back "
                          f"within {timeout:g}s (is this controller reachable from the hosts?)")
 
@@ -371,21 +385,22 @@ class MeshState:
         if self.stopped:
             return
         self.stopping = True
-        with trio.CancelScope(shield=True):
-            for proc in self.procs:  # a proc stops the meshes its actors own, then exits
-                proc.post(wire.encode({"op": "stop"}))
+
+        async def exits() -> None:
             with trio.move_on_after(STOP_GRACE):
                 for proc in self.procs:
                     if proc.proc_id is not None:
                         await proc.exited.wait()
+
+        with trio.CancelScope(shield=True):
+            for proc in self.procs:  # a proc stops the meshes its actors own, then exits
+                proc.post(wire.encode({"op": "stop"}))
+            await exits()
             for proc in self.procs:
                 self._kill_launched(proc)
                 if proc.proc_id is not None and not proc.exited.is_set():
                     await self.launcher.kill(proc.host, proc.proc_id, signal.SIGKILL)
-            with trio.move_on_after(STOP_GRACE):
-                for proc in self.procs:
-                    if proc.proc_id is not None:
-                        await proc.exited.wait()
+            await exits()
         self.stopped = True
         for call in list(self.calls.values()):
             call.fail(MeshError(f"proc mesh {self.name!r} was stopped"))
@@ -396,34 +411,34 @@ class MeshState:
 
 
 async def spawn_proc_mesh(launcher: Launcher, nursery: trio.Nursery, *, per_host: int,
-                          hosts: list[int] | None = None, name: str = "procs",
-                          env: dict[str, str] | None = None, cwd: str | None = None,
-                          workspace: str | None = None, version: str | None = None,
-                          python: str | None = None, python_path: Iterable[str] = (),
+                          name: str = "procs", env: dict[str, str] | None = None,
+                          cwd: str | None = None, workspace: str | None = None,
+                          version: str | None = None, python: str | None = None,
+                          python_path: Iterable[str] = (),
                           supervisor: Supervisor = report_unhandled,
                           output: Output | None = print_output,
                           connect_timeout: float = 60.0) -> MeshState:
     """Launch the runtimes and wait until every one has connected back."""
     if per_host < 1:
         raise ValueError("per_host must be at least 1")
-    hosts = list(range(len(launcher.hosts))) if hosts is None else hosts
-    state = MeshState(name, launcher, hosts, per_host, supervisor, output)
+    state = MeshState(name, launcher, per_host, supervisor, output)
     listeners: dict[str, trio.SocketListener] = {}
-    for host in set(hosts):
-        addr = launcher.listen_host(host)
-        if addr not in listeners:
-            listeners[addr] = (await trio.open_tcp_listeners(0, host=addr))[0]
+    addrs: list[str] = []  # per host: where its procs connect back to
+    for host in range(len(launcher.hosts)):
+        listen = launcher.listen_host(host)
+        if listen not in listeners:
+            listeners[listen] = (await trio.open_tcp_listeners(0, host=listen))[0]
+        addrs.append(format_addr(listen, listeners[listen].socket.getsockname()[1]))
     await nursery.start(state.serve, list(listeners.values()))
     try:
         if workspace and not version:
             version = await workspace_version(launcher, workspace)
+        specs = _spawn_specs(state, addrs, env, cwd, workspace, version, python,
+                             list(python_path))
         errors: list[SpawnError] = []
         async with trio.open_nursery() as starting:
-            for proc in state.procs:
-                port = listeners[launcher.listen_host(proc.host)].socket.getsockname()[1]
-                addr = format_addr(launcher.listen_host(proc.host), port)
-                starting.start_soon(_spawn_one, state, proc, addr, env, cwd, workspace, version,
-                                    python, list(python_path), errors)
+            for proc, spec in zip(state.procs, specs):
+                starting.start_soon(_spawn_one, state, proc, spec, errors)
         if errors:
             raise errors[0]
         await state.wait_connected(connect_timeout)
@@ -433,36 +448,44 @@ async def spawn_proc_mesh(launcher: Launcher, nursery: trio.Nursery, *, per_host
     return state
 
 
-async def _spawn_one(state: MeshState, proc: Proc, addr: str, env: dict | None, cwd: str | None,
-                     workspace: str | None, version: str | None, python: str | None,
-                     python_path: list[str], errors: list[SpawnError]) -> None:
+def _spawn_specs(state: MeshState, addrs: list[str], env: dict | None, cwd: str | None,
+                 workspace: str | None, version: str | None, python: str | None,
+                 python_path: list[str]) -> list[dict[str, Any]]:
+    """What the daemons are asked to run, one spec per proc."""
     hosts = [[h.addr, h.name] for h in state.launcher.hosts]
-    full_env = {
+    shared_env = {
+        "MONARCH_MESH_HOSTS": wire.compact_json(hosts),
+        "MONARCH_MESH_PYTHON_PATH": os.pathsep.join(python_path),
+        # What meshes spawned by actors in this proc inherit, with their {placeholders}
+        # unexpanded (base64, so the daemon does not expand them for this node).
+        "MONARCH_MESH_DEFAULTS": base64.b64encode(wire.compact_json({
+            "python": python, "python_path": python_path, "workspace": workspace,
+            "version": version}).encode()).decode(),
+    }
+    options: dict[str, Any] = {}
+    if cwd:
+        options["cwd"] = cwd
+    if workspace:
+        options["workspace"] = workspace
+        if version:
+            options["version"] = version
+    argv = [python or sys.executable, "-m", "monarch_fs.mesh.runtime"]
+    return [{"argv": argv, "env": {
         "PYTHONUNBUFFERED": "1",
         **(env or {}),
-        "MONARCH_MESH_ADDR": addr,
+        "MONARCH_MESH_ADDR": addrs[proc.host],
         "MONARCH_MESH_TOKEN": state.token.hex(),
         "MONARCH_MESH_NAME": state.name,
         "MONARCH_MESH_RANK": str(proc.rank),
         "MONARCH_MESH_WORLD_SIZE": str(len(state.procs)),
         "MONARCH_MESH_LOCAL_RANK": str(proc.local_rank),
         "MONARCH_MESH_HOST": str(proc.host),
-        "MONARCH_MESH_HOSTS": _json(hosts),
-        "MONARCH_MESH_PYTHON_PATH": os.pathsep.join(python_path),
-        # What meshes spawned by actors in this proc inherit, with their {placeholders}
-        # unexpanded (base64, so the daemon does not expand them for this node).
-        "MONARCH_MESH_DEFAULTS": base64.b64encode(_json({
-            "python": python, "python_path": python_path, "workspace": workspace,
-            "version": version}).encode()).decode(),
-    }
-    spec: dict[str, Any] = {"argv": [python or sys.executable, "-m", "monarch_fs.mesh.runtime"],
-                            "env": full_env}
-    if cwd:
-        spec["cwd"] = cwd
-    if workspace:
-        spec["workspace"] = workspace
-        if version:
-            spec["version"] = version
+        **shared_env,
+    }, **options} for proc in state.procs]
+
+
+async def _spawn_one(state: MeshState, proc: Proc, spec: dict[str, Any],
+                     errors: list[SpawnError]) -> None:
     try:
         # Once asked, learn the proc id (so stop() can kill it) even if we are being cancelled.
         reply = None
@@ -480,10 +503,6 @@ async def _spawn_one(state: MeshState, proc: Proc, addr: str, env: dict | None, 
     proc.spawned.set()
 
 
-def _json(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"))
-
-
 class ProcMesh(Shaped):
     """Procs running the actor runtime, `per_host` on each host; or a slice of them."""
 
@@ -491,7 +510,7 @@ class ProcMesh(Shaped):
                  proc_coords: tuple[int, ...] | None = None) -> None:
         self._state = state
         self._per_host = state.per_host
-        self._host_coords = host_coords or tuple(range(len(state.hosts)))
+        self._host_coords = host_coords or tuple(range(len(state.launcher.hosts)))
         self._proc_coords = proc_coords or tuple(range(state.per_host))
 
     @property
@@ -531,19 +550,12 @@ class ProcMesh(Shaped):
         state.check()
         if name in state.actors:
             raise ValueError(f"proc mesh {state.name!r} already has actors named {name!r}")
-        cid = next(state.call_ids)
-        header = {"op": "spawn", "call": cid, "actor": name, "module": module,
-                  "qualname": qualname, "main": main}
-        msg = wire.encode(header, (args, kwargs), has_body=True)
-        pending = state.calls[cid] = PendingCall(cid, self.ranks, name, "__init__")
-        state.actors[name] = tuple(self.ranks)
-        for rank in self.ranks:
-            state.procs[rank].post(msg)
-        try:
-            await pending.done.wait()
-        finally:
-            state.calls.pop(cid, None)
-        pending.outcome()
+        pending = state.post_call(self.ranks, "spawn", name, "__init__",
+                                  {"module": module, "qualname": qualname, "main": main},
+                                  args, kwargs)
+        state.actors.add(name)
+        assert pending is not None
+        await state.wait_call(pending)
         return ActorMesh(state, name, cls if isinstance(cls, type) else None,
                          self._host_coords, self._proc_coords)
 

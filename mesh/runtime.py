@@ -35,7 +35,7 @@ from typing import Any
 import trio
 
 from ..daemon import protocol as p
-from ..daemon.transport import ConnectError, ConnectionLost, RemoteError, connect
+from ..daemon.transport import ConnectError, ConnectionLost, connect
 from . import wire
 from .actor import is_endpoint
 from .errors import Failure, MeshError, SpawnError
@@ -119,9 +119,8 @@ class _Slot:
                                    f"{self.runtime.rank}: {type(e).__qualname__}: {e}\n"
                                    f"{_user_traceback(e)}"})
                 return
-            self.runtime.send({"op": "error", "call": cid, "actor": self.name, "method": method,
-                               "type": type(e).__qualname__, "message": str(e),
-                               "traceback": _user_traceback(e)})
+            self.runtime.send_error(cid, self.name, method, type(e).__qualname__, str(e),
+                                    _user_traceback(e))
             return
         if cid is not None:
             self.runtime.post(reply)
@@ -233,7 +232,6 @@ class Runtime:
     def __init__(self, env: dict[str, str]) -> None:
         self.addr = env["MONARCH_MESH_ADDR"]
         self.token = bytes.fromhex(env["MONARCH_MESH_TOKEN"])
-        self.mesh = env.get("MONARCH_MESH_NAME", "procs")
         self.rank = int(env["MONARCH_MESH_RANK"])
         self.world_size = int(env.get("MONARCH_MESH_WORLD_SIZE", "1"))
         self.local_rank = int(env.get("MONARCH_MESH_LOCAL_RANK", "0"))
@@ -259,6 +257,12 @@ class Runtime:
 
     def send(self, header: dict) -> None:
         self.post(wire.encode(header))
+
+    def send_error(self, cid: Any, actor: str, method: str, exc_type: str, message: str,
+                   tb: str) -> None:
+        """Answer call `cid`: it raised (the controller makes an ActorError of this)."""
+        self.send({"op": "error", "call": cid, "actor": actor, "method": method,
+                   "type": exc_type, "message": message, "traceback": tb})
 
     def host_mesh_for(self, slot: _Slot) -> Any:
         """The hosts, as seen by one actor: meshes it spawns report failures to it."""
@@ -314,17 +318,7 @@ class Runtime:
 
     async def _serve(self, chan: Any) -> None:
         assert self.nursery is not None
-        while True:
-            try:
-                msg = await chan.receive()
-            except (ConnectionLost, RemoteError, p.ProtocolError, trio.BrokenResourceError):
-                return
-            if not isinstance(msg, p.Data):
-                continue
-            try:
-                h = wire.header(msg)
-            except wire.WireError:
-                continue
+        async for h, msg in wire.messages(chan):
             op = h["op"]
             if op == "stop":
                 if not self.stopping:
@@ -339,10 +333,8 @@ class Runtime:
                     self.nursery.start_soon(slot.run)
                 if slot is None:
                     if h.get("call") is not None:
-                        self.send({"op": "error", "call": h["call"], "actor": name,
-                                   "method": h.get("method", "?"), "type": "MeshError",
-                                   "message": f"no actor {name!r} on this proc",
-                                   "traceback": ""})
+                        self.send_error(h["call"], name, h.get("method", "?"), "MeshError",
+                                        f"no actor {name!r} on this proc", "")
                     continue
                 slot.mailbox.send_nowait((h, msg))
 

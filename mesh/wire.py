@@ -19,9 +19,13 @@ import io
 import json
 import pickle
 import sys
+from collections.abc import AsyncIterator
 from typing import Any
 
-from ..daemon.protocol import Data
+import trio
+
+from ..daemon.protocol import Data, ProtocolError
+from ..daemon.transport import Channel, ConnectionLost, RemoteError
 
 _ALIGN = 64
 _PAD = bytes(_ALIGN)
@@ -68,6 +72,10 @@ class _Pickler(pickle.Pickler):
                                  tuple(t.shape), obj.requires_grad)
 
 
+def compact_json(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
 def dumps(obj: Any) -> tuple[bytes, list[memoryview]]:
     """The pickle and its out-of-band buffers."""
     buffers: list[memoryview] = []
@@ -80,7 +88,7 @@ def encode(header: dict, body: Any = None, *, has_body: bool = False,
            copy: bool = False) -> Data:
     """A mesh message. `copy` snapshots the buffers now, for a message that is queued while the
     caller may go on mutating its tensors (broadcast returns before the bytes are sent)."""
-    parts: list[Any] = [json.dumps(header, separators=(",", ":")).encode()]
+    parts: list[Any] = [compact_json(header).encode()]
     if not (has_body or body is not None):
         return Data(parts)
     pickled, buffers = dumps(body)
@@ -110,3 +118,21 @@ def body(msg: Data) -> Any:
     if len(msg.parts) < 2:
         return None
     return pickle.loads(msg.parts[1], buffers=msg.parts[3::2])
+
+
+async def messages(chan: Channel) -> AsyncIterator[tuple[dict, Data]]:
+    """(header, message) for each mesh message `chan` receives, until the connection ends;
+    frames that are not mesh messages are skipped."""
+    while True:
+        try:
+            msg = await chan.receive()
+        except (ConnectionLost, RemoteError, ProtocolError, trio.ClosedResourceError,
+                trio.BrokenResourceError):
+            return
+        if not isinstance(msg, Data):
+            continue
+        try:
+            h = header(msg)
+        except WireError:
+            continue
+        yield h, msg
