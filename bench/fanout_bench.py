@@ -54,19 +54,15 @@ sys.path.insert(0, str(REPO / "tests"))  # the namespace harness lives with the 
 sys.path.insert(0, str(REPO / "bench"))
 
 import fanout_model as model  # noqa: E402
+from common import CLK_TCK, MiB, BenchError  # noqa: E402
 from netns import NetCluster, NetnsUnsupported, rate_bytes_per_second  # noqa: E402
 
-MiB = 1024 * 1024
 FILE_BYTES = 64 * MiB  # payload file size: 16 chunks each
 WORKSPACE = "payload"
 SAMPLE_EVERY = 0.02  # s between counter samples while a push runs
 SATURATED = 0.90  # machine busy fraction from which a run counts as CPU-bound
 DEFAULT_CACHE = Path(tempfile.gettempdir()) / "monarch-fs-fanout"
 GOALS = {"chain_egress_ratio_n8": 1.1, "chain_time_ratio_n8": 1.3}
-
-
-class BenchError(Exception):
-    """A run failed or delivered wrong bytes."""
 
 
 # ---- payload ------------------------------------------------------------------------------
@@ -118,7 +114,7 @@ def proc_cpu_seconds(pid: int) -> float:
     """utime + stime of one process, in seconds."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         fields = f.read().rsplit(b")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def background_load(seconds: float = 2.0) -> float:
@@ -152,7 +148,7 @@ class Sampler:
         while not self._stop.is_set():
             try:
                 c = [self.cluster.node_counters(i) for i in range(n)]
-            except (OSError, Exception):
+            except Exception:
                 return  # a daemon went away: the push will say why
             self.samples.append((time.monotonic() - self.t0, [x["rx_bytes"] for x in c],
                                  [x["tx_bytes"] for x in c]))
@@ -250,7 +246,7 @@ def run_one(src: Path, payload: int, topology: str, n: int, args: argparse.Names
     busy = (cpu1[0] - cpu0[0]) / max(1, cpu1[2] - cpu0[2])
     softirq = (cpu1[1] - cpu0[1]) / max(1, cpu1[2] - cpu0[2])
     client = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
-    cpu_seconds = (cpu1[2] - cpu0[2]) / os.sysconf("SC_CLK_TCK")  # all cores, during the push
+    cpu_seconds = (cpu1[2] - cpu0[2]) / CLK_TCK  # all cores, during the push
     marks = sampler.summary(payload)
     egress = tx1 - tx0
     return {

@@ -70,6 +70,10 @@ import json
 import statistics
 import sys
 from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # tc rate units
+from netns import rate_bytes_per_second  # noqa: E402
 
 MiB = 1024 * 1024
 CHUNK = 4 * MiB  # fs/chunk.py CHUNK_SIZE
@@ -78,17 +82,6 @@ WIRE_EFFICIENCY = 1448 / 1514  # TCP payload per Ethernet frame (MSS with timest
 DEFAULT_LATENCY = 0.0005  # s per hop: a LAN hop plus a trio relay's wake-up and send
 HASH_RATE = 1.5e9  # bytes/s the dev box reads + hashes a warm source at (a guess for T0)
 STARTUP = 0.6  # s: interpreter start, connect, two-phase publish (a guess for T0)
-
-
-def rate_bytes_per_second(rate: str) -> float:
-    """'400mbit' -> 5e7 (tc units: bit/kbit/mbit/gbit are bits, bps/kbps/mbps bytes)."""
-    import re
-
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmg]?)(bit|bps)\s*", rate.lower())
-    if not m:
-        raise ValueError(f"bad rate {rate!r}: expected e.g. 400mbit or 10gbit")
-    value = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
-    return value / 8 if m.group(3) == "bit" else value
 
 
 def tree_depth(n: int, k: int) -> int:

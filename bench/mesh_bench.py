@@ -99,7 +99,8 @@ def measure_sync(nodes: int, per_host: int, calls: int, repeats: int) -> dict:
             times.append(time.perf_counter() - t)
         out[f"call_all_{len(procs)}_sync"] = _ms(times)
 
-        big = torch.ones(16 * 1024 * 1024)  # 64 MiB
+        big = torch.ones(16 * 1024 * 1024)  # float32: 64 MiB
+        mib = big.numel() * big.element_size() / (1024 * 1024)
         one.echo.call_one(big)
         times = []
         for _ in range(5):
@@ -108,8 +109,8 @@ def measure_sync(nodes: int, per_host: int, calls: int, repeats: int) -> dict:
             times.append(time.perf_counter() - t)
         assert torch.equal(back, big)
         best = min(times)
-        out["tensor_echo_64MiB"] = {"best_s": round(best, 4),
-                                    "MiB_per_s_both_ways": round(2 * 64 / best, 1)}
+        out[f"tensor_echo_{mib:g}MiB"] = {"best_s": round(best, 4),
+                                         "MiB_per_s_both_ways": round(2 * mib / best, 1)}
     finally:
         hosts.close()
     return out

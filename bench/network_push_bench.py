@@ -156,15 +156,18 @@ def run_n(src: Path, n: int, args: argparse.Namespace, expect: tuple[int, int]) 
                 if got.strip() != pushed["version"]:
                     raise BenchError(f"node {i} serves {got.strip()!r}, not {pushed['version']}")
             with RsyncDaemons(cluster, base / "rsync") as rsync:
+
+                def check_dests() -> None:
+                    for d in rsync.dests:
+                        if tree_stats(d) != expect:
+                            raise BenchError(f"rsync left {tree_stats(d)} in {d}, "
+                                             f"expected {expect}")
+
                 seq_s = rsync.copy(src, parallel=False)
-                for d in rsync.dests:
-                    if tree_stats(d) != expect:
-                        raise BenchError(f"rsync left {tree_stats(d)} in {d}, expected {expect}")
+                check_dests()
                 rsync.reset()
                 par_s = rsync.copy(src, parallel=True)
-                for d in rsync.dests:
-                    if tree_stats(d) != expect:
-                        raise BenchError(f"rsync left {tree_stats(d)} in {d}, expected {expect}")
+                check_dests()
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return {"nodes": n, "monarch_fs_s": round(push_s, 2), "monarch_fs_bytes_sent": pushed["bytes_sent"],

@@ -43,15 +43,13 @@ import os
 import random
 import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from common import (DEFAULT_CACHE, MiB, BenchError, PageCache,  # noqa: E402
-                    fmt_bytes, machine_facts, remove_work, sync)
+                    fmt_bytes, last_json, machine_facts, mfs_cli, remove_work, run, sync)
 from monarch_fs.daemon import cluster
 
 GENERATOR_VERSION = 1
@@ -262,17 +260,6 @@ def clean_cache(cache: Path) -> None:
 
 # ---- measuring ----------------------------------------------------------------------------
 
-def run(cmd: list[str], **kw) -> tuple[float, subprocess.CompletedProcess]:
-    """Run a command to completion; wall-clock seconds and its result. Fails loudly."""
-    t = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
-    seconds = time.monotonic() - t
-    if proc.returncode != 0:
-        raise BenchError(f"{shlex.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-2000:]}"
-                         f"\n{proc.stderr[-2000:]}")
-    return seconds, proc
-
-
 @dataclass
 class Measurement:
     tool: str
@@ -295,11 +282,9 @@ class MonarchFS:
     def push(self, tree: Path, case: str, cache_dropped: bool = False) -> Measurement:
         sync()
         seconds, proc = run([self.cli, "push", str(tree), "--hosts", f"@{self.dir / 'hosts'}",
-                             "--token-file", str(self.dir / "token"), "--json"], env=self.env)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-        if not lines:
-            raise BenchError(f"monarch-fs push printed no JSON:\n{proc.stdout}\n{proc.stderr}")
-        return Measurement("monarch-fs", case, seconds, cache_dropped, push=json.loads(lines[-1]))
+                             "--token-file", str(self.dir / "token"), "--json"], env=self.env,
+                            timeout=None)
+        return Measurement("monarch-fs", case, seconds, cache_dropped, push=last_json(proc.stdout))
 
     def mount(self, node: int, name: str) -> Path:
         return self.dir / f"node-{node}" / "mnt" / name
@@ -318,7 +303,7 @@ class Copier:
         per_node = []
         for dest in self.dests:
             dest.mkdir(parents=True, exist_ok=True)
-            seconds, _ = run(self.command(tree, dest))
+            seconds, _ = run(self.command(tree, dest), timeout=None)
             per_node.append(seconds)
         return Measurement(self.tool, case, sum(per_node), cache_dropped, per_node,
                            flush_seconds=sync())
@@ -455,9 +440,7 @@ def markdown(report: dict) -> str:
 
 def benchmark(tree: Path, info: TreeInfo, nodes: int, work: Path) -> tuple[list[Measurement], dict, PageCache]:
     """Every tool, every case, in an order that gives each cold run a dropped cache."""
-    cli = shutil.which("monarch-fs", path=str(Path(sys.executable).parent)) or shutil.which("monarch-fs")
-    if not cli:
-        raise BenchError("monarch-fs is not installed next to this python (pip install -e .)")
+    cli = mfs_cli()
     cache = PageCache()
     cluster_dir = work / "cluster"
     rsync = Copier("rsync", rsync_cmd, [work / f"rsync-{i}" for i in range(nodes)])

@@ -41,7 +41,7 @@ import trio
 from monarch_fs.daemon import bulk
 from monarch_fs.daemon.auth import load_token, write_new_token
 from monarch_fs.daemon import protocol as p
-from monarch_fs.daemon.transport import accept, connect, parse_addr
+from monarch_fs.daemon.transport import ConnectionLost, accept, connect, parse_addr
 
 MiB = 1 << 20
 CHUNK = 4 * MiB
@@ -86,8 +86,10 @@ async def serve(listen: str, token: bytes, once: bool) -> None:
                         if rx is not None:
                             err = await rx.wait_delivered(int(msg.args.get("bulk_chunks", 0)))
                         await chan.send(p.Reply(msg.id, {"delivered": delivered, "error": err}))
-            except Exception:
-                pass
+            except ConnectionLost:
+                pass  # the sender hung up: the normal end of a session
+            except Exception as e:
+                log(f"session with {chan.peer} failed: {type(e).__name__}: {e}")
             finally:
                 if rx is not None:
                     await rx.aclose()
@@ -199,6 +201,9 @@ def chain_case(args: argparse.Namespace) -> list[dict]:
                     wall = time.perf_counter() - t0
                     if out.returncode != 0:
                         why = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "?"
+                        if transport != "rdma":  # only RDMA may be missing here
+                            raise RuntimeError(f"push --transport {transport} exited "
+                                               f"{out.returncode}: {out.stderr.strip()[-2000:]}")
                         rows.append({"case": f"chain-{args.nodes}", "transport": transport,
                                      "skipped": why})
                         break

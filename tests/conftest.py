@@ -89,6 +89,13 @@ def stop_cluster(c: Cluster) -> None:
 
 
 @pytest.fixture(scope="module")
+def cluster2(tmp_path_factory):
+    c = start_cluster(tmp_path_factory.mktemp("cluster"), 2)
+    yield c
+    stop_cluster(c)
+
+
+@pytest.fixture(scope="module")
 def cluster3(tmp_path_factory):
     c = start_cluster(tmp_path_factory.mktemp("cluster"), 3)
     yield c

@@ -306,10 +306,6 @@ class _QPBase(_CM):
         assert peer.state == "RTS" and self.state == "RTS"
         return peer
 
-    def _sge_bytes(self, sge, access):
-        mr, off = FABRIC.mr_at(sge.addr, sge.length, sge.lkey, False, access)
-        return mr, off
-
     def _fail_if_broken(self, wr_id) -> bool:
         if self.qp_num not in FABRIC.broken:
             return False

@@ -269,10 +269,6 @@ class NetCluster:
                                   ("bytes", "packets", "drops", "overlimits", "backlog", "qlen")}
         return out
 
-    def kill_node(self, i: int, sig: int = signal.SIGKILL) -> None:
-        """Send `sig` to node `i`'s daemon (only that process: it is ours)."""
-        os.kill(self._daemon_pid(i), sig)
-
     # ---- life cycle -------------------------------------------------------------------------
 
     def __enter__(self) -> NetCluster:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from conftest import mounted, start_cluster, stop_cluster
+from conftest import mounted
 from monarch_fs.daemon.protocol import Data
 from monarch_fs.mesh import (ActorError, HostMesh, MeshError, SpawnError, SupervisionError,
                              ValueMesh)
@@ -29,15 +29,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:Failed to initialize NumPy")  # 
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = start_cluster(tmp_path_factory.mktemp("mesh"), 2)
-    yield c
-    stop_cluster(c)
-
-
-@pytest.fixture(scope="module")
-def hosts(cluster):
-    with HostMesh.connect(cluster.hostfile, token_file=cluster.token_file) as h:
+def hosts(cluster2):
+    with HostMesh.connect(cluster2.hostfile, token_file=cluster2.token_file) as h:
         yield h
 
 
@@ -225,8 +218,8 @@ def test_tensors_round_trip(hosts, started):
 
 # ---- trio --------------------------------------------------------------------------------
 
-async def test_trio_code_uses_the_async_methods(cluster, started):
-    async with HostMesh.open(cluster.hostfile, token_file=cluster.token_file) as hosts:
+async def test_trio_code_uses_the_async_methods(cluster2, started):
+    async with HostMesh.open(cluster2.hostfile, token_file=cluster2.token_file) as hosts:
         procs = await hosts.spawn_procs_async(per_host=1, python_path=[TESTS])
         started.add(*(pid for _, pid in procs.pids.values()))
         counters = await procs.spawn_async("counter", "mesh_actors:Counter", 1)
@@ -255,7 +248,7 @@ def test_spawn_failures_name_the_host_and_cause(hosts, started):
         hosts.spawn_procs(per_host=1, python="/bin/false")
 
 
-def test_actor_classes_from_pushed_code_at_a_pinned_version(cluster, hosts, started, tmp_path):
+def test_actor_classes_from_pushed_code_at_a_pinned_version(cluster2, hosts, started, tmp_path):
     app = tmp_path / "app"
     app.mkdir()
     (app / "greeter.py").write_text(textwrap.dedent("""
@@ -269,17 +262,17 @@ def test_actor_classes_from_pushed_code_at_a_pinned_version(cluster, hosts, star
                 return f"{data} from rank {self.rank}", __file__
     """))
     (app / "data.txt").write_text("v1")
-    cluster.push(app)
+    cluster2.push(app)
     procs = hosts.spawn_procs(per_host=1, workspace="app", python_path=["{workspace}"])
     started.add(*(pid for _, pid in procs.pids.values()))
     try:
         greeters = procs.spawn("greeter", "greeter:Greeter")
         (app / "data.txt").write_text("v2")
-        cluster.push(app)  # a new version lands on every node while the procs run
+        cluster2.push(app)  # a new version lands on every node while the procs run
         got = greeters.hello.call()
         for rank, (text, path) in got.items():
             assert text == f"v1 from rank {rank}"  # still the version they started with
-            assert path.startswith(str(cluster.mnt(rank) / ".versions" / "app"))
+            assert path.startswith(str(cluster2.mnt(rank) / ".versions" / "app"))
     finally:
         procs.stop()
 
@@ -342,13 +335,13 @@ def _controller(tmp_path: Path, make: str, mode: str, started: Started):
     return proc, info
 
 
-def test_killed_controller_takes_its_procs_along(cluster, tmp_path, started):
-    make = f"HostMesh.connect({cluster.hostfile!r}, token_file={cluster.token_file!r})"
+def test_killed_controller_takes_its_procs_along(cluster2, tmp_path, started):
+    make = f"HostMesh.connect({cluster2.hostfile!r}, token_file={cluster2.token_file!r})"
     proc, info = _controller(tmp_path, make, "sleep", started)
     proc.kill()
     proc.wait()
     assert not started.wait_gone(10), "the daemons did not stop the dead controller's procs"
-    assert len(cluster.status()) == 2  # the daemons themselves are fine
+    assert len(cluster2.status()) == 2  # the daemons themselves are fine
 
 
 @pytest.mark.parametrize("mode", ["sleep", "exit"])
@@ -367,8 +360,8 @@ def test_local_cluster_lives_as_long_as_its_script(tmp_path, started, mode):
     assert not d.exists()
 
 
-def test_closed_host_mesh_refuses_work(cluster, started):
-    hosts = HostMesh.connect(cluster.hostfile, token_file=cluster.token_file)
+def test_closed_host_mesh_refuses_work(cluster2, started):
+    hosts = HostMesh.connect(cluster2.hostfile, token_file=cluster2.token_file)
     procs = hosts.spawn_procs(per_host=1, python_path=[TESTS])
     started.add(*(pid for _, pid in procs.pids.values()))
     counters = procs.spawn("c", "mesh_actors:Counter", 0)

@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 import os
 import random
+from functools import partial
 
 import pytest
 import trio
 
 from monarch_fs.daemon import bulk, rdma
-from monarch_fs.daemon import protocol as p
-from monarch_fs.daemon.protocol import Connection, Role
-from monarch_fs.daemon.transport import Channel
+from rdma_helpers import channel_pair, serve_bulk
 
 
 def _skip_reason() -> str | None:
@@ -51,44 +50,6 @@ def test_probe_describes_the_devices():
     assert local.kind == "rdma" and local.info()["rdma"]
 
 
-async def _pair() -> tuple[Channel, Channel]:
-    s1, s2 = trio.socket.socketpair()
-    a = Channel(trio.SocketStream(s1), Connection(Role.CLIENT, b"t"), "node")
-    b = Channel(trio.SocketStream(s2), Connection(Role.SERVER, b"t"), "client")
-    await b.send(p.Hello())
-    await a.receive()
-    await a.send(p.Auth())
-    await b.receive()
-    await b.send(p.Welcome())
-    await a.receive()
-    return a, b
-
-
-async def _node_side(chan: Channel, local: bulk.LocalTransport, got: list, slow: float) -> None:
-    """What NodeDaemon._session does with "bulk" and "flush", and nothing else."""
-    async def deliver(cid: bytes, blob: bytes) -> None:
-        if slow:
-            await trio.sleep(slow)  # a slow store: the sender must wait for credits
-        got.append((cid, blob))
-
-    rx = None
-    async with trio.open_nursery() as nursery:
-        try:
-            while True:
-                msg = await chan.receive()
-                if msg.op == "bulk":
-                    rx, value = bulk.accept_receiver(local, msg.args, deliver, nursery)
-                    await chan.send(p.Reply(msg.id, value))
-                elif msg.op == "flush":
-                    err = await rx.wait_delivered(msg.args["bulk_chunks"])
-                    await chan.send(p.Reply(msg.id, {"error": err}))
-                    return
-        finally:
-            if rx is not None:
-                await rx.aclose()
-            nursery.cancel_scope.cancel()
-
-
 @pytest.mark.parametrize("slots, slow", [(16, 0.0), (2, 0.002)])
 async def test_loopback_channel_moves_chunks_intact_and_in_order(slots, slow, monkeypatch):
     """One process, both ends on this host's device: fragments across slots, credits when the
@@ -100,10 +61,11 @@ async def test_loopback_channel_moves_chunks_intact_and_in_order(slots, slow, mo
     blobs = [rnd.randbytes(rnd.choice([0, 1, 1000, 256 * 1024 - 64, 700_000, 3 << 20]))
              for _ in range(40)]
     for mode in _modes():
-        tx_chan, rx_chan = await _pair()
+        tx_chan, rx_chan = await channel_pair()
         got: list = []
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_node_side, rx_chan, local, got, slow)
+            nursery.start_soon(partial(serve_bulk, rx_chan, local, got, slow,
+                                       stop_after_flush=True))
             sender = await bulk.open_sender(tx_chan, mode, local, local.info())
             assert sender.kind == mode
             with trio.fail_after(60):

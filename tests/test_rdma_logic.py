@@ -17,7 +17,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from monarch_fs.daemon import bulk, rdma
-from monarch_fs.daemon import protocol as p
 from monarch_fs.daemon.rdma_logic import (
     HEADER_SIZE,
     MIN_SLOT_SIZE,
@@ -45,8 +44,8 @@ from monarch_fs.daemon.rdma_logic import (
     fragments,
     unwrap32,
 )
-from monarch_fs.daemon.transport import Channel, RemoteError
-from monarch_fs.daemon.protocol import Connection, Role
+from monarch_fs.daemon.transport import RemoteError
+from rdma_helpers import channel_pair, host_has_rdma, serve_bulk
 
 CID = bytes(range(16))
 
@@ -495,22 +494,8 @@ def test_fallback_is_logged_once_for_all_nodes(caplog):
 # ---- the TCP bulk channel: PutChunk frames over a real socket pair -----------------------------------
 
 
-async def _channel_pair():
-    s1, s2 = trio.socket.socketpair()
-    a, b = trio.SocketStream(s1), trio.SocketStream(s2)
-    ca, cb = Connection(Role.CLIENT, b"t"), Connection(Role.SERVER, b"t")
-    sa, sb = Channel(a, ca, "server"), Channel(b, cb, "client")
-    await sb.send(p.Hello())
-    await sa.receive()
-    await sa.send(p.Auth())
-    await sb.receive()
-    await sb.send(p.Welcome())
-    await sa.receive()
-    return sa, sb
-
-
 async def test_tcp_bulk_channel_delivers_in_order_and_flush_counts():
-    tx_chan, rx_chan = await _channel_pair()
+    tx_chan, rx_chan = await channel_pair()
     got = []
 
     async def deliver(c, blob):
@@ -536,17 +521,12 @@ async def test_tcp_bulk_channel_delivers_in_order_and_flush_counts():
 # ---- selection end to end: real daemons, the real command line -------------------------------------
 
 
-def _host_has_rdma() -> bool:
-    devices, _ = rdma.probe_devices()
-    return any(bulk.device_mode(d)[0] for d in devices)
-
-
 def test_transport_selection_through_the_command_line(fresh_cluster, tmp_path):
     """On a host without RDMA: `auto` falls back to TCP and says why (daemon log, status, push
     JSON); `--transport rdma` is a one-line error with exit 1 on daemon and push."""
     from conftest import mfs
 
-    if _host_has_rdma():
+    if host_has_rdma():
         pytest.skip("this host has an RDMA device: the fallback cannot be observed here")
     c = fresh_cluster(2)
     src = tmp_path / "app"
@@ -584,34 +564,6 @@ def test_transport_selection_through_the_command_line(fresh_cluster, tmp_path):
 # ---- rdma.py itself, over a fake verbs layer (tests/fake_pyverbs.py) -------------------------------
 
 
-async def _fake_node(chan, local, got, slow):
-    """NodeDaemon._session's handling of "bulk" and "flush", nothing else."""
-    async def deliver(c, blob):
-        if slow:
-            await trio.sleep(slow)
-        got.append((c, blob))
-
-    rx = None
-    async with trio.open_nursery() as nursery:
-        try:
-            while True:
-                msg = await chan.receive()
-                if msg.op == "bulk":
-                    try:
-                        rx, value = bulk.accept_receiver(local, msg.args, deliver, nursery)
-                    except Exception as e:
-                        await chan.send(p.Error(f"bulk: {e}", code="refused", id=msg.id))
-                    else:
-                        await chan.send(p.Reply(msg.id, value))
-                elif msg.op == "flush":
-                    err = await rx.wait_delivered(msg.args["bulk_chunks"])
-                    await chan.send(p.Reply(msg.id, {"error": err}))
-        finally:
-            if rx is not None:
-                await rx.aclose()
-            nursery.cancel_scope.cancel()
-
-
 FAKE_DEVICES = {RC: [dict(name="rxe0", link="eth")],
                 SRD: [dict(name="efa0", efa=True, rdma_read=True)]}
 
@@ -633,10 +585,10 @@ async def test_rdma_driver_over_fake_verbs(monkeypatch, mode, layout):
     assert bulk.choose_for_peer(local, "auto", local.info())[0] == mode
     rnd = random.Random(4)
     blobs = [rnd.randbytes(rnd.choice([0, 1, 8128, 8129, 30_000])) for _ in range(25)]
-    tx_chan, rx_chan = await _channel_pair()
+    tx_chan, rx_chan = await channel_pair()
     got: list = []
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_fake_node, rx_chan, local, got, 0.001)
+        nursery.start_soon(serve_bulk, rx_chan, local, got, 0.001)
         sender = await bulk.open_sender(tx_chan, mode, local, local.info())
         with trio.fail_after(30):
             for i, b in enumerate(blobs):
@@ -666,9 +618,9 @@ async def test_rdma_refusals_over_fake_verbs(monkeypatch):
     with pytest.raises(BulkProtocolError, match="slots"):
         bulk.accept_receiver(local, {"kind": RC, "qp": {}, "slots": 10**6,
                                      "slot_size": 4096}, None, None)
-    tx_chan, rx_chan = await _channel_pair()
+    tx_chan, rx_chan = await channel_pair()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_fake_node, rx_chan, tcp_node, [], 0)
+        nursery.start_soon(serve_bulk, rx_chan, tcp_node, [], 0)
         with pytest.raises(RemoteError, match="does not offer RDMA"):  # push: that node failed
             await bulk.open_sender(tx_chan, RC, local, local.info())
         nursery.cancel_scope.cancel()

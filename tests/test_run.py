@@ -18,15 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import mfs, start_cluster, stop_cluster
+from conftest import mfs
 from procwatch import Started
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = start_cluster(tmp_path_factory.mktemp("run"), 2)
-    yield c
-    stop_cluster(c)
+from rdma_helpers import host_has_rdma  # noqa: F401 (the skipif condition below names it)
 
 
 @pytest.fixture
@@ -90,6 +84,14 @@ def run(cluster, *args: str, timeout: float = 60) -> subprocess.CompletedProcess
                check=False, timeout=timeout)
 
 
+def run_ranks(cluster, job, started, mode: str, *args: str) -> subprocess.CompletedProcess:
+    """`monarch-fs run ARGS -- python job.py OUT MODE`; every rank it started is watched."""
+    script, out = job
+    r = run(cluster, *args, "--", sys.executable, str(script), str(out), mode)
+    started.add(*pids(out), match=str(script))
+    return r
+
+
 def pids(out: Path) -> list[int]:
     return [int(p.read_text()) for p in sorted(out.glob("*.pid"))]
 
@@ -103,11 +105,9 @@ def by_rank(stdout: str) -> dict[int, list[str]]:
     return lines
 
 
-def test_every_rank_gets_torchrun_env_and_prefixed_output(cluster, job, started):
-    script, out = job
-    r = run(cluster, "--per-host", "2", "--cwd", str(out), "--", sys.executable, str(script),
-            str(out), "env")
-    started.add(*pids(out), match=str(script))
+def test_every_rank_gets_torchrun_env_and_prefixed_output(cluster2, job, started):
+    _, out = job
+    r = run_ranks(cluster2, job, started, "env", "--per-host", "2", "--cwd", str(out))
     assert r.returncode == 0, r.stderr
     lines = by_rank(r.stdout)
     assert sorted(lines) == [0, 1, 2, 3]
@@ -118,41 +118,35 @@ def test_every_rank_gets_torchrun_env_and_prefixed_output(cluster, job, started)
         assert env["RANK"] == str(rank) and env["WORLD_SIZE"] == "4"
         assert env["LOCAL_RANK"] == str(rank % 2) and env["LOCAL_WORLD_SIZE"] == "2"
         assert env["GROUP_RANK"] == str(rank // 2)
-        assert env["MASTER_ADDR"] == cluster.hosts[0].rsplit(":", 1)[0]
-        assert env["MONARCH_FS_MOUNT"] == str(cluster.mnt(rank // 2))
+        assert env["MASTER_ADDR"] == cluster2.hosts[0].rsplit(":", 1)[0]
+        assert env["MONARCH_FS_MOUNT"] == str(cluster2.mnt(rank // 2))
         assert env["TORCHELASTIC_RESTART_COUNT"] == "0"
         ports.add(env["MASTER_PORT"])
     assert len(ports) == 1 and 0 < int(ports.pop()) < 65536
     assert "all 4 ranks exited 0" in r.stderr
 
 
-def test_first_failure_is_reported_and_the_others_are_stopped(cluster, job, started):
-    script, out = job
+def test_first_failure_is_reported_and_the_others_are_stopped(cluster2, job, started):
+    _, out = job
     t = time.monotonic()
-    r = run(cluster, "--per-host", "2", "--", sys.executable, str(script), str(out), "fail")
-    started.add(*pids(out), match=str(script))
+    r = run_ranks(cluster2, job, started, "fail", "--per-host", "2")
     assert time.monotonic() - t < 30  # not the others' 60 s sleep
     assert r.returncode == 3, r.stderr  # the failing rank's exit code
-    assert f"rank 1 on node-0 ({cluster.hosts[0]}) failed: exit code 3" in r.stderr
+    assert f"rank 1 on node-0 ({cluster2.hosts[0]}) failed: exit code 3" in r.stderr
     assert "its stderr ended with:\n    rank 1 gives up" in r.stderr
     assert "stopping the other 3 ranks" in r.stderr
     assert "[rank 1] rank 1 gives up" in r.stderr  # streamed live too
     assert len(pids(out)) == 4
 
 
-def test_a_signal_gives_128_plus_its_number(cluster, job, started):
-    script, out = job
-    r = run(cluster, "--per-host", "2", "--", sys.executable, str(script), str(out), "signal")
-    started.add(*pids(out), match=str(script))
+def test_a_signal_gives_128_plus_its_number(cluster2, job, started):
+    r = run_ranks(cluster2, job, started, "signal", "--per-host", "2")
     assert r.returncode == 128 + signal.SIGKILL, r.stderr
     assert "rank 0 on node-0" in r.stderr and "killed by SIGKILL" in r.stderr
 
 
-def test_max_restarts_restarts_the_whole_group(cluster, job, started):
-    script, out = job
-    r = run(cluster, "--per-host", "2", "--max-restarts", "2", "--", sys.executable,
-            str(script), str(out), "once")
-    started.add(*pids(out), match=str(script))
+def test_max_restarts_restarts_the_whole_group(cluster2, job, started):
+    r = run_ranks(cluster2, job, started, "once", "--per-host", "2", "--max-restarts", "2")
     assert r.returncode == 0, r.stderr
     assert "rank 2 on node-1" in r.stderr and "exit code 7 (attempt 1 of 3)" in r.stderr
     assert "first attempt fails" in r.stderr
@@ -162,29 +156,26 @@ def test_max_restarts_restarts_the_whole_group(cluster, job, started):
     assert sorted(second) == [f"[rank {i}] attempt 1" for i in range(4)]
 
 
-def test_restarts_run_out(cluster, job, started):
-    script, out = job
-    r = run(cluster, "--per-host", "2", "--max-restarts", "1", "--", sys.executable,
-            str(script), str(out), "always")
-    started.add(*pids(out), match=str(script))
+def test_restarts_run_out(cluster2, job, started):
+    r = run_ranks(cluster2, job, started, "always", "--per-host", "2", "--max-restarts", "1")
     assert r.returncode == 5, r.stderr
     assert "(attempt 2 of 2)" in r.stderr and "giving up: exit status 5" in r.stderr
 
 
-def test_launch_errors(cluster, job):
-    r = run(cluster, "--workspace", "nope", "--", "true")
+def test_launch_errors(cluster2, job):
+    r = run(cluster2, "--workspace", "nope", "--", "true")
     assert r.returncode == 1 and "no workspace 'nope'" in r.stderr
-    r = run(cluster, "--", "/no/such/program")
+    r = run(cluster2, "--", "/no/such/program")
     assert r.returncode == 1 and "cannot start /no/such/program" in r.stderr
-    r = run(cluster)
+    r = run(cluster2)
     assert r.returncode == 2 and "run needs a command" in r.stderr
 
 
-def test_killed_launcher_takes_its_ranks_along(cluster, job, started):
+def test_killed_launcher_takes_its_ranks_along(cluster2, job, started):
     script, out = job
     proc = subprocess.Popen(
-        [sys.executable, "-m", "monarch_fs.daemon.cli", "run", "--hosts", cluster.hostfile,
-         "--token-file", cluster.token_file, "--per-host", "2", "--", sys.executable,
+        [sys.executable, "-m", "monarch_fs.daemon.cli", "run", "--hosts", cluster2.hostfile,
+         "--token-file", cluster2.token_file, "--per-host", "2", "--", sys.executable,
          str(script), str(out), "sleep"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     started.add(proc.pid)
     deadline = time.monotonic() + 30
@@ -215,10 +206,10 @@ TRAIN = textwrap.dedent("""
 
 
 @pytest.fixture(scope="module")
-def venv_pushed(cluster):
+def venv_pushed(cluster2):
     """This test venv (torch included), pushed once to every node as workspace "env"."""
-    cluster.push(Path(sys.prefix), "--name", "env", "--exclude", "__pycache__")
-    return cluster
+    cluster2.push(Path(sys.prefix), "--name", "env", "--exclude", "__pycache__")
+    return cluster2
 
 
 def test_gloo_all_reduce_with_torch_from_the_pushed_venv(venv_pushed, tmp_path, started):
@@ -266,21 +257,14 @@ def test_killed_daemon_fails_the_job_and_leaves_no_rank(fresh_cluster, job, star
 # ---- --transport ---------------------------------------------------------------------------
 
 
-def _host_has_rdma() -> bool:
-    from monarch_fs.daemon import bulk, rdma
-
-    devices, _ = rdma.probe_devices()
-    return any(bulk.device_mode(d)[0] for d in devices)
-
-
-no_rdma_here = pytest.mark.skipif("_host_has_rdma()",
+no_rdma_here = pytest.mark.skipif("host_has_rdma()",
                                   reason="this host has an RDMA device: no fallback to observe")
 
 
 @no_rdma_here
-def test_transport_rdma_without_a_device_fails_naming_the_host_and_launches_nothing(cluster, job):
+def test_transport_rdma_without_a_device_fails_naming_the_host_and_launches_nothing(cluster2, job):
     script, out = job
-    r = run(cluster, "--per-host", "2", "--transport", "rdma", "--", sys.executable,
+    r = run(cluster2, "--per-host", "2", "--transport", "rdma", "--", sys.executable,
             str(script), str(out), "env")
     assert r.returncode == 1 and r.stdout == ""
     lines = r.stderr.strip().splitlines()
@@ -291,11 +275,8 @@ def test_transport_rdma_without_a_device_fails_naming_the_host_and_launches_noth
 
 
 @no_rdma_here
-def test_transport_auto_falls_back_to_tcp_with_one_line(cluster, job, started):
-    script, out = job
-    r = run(cluster, "--per-host", "2", "--transport", "auto", "--", sys.executable,
-            str(script), str(out), "env")
-    started.add(*pids(out), match=str(script))
+def test_transport_auto_falls_back_to_tcp_with_one_line(cluster2, job, started):
+    r = run_ranks(cluster2, job, started, "env", "--per-host", "2", "--transport", "auto")
     assert r.returncode == 0, r.stderr
     said = [line for line in r.stderr.splitlines() if "transport" in line]
     assert len(said) == 2, r.stderr  # the fallback line, and the summary
@@ -307,10 +288,8 @@ def test_transport_auto_falls_back_to_tcp_with_one_line(cluster, job, started):
     assert {e["MONARCH_FS_TRANSPORT"] for e in envs.values()} == {"tcp"}
 
 
-def test_transport_tcp_runs_silently(cluster, job, started):
-    script, out = job
-    r = run(cluster, "--transport", "tcp", "--", sys.executable, str(script), str(out), "env")
-    started.add(*pids(out), match=str(script))
+def test_transport_tcp_runs_silently(cluster2, job, started):
+    r = run_ranks(cluster2, job, started, "env", "--transport", "tcp")
     assert r.returncode == 0, r.stderr
     assert r.stderr.splitlines() == ["monarch-fs run: all 2 ranks exited 0; transport tcp"]
     envs = [json.loads(lines[0]) for lines in by_rank(r.stdout).values()]
@@ -319,7 +298,7 @@ def test_transport_tcp_runs_silently(cluster, job, started):
 
 @no_rdma_here
 async def test_transport_rdma_refused_by_the_hosts_names_them_and_launches_nothing(
-        cluster, job, started):
+        cluster2, job, started):
     """The host side of the check, in process: a controller that has a (pretend) RDMA device,
     against the cluster's daemons, which offer none. `rdma` names every host and starts no
     rank; `auto` runs over TCP and says once why (a warning-level surprise: RDMA was available
@@ -331,7 +310,7 @@ async def test_transport_rdma_refused_by_the_hosts_names_them_and_launches_nothi
     script, out = job
     local = bulk.LocalTransport("rdma", "rdma", "a pretend device",
                                 [{"name": "mlx5_0", "kind": "ib", "port": 1, "active": True}])
-    token = load_token(cluster.token_file)
+    token = load_token(cluster2.token_file)
 
     def make(transport: str) -> Job:
         return Job([sys.executable, str(script), str(out), "env"], per_host=1,
@@ -339,15 +318,15 @@ async def test_transport_rdma_refused_by_the_hosts_names_them_and_launches_nothi
 
     refused = make("rdma")
     with pytest.raises(bulk.TransportUnavailable) as e:
-        await run_job(cluster.hosts, token, refused, local)
+        await run_job(cluster2.hosts, token, refused, local)
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("--transport rdma: node-0 ("), msg
-    for i, addr in enumerate(cluster.hosts):
+    for i, addr in enumerate(cluster2.hosts):
         assert f"node-{i} ({addr}): the peer offers no RDMA (auto: no RDMA device" in msg
     assert pids(out) == [] and refused.out.getvalue() == ""
 
     auto = make("auto")
-    assert await run_job(cluster.hosts, token, auto, local) == 0
+    assert await run_job(cluster2.hosts, token, auto, local) == 0
     started.add(*pids(out), match=str(script))
     said = auto.err.getvalue().splitlines()
     assert said[0].startswith("monarch-fs run: transport: tcp to all 2 nodes (RDMA not used: "
@@ -371,11 +350,8 @@ def test_transport_rdma_where_every_host_has_a_device(fresh_cluster, job, starte
     monkeypatch.setenv("MONARCH_FS_FAKE_PYVERBS", json.dumps([{"name": "rxe0", "link": "eth"}]))
     c = fresh_cluster(2)
     assert [n["transport"] for n in c.status()] == ["rdma", "rdma"]
-    script, out = job
     for transport in ("rdma", "auto"):
-        r = run(c, "--per-host", "2", "--transport", transport, "--", sys.executable,
-                str(script), str(out), "env")
-        started.add(*pids(out), match=str(script))
+        r = run_ranks(c, job, started, "env", "--per-host", "2", "--transport", transport)
         assert r.returncode == 0, r.stderr
         assert r.stderr.splitlines() == ["monarch-fs run: all 4 ranks exited 0; transport rdma-rc"]
         envs = [json.loads(lines[0]) for lines in by_rank(r.stdout).values()]

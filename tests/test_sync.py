@@ -314,16 +314,25 @@ def test_sigterm_unmounts_and_exits_zero(fresh_cluster):
     c = fresh_cluster(1)
     proc_pid = c.pid(0)
     os.kill(proc_pid, signal.SIGTERM)
+    # The daemon is this process's child (cluster.up started it), so once it exits it stays a
+    # zombie, /proc entry included, until waitpid reaps it here: then its exit code is checked.
+    # Only if something else reaped it first (ChildProcessError) does a vanished /proc entry
+    # stand for its end.
+    gone = False
     deadline = time.monotonic() + 10
-    while os.path.exists(f"/proc/{proc_pid}") and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
         try:
             pid, status = os.waitpid(proc_pid, os.WNOHANG)
             if pid:
                 assert os.waitstatus_to_exitcode(status) == 0
+                gone = True
                 break
         except ChildProcessError:
-            pass
+            if not os.path.exists(f"/proc/{proc_pid}"):
+                gone = True
+                break
         time.sleep(0.05)
+    assert gone, "daemon still running 10 s after SIGTERM"
     assert not mounted(c.mnt(0))
 
 

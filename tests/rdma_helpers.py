@@ -1,0 +1,68 @@
+"""What the RDMA tests share (test_rdma_logic over fake verbs, test_rdma_hw on a real device,
+test_run's transport checks): an authenticated channel pair, the node side of a bulk transfer,
+and whether this host has a usable RDMA device.
+
+A helper, not a test file: `from rdma_helpers import ...` (pytest puts tests/ on sys.path)."""
+
+from __future__ import annotations
+
+import trio
+
+from monarch_fs.daemon import bulk, rdma
+from monarch_fs.daemon import protocol as p
+from monarch_fs.daemon.protocol import Connection, Role
+from monarch_fs.daemon.transport import Channel
+
+
+def host_has_rdma() -> bool:
+    devices, _ = rdma.probe_devices()
+    return any(bulk.device_mode(d)[0] for d in devices)
+
+
+async def channel_pair() -> tuple[Channel, Channel]:
+    """Two ends of a socket pair past the handshake: (client side, server side)."""
+    s1, s2 = trio.socket.socketpair()
+    a = Channel(trio.SocketStream(s1), Connection(Role.CLIENT, b"t"), "node")
+    b = Channel(trio.SocketStream(s2), Connection(Role.SERVER, b"t"), "client")
+    await b.send(p.Hello())
+    await a.receive()
+    await a.send(p.Auth())
+    await b.receive()
+    await b.send(p.Welcome())
+    await a.receive()
+    return a, b
+
+
+async def serve_bulk(chan: Channel, local: bulk.LocalTransport, got: list, slow: float = 0.0,
+                     *, stop_after_flush: bool = False) -> None:
+    """What NodeDaemon._session does with "bulk" and "flush", and nothing else: every delivered
+    chunk is appended to `got` as (cid, blob), after `slow` seconds (a slow store: the sender
+    must wait for credits); a refused bulk request is answered with an error. Runs until
+    cancelled, or, with stop_after_flush, returns once the first flush is answered (closing the
+    receiver first)."""
+    async def deliver(cid: bytes, blob: bytes) -> None:
+        if slow:
+            await trio.sleep(slow)
+        got.append((cid, blob))
+
+    rx = None
+    async with trio.open_nursery() as nursery:
+        try:
+            while True:
+                msg = await chan.receive()
+                if msg.op == "bulk":
+                    try:
+                        rx, value = bulk.accept_receiver(local, msg.args, deliver, nursery)
+                    except Exception as e:
+                        await chan.send(p.Error(f"bulk: {e}", code="refused", id=msg.id))
+                    else:
+                        await chan.send(p.Reply(msg.id, value))
+                elif msg.op == "flush":
+                    err = await rx.wait_delivered(msg.args["bulk_chunks"])
+                    await chan.send(p.Reply(msg.id, {"error": err}))
+                    if stop_after_flush:
+                        return
+        finally:
+            if rx is not None:
+                await rx.aclose()
+            nursery.cancel_scope.cancel()
