@@ -231,8 +231,11 @@ def _usable(devices: Sequence[dict] | None) -> tuple[list[dict], str]:
 def match_devices(local: Sequence[dict], peer: Sequence[dict] | None
                   ) -> tuple[str, dict, dict] | None:
     """(mode, local device, peer device) for the first pair on a common fabric."""
-    mine, _ = _usable(local)
-    theirs, _ = _usable(peer)
+    return _pair(_usable(local)[0], _usable(peer)[0])
+
+
+def _pair(mine: list[dict], theirs: list[dict]) -> tuple[str, dict, dict] | None:
+    """match_devices() on devices already known to be usable."""
     for a in mine:
         for b in theirs:
             if a["kind"] == b["kind"]:  # ib-ib, roce-roce (RC); efa-efa (SRD)
@@ -254,7 +257,7 @@ def choose_transport(requested: str, local_devices: Sequence[dict],
         return TCP, "--transport tcp"
     mine, mine_why = _usable(local_devices)
     theirs, theirs_why = _usable(peer_devices)
-    found = match_devices(local_devices, peer_devices)
+    found = _pair(mine, theirs)
     if found:
         mode, a, b = found
         return mode, f"{a['kind']} {a['name']} to the peer's {b['name']}"
@@ -361,6 +364,17 @@ async def open_sender(chan, kind: str, local: LocalTransport | None = None,
     from . import rdma
 
     return await rdma.RdmaSender.connect(chan, kind, found[1])
+
+
+async def close_peer(sender: BulkSender | None, chan) -> None:
+    """Close a peer's bulk sender, then its control channel (either may be None), even while
+    the caller is being cancelled."""
+    if sender is not None:
+        with trio.CancelScope(shield=True):
+            await sender.aclose()
+    if chan is not None:
+        with trio.CancelScope(shield=True):
+            await chan.aclose()
 
 
 def accept_receiver(local: LocalTransport, args: dict, deliver: Deliver,

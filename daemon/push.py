@@ -27,9 +27,9 @@ from . import bulk
 from . import protocol as p
 from . import topology
 from .refs import check_workspace_name
-from .transport import Channel, ConnectError, RemoteError, connect, describe_failure
+from .transport import (CONNECT_TIMEOUT, Channel, ConnectError, RemoteError, connect,
+                        describe_failure)
 
-CONNECT_TIMEOUT = 10.0
 STALL_TIMEOUT = 60.0  # no progress on one node for this long fails that node
 _QUEUE = 4  # batches buffered per root
 _ENCODERS = 2
@@ -53,6 +53,15 @@ class PushError(Exception):
         super().__init__("\n".join(lines))
 
 
+def fmt_bytes(n: float) -> str:
+    """A byte count for people: "512 B", "1.5 MiB", up to TiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
 @dataclass
 class PushResult:
     version: str
@@ -71,6 +80,11 @@ class PushResult:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    def left_behind(self) -> list[str]:
+        """The warning lines for the nodes an --allow-partial push left behind."""
+        return [f"warning: {host} left behind (--allow-partial): {cause}"
+                for host, cause in sorted(self.failed.items())]
 
 
 class Progress:
@@ -167,11 +181,7 @@ class _Push:
 
     async def negotiate(self) -> None:
         async def ask(node: _Node) -> None:
-            await node.chan.send(p.QueryMissing(self.ids + [self.version]))
-            reply = await node.chan.receive()
-            if not isinstance(reply, p.MissingIds):
-                raise p.ProtocolError(f"expected missing chunk ids, got {type(reply).__name__}")
-            node.missing = set(reply.ids)
+            node.missing = set(await node.chan.query_missing(self.ids + [self.version]))
 
         await _each(self.nodes, ask, self.timeout)
 
@@ -204,11 +214,13 @@ class _Push:
                                                    root.chan.info)
             reply = await root.chan.request("relay", children=children, timeout=self.timeout)
             blame(reply.get("failed", {}))
-            await root.chan.send(p.QueryMissing(self.ids + [self.version]))
-            below = await root.chan.receive()
-            if not isinstance(below, p.MissingIds):
-                raise p.ProtocolError(f"expected missing chunk ids, got {type(below).__name__}")
-            wants[root.addr] = set(below.ids)
+            # negotiate() learned what each node lacks: ask the subtree only about those ids
+            # (an id no node below lacks cannot come back), so neither the root nor the nodes
+            # below look up the rest again.
+            below = topology.subtree({"addr": root.addr, "children": children})
+            lacking = set().union(*(by_addr[a].missing for a in below))
+            ids = [c for c in self.ids + [self.version] if c in lacking]
+            wants[root.addr] = set(await root.chan.query_missing(ids))
 
         children_of = {r.addr: c for r, c in roots}
         levels = {r.addr: topology.patience(c) for r, c in roots}
@@ -310,12 +322,7 @@ class _Push:
 
     async def aclose(self) -> None:
         for node in self.nodes:
-            if node.bulk is not None:
-                with trio.CancelScope(shield=True):
-                    await node.bulk.aclose()
-            if node.chan is not None:
-                with trio.CancelScope(shield=True):
-                    await node.chan.aclose()
+            await bulk.close_peer(node.bulk, node.chan)
 
 
 async def push(

@@ -16,9 +16,8 @@ from collections.abc import Sequence
 import trio
 
 from . import bulk
-from . import protocol as p
 from .topology import patience
-from .transport import Channel, connect, describe_failure
+from .transport import CONNECT_TIMEOUT, Channel, connect, describe_failure
 
 log = logging.getLogger("monarch_fs.relay")
 
@@ -29,6 +28,7 @@ class _Child:
     def __init__(self, spec: dict):
         self.addr: str = spec["addr"]
         self.children: list[dict] = spec.get("children", [])
+        self.patience = patience(self.children)  # timeouts to wait on it (its subtree below)
         self.chan: Channel | None = None
         self.bulk: bulk.BulkSender | None = None
         self.need: set[bytes] = set()
@@ -70,7 +70,7 @@ class Relay:
         async def one(child: _Child) -> None:
             # A child waits for its own subtree, which times out first and is blamed instead.
             try:
-                with trio.fail_after(self.timeout * patience(child.children)):
+                with trio.fail_after(self.timeout * child.patience):
                     await fn(child)
             except Exception as e:  # a child's failure is reported, never fatal to the relay
                 self._fail(child, e)
@@ -83,7 +83,8 @@ class Relay:
     async def open(self) -> dict[str, str]:
         """Connect to every child and have it open its own subtree."""
         async def start(child: _Child) -> None:
-            child.chan = await connect(child.addr, self.token, timeout=min(10.0, self.timeout))
+            child.chan = await connect(child.addr, self.token,
+                                       timeout=min(CONNECT_TIMEOUT, self.timeout))
             policy = "tcp" if self.local.kind == bulk.TCP else "auto"
             kind, _ = bulk.choose_for_peer(self.local, policy, child.chan.info)
             child.bulk = await bulk.open_sender(child.chan, kind, self.local, child.chan.info)
@@ -98,11 +99,7 @@ class Relay:
     async def query(self, ids: list[bytes]) -> set[bytes]:
         """What the subtrees below lack, remembered per child for forwarding."""
         async def ask(child: _Child) -> None:
-            await child.chan.send(p.QueryMissing(ids))
-            reply = await child.chan.receive()
-            if not isinstance(reply, p.MissingIds):
-                raise p.ProtocolError(f"expected missing ids, got {type(reply).__name__}")
-            child.need = set(reply.ids)
+            child.need = set(await child.chan.query_missing(ids))
 
         await self._each(ask)
         return set().union(*(c.need for c in self.children if c.error is None))
@@ -132,7 +129,7 @@ class Relay:
                         break  # nothing more queued yet, or nothing more at all
                     batch.append(item)
                     size += len(item[1])
-                with trio.fail_after(self.timeout * patience(child.children)):
+                with trio.fail_after(self.timeout * child.patience):
                     await child.bulk.send_chunks(batch)
                 child.took(size)
                 self.counters["chunks_forwarded"] += len(batch)
@@ -160,9 +157,4 @@ class Relay:
     async def aclose(self) -> None:
         for child in self.children:
             child.send.close()
-            if child.bulk is not None:
-                with trio.CancelScope(shield=True):
-                    await child.bulk.aclose()
-            if child.chan is not None:
-                with trio.CancelScope(shield=True):
-                    await child.chan.aclose()
+            await bulk.close_peer(child.bulk, child.chan)

@@ -24,7 +24,9 @@ from .protocol import (
     Event,
     Hello,
     Message,
+    MissingIds,
     ProtocolError,
+    QueryMissing,
     Reply,
     Request,
     Role,
@@ -33,6 +35,7 @@ from .protocol import (
 )
 
 RECEIVE_SIZE = 1 << 20
+CONNECT_TIMEOUT = 10.0  # seconds to reach and authenticate a peer (push and relays cap theirs here)
 _CLOSE_GRACE = 1.0  # seconds to spend telling a rejected peer why
 
 
@@ -202,6 +205,14 @@ class Channel:
             else:
                 raise ProtocolError(f"{self.peer}: unexpected {type(msg).__name__} awaiting reply")
 
+    async def query_missing(self, ids: list[bytes]) -> list[bytes]:
+        """Ask the peer which of `ids` it (and, in a relay session, its subtree) lacks."""
+        await self.send(QueryMissing(ids))
+        reply = await self.receive()
+        if not isinstance(reply, MissingIds):
+            raise ProtocolError(f"expected missing chunk ids, got {type(reply).__name__}")
+        return reply.ids
+
     async def aclose(self) -> None:
         await self.stream.aclose()
 
@@ -212,7 +223,7 @@ class Channel:
         await self.aclose()
 
 
-async def connect(addr: str, token: bytes, *, timeout: float = 10.0) -> Channel:
+async def connect(addr: str, token: bytes, *, timeout: float = CONNECT_TIMEOUT) -> Channel:
     """Connect to a server at "host:port" and authenticate, all within `timeout` seconds.
     Every failure is a ConnectError naming the peer."""
     try:
