@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from monarch_fs.daemon import cluster
+from monarch_fs.daemon.push import fmt_bytes as _fmt_bytes
 
 MiB = 1024 * 1024
 BENCH = Path(__file__).resolve().parent
@@ -380,11 +381,7 @@ def run_in_work(cache: Path, measure: Callable[[Path], dict]) -> int:
 
 
 def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return ""
+    return _fmt_bytes(n)
 
 
 class Observed:

@@ -19,8 +19,13 @@ class TokenError(Exception):
     """A token file is missing, empty or unreadable."""
 
 
+def home_dir() -> Path:
+    """$MONARCH_FS_HOME, else ~/.monarch-fs: the local cluster, its token, the scan caches."""
+    return Path(os.environ.get(HOME_ENV, "~/.monarch-fs")).expanduser()
+
+
 def default_token_file() -> Path:
-    return Path(os.environ.get(HOME_ENV, "~/.monarch-fs")).expanduser() / "cluster" / "token"
+    return home_dir() / "cluster" / "token"
 
 
 def load_token(path: str | os.PathLike[str]) -> bytes:

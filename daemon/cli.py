@@ -15,9 +15,9 @@ import trio
 from . import cluster
 from ..fs.scan import SourceChanged
 from .bulk import TRANSPORTS, resolve_local
-from .auth import HOME_ENV, TokenError, load_token, resolve_token
+from .auth import TokenError, home_dir, load_token, resolve_token
 from .hosts import HostsError, parse_hosts
-from .push import Progress, PushError, push
+from .push import Progress, PushError, fmt_bytes, push
 from .status import status
 
 log = logging.getLogger("monarch_fs")
@@ -50,14 +50,6 @@ class BarProgress(Progress):
             self.bar = None
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return ""
-
-
 def cmd_daemon(args: argparse.Namespace) -> int:
     from .node import NodeDaemon
 
@@ -73,7 +65,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
 def scan_cache_dir() -> Path:
     """Where push keeps its scan caches: $MONARCH_FS_HOME/scan-cache (~/.monarch-fs/...)."""
-    return Path(os.environ.get(HOME_ENV, "~/.monarch-fs")).expanduser() / "scan-cache"
+    return home_dir() / "scan-cache"
 
 
 def cmd_push(args: argparse.Namespace) -> int:
@@ -105,16 +97,17 @@ def cmd_push(args: argparse.Namespace) -> int:
             bar.close()
     for w in result.warnings:
         print(f"warning: {w}", file=sys.stderr)
-    for host, cause in sorted(result.failed.items()):
-        print(f"warning: {host} left behind (--allow-partial): {cause}", file=sys.stderr)
+    for line in result.left_behind():
+        print(line, file=sys.stderr)
     if args.json:
         out = result.to_json()
         out.pop("warnings")
         print(json.dumps(out))
     else:
         print(f"pushed {result.name} {result.version[:12]} to {result.nodes} nodes in "
-              f"{result.seconds:.2f}s: {result.files} files, {_size(result.bytes)}; sent "
-              f"{_size(result.bytes_sent)} ({result.chunks_sent} chunks; the snapshot has {result.chunks_total}), "
+              f"{result.seconds:.2f}s: {result.files} files, {fmt_bytes(result.bytes)}; sent "
+              f"{fmt_bytes(result.bytes_sent)} ({result.chunks_sent} chunks; the snapshot has "
+              f"{result.chunks_total}), "
               f"{result.topology}, {result.transport})")
     return 0
 
@@ -132,7 +125,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 continue
             ws = ", ".join(f"{name}={vs[0][:12]}" + (f" (+{len(vs) - 1} older)" if len(vs) > 1 else "")
                            for name, vs in sorted(n["workspaces"].items())) or "no workspaces"
-            print(f"{n['host']}  {n['node']}  {ws}  store {_size(n['store_bytes'])}"
+            print(f"{n['host']}  {n['node']}  {ws}  store {fmt_bytes(n['store_bytes'])}"
                   f" in {n['store_objects']} objects  transport {n.get('transport', 'tcp')}"
                   f"  fuse {n.get('fuse', '?')}")
     return 0 if all(n["reachable"] for n in nodes) else 1

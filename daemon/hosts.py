@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .auth import default_token_file
+from .cluster import default_cluster_dir
 from .transport import parse_addr
 
 
@@ -15,7 +15,7 @@ class HostsError(ValueError):
 
 
 def default_hosts_file() -> Path:
-    return default_token_file().parent / "hosts"
+    return default_cluster_dir() / "hosts"
 
 
 def parse_hosts(spec: str | None) -> list[str]:

@@ -28,18 +28,10 @@ import trio
 from watchfiles._rust_notify import RustNotify  # documented: watchfiles' "Rust backend" API
 
 from ..fs.scan import is_excluded
-from .push import PushResult
+from .push import PushResult, fmt_bytes
 
 QUIET_MS = 200
 DEBOUNCE_MS = 1000
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return ""
 
 
 def summary(result: PushResult, changes: int) -> str:
@@ -47,8 +39,8 @@ def summary(result: PushResult, changes: int) -> str:
     why = "first push" if changes == 0 else f"{changes} change{'s' * (changes != 1)}"
     return (f"{time.strftime('%H:%M:%S')} pushed {result.name} {result.version[:12]} to "
             f"{result.nodes} nodes in {result.seconds:.2f}s ({why}): sent "
-            f"{_size(result.bytes_sent)} in {result.chunks_sent} chunks; {result.files} files, "
-            f"{_size(result.bytes)}")
+            f"{fmt_bytes(result.bytes_sent)} in {result.chunks_sent} chunks; {result.files} files, "
+            f"{fmt_bytes(result.bytes)}")
 
 
 class _Filter:
@@ -113,8 +105,8 @@ async def watch(
             if w not in last_warnings:
                 say(f"warning: {w}", err)
         last_warnings = result.warnings
-        for host, cause in sorted(result.failed.items()):
-            say(f"warning: {host} left behind (--allow-partial): {cause}", err)
+        for line in result.left_behind():
+            say(line, err)
         if json_lines:
             obj = result.to_json()
             obj.pop("warnings")
