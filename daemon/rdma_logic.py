@@ -33,13 +33,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .protocol import ID_SIZE, MAX_FRAME  # a chunk blob never exceeds one frame
+
 HEADER_SIZE = 64
 MSG_SIZE = 64  # small SEND/RECV buffers: credit messages, SRD fragment announcements
 _MAGIC = b"MFSB"
 _HEADER = struct.Struct("<4sQ16sQQI")  # magic, fseq, chunk id, blob length, offset, length
 _CREDIT = struct.Struct("<4sQ")  # magic, cumulative fragments released
 _CREDIT_MAGIC = b"MFSC"
-ID_SIZE = 16
 
 DEFAULT_SLOTS = 16
 DEFAULT_SLOT_SIZE = 1 << 20
@@ -47,12 +48,10 @@ MAX_SLOTS = 1024
 MIN_SLOT_SIZE = 4096
 MAX_SLOT_SIZE = 64 << 20
 MAX_RING = 1 << 30  # registered bytes per ring (pyverbs MR offsets are C ints)
-MAX_BLOB = 80 * 1024 * 1024  # as protocol.MAX_FRAME: a chunk blob never exceeds one frame
 
 RC = "rdma-rc"
 SRD = "rdma-srd"
 TCP = "tcp"
-KINDS = (TCP, RC, SRD)
 
 
 class BulkProtocolError(Exception):
@@ -83,7 +82,7 @@ class Fragment:
             raise BulkProtocolError("fragment header has a bad magic number")
         if length > payload_limit:
             raise BulkProtocolError(f"fragment of {length} bytes exceeds the slot ({payload_limit})")
-        if total > MAX_BLOB or offset + length > total or (length == 0 and total != 0):
+        if total > MAX_FRAME or offset + length > total or (length == 0 and total != 0):
             raise BulkProtocolError(
                 f"fragment {fseq}: offset {offset} + length {length} does not fit a blob of "
                 f"{total} bytes")
@@ -107,8 +106,8 @@ def fragments(cid: bytes, blob: bytes | memoryview, payload: int) -> list[tuple[
     """(offset, length) of each fragment of `blob`; an empty blob is one empty fragment."""
     if len(cid) != ID_SIZE:
         raise ValueError(f"chunk id must be {ID_SIZE} bytes")
-    if len(blob) > MAX_BLOB:
-        raise ValueError(f"blob of {len(blob)} bytes exceeds {MAX_BLOB}")
+    if len(blob) > MAX_FRAME:
+        raise ValueError(f"blob of {len(blob)} bytes exceeds {MAX_FRAME}")
     if payload <= 0:
         raise ValueError("slot payload must be positive")
     if not len(blob):
@@ -158,9 +157,6 @@ class Ring:
                 f"[{self.released}, {self.released + self.slots}) or already seen")
         self._filled.add(fseq)
         return self.slot(fseq)
-
-    def holds(self, fseq: int) -> bool:
-        return fseq in self._filled
 
     def is_free(self, slot: int) -> bool:
         """No fragment occupies `slot` (it was never filled, or its fragment was released)."""
@@ -245,7 +241,7 @@ class ReorderBuffer:
 class Reassembler:
     """Joins in-order fragments back into (chunk id, blob)."""
 
-    def __init__(self, max_blob: int = MAX_BLOB):
+    def __init__(self, max_blob: int = MAX_FRAME):
         self.max_blob = max_blob
         self._cid: bytes | None = None
         self._total = 0
@@ -361,8 +357,7 @@ class SenderEngine:
     """The sending side of one bulk connection, RC or SRD (sans I/O).
 
     `submit()` queues a blob; `work()` hands out the work requests the credits allow now; the
-    driver posts them and feeds completions to `on_completion()`. `chunks_posted` counts blobs
-    whose every fragment has been handed out."""
+    driver posts them and feeds completions to `on_completion()`."""
 
     def __init__(self, mode: str, slots: int, slot_size: int, *, start: int = 0):
         if mode not in (RC, SRD):
@@ -376,7 +371,6 @@ class SenderEngine:
         self._queue: deque[_Pending] = deque()
         self.in_flight = 0  # posted data work requests not yet completed
         self.chunks_submitted = 0
-        self.chunks_posted = 0
         self.error: str | None = None
 
     def submit(self, cid: bytes, blob: bytes | memoryview) -> None:
@@ -408,7 +402,6 @@ class SenderEngine:
             self.in_flight += 1
             if not item.pieces:
                 self._queue.popleft()
-                self.chunks_posted += 1
         return out
 
     def on_completion(self, c: Completion) -> list[PostRecv]:
@@ -437,8 +430,7 @@ class ReceiverEngine:
     sender should be told."""
 
     def __init__(self, mode: str, slots: int, slot_size: int,
-                 read_slot: Callable[[int, int, int], bytes], *, start: int = 0,
-                 max_credit_sends: int | None = None):
+                 read_slot: Callable[[int, int, int], bytes], *, start: int = 0):
         if mode not in (RC, SRD):
             raise ValueError(f"unknown RDMA mode {mode!r}")
         check_geometry(slots, slot_size)
@@ -452,7 +444,7 @@ class ReceiverEngine:
         self._frags: dict[int, Fragment] = {}  # SRD: announced fragments by fseq
         self.credit_sent = start
         self.credit_sends = 0  # credit SENDs not yet completed
-        self.max_credit_sends = max_credit_sends or slots
+        self.max_credit_sends = slots
         self.chunks_delivered = 0
         self.error: str | None = None
 
