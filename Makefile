@@ -8,9 +8,15 @@ PY := $(VENV)/bin/python
 MFS := $(VENV)/bin/monarch-fs
 STAMP := $(VENV)/.installed
 PYFUSE3_STAMP := $(VENV)/.pyfuse3-patched
+# libfuse 3.17 (Debian 12 ships 3.14; passthrough needs 3.16+), from Debian's source archive.
+LIBFUSE_VERSION := 3.17.2
+LIBFUSE_SHA256 := 3d932431ad94e86179e5265cddde1d67aa3bb2fb09a5bd35c641f86f2b5ed06f
+LIBFUSE_URL := https://deb.debian.org/debian/pool/main/f/fuse3/fuse3_$(LIBFUSE_VERSION).orig.tar.gz
+LIBFUSE := $(CURDIR)/$(VENV)/libfuse
+LIBFUSE_STAMP := $(VENV)/.libfuse-$(LIBFUSE_VERSION)
 PYFUSE3_VERSION := 3.5.0
 PYFUSE3_SHA256 := 88399a9494b88603230bba300f4ba9ad63fece5ed514ca3633d555a0c6a42b24
-APT_PACKAGES := fuse3 libfuse3-dev pkg-config rsync zstd iproute2
+APT_PACKAGES := fuse3 pkg-config rsync zstd iproute2 curl
 
 .PHONY: test demo bench system-deps clean
 
@@ -61,15 +67,16 @@ bench: $(STAMP)
 	  else echo "fanout_bench: skipped (network namespaces need root)"; fi; \
 	fi
 
-# Debian packages: pyfuse3 builds against libfuse3, the mount needs fusermount3, benchmarks
-# compare against rsync and zstd.
+# Debian packages: the libfuse and pyfuse3 builds need pkg-config and curl, a mount by a user
+# other than root needs fusermount3, benchmarks compare against rsync and zstd.
 system-deps:
 	@missing=""; \
-	pkg-config --exists fuse3 2>/dev/null || missing="$$missing libfuse3-dev pkg-config"; \
+	command -v pkg-config >/dev/null || missing="$$missing pkg-config"; \
 	command -v fusermount3 >/dev/null || missing="$$missing fuse3"; \
 	command -v rsync >/dev/null || missing="$$missing rsync"; \
 	command -v zstd >/dev/null || missing="$$missing zstd"; \
 	command -v ip >/dev/null || missing="$$missing iproute2"; \
+	command -v curl >/dev/null || missing="$$missing curl"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    echo "installing Debian packages:$$missing"; \
@@ -84,21 +91,36 @@ $(STAMP): pyproject.toml $(PYFUSE3_STAMP)
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $(STAMP)
 
-# pyfuse3 from its PyPI sdist (checked against a pinned sha256) with fs/pyfuse3-no-open.patch,
-# which lets the mount run without open/opendir round trips (see fs/fuse_ops.py).
-$(PYFUSE3_STAMP): fs/pyfuse3-no-open.patch
+# libfuse 3.17 built into .venv/libfuse (the library only; fusermount3 comes from Debian's fuse3).
+$(LIBFUSE_STAMP):
 	@$(MAKE) --no-print-directory system-deps
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --upgrade pip meson ninja
 	@set -euo pipefail; d="$$(mktemp -d)"; trap 'rm -rf "$$d"' EXIT; \
-	echo "building pyfuse3 $(PYFUSE3_VERSION) with fs/pyfuse3-no-open.patch"; \
+	echo "building libfuse $(LIBFUSE_VERSION) into $(LIBFUSE)"; \
+	curl -fsSL --retry 3 -o "$$d/libfuse.tar.gz" "$(LIBFUSE_URL)"; \
+	echo "$(LIBFUSE_SHA256)  $$d/libfuse.tar.gz" | sha256sum -c --quiet; \
+	tar -xzf "$$d/libfuse.tar.gz" -C "$$d"; \
+	export PATH="$(CURDIR)/$(VENV)/bin:$$PATH"; \
+	meson setup "$$d/build" "$$d/fuse-$(LIBFUSE_VERSION)" --prefix="$(LIBFUSE)" --libdir=lib \
+	  --buildtype=release -Dexamples=false -Dutils=false -Dtests=false >"$$d/meson.log" 2>&1 \
+	  || { cat "$$d/meson.log"; exit 1; }; \
+	ninja -C "$$d/build" install >"$$d/ninja.log" 2>&1 || { cat "$$d/ninja.log"; exit 1; }
+	@touch $(LIBFUSE_STAMP)
+
+# pyfuse3 from its PyPI sdist (checked against a pinned sha256) with fs/pyfuse3.patch, linked
+# against that libfuse: no open/opendir round trips, and passthrough (see fs/fuse_ops.py).
+$(PYFUSE3_STAMP): fs/pyfuse3.patch $(LIBFUSE_STAMP)
+	@set -euo pipefail; d="$$(mktemp -d)"; trap 'rm -rf "$$d"' EXIT; \
+	echo "building pyfuse3 $(PYFUSE3_VERSION) with fs/pyfuse3.patch"; \
 	$(PY) -m pip download -q --no-deps --no-binary :all: pyfuse3==$(PYFUSE3_VERSION) -d "$$d"; \
 	echo "$(PYFUSE3_SHA256)  $$d/pyfuse3-$(PYFUSE3_VERSION).tar.gz" | sha256sum -c --quiet; \
 	tar -xzf "$$d/pyfuse3-$(PYFUSE3_VERSION).tar.gz" -C "$$d"; \
 	src="$$d/pyfuse3-$(PYFUSE3_VERSION)"; \
-	(cd "$$src" && git apply "$(CURDIR)/fs/pyfuse3-no-open.patch" && rm -f src/pyfuse3/__init__.c); \
+	(cd "$$src" && git apply "$(CURDIR)/fs/pyfuse3.patch" && rm -f src/pyfuse3/__init__.c); \
+	PKG_CONFIG_PATH="$(LIBFUSE)/lib/pkgconfig" LDFLAGS="-Wl,-rpath,$(LIBFUSE)/lib" \
 	SETUPTOOLS_SCM_PRETEND_VERSION=$(PYFUSE3_VERSION) $(PY) -m pip install -q --force-reinstall "$$src"
-	$(PY) -c 'import pyfuse3; assert pyfuse3.FH_ZERO_IS_INODE'
+	$(PY) -c 'import pyfuse3; assert pyfuse3.FH_ZERO_IS_INODE and hasattr(pyfuse3, "WANT_PASSTHROUGH")'
 	@touch $(PYFUSE3_STAMP)
 
 clean:

@@ -2,8 +2,9 @@
 answers pushes over the authenticated protocol.
 
 A push is staged, then published in two phases: chunks land in the store as they arrive (never
-visible in the mount); `prepare` checks that the manifest and every chunk it names are present and
-durable; `commit` switches the workspace and returns once the kernel has dropped every changed
+visible in the mount); `prepare` checks that the manifest and every chunk it names are present, writes
+the backing files passthrough reads large files from (fs/backing.py), and makes it all durable;
+`commit` switches the workspace and returns once the kernel has dropped every changed
 entry. A failed or abandoned push leaves the last good version serving; what it sent is reused.
 """
 
@@ -24,6 +25,10 @@ from pathlib import Path
 import pyfuse3
 import trio
 
+from ..fs import passthrough
+from ..fs.backing import BackingFiles
+from ..fs.backing import key as backing_key
+from ..fs.backing import wanted as backing_wanted
 from ..fs.chunk import CorruptChunk
 from ..fs.fuse_ops import SnapshotFS, mount_options, set_readahead
 from ..fs.manifest import Manifest, ManifestError
@@ -163,11 +168,15 @@ class NodeDaemon:
         self.state.mkdir(parents=True, exist_ok=True)
         self.store = Store(self.state / "store")
         self.refs = Refs(self.state / "refs.json")
-        self.fs = SnapshotFS(self.store.get)
+        self.backing = BackingFiles(self.state / "backing")
+        self.fs = SnapshotFS(self.store.get, self.backing)
         self.node_name = node_name or socket.gethostname()
         self.addr = listen  # the bound address, once listening
         self._manifests: dict[bytes, Manifest] = {}
         self._prepared: set[tuple[str, bytes]] = set()
+        # The version each workspace is being prepared for: its backing files are kept.
+        self._pinned: dict[str, bytes] = {}
+        self._writing: dict[str, trio.Event] = {}  # backing files being written, by key
         self._publish_lock = trio.Lock()
         self.procs: ProcessTable | None = None
         self._write_limiter = trio.CapacityLimiter(4)
@@ -189,6 +198,7 @@ class NodeDaemon:
         listeners = await trio.open_tcp_listeners(port, host=host)
         bound = listeners[0].socket.getsockname()
         self.addr = f"{host}:{bound[1]}" if ":" not in host else f"[{host}]:{bound[1]}"
+        passthrough.request(self.fs.passthrough_unavailable() is None)
         pyfuse3.init(self.fs, str(self.mount), mount_options())
         self.fs.mounted = True
         try:
@@ -202,6 +212,9 @@ class NodeDaemon:
                 # resets the readahead window): then the mount is ready, and tunable.
                 await trio.to_thread.run_sync(os.stat, self.mount)
                 set_readahead(str(self.mount))
+                # Versions published before passthrough was on (or whose backing files were
+                # removed) get them now; until then the chunk store serves those files.
+                nursery.start_soon(self._fill_backing)
                 log.info("serving %s on %s (state %s)", self.mount, self.addr, self.state)
                 if ready_file:
                     tmp = ready_file + ".tmp"
@@ -405,28 +418,99 @@ class NodeDaemon:
         missing = self.store.missing(manifest.chunk_ids())
         if missing:
             raise RequestError(f"version {version.hex()[:12]}: {len(missing)} chunks missing")
-        self.store.sync()  # durable before anything can point at it
+
+    async def _make_ready(self, name: str, version: bytes) -> None:
+        """Everything a publish of `version` needs, on local disk and durable."""
+        self._pinned[name] = version
+        await trio.to_thread.run_sync(self._check_complete, version)
+        if self.fs.passthrough:
+            await self._write_backing(self._manifest(version))
+        await trio.to_thread.run_sync(self.store.sync)  # store and backing files, one syncfs
+
+    async def _write_backing(self, manifest: Manifest) -> None:
+        """Write the backing files `manifest` lacks, two at a time (each verifies its chunks).
+        A file another request is already writing is waited for, not written twice."""
+        todo = await trio.to_thread.run_sync(self.backing.missing, manifest.entries)
+        limiter = trio.CapacityLimiter(2)
+        failed: list[str] = []
+
+        async def write(entry) -> None:
+            k = backing_key(entry)
+            if (busy := self._writing.get(k)) is not None:
+                await busy.wait()
+                if self.backing.ready(entry) is not None:
+                    return
+            done = self._writing[k] = trio.Event()
+            try:
+                await trio.to_thread.run_sync(self.backing.write, entry, self.store.get,
+                                              limiter=limiter)
+            except (OSError, KeyError, CorruptChunk) as e:
+                what = e.strerror if isinstance(e, OSError) and e.strerror else e
+                failed.append(f"cannot write the backing file of "
+                              f"{entry.path.decode(errors='replace')}: {what}")
+                nursery.cancel_scope.cancel()
+            finally:
+                del self._writing[k]
+                done.set()
+
+        async with trio.open_nursery() as nursery:
+            for entry in todo:
+                nursery.start_soon(write, entry)
+        if failed:
+            raise RequestError(failed[0])
+
+    async def _fill_backing(self) -> None:
+        if not self.fs.passthrough:
+            return
+        for versions in list(self.refs.workspaces.values()):
+            try:
+                await self._write_backing(self._manifest(versions[0]))
+            except RequestError as e:
+                log.warning("%s", e)
+        await self._prune_backing()
+
+    async def _prune_backing(self) -> None:
+        """Delete the backing files that no retained or in-flight version uses."""
+        manifests = []
+        for v in {v for vs in self.refs.workspaces.values() for v in vs} | {*self._pinned.values()}:
+            try:
+                manifests.append(self._manifest(v))
+            except (KeyError, CorruptChunk, ManifestError):
+                continue  # a pinned version whose manifest never arrived
+
+        def keep() -> set[str]:
+            return {backing_key(e) for m in manifests for e in m.entries if backing_wanted(e)}
+
+        try:
+            await trio.to_thread.run_sync(lambda: self.backing.prune(keep()))
+        except OSError as e:
+            log.warning("pruning backing files: %s", e)
 
     async def _prepare(self, name: str, version: bytes) -> dict:
-        await trio.to_thread.run_sync(self._check_complete, version)
+        await self._make_ready(name, version)
         self._prepared.add((name, version))
         return {"prepared": version.hex()}
 
     async def _commit(self, name: str, version: bytes) -> dict:
         if (name, version) not in self._prepared:
-            await trio.to_thread.run_sync(self._check_complete, version)
+            await self._make_ready(name, version)
         async with self._publish_lock:
             previous = self.refs.workspaces.get(name, [None])[0]
             versions = self.refs.publish(name, version, self.keep)
             await self.fs.set_workspace(name, [(v, self._manifest(v)) for v in versions])
             self._prepared.discard((name, version))
+            if self._pinned.get(name) == version:
+                del self._pinned[name]
             self._manifests = {v: m for v, m in self._manifests.items()
-                               if any(v in vs for vs in self.refs.workspaces.values())}
+                               if v in self._pinned.values()
+                               or any(v in vs for vs in self.refs.workspaces.values())}
+            await self._prune_backing()
         log.info("published %s = %s", name, version.hex())
         return {"version": version.hex(), "previous": previous.hex() if previous else None}
 
     async def status(self) -> dict:
         objects, size = await trio.to_thread.run_sync(self.store.usage)
+        backing = await trio.to_thread.run_sync(self.backing.usage)
         return {
             "node": self.node_name,
             "addr": self.addr,
@@ -437,6 +521,8 @@ class NodeDaemon:
             "store_objects": objects,
             "store_bytes": size,
             "fuse": self.fs.open_mode,
+            "backing_files": backing[0],
+            "backing_bytes": backing[1],
             **self.counters,
             "workspaces": {n: [v.hex() for v in vs] for n, vs in self.refs.workspaces.items()},
         }

@@ -10,12 +10,19 @@ file pages are kept across opens (`keep_cache`). When a workspace switches versi
 kernel entries that changed are invalidated before `set_workspace` returns, so nobody reads stale
 content after a push has succeeded.
 
-Open files and directories have no state here: a handle is the inode number. With the patched
-pyfuse3 the Makefile builds (`fs/pyfuse3-no-open.patch`), `open` and `opendir` answer ENOSYS,
-which tells the kernel to stop sending open/opendir/release/releasedir at all and to keep file
-pages and directory listings in its own cache (FUSE "no-open"). Warm `find` and warm imports
-then cost no round trips; the patch only makes pyfuse3 hand read/readdir the inode when the
-kernel sends handle 0. With a stock pyfuse3 every open is a round trip, and nothing else differs.
+A handle is the inode number. With the patched pyfuse3 the Makefile builds (`fs/pyfuse3.patch`,
+against libfuse 3.17), files are served one of two ways, decided at FUSE INIT:
+
+- passthrough (root, Linux 6.9+): a file of backing.MIN_SIZE or more is bound at open to its
+  backing file on local disk (fs/backing.py), and the kernel reads and maps it directly, at
+  local-disk speed and in large folios. Every open is then a round trip (the kernel has no
+  passthrough without open), so smaller files are opened with `keep_cache` and read through here.
+- no-open (otherwise): `open` answers ENOSYS, so the kernel stops sending open and release at
+  all and keeps file pages in its own cache; reads come with handle 0, which the patch turns
+  into the inode.
+
+Either way `opendir` answers ENOSYS (no-opendir): the kernel keeps directory listings itself, and
+warm `find` costs no round trip. With a stock pyfuse3 every open is a round trip.
 
 Inode numbers: a directory of the current view keeps its inode across versions (keyed by its
 path), and a file or symlink is keyed by its path and content, so an unchanged file keeps its
@@ -38,6 +45,9 @@ import pyfuse3
 import trio
 import xxhash
 
+from . import passthrough
+from .backing import BackingFiles
+from .backing import wanted as backing_wanted
 from .chunk_cache import ChunkCache
 from .manifest import Entry, Kind, Manifest
 
@@ -51,6 +61,9 @@ LISTING_CACHE_ENTRIES = 10_000
 # MONARCH_FS_NO_OPEN=0 keeps the open round trips (what a stock pyfuse3 does), to compare or debug.
 NO_OPEN = (getattr(pyfuse3, "FH_ZERO_IS_INODE", False)
            and os.environ.get("MONARCH_FS_NO_OPEN", "1") != "0")
+# Passthrough needs the patched pyfuse3, root and a kernel that offers it (checked at INIT);
+# MONARCH_FS_PASSTHROUGH=0 serves every file through the daemon (no-open), to compare or debug.
+PASSTHROUGH = os.environ.get("MONARCH_FS_PASSTHROUGH", "1") != "0"
 TIMEOUT = 24 * 3600.0  # entries are invalidated explicitly; the timeout is only a backstop
 # Enum members as plain names: `Kind.DIR` is a descriptor lookup, and listings test it per entry.
 DIR, FILE, SYMLINK = Kind.DIR, Kind.FILE, Kind.SYMLINK
@@ -90,6 +103,8 @@ class Node:
     special: str | None = None  # "root", "versions" or "wsv" for the synthetic directories
     lookups: int = 0  # how many times the kernel was handed this inode and has not forgotten
     chunk_size: int = 0  # files: how the content is cut (from its snapshot's manifest)
+    opens: int = 0  # open files on this inode (when opens are not no-open)
+    backing_id: int = 0  # while open through passthrough: the kernel's id of its backing file
 
 
 def _changes(before: Tree, after: Tree) -> list[tuple[Entry | None, Entry | None]]:
@@ -124,8 +139,10 @@ def _obj_key(ws: str, e: Entry, chunk_size: int) -> bytes:
 
 
 class SnapshotFS(pyfuse3.Operations):
-    def __init__(self, load_chunk: Callable[[bytes], bytes | memoryview]):
+    def __init__(self, load_chunk: Callable[[bytes], bytes | memoryview],
+                 backing: BackingFiles | None = None):
         super().__init__()
+        self.backing = backing
         self.chunks = ChunkCache(load_chunk, CHUNK_CACHE_BYTES)
         self.workspaces: dict[str, list[Tree]] = {}  # name -> [current, older...]
         self.mtime_ns = 0
@@ -138,7 +155,10 @@ class SnapshotFS(pyfuse3.Operations):
         self.uid = os.getuid()
         self.gid = os.getgid()
         self.mounted = False
-        self.no_open = False  # decided at FUSE INIT
+        self.no_open = False  # files: decided at FUSE INIT
+        self.no_opendir = False
+        self.passthrough = False
+        self.passthrough_opens = 0  # opens bound to a backing file (user.monarch.passthrough_opens)
         self.open_mode = "not mounted"  # what `monarch-fs status` shows: no-open, or why not
         root = Node(b"root", self._synthetic(), special="root")
         self._nodes[pyfuse3.ROOT_INODE] = root
@@ -318,19 +338,36 @@ class SnapshotFS(pyfuse3.Operations):
 
     # ---- FUSE operations ------------------------------------------------------------------
 
+    def passthrough_unavailable(self) -> str | None:
+        """Why passthrough will not be asked for at INIT, or None if it will be."""
+        if self.backing is None:
+            return "no backing files"
+        if not passthrough.built_in():
+            return "pyfuse3 without fs/pyfuse3.patch"
+        if not PASSTHROUGH:
+            return "MONARCH_FS_PASSTHROUGH=0"
+        if os.geteuid() != 0:
+            return "passthrough needs root"
+        return None
+
     def init(self) -> None:
         """FUSE INIT: answer open/opendir with ENOSYS only where the kernel understands it
         (Linux 5.1+); an older kernel would fail every `ls` with ENOSYS."""
-        self.no_open = NO_OPEN and getattr(pyfuse3, "NO_OPEN_SUPPORTED", False)
-        if self.no_open:
-            self.open_mode = "no-open"
+        self.passthrough = passthrough.negotiated()
+        self.no_opendir = NO_OPEN and getattr(pyfuse3, "NO_OPEN_SUPPORTED", False)
+        self.no_open = self.no_opendir and not self.passthrough
+        why_not = self.passthrough_unavailable() or "the kernel offers no passthrough"
+        if self.passthrough:
+            self.open_mode = "passthrough"
+        elif self.no_open:
+            self.open_mode = f"no-open (no passthrough: {why_not})"
         elif not getattr(pyfuse3, "FH_ZERO_IS_INODE", False):
-            self.open_mode = "open per file (pyfuse3 without fs/pyfuse3-no-open.patch)"
+            self.open_mode = "open per file (pyfuse3 without fs/pyfuse3.patch)"
         elif not NO_OPEN:
             self.open_mode = "open per file (MONARCH_FS_NO_OPEN=0)"
         else:
             self.open_mode = "open per file (the kernel has no FUSE no-open support)"
-        if self.open_mode != "no-open":
+        if not self.passthrough and not self.no_open:
             log.info("FUSE: %s: every open is a round trip", self.open_mode)
 
     async def lookup(self, parent_inode, name, ctx=None):
@@ -381,7 +418,7 @@ class SnapshotFS(pyfuse3.Operations):
         node = self._node(inode)
         if node.entry.kind != DIR:
             raise pyfuse3.FUSEError(errno.ENOTDIR)
-        if self.no_open:
+        if self.no_opendir:
             raise pyfuse3.FUSEError(errno.ENOSYS)  # no-opendir: the kernel caches listings
         return inode
 
@@ -425,7 +462,30 @@ class SnapshotFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EISDIR if node.entry.kind == DIR else errno.EINVAL)
         if self.no_open:
             raise pyfuse3.FUSEError(errno.ENOSYS)  # no-open: reads come with the inode
+        backing_id = self._backing_id(node) if self.passthrough else 0
+        node.opens += 1
+        if backing_id:
+            self.passthrough_opens += 1
+            return pyfuse3.FileInfo(fh=inode, keep_cache=False, backing_id=backing_id)
         return pyfuse3.FileInfo(fh=inode, keep_cache=True)
+
+    def _backing_id(self, node: Node) -> int:
+        """The backing id to open `node` with, or 0 to read it through the daemon."""
+        if node.backing_id or node.opens:
+            # Every open file of an inode must use the same mode and backing (the kernel fails
+            # the open otherwise): the first open decides, until the last one is released.
+            return node.backing_id
+        if self.backing is None or not backing_wanted(node.entry):
+            return 0
+        path = self.backing.ready(node.entry)
+        if path is None:  # not written (yet): the chunk store serves it
+            return 0
+        try:
+            node.backing_id = passthrough.open_backing(path)
+        except OSError as e:
+            log.warning("passthrough for %r: %s; reading it through the daemon",
+                        node.entry.path, e)
+        return node.backing_id
 
     async def read(self, fh, off, size):
         self.ops["read"] += 1
@@ -460,6 +520,16 @@ class SnapshotFS(pyfuse3.Operations):
 
     async def release(self, fh):
         self.ops["release"] += 1
+        node = self._nodes.get(fh)
+        if node is None:
+            return
+        node.opens = max(0, node.opens - 1)
+        if not node.opens and node.backing_id:
+            backing_id, node.backing_id = node.backing_id, 0
+            try:
+                passthrough.close_backing(backing_id)
+            except OSError as e:
+                log.warning("closing backing id %d: %s", backing_id, e)
 
     async def statfs(self, ctx):
         self.ops["statfs"] += 1
@@ -480,6 +550,7 @@ class SnapshotFS(pyfuse3.Operations):
                 f"{ws}={t[0].hex}" for ws, t in sorted(self.workspaces.items())).encode()
             out[b"user.monarch.cache_hits"] = str(self.chunks.hits).encode()
             out[b"user.monarch.cache_misses"] = str(self.chunks.misses).encode()
+            out[b"user.monarch.passthrough_opens"] = str(self.passthrough_opens).encode()
             out[b"user.monarch.ops"] = " ".join(f"{k}={v}" for k, v in sorted(self.ops.items())).encode()
             return out
         tree = self._tree(node) if node.ws else None

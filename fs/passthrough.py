@@ -1,0 +1,61 @@
+"""FUSE passthrough: bind an open FUSE file to a backing file the kernel reads directly.
+
+The daemon registers an open file descriptor with the kernel (FUSE_DEV_IOC_BACKING_OPEN on the
+/dev/fuse descriptor, root only), and answers the FUSE open with the id it got back; reads and
+mmaps of that open file then never reach the daemon. The id is closed when no open file of the
+inode is left (the kernel keeps its own reference for as long as a file uses it).
+
+Available with the patched pyfuse3 the Makefile builds against libfuse 3.17 (it negotiates
+passthrough at INIT and carries `FileInfo.backing_id`), on Linux 6.9+ with
+CONFIG_FUSE_PASSTHROUGH, and for a daemon that has CAP_SYS_ADMIN.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import struct
+
+import pyfuse3
+
+# From <linux/fuse.h>: struct fuse_backing_map { int32_t fd; uint32_t flags; uint64_t padding; }
+_MAP = struct.Struct("<iIQ")
+_IOC_WRITE, _FUSE_DEV_IOC_MAGIC = 1, 229
+
+
+def _iow(nr: int, size: int) -> int:
+    return _IOC_WRITE << 30 | size << 16 | _FUSE_DEV_IOC_MAGIC << 8 | nr
+
+
+BACKING_OPEN = _iow(1, _MAP.size)
+BACKING_CLOSE = _iow(2, 4)
+
+
+def built_in() -> bool:
+    """Whether this pyfuse3 can negotiate passthrough (the Makefile's patched build)."""
+    return hasattr(pyfuse3, "WANT_PASSTHROUGH")
+
+
+def request(want: bool) -> None:
+    """Ask for passthrough at the next FUSE INIT (call before pyfuse3.init)."""
+    if built_in():
+        pyfuse3.WANT_PASSTHROUGH = want
+
+
+def negotiated() -> bool:
+    """Whether the kernel agreed to passthrough at INIT."""
+    return bool(getattr(pyfuse3, "PASSTHROUGH", False))
+
+
+def open_backing(path: os.PathLike[str] | str) -> int:
+    """Register `path` with the kernel; returns the backing id for FileInfo.backing_id."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        arg = bytearray(_MAP.pack(fd, 0, 0))
+        return fcntl.ioctl(pyfuse3.fuse_fd(), BACKING_OPEN, arg, True)
+    finally:
+        os.close(fd)
+
+
+def close_backing(backing_id: int) -> None:
+    fcntl.ioctl(pyfuse3.fuse_fd(), BACKING_CLOSE, bytearray(struct.pack("<I", backing_id)), True)

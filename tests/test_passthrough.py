@@ -1,0 +1,170 @@
+"""FUSE passthrough: large files are read and mapped from local backing files by the kernel.
+
+Real daemons and real mounts (root: passthrough needs CAP_SYS_ADMIN; Linux 6.9+)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+import time
+
+import pytest
+
+from monarch_fs.daemon import cluster as cluster_mod
+from monarch_fs.fs.backing import MIN_SIZE
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="FUSE passthrough needs root")
+
+MiB = 1 << 20
+
+
+def ops(root) -> dict[str, int]:
+    raw = os.getxattr(root, "user.monarch.ops").decode().split()
+    return {k: int(v) for k, v in (kv.split("=") for kv in raw)}
+
+
+def passthrough_opens(root) -> int:
+    return int(os.getxattr(root, "user.monarch.passthrough_opens"))
+
+
+def backing_dir(c, i: int = 0):
+    return c.dir / f"node-{i}" / "state" / "backing"
+
+
+def wait_for(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def require_passthrough(c) -> None:
+    mode = c.status()[0]["fuse"]
+    if "the kernel offers no passthrough" in mode:
+        pytest.skip(f"this kernel has no FUSE passthrough (Linux 6.9+): {mode}")
+    assert mode == "passthrough", mode
+
+
+@pytest.fixture
+def one_node(fresh_cluster):
+    c = fresh_cluster(1)
+    require_passthrough(c)
+    return c
+
+
+def test_large_files_are_read_and_mapped_without_requests(one_node, tmp_path):
+    c = one_node
+    src = tmp_path / "pt"
+    src.mkdir()
+    big = os.urandom(9 * MiB + 123)  # three chunks and a bit
+    (src / "big.so").write_bytes(big)
+    (src / "small.py").write_text("x = 1\n")
+    (src / "edge").write_bytes(os.urandom(MIN_SIZE))  # exactly the threshold
+    c.push(src)
+    node = c.status()[0]
+    assert node["backing_files"] == 2 and node["backing_bytes"] == len(big) + MIN_SIZE
+
+    root, mnt = c.mnt(0), c.mnt(0) / "pt"
+    before, opened = ops(root), passthrough_opens(root)
+    assert (mnt / "big.so").read_bytes() == big
+    assert (mnt / "edge").read_bytes() == (src / "edge").read_bytes()
+    with open(mnt / "big.so", "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+        assert m[:4096] == big[:4096] and m[-5000:] == big[-5000:]
+        assert m[5 * MiB:5 * MiB + 77] == big[5 * MiB:5 * MiB + 77]
+    after = ops(root)
+    assert after.get("read", 0) == before.get("read", 0), "passthrough reads reached the daemon"
+    assert passthrough_opens(root) == opened + 3
+
+    # A small file is read through the daemon (one request), and its open is not passthrough.
+    assert (mnt / "small.py").read_text() == "x = 1\n"
+    assert ops(root).get("read", 0) == after.get("read", 0) + 1
+    assert passthrough_opens(root) == opened + 3
+
+
+def test_open_file_keeps_its_version_after_publish_and_prune(one_node, tmp_path):
+    """A reader holding a large file open keeps reading the version it opened, even once that
+    version is no longer retained and its backing file is deleted; new opens see the new one."""
+    c = one_node
+    src = tmp_path / "ws"
+    src.mkdir()
+    versions = [os.urandom(2 * MiB) for _ in range(5)]
+    (src / "lib.so").write_bytes(versions[0])
+    c.push(src)
+    f = open(c.mnt(0) / "ws" / "lib.so", "rb")
+    try:
+        assert f.read(MiB) == versions[0][:MiB]
+        for data in versions[1:]:  # the daemon keeps 3 versions: the first one is dropped
+            (src / "lib.so").write_bytes(data)
+            c.push(src)
+        assert len(os.listdir(backing_dir(c))) == 3  # the dropped version's file is gone
+        assert f.read() == versions[0][MiB:]
+        f.seek(0)
+        assert f.read(4096) == versions[0][:4096]
+    finally:
+        f.close()
+    assert (c.mnt(0) / "ws" / "lib.so").read_bytes() == versions[-1]
+    assert c.status()[0]["backing_files"] == 3
+
+
+def test_missing_backing_file_is_served_by_the_daemon_then_written_again(one_node, tmp_path):
+    """Backing files are a copy: if one is gone, the file is read from the chunk store (correct,
+    only slower), and a restarted daemon writes what the versions it serves lack."""
+    c = one_node
+    src = tmp_path / "ws"
+    src.mkdir()
+    data = os.urandom(3 * MiB)
+    (src / "model.bin").write_bytes(data)
+    c.push(src)
+    (name,) = os.listdir(backing_dir(c))
+    os.unlink(backing_dir(c) / name)
+
+    root = c.mnt(0)
+    before, opened = ops(root), passthrough_opens(root)
+    with open(root / "ws" / "model.bin", "rb") as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # no page cache left over
+        assert f.read() == data
+    assert passthrough_opens(root) == opened
+    assert ops(root).get("read", 0) > before.get("read", 0)
+
+    os.kill(c.pid(0), signal.SIGTERM)
+    wait_for(lambda: not cluster_mod.running_node(c.dir, 0), 20, "node-0 to stop")
+    cluster_mod.restart_node(c.dir, 0)
+    wait_for(lambda: (backing_dir(c) / name).exists(), 20, "the backing file to be rewritten")
+    assert (backing_dir(c) / name).read_bytes() == data
+    opened = passthrough_opens(root)
+    assert (root / "ws" / "model.bin").read_bytes() == data
+    assert passthrough_opens(root) == opened + 1
+
+
+def test_full_disk_while_writing_backing_files_publishes_nothing(tmp_path):
+    """The backing files are written at prepare: no room for them fails the push on that node,
+    names it and the cause, and the last good version keeps serving."""
+    import subprocess
+
+    from conftest import start_cluster, stop_cluster
+
+    node = tmp_path / "cluster" / "node-0"
+    backing = node / "state" / "backing"
+    backing.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(backing)], check=True)
+    try:
+        c = start_cluster(tmp_path / "cluster", 1)
+        try:
+            require_passthrough(c)
+            src = tmp_path / "ws"
+            src.mkdir()
+            (src / "f").write_text("good")
+            c.push(src)
+            (src / "big").write_bytes(os.urandom(3 * MiB))
+            out = c.push(src, check=False)
+            assert out.returncode != 0
+            assert c.hosts[0] in out.stderr and "No space left on device" in out.stderr
+            assert "backing file of big" in out.stderr and "nothing was published" in out.stderr
+            assert (c.mnt(0) / "ws" / "f").read_text() == "good"
+            assert not (c.mnt(0) / "ws" / "big").exists()
+            assert os.listdir(backing) == []  # no partial file left behind
+        finally:
+            stop_cluster(c)
+    finally:
+        subprocess.run(["umount", str(backing)], check=True)
