@@ -127,7 +127,9 @@ def cmd_status(args: argparse.Namespace) -> int:
                            for name, vs in sorted(n["workspaces"].items())) or "no workspaces"
             print(f"{n['host']}  {n['node']}  {ws}  store {fmt_bytes(n['store_bytes'])}"
                   f" in {n['store_objects']} objects  transport {n.get('transport', 'tcp')}"
-                  f"  fuse {n.get('fuse', '?')}")
+                  f"  fuse {n.get('fuse', '?')}"
+                  + (f" ({n['backing_files']} backing files, {fmt_bytes(n['backing_bytes'])})"
+                     if n.get("backing_files") else ""))
     return 0 if all(n["reachable"] for n in nodes) else 1
 
 
