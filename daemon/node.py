@@ -428,7 +428,7 @@ class NodeDaemon:
         await trio.to_thread.run_sync(self.store.sync)  # store and backing files, one syncfs
 
     async def _write_backing(self, manifest: Manifest) -> None:
-        """Write the backing files `manifest` lacks, two at a time (each verifies its chunks).
+        """Write the backing files `manifest` lacks, two at a time.
         A file another request is already writing is waited for, not written twice."""
         todo = await trio.to_thread.run_sync(self.backing.missing, manifest.entries)
         limiter = trio.CapacityLimiter(2)
@@ -442,7 +442,7 @@ class NodeDaemon:
                     return
             done = self._writing[k] = trio.Event()
             try:
-                await trio.to_thread.run_sync(self.backing.write, entry, self.store.get,
+                await trio.to_thread.run_sync(self.backing.write, entry, self.store,
                                               limiter=limiter)
             except (OSError, KeyError, CorruptChunk) as e:
                 what = e.strerror if isinstance(e, OSError) and e.strerror else e

@@ -7,9 +7,9 @@ loader mapping `libtorch_cpu.so`) pay the small pages. With passthrough (Linux 6
 local-disk speed, cold and warm, and no request at all after the open.
 
 A backing file is the plain content of one file, named by the digest of its chunk ids, so every
-version and workspace holding the same content shares one. It is written (each chunk verified
-against its id on the way) when a version is prepared, before it can be published, and made
-durable with the store's sync. It is written under a temporary name and renamed, so a backing file
+version and workspace holding the same content shares one. It is copied from the chunk store
+(where every chunk was verified when it arrived) when a version is prepared, before it can be
+published, and made durable with the store's sync. It is written under a temporary name and renamed, so a backing file
 that exists is complete. Files below MIN_SIZE stay in the chunk store only: for them a FUSE read
 is one request, and a second copy on disk buys nothing.
 """
@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 import xxhash
 
 from .manifest import Entry, Kind
+from .store import Store
 
 MIN_SIZE = 256 * 1024
 _TMP = ".tmp"
@@ -65,21 +66,21 @@ class BackingFiles:
                 out[key(e)] = e
         return list(out.values())
 
-    def write(self, entry: Entry, load_chunk: Callable[[bytes], bytes | memoryview]) -> None:
-        """Write one backing file from the store (blocking: run it in a worker thread).
-        `load_chunk` verifies each chunk against its id; a failure leaves nothing behind."""
+    def write(self, entry: Entry, store: Store) -> None:
+        """Write one backing file from the store (blocking: run it in a worker thread). Chunks
+        stored raw are copied inside the kernel; compressed ones are decoded and verified. A
+        failure leaves nothing behind."""
         final = self.path(entry)
         fd, name = tempfile.mkstemp(prefix=final.name + ".", suffix=_TMP, dir=self.root)
         tmp = Path(name)
-        os.fchmod(fd, 0o444)
         try:
-            written = 0
+            os.fchmod(fd, 0o444)
             for cid in entry.chunks:
-                data = memoryview(load_chunk(cid))
-                while data:
-                    n = os.write(fd, data)
-                    data = data[n:]
-                    written += n
+                if not store.copy_raw(cid, fd):
+                    data = memoryview(store.get(cid))
+                    while data:
+                        data = data[os.write(fd, data):]
+            written = os.lseek(fd, 0, os.SEEK_CUR)
             if written != entry.size:
                 raise OSError(f"{entry.path.decode(errors='replace')}: chunks hold {written} "
                               f"bytes, the manifest says {entry.size}")

@@ -17,6 +17,7 @@ batched: `sync()` flushes the store once before a version is published.
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import os
 import struct
@@ -32,6 +33,7 @@ _MAGIC = b"MFSR"
 _IDX = struct.Struct("<16sQI")  # chunk id, blob offset, blob length
 PACK_LIMIT = 256 * 1024 * 1024
 RAW_CODEC = bytes([RAW])
+_NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 
 
 def _loc(pack: int, offset: int, length: int) -> int:
@@ -192,7 +194,8 @@ class Store:
         n, off, length = _unloc(self._index[cid])
         return self._pack_path(n), off, length
 
-    def get_blob(self, cid: bytes) -> bytes:
+    def _reader(self, cid: bytes) -> tuple[int, int, int]:
+        """(read descriptor of its pack, offset, length) of an object's blob."""
         try:
             n, off, length = _unloc(self._index[cid])
         except KeyError:
@@ -203,10 +206,34 @@ class Store:
                 fd = self._readers.get(n)
                 if fd is None:
                     fd = self._readers[n] = os.open(self._pack_path(n), os.O_RDONLY)
+        return fd, off, length
+
+    def get_blob(self, cid: bytes) -> bytes:
+        fd, off, length = self._reader(cid)
         blob = os.pread(fd, length, off)
         if len(blob) != length:
-            raise CorruptChunk(f"chunk {cid.hex()}: pack {n} is shorter than its index says")
+            raise CorruptChunk(f"chunk {cid.hex()}: a pack is shorter than its index says")
         return blob
+
+    def copy_raw(self, cid: bytes, dst_fd: int) -> bool:
+        """Append a chunk stored raw to `dst_fd`, copied inside the kernel (it was verified
+        when it arrived); False, copying nothing, if it is stored compressed or the kernel
+        cannot copy between these two files."""
+        fd, off, length = self._reader(cid)
+        if os.pread(fd, 1, off) != RAW_CODEC:
+            return False
+        off, left = off + 1, length - 1
+        while left:
+            try:
+                n = os.copy_file_range(fd, dst_fd, left, off)
+            except OSError as e:  # across filesystems, or not supported: the caller copies
+                if left == length - 1 and e.errno in _NO_COPY_RANGE:
+                    return False
+                raise
+            if n == 0:
+                raise CorruptChunk(f"chunk {cid.hex()}: a pack is shorter than its index says")
+            off, left = off + n, left - n
+        return True
 
     def get(self, cid: bytes) -> bytes | memoryview:
         """The verified raw bytes of a chunk. KeyError if absent, CorruptChunk if damaged."""

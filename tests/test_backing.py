@@ -1,0 +1,71 @@
+"""Backing files written from a real store: raw and compressed chunks, damage, pruning."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from monarch_fs.fs.backing import MIN_SIZE, BackingFiles, key, wanted
+from monarch_fs.fs.chunk import CorruptChunk, chunk_id, encode
+from monarch_fs.fs.manifest import Entry, Kind
+from monarch_fs.fs.store import Store
+
+CHUNK = 1 << 20
+
+
+def stored_file(store: Store, data: bytes, *, raw: bool, path: bytes = b"lib.so") -> Entry:
+    ids = []
+    for i in range(0, len(data), CHUNK):
+        piece = data[i:i + CHUNK]
+        cid = chunk_id(piece)
+        store.put_blob(cid, encode(piece), raw=raw)
+        ids.append(cid)
+    return Entry(path, Kind.FILE, 0o644, len(data), 0, chunks=tuple(ids))
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["raw", "compressed"])
+def test_backing_file_holds_the_content(tmp_path, raw):
+    store = Store(tmp_path / "store")
+    data = os.urandom(CHUNK) + b"text " * (CHUNK // 2) + os.urandom(1234)  # mixed, 3+ chunks
+    e = stored_file(store, data, raw=raw)
+    b = BackingFiles(tmp_path / "backing")
+    assert b.missing([e]) == [e] and b.ready(e) is None
+    b.write(e, store)
+    assert b.ready(e) == b.path(e) and b.path(e).read_bytes() == data
+    assert b.missing([e]) == [] and b.usage() == (1, len(data))
+    assert b.path(e).stat().st_mode & 0o777 == 0o444
+
+
+def test_damaged_chunk_leaves_no_backing_file(tmp_path):
+    store = Store(tmp_path / "store")
+    data = b"compressible " * 200_000
+    e = stored_file(store, data, raw=False)
+    path, off, length = store.locate(e.chunks[1])
+    with open(path, "r+b") as f:  # flip a byte inside the compressed record
+        f.seek(off + length // 2)
+        byte = f.read(1)
+        f.seek(off + length // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    b = BackingFiles(tmp_path / "backing")
+    with pytest.raises(CorruptChunk):
+        b.write(e, store)
+    assert os.listdir(b.root) == []
+
+
+def test_which_files_get_one_and_pruning(tmp_path):
+    store = Store(tmp_path / "store")
+    small = stored_file(store, os.urandom(MIN_SIZE - 1), raw=True, path=b"small")
+    big = stored_file(store, os.urandom(MIN_SIZE), raw=True, path=b"big")
+    link = Entry(b"link", Kind.SYMLINK, 0o777, MIN_SIZE, 0, target=b"big")
+    assert not wanted(small) and wanted(big) and not wanted(link)
+    b = BackingFiles(tmp_path / "backing")
+    same = Entry(b"elsewhere/big", Kind.FILE, 0o600, big.size, 7, chunks=big.chunks)
+    assert b.missing([small, big, same]) == [big]  # one backing file per content
+    b.write(big, store)
+    assert b.ready(same) == b.path(big)
+    (b.root / "leftover.tmp").write_bytes(b"x")
+    assert b.prune({key(big)}) == 0 and b.ready(big)
+    assert b.prune(set()) == 1 and b.ready(big) is None
+    BackingFiles(b.root)  # a restart removes files cut short by a crash
+    assert os.listdir(b.root) == []
