@@ -3,7 +3,7 @@ answers pushes over the authenticated protocol.
 
 A push is staged, then published in two phases: chunks land in the store as they arrive (never
 visible in the mount); `prepare` checks that the manifest and every chunk it names are present, writes
-the backing files passthrough reads large files from (fs/backing.py), and makes it all durable;
+the backing files passthrough reads large files from (fs/backing.py), and makes the store durable;
 `commit` switches the workspace and returns once the kernel has dropped every changed
 entry. A failed or abandoned push leaves the last good version serving; what it sent is reused.
 """
@@ -212,8 +212,8 @@ class NodeDaemon:
                 # resets the readahead window): then the mount is ready, and tunable.
                 await trio.to_thread.run_sync(os.stat, self.mount)
                 set_readahead(str(self.mount))
-                # Versions published before passthrough was on (or whose backing files were
-                # removed) get them now; until then the chunk store serves those files.
+                # Backing files this node's versions lack (all of them after a crash, see
+                # fs/backing.py) are written now; until then the chunk store serves those files.
                 nursery.start_soon(self._fill_backing)
                 log.info("serving %s on %s (state %s)", self.mount, self.addr, self.state)
                 if ready_file:
@@ -227,6 +227,10 @@ class NodeDaemon:
             self.fs.mounted = False
             pyfuse3.close(unmount=True)
             log.info("unmounted %s", self.mount)
+            try:
+                self.backing.close()
+            except OSError as e:  # they will be written again at the next start
+                log.warning("flushing backing files: %s", e)
 
     async def _fuse_main(self, scope: trio.CancelScope) -> None:
         await pyfuse3.main()
@@ -425,7 +429,7 @@ class NodeDaemon:
         await trio.to_thread.run_sync(self._check_complete, version)
         if self.fs.passthrough:
             await self._write_backing(self._manifest(version))
-        await trio.to_thread.run_sync(self.store.sync)  # store and backing files, one syncfs
+        await trio.to_thread.run_sync(self.store.sync)
 
     async def _write_backing(self, manifest: Manifest) -> None:
         """Write the backing files `manifest` lacks, two at a time.

@@ -9,8 +9,13 @@ local-disk speed, cold and warm, and no request at all after the open.
 A backing file is the plain content of one file, named by the digest of its chunk ids, so every
 version and workspace holding the same content shares one. It is copied from the chunk store
 (where every chunk was verified when it arrived) when a version is prepared, before it can be
-published, and made durable with the store's sync. It is written under a temporary name and renamed, so a backing file
-that exists is complete. Files below MIN_SIZE stay in the chunk store only: for them a FUSE read
+published, under a temporary name and renamed, so a backing file that exists is complete.
+
+Backing files are a cache of the store, so they are not flushed at publish (that would wait for
+the disk to take every large file): they are flushed when the daemon stops, which leaves a
+`clean` marker. A daemon that finds no marker (it crashed, or the machine did) cannot trust
+them, deletes them all and writes them again from the store; until then the daemon serves those
+files itself. Files below MIN_SIZE stay in the chunk store only: for them a FUSE read
 is one request, and a second copy on disk buys nothing.
 """
 
@@ -28,6 +33,7 @@ from .store import Store
 
 MIN_SIZE = 256 * 1024
 _TMP = ".tmp"
+_CLEAN = "clean"  # present only while no daemon uses the folder, after a clean stop
 
 
 def wanted(entry: Entry) -> bool:
@@ -44,8 +50,33 @@ class BackingFiles:
     def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        for p in self.root.glob("*" + _TMP):  # cut short by a crash: never complete
-            p.unlink(missing_ok=True)
+        marker = self.root / _CLEAN
+        self.trusted = marker.exists()  # else: whatever is here may not have reached the disk
+        for p in self.root.iterdir():
+            if not self.trusted or p.name.endswith(_TMP):
+                p.unlink(missing_ok=True)
+        marker.unlink(missing_ok=True)
+        self._unflushed: set[str] = set()
+
+    def close(self) -> None:
+        """Flush the backing files written since start, then mark the folder clean."""
+        for name in sorted(self._unflushed):
+            try:
+                fd = os.open(self.root / name, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        self._unflushed.clear()
+        with open(self.root / _CLEAN, "wb") as f:
+            os.fsync(f.fileno())
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def path(self, entry: Entry) -> Path:
         return self.root / key(entry)
@@ -87,6 +118,7 @@ class BackingFiles:
             os.close(fd)
             fd = -1
             os.rename(tmp, final)
+            self._unflushed.add(final.name)
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -97,11 +129,13 @@ class BackingFiles:
         reading its backing file: the kernel holds it until the last close."""
         removed = 0
         for p in self.root.iterdir():
-            if p.name not in keep and not p.name.endswith(_TMP):
+            if p.name not in keep and not p.name.endswith(_TMP) and p.name != _CLEAN:
                 p.unlink(missing_ok=True)
+                self._unflushed.discard(p.name)
                 removed += 1
         return removed
 
     def usage(self) -> tuple[int, int]:
-        files = [p.stat().st_size for p in self.root.iterdir() if not p.name.endswith(_TMP)]
+        files = [p.stat().st_size for p in self.root.iterdir()
+                 if not p.name.endswith(_TMP) and p.name != _CLEAN]
         return len(files), sum(files)

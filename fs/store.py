@@ -11,12 +11,11 @@ An object exists once its whole record is in a pack: the in-memory index is only
 the append. After a crash, packs without an index are scanned and a torn record at the end is
 cut off, so a partial object is never visible. Every blob is verified against its id before it is
 appended and whenever it is read: a damaged record is an error, never wrong bytes. Durability is
-batched: `sync()` flushes the store once before a version is published.
+batched: `sync()` flushes the open pack once before a version is published.
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import os
@@ -27,7 +26,6 @@ from pathlib import Path
 
 from .chunk import ID_SIZE, RAW, CorruptChunk, chunk_id, decode, encode
 
-_libc = ctypes.CDLL(None, use_errno=True)  # syncfs(2) has no os wrapper
 _RECORD = struct.Struct("<4s16sI")  # magic, chunk id, blob length
 _MAGIC = b"MFSR"
 _IDX = struct.Struct("<16sQI")  # chunk id, blob offset, blob length
@@ -240,12 +238,15 @@ class Store:
         return decode(cid, self.get_blob(cid))
 
     def sync(self) -> None:
-        """Flush every object written so far to disk (one syncfs, not an fsync per object)."""
-        fd = os.open(self.root, os.O_RDONLY)
+        """Make every object written so far durable: the open pack's data, and the folder that
+        names the packs (a sealed pack was flushed when it was sealed). Only the store's own
+        files: a syncfs would also wait for everything else written to this filesystem (backing
+        files, or the other nodes' stores of a local cluster)."""
+        with self._lock:
+            os.fdatasync(self._fd)
+        fd = os.open(self.packs, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            if _libc.syncfs(fd) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, os.strerror(err), str(self.root))
+            os.fsync(fd)
         finally:
             os.close(fd)
 

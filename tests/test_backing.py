@@ -69,3 +69,16 @@ def test_which_files_get_one_and_pruning(tmp_path):
     assert b.prune(set()) == 1 and b.ready(big) is None
     BackingFiles(b.root)  # a restart removes files cut short by a crash
     assert os.listdir(b.root) == []
+
+
+def test_only_a_clean_stop_keeps_backing_files(tmp_path):
+    store = Store(tmp_path / "store")
+    e = stored_file(store, os.urandom(MIN_SIZE), raw=True)
+    b = BackingFiles(tmp_path / "backing")
+    b.write(e, store)
+    b.close()  # flushed and marked clean
+    again = BackingFiles(b.root)
+    assert again.trusted and again.ready(e) == again.path(e)
+    # No close: like a crash. The next start cannot trust what is there.
+    after_crash = BackingFiles(b.root)
+    assert not after_crash.trusted and after_crash.ready(e) is None

@@ -137,6 +137,28 @@ def test_missing_backing_file_is_served_by_the_daemon_then_written_again(one_nod
     assert passthrough_opens(root) == opened + 1
 
 
+def test_after_a_crash_backing_files_are_not_trusted(one_node, tmp_path):
+    """Backing files are flushed only when the daemon stops cleanly. After a crash one may hold
+    anything: the restarted daemon deletes them all and writes them again from the store."""
+    c = one_node
+    src = tmp_path / "ws"
+    src.mkdir()
+    data = os.urandom(2 * MiB)
+    (src / "weights.bin").write_bytes(data)
+    c.push(src)
+    (name,) = os.listdir(backing_dir(c))
+    os.kill(c.pid(0), signal.SIGKILL)
+    wait_for(lambda: not cluster_mod.running_node(c.dir, 0), 20, "node-0 to die")
+    damaged = backing_dir(c) / name
+    os.chmod(damaged, 0o644)
+    with open(damaged, "r+b") as f:  # what a torn write could leave
+        f.write(b"\0" * 4096)
+    cluster_mod.restart_node(c.dir, 0)
+    wait_for(lambda: (backing_dir(c) / name).exists()
+             and (backing_dir(c) / name).read_bytes() == data, 20, "the file to be rewritten")
+    assert (c.mnt(0) / "ws" / "weights.bin").read_bytes() == data
+
+
 def test_full_disk_while_writing_backing_files_publishes_nothing(tmp_path):
     """The backing files are written at prepare: no room for them fails the push on that node,
     names it and the cause, and the last good version keeps serving."""
