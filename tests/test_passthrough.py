@@ -46,6 +46,17 @@ def require_passthrough(c) -> None:
     assert mode == "passthrough", mode
 
 
+def push_one_file(c, tmp_path, name: str, size: int) -> tuple[bytes, str]:
+    """Push a workspace `ws` holding one random file; (its content, its backing file's name)."""
+    src = tmp_path / "ws"
+    src.mkdir()
+    data = os.urandom(size)
+    (src / name).write_bytes(data)
+    c.push(src)
+    (backing,) = os.listdir(backing_dir(c))
+    return data, backing
+
+
 @pytest.fixture
 def one_node(fresh_cluster):
     c = fresh_cluster(1)
@@ -111,12 +122,7 @@ def test_missing_backing_file_is_served_by_the_daemon_then_written_again(one_nod
     """Backing files are a copy: if one is gone, the file is read from the chunk store (correct,
     only slower), and a restarted daemon writes what the versions it serves lack."""
     c = one_node
-    src = tmp_path / "ws"
-    src.mkdir()
-    data = os.urandom(3 * MiB)
-    (src / "model.bin").write_bytes(data)
-    c.push(src)
-    (name,) = os.listdir(backing_dir(c))
+    data, name = push_one_file(c, tmp_path, "model.bin", 3 * MiB)
     os.unlink(backing_dir(c) / name)
 
     root = c.mnt(0)
@@ -141,12 +147,7 @@ def test_after_a_crash_backing_files_are_not_trusted(one_node, tmp_path):
     """Backing files are flushed only when the daemon stops cleanly. After a crash one may hold
     anything: the restarted daemon deletes them all and writes them again from the store."""
     c = one_node
-    src = tmp_path / "ws"
-    src.mkdir()
-    data = os.urandom(2 * MiB)
-    (src / "weights.bin").write_bytes(data)
-    c.push(src)
-    (name,) = os.listdir(backing_dir(c))
+    data, name = push_one_file(c, tmp_path, "weights.bin", 2 * MiB)
     os.kill(c.pid(0), signal.SIGKILL)
     wait_for(lambda: not cluster_mod.running_node(c.dir, 0), 20, "node-0 to die")
     damaged = backing_dir(c) / name
