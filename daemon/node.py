@@ -43,8 +43,6 @@ from .transport import Channel, accept, parse_addr
 log = logging.getLogger("monarch_fs.daemon")
 
 KEEP_VERSIONS = 3
-STAGE_POLL = 0.1  # staging: how often to look for large files whose chunks are all in
-STAGE_IDLE = 30.0  # staging: give up when no chunk arrived for this long (prepare does the rest)
 WRITE_BATCH_BYTES = 4 << 20
 WRITE_BATCH_CHUNKS = 256
 
@@ -179,8 +177,6 @@ class NodeDaemon:
         # The version each workspace is being prepared for: its backing files are kept.
         self._pinned: dict[str, bytes] = {}
         self._writing: dict[str, trio.Event] = {}  # backing files being written, by key
-        self._staging: dict[str, trio.CancelScope] = {}  # workspace -> its staging task
-        self._nursery: trio.Nursery | None = None  # for work that outlives a request
         self._publish_lock = trio.Lock()
         self.procs: ProcessTable | None = None
         self._write_limiter = trio.CapacityLimiter(4)
@@ -208,7 +204,7 @@ class NodeDaemon:
         try:
             async with trio.open_nursery() as nursery:
                 self.procs = ProcessTable(self.mount, nursery)
-                self.fs.nursery = self._nursery = nursery
+                self.fs.nursery = nursery
                 nursery.start_soon(self._fuse_main, nursery.cancel_scope)
                 nursery.start_soon(self._stop_on_signal, nursery.cancel_scope)
                 nursery.start_soon(trio.serve_listeners, self._serve, listeners)
@@ -393,7 +389,7 @@ class NodeDaemon:
     async def _handle(self, op: str, args: dict) -> dict:
         if op == "status":
             return await self.status()
-        if op in ("stage", "prepare", "commit"):
+        if op in ("prepare", "commit"):
             name, version = args.get("name"), args.get("version")
             if not isinstance(name, str) or not isinstance(version, str):
                 raise RequestError(f"{op}: name and version are required")
@@ -402,8 +398,6 @@ class NodeDaemon:
                 vid = bytes.fromhex(version)
             except ValueError:
                 raise RequestError(f"{op}: bad version {version!r}") from None
-            if op == "stage":
-                return self._stage(name, vid)
             if op == "prepare":
                 return await self._prepare(name, vid)
             return await self._commit(name, vid)
@@ -432,60 +426,15 @@ class NodeDaemon:
     async def _make_ready(self, name: str, version: bytes) -> None:
         """Everything a publish of `version` needs, on local disk and durable."""
         self._pinned[name] = version
-        if (staging := self._staging.pop(name, None)) is not None:
-            staging.cancel()  # what it started is waited for below, not written twice
         await trio.to_thread.run_sync(self._check_complete, version)
         if self.fs.passthrough:
-            manifest = self._manifest(version)
-            await self._write_backing(
-                await trio.to_thread.run_sync(self.backing.missing, manifest.entries))
+            await self._write_backing(self._manifest(version))
         await trio.to_thread.run_sync(self.store.sync)
 
-    def _stage(self, name: str, version: bytes) -> dict:
-        """A push announces the version it is about to send (its manifest comes first): each
-        large file's backing file is written as soon as its chunks are all in, while the rest
-        is still arriving, so `prepare` has little left to do."""
-        if not self.fs.passthrough or self._nursery is None:
-            return {"staging": False}
-        if (old := self._staging.pop(name, None)) is not None:
-            old.cancel()
-        scope = self._staging[name] = trio.CancelScope()
-        self._pinned[name] = version
-        self._nursery.start_soon(self._stage_backing, name, version, scope)
-        return {"staging": True}
-
-    async def _stage_backing(self, name: str, version: bytes, scope: trio.CancelScope) -> None:
-        with scope:
-            try:
-                await self._stage_until_done(name, version)
-            except Exception as e:  # best effort: never take the daemon down; prepare reports
-                log.warning("staging %s %s: %s", name, version.hex()[:12], e)
-        if self._staging.get(name) is scope:
-            del self._staging[name]
-
-    async def _stage_until_done(self, name: str, version: bytes) -> None:
-        seen, quiet = -1, 0.0
-        pending: list | None = None  # wanted files without a backing file, once the manifest is in
-        while pending is None or pending:
-            if len(self.store) != seen:
-                seen, quiet = len(self.store), 0.0
-            elif quiet > STAGE_IDLE:
-                return  # the push went away; a later prepare writes what is missing
-            if pending is None and self.store.has(version):
-                manifest = await trio.to_thread.run_sync(self._manifest, version)
-                pending = await trio.to_thread.run_sync(self.backing.missing, manifest.entries)
-            ready = [e for e in pending or () if all(map(self.store.has, e.chunks))]
-            if not ready:
-                await trio.sleep(STAGE_POLL)
-                quiet += STAGE_POLL
-                continue
-            taken = {id(e) for e in ready}
-            pending = [e for e in pending if id(e) not in taken]
-            await self._write_backing(ready)
-
-    async def _write_backing(self, todo: list) -> None:
-        """Write these backing files, two at a time. A file another request is already
-        writing is waited for, not written twice."""
+    async def _write_backing(self, manifest: Manifest) -> None:
+        """Write the backing files `manifest` lacks, two at a time.
+        A file another request is already writing is waited for, not written twice."""
+        todo = await trio.to_thread.run_sync(self.backing.missing, manifest.entries)
         limiter = trio.CapacityLimiter(2)
         failed: list[str] = []
 
@@ -518,10 +467,8 @@ class NodeDaemon:
         if not self.fs.passthrough:
             return
         for versions in list(self.refs.workspaces.values()):
-            manifest = self._manifest(versions[0])
             try:
-                await self._write_backing(
-                    await trio.to_thread.run_sync(self.backing.missing, manifest.entries))
+                await self._write_backing(self._manifest(versions[0]))
             except RequestError as e:
                 log.warning("%s", e)
         await self._prune_backing()

@@ -185,18 +185,6 @@ class _Push:
 
         await _each(self.nodes, ask, self.timeout)
 
-    async def stage(self, name: str) -> None:
-        """Tell each node that lacks something which version is coming: with passthrough it
-        writes each large file's backing file once the file's chunks are in, while the rest
-        still streams (the manifest is sent first). Best effort: `prepare` does what is left."""
-        async def tell(node: _Node) -> None:
-            try:
-                await node.chan.request("stage", name=name, version=self.version.hex())
-            except RemoteError:
-                pass  # a daemon without staging writes them all at prepare
-
-        await _each([n for n in self.healthy if n.missing], tell, self.timeout)
-
     async def broadcast(self, kind: str, fanout: int) -> str:
         """Send every healthy node what it lacks along a `kind` plan; returns the kind used."""
         lacking = [n for n in self.healthy if n.missing]
@@ -239,7 +227,9 @@ class _Push:
         await _each([r for r, _ in roots], lambda r: open_session(r, children_of[r.addr]),
                     self.timeout, levels)
         live = [r for r, _ in roots if r.error is None and r.addr in wants]
-        order = [c for c in [self.version] + self.ids if any(c in wants[r.addr] for r in live)]
+        order = [c for c in self.ids if any(c in wants[r.addr] for r in live)]
+        if any(self.version in wants[r.addr] for r in live):
+            order.append(self.version)  # the manifest goes last: it names everything before it
         self.progress.phase("sending", sum(self.sizes[c] for r in live for c in wants[r.addr]))
         sent = 0
         local_error: list[BaseException] = []
@@ -373,7 +363,6 @@ async def push(
         job.check("connecting")
         await job.negotiate()
         job.check("negotiating")
-        await job.stage(name)
         used = await job.broadcast(topology_kind, fanout)
         job.check("sending chunks")
         if allow_partial:

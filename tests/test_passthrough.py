@@ -10,7 +10,6 @@ import signal
 import time
 
 import pytest
-import trio
 
 from monarch_fs.daemon import cluster as cluster_mod
 from monarch_fs.fs.backing import MIN_SIZE
@@ -192,43 +191,3 @@ def test_full_disk_while_writing_backing_files_publishes_nothing(tmp_path):
             stop_cluster(c)
     finally:
         subprocess.run(["umount", str(backing)], check=True)
-
-
-async def test_a_staged_push_writes_backing_files_before_prepare(one_node, tmp_path):
-    """`stage` announces a version; the node writes each large file's backing file once its
-    chunks are in (the manifest comes first), before any prepare, and publishes nothing."""
-    from monarch_fs.daemon import protocol as p
-    from monarch_fs.daemon.auth import load_token
-    from monarch_fs.daemon.transport import connect
-    from monarch_fs.fs import chunk
-    from monarch_fs.fs.backing import key
-    from monarch_fs.fs.scan import scan
-
-    c = one_node
-    src = tmp_path / "staged"
-    src.mkdir()
-    data = os.urandom(3 * MiB)
-    (src / "big.bin").write_bytes(data)
-    snap = await scan(src, [])
-    manifest = snap.manifest.encode()
-    version = chunk.chunk_id(manifest)
-    (entry,) = [e for e in snap.manifest.entries if e.path == b"big.bin"]
-    args = {"name": "staged", "version": version.hex()}
-    chan = await connect(c.hosts[0], load_token(c.token_file))
-    async with chan:
-        assert await chan.request("stage", **args) == {"staging": True}
-        await chan.send(p.PutChunk(version, chunk.encode(manifest)))
-        for cid in entry.chunks:
-            await chan.send(p.PutChunk(cid, chunk.encode(snap.read_chunk(cid))))
-        assert await chan.request("flush") == {"failed": {}}  # the end of a push's stream
-        backing = backing_dir(c) / key(entry)
-        with trio.fail_after(20):
-            while not backing.exists():
-                await trio.sleep(0.05)
-        assert backing.read_bytes() == data
-        assert not (c.mnt(0) / "staged").exists()  # nothing published yet
-        await chan.request("prepare", **args)
-        await chan.request("commit", **args)
-    opened = passthrough_opens(c.mnt(0))
-    assert (c.mnt(0) / "staged" / "big.bin").read_bytes() == data
-    assert passthrough_opens(c.mnt(0)) == opened + 1
