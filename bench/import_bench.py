@@ -79,6 +79,7 @@ def ensure_venv(cache: Path, source: Path = REPO / ".venv") -> tuple[Path, dict]
     log(f"staging {source} into {staged} without __pycache__, then compileall "
         "(once; later runs reuse it)")
     partial = cache / "venv.partial"
+    cache.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(partial, ignore_errors=True)
     shutil.rmtree(staged, ignore_errors=True)
     run(["rsync", "-a", "--exclude", "__pycache__", f"{source}/", f"{partial}/"], timeout=900)
