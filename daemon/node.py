@@ -424,7 +424,8 @@ class NodeDaemon:
             raise RequestError(f"version {version.hex()[:12]}: {len(missing)} chunks missing")
 
     async def _make_ready(self, name: str, version: bytes) -> None:
-        """Everything a publish of `version` needs, on local disk and durable."""
+        """Everything a publish of `version` needs on local disk, and the store durable (the
+        backing files are a cache of it, see fs/backing.py)."""
         self._pinned[name] = version
         await trio.to_thread.run_sync(self._check_complete, version)
         if self.fs.passthrough:
@@ -440,10 +441,10 @@ class NodeDaemon:
 
         async def write(entry) -> None:
             k = backing_key(entry)
-            if (busy := self._writing.get(k)) is not None:
+            while (busy := self._writing.get(k)) is not None:
                 await busy.wait()
-                if self.backing.ready(entry) is not None:
-                    return
+            if self.backing.ready(entry) is not None:
+                return
             done = self._writing[k] = trio.Event()
             try:
                 await trio.to_thread.run_sync(self.backing.write, entry, self.store,
@@ -454,7 +455,8 @@ class NodeDaemon:
                               f"{entry.path.decode(errors='replace')}: {what}")
                 nursery.cancel_scope.cancel()
             finally:
-                del self._writing[k]
+                if self._writing.get(k) is done:
+                    del self._writing[k]
                 done.set()
 
         async with trio.open_nursery() as nursery:
@@ -464,13 +466,14 @@ class NodeDaemon:
             raise RequestError(failed[0])
 
     async def _fill_backing(self) -> None:
+        """At start: write the backing files the current versions lack, drop the others."""
         if not self.fs.passthrough:
             return
         for versions in list(self.refs.workspaces.values()):
             try:
                 await self._write_backing(self._manifest(versions[0]))
-            except RequestError as e:
-                log.warning("%s", e)
+            except (RequestError, OSError) as e:  # those files are served by the daemon
+                log.warning("backing files: %s", e)
         await self._prune_backing()
 
     async def _prune_backing(self) -> None:
