@@ -482,9 +482,14 @@ class SnapshotFS(pyfuse3.Operations):
             return 0
         try:
             node.backing_id = passthrough.open_backing(path)
+        except FileNotFoundError:  # pruned meanwhile
+            return 0
         except OSError as e:
-            log.warning("passthrough for %r: %s; reading it through the daemon",
-                        node.entry.path, e)
+            # The kernel refuses this folder's files (a filesystem that cannot back FUSE
+            # passthrough): say so once, and serve every file through the daemon.
+            self.backing = None
+            self.open_mode = f"passthrough refused for {path.parent}: {e.strerror or e}"
+            log.warning("FUSE %s; files are read through the daemon", self.open_mode)
         return node.backing_id
 
     async def read(self, fh, off, size):
@@ -559,6 +564,10 @@ class SnapshotFS(pyfuse3.Operations):
             out[b"user.monarch.version"] = tree.hex.encode()
         if node.entry.kind == FILE:
             out[b"user.monarch.chunks"] = " ".join(c.hex() for c in node.entry.chunks).encode()
+            path = (self.backing.ready(node.entry) if self.passthrough and self.backing
+                    and backing_wanted(node.entry) else None)
+            if path is not None:  # opens of this file read it from there
+                out[b"user.monarch.backing"] = os.fsencode(path)
         return out
 
     async def getxattr(self, inode, name, ctx):

@@ -77,6 +77,9 @@ def test_large_files_are_read_and_mapped_without_requests(one_node, tmp_path):
     assert node["backing_files"] == 2 and node["backing_bytes"] == len(big) + MIN_SIZE
 
     root, mnt = c.mnt(0), c.mnt(0) / "pt"
+    backing = os.getxattr(mnt / "big.so", "user.monarch.backing").decode()
+    assert backing.startswith(str(backing_dir(c))) and open(backing, "rb").read() == big
+    assert "user.monarch.backing" not in os.listxattr(mnt / "small.py")
     before, opened = ops(root), passthrough_opens(root)
     assert (mnt / "big.so").read_bytes() == big
     assert (mnt / "edge").read_bytes() == (src / "edge").read_bytes()
