@@ -118,6 +118,9 @@ def _wait_gone(pids: list[int], timeout: float, reap: dict[int, subprocess.Popen
             if pid in reap:
                 reap[pid].poll()
         alive = [pid for pid in pids if _alive(pid)]
+        for pid in set(pids) - set(alive):
+            if pid in reap:  # exited since the poll above: a zombie until reaped
+                reap[pid].wait()
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.05)
