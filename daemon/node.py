@@ -466,7 +466,8 @@ class NodeDaemon:
             raise RequestError(failed[0])
 
     async def _fill_backing(self) -> None:
-        """At start: write the backing files the current versions lack, drop the others."""
+        """At start: write the backing files the current versions lack (files of older retained
+        versions without one are read through the daemon), and drop unused ones."""
         if not self.fs.passthrough:
             return
         for versions in list(self.refs.workspaces.values()):
