@@ -159,6 +159,7 @@ class SnapshotFS(pyfuse3.Operations):
         self.no_opendir = False
         self.passthrough = False
         self.passthrough_opens = 0  # opens bound to a backing file (user.monarch.passthrough_opens)
+        self._binding: dict[int, trio.Event] = {}  # inodes whose backing file is being opened
         self.open_mode = "not mounted"  # what `monarch-fs status` shows: no-open, or why not
         root = Node(b"root", self._synthetic(), special="root")
         self._nodes[pyfuse3.ROOT_INODE] = root
@@ -462,35 +463,51 @@ class SnapshotFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EISDIR if node.entry.kind == DIR else errno.EINVAL)
         if self.no_open:
             raise pyfuse3.FUSEError(errno.ENOSYS)  # no-open: reads come with the inode
-        backing_id = self._backing_id(node) if self.passthrough else 0
+        backing_id = await self._backing_id(inode, node) if self.passthrough else 0
         node.opens += 1
         if backing_id:
             self.passthrough_opens += 1
             return pyfuse3.FileInfo(fh=inode, keep_cache=False, backing_id=backing_id)
         return pyfuse3.FileInfo(fh=inode, keep_cache=True)
 
-    def _backing_id(self, node: Node) -> int:
+    async def _backing_id(self, inode: int, node: Node) -> int:
         """The backing id to open `node` with, or 0 to read it through the daemon."""
+        while (busy := self._binding.get(inode)) is not None:
+            await busy.wait()  # another open of this inode is binding it: use its answer
         if node.backing_id or node.opens:
             # Every open file of an inode must use the same mode and backing (the kernel fails
             # the open otherwise): the first open decides, until the last one is released.
             return node.backing_id
         if self.backing is None or not backing_wanted(node.entry):
             return 0
-        path = self.backing.ready(node.entry)
-        if path is None:  # not written (yet): the chunk store serves it
-            return 0
+        done = self._binding[inode] = trio.Event()
         try:
-            node.backing_id = passthrough.open_backing(path)
-        except FileNotFoundError:  # pruned meanwhile
-            return 0
+            node.backing_id = await trio.to_thread.run_sync(self._bind, self.backing, node.entry)
         except OSError as e:
             # The kernel refuses this folder's files (a filesystem that cannot back FUSE
             # passthrough): say so once, and serve every file through the daemon.
             self.backing = None
-            self.open_mode = f"passthrough refused for {path.parent}: {e.strerror or e}"
+            self.open_mode = e.strerror
             log.warning("FUSE %s; files are read through the daemon", self.open_mode)
+        finally:
+            del self._binding[inode]
+            done.set()
         return node.backing_id
+
+    @staticmethod
+    def _bind(backing: BackingFiles, entry: Entry) -> int:
+        """A backing id for `entry`'s backing file, 0 if there is none (yet). Blocking (a stat,
+        an open, an ioctl): runs in a worker thread."""
+        path = backing.ready(entry)
+        if path is None:  # not written (yet): the chunk store serves it
+            return 0
+        try:
+            return passthrough.open_backing(path)
+        except FileNotFoundError:  # pruned meanwhile
+            return 0
+        except OSError as e:
+            raise OSError(e.errno, f"passthrough refused for {path.parent}: "
+                                   f"{e.strerror or e}") from None
 
     async def read(self, fh, off, size):
         self.ops["read"] += 1
@@ -548,7 +565,7 @@ class SnapshotFS(pyfuse3.Operations):
         s.f_namemax = 255
         return s
 
-    def _xattrs(self, node: Node) -> dict[bytes, bytes]:
+    async def _xattrs(self, node: Node) -> dict[bytes, bytes]:
         out: dict[bytes, bytes] = {}
         if node.special == "root":
             out[b"user.monarch.workspaces"] = " ".join(
@@ -564,22 +581,22 @@ class SnapshotFS(pyfuse3.Operations):
             out[b"user.monarch.version"] = tree.hex.encode()
         if node.entry.kind == FILE:
             out[b"user.monarch.chunks"] = " ".join(c.hex() for c in node.entry.chunks).encode()
-            path = (self.backing.ready(node.entry) if self.passthrough and self.backing
-                    and backing_wanted(node.entry) else None)
+            backing = self.backing if self.passthrough and backing_wanted(node.entry) else None
+            path = backing and await trio.to_thread.run_sync(backing.ready, node.entry)
             if path is not None:  # opens of this file read it from there
                 out[b"user.monarch.backing"] = os.fsencode(path)
         return out
 
     async def getxattr(self, inode, name, ctx):
         self.ops["getxattr"] += 1
-        value = self._xattrs(self._node(inode)).get(name)
+        value = (await self._xattrs(self._node(inode))).get(name)
         if value is None:
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
         return value
 
     async def listxattr(self, inode, ctx):
         self.ops["listxattr"] += 1
-        return list(self._xattrs(self._node(inode)))
+        return list(await self._xattrs(self._node(inode)))
 
 
 def set_readahead(mountpoint: str, kb: int = 4096) -> bool:

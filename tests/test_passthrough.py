@@ -194,3 +194,23 @@ def test_full_disk_while_writing_backing_files_publishes_nothing(tmp_path):
             stop_cluster(c)
     finally:
         subprocess.run(["umount", str(backing)], check=True)
+
+
+def test_concurrent_first_opens_share_one_backing_file(one_node, tmp_path):
+    """Opens of one inode racing to bind it must all get the same backing file (the kernel
+    fails an open that brings a second one)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    c = one_node
+    data, _ = push_one_file(c, tmp_path, "shared.so", 2 * MiB)
+    path = c.mnt(0) / "ws" / "shared.so"
+    opened = passthrough_opens(c.mnt(0))
+
+    def read(_: int) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(r == data for r in pool.map(read, range(32)))
+    assert passthrough_opens(c.mnt(0)) == opened + 32
+    assert ops(c.mnt(0)).get("read", 0) == 0
