@@ -223,11 +223,14 @@ def test_warm_reads_and_listings_cost_no_requests(fresh_cluster, tmp_path, monke
     assert walk() == first
     after = ops()
     served = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    # Releases and forgets are the kernel's housekeeping, sent without waiting: some from the
+    # first walk may still be on their way.
+    for late in ("release", "forget"):
+        served.pop(late, None)
     if mode == "no-open":
         assert served == {"getxattr": 1}, served  # only the xattr read of `ops` itself
     else:
-        # (releases are sent after close without waiting: some may still be on their way)
-        assert served["open"] == 50 and not {"read", "readdir", "lookup"} & served.keys(), served
+        assert served == {"getxattr": 1, "open": 50}, served
     assert len(first) == 50 and first["m7.py"] == b"x = 7\n" * 100
 
 
