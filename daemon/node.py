@@ -2,9 +2,9 @@
 answers pushes over the authenticated protocol.
 
 A push is staged, then published in two phases: chunks land in the store as they arrive (never
-visible in the mount); `prepare` checks that the manifest and every chunk it names are present, writes
-the backing files passthrough reads large files from (fs/backing.py), and makes the store durable;
-`commit` switches the workspace and returns once the kernel has dropped every changed
+visible in the mount); `prepare` checks that the manifest and every chunk it names are present,
+writes the backing files passthrough reads large files from (fs/backing.py), and makes the store
+durable; `commit` switches the workspace and returns once the kernel has dropped every changed
 entry. A failed or abandoned push leaves the last good version serving; what it sent is reused.
 """
 
@@ -442,9 +442,7 @@ class NodeDaemon:
         async def write(entry) -> None:
             k = backing_key(entry)
             while (busy := self._writing.get(k)) is not None:
-                await busy.wait()
-            if self.backing.ready(entry) is not None:
-                return
+                await busy.wait()  # then write() finds it there, unless that writer failed
             done = self._writing[k] = trio.Event()
             try:
                 await trio.to_thread.run_sync(self.backing.write, entry, self.store,
@@ -478,7 +476,11 @@ class NodeDaemon:
         await self._prune_backing()
 
     async def _prune_backing(self) -> None:
-        """Delete the backing files that no retained or in-flight version uses."""
+        """Delete the backing files that no retained or in-flight version uses (all of them
+        when the mount is not in passthrough mode)."""
+        if not self.fs.passthrough:
+            await trio.to_thread.run_sync(self.backing.prune, set())
+            return
         manifests = []
         for v in {v for vs in self.refs.workspaces.values() for v in vs} | {*self._pinned.values()}:
             try:

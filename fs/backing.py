@@ -29,7 +29,7 @@ from pathlib import Path
 import xxhash
 
 from .manifest import Entry, Kind
-from .store import Store
+from .store import Store, fsync_dir
 
 MIN_SIZE = 256 * 1024
 _TMP = ".tmp"
@@ -72,20 +72,23 @@ class BackingFiles:
         self._unflushed.clear()
         with open(self.root / _CLEAN, "wb") as f:
             os.fsync(f.fileno())
-        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(self.root)
+
+    def _files(self) -> list[Path]:
+        """The backing files (not the marker, nor files being written)."""
+        return [p for p in self.root.iterdir() if p.name != _CLEAN and not p.name.endswith(_TMP)]
 
     def path(self, entry: Entry) -> Path:
         return self.root / key(entry)
 
     def ready(self, entry: Entry) -> Path | None:
         """The backing file for `entry`, if it is there and whole."""
-        p = self.path(entry)
+        return self._whole(self.path(entry), entry.size)
+
+    @staticmethod
+    def _whole(p: Path, size: int) -> Path | None:
         try:
-            return p if p.stat().st_size == entry.size else None
+            return p if p.stat().st_size == size else None
         except FileNotFoundError:
             return None
 
@@ -93,15 +96,19 @@ class BackingFiles:
         """The wanted files of a snapshot that have no backing file yet, each content once."""
         out: dict[str, Entry] = {}
         for e in entries:
-            if wanted(e) and key(e) not in out and self.ready(e) is None:
-                out[key(e)] = e
+            if not wanted(e) or (k := key(e)) in out:
+                continue
+            if self._whole(self.root / k, e.size) is None:
+                out[k] = e
         return list(out.values())
 
     def write(self, entry: Entry, store: Store) -> None:
-        """Write one backing file from the store (blocking: run it in a worker thread). Chunks
-        stored raw are copied inside the kernel; compressed ones are decoded and verified. A
-        failure leaves nothing behind."""
+        """Write one backing file from the store, unless it is there already (blocking: run it
+        in a worker thread). Chunks stored raw are copied inside the kernel; compressed ones are
+        decoded and verified. A failure leaves nothing behind."""
         final = self.path(entry)
+        if self._whole(final, entry.size) is not None:
+            return
         fd, name = tempfile.mkstemp(prefix=final.name + ".", suffix=_TMP, dir=self.root)
         tmp = Path(name)
         try:
@@ -128,14 +135,13 @@ class BackingFiles:
         """Delete backing files no retained version uses; returns how many. An open file keeps
         reading its backing file: the kernel holds it until the last close."""
         removed = 0
-        for p in self.root.iterdir():
-            if p.name not in keep and not p.name.endswith(_TMP) and p.name != _CLEAN:
+        for p in self._files():
+            if p.name not in keep:
                 p.unlink(missing_ok=True)
                 self._unflushed.discard(p.name)
                 removed += 1
         return removed
 
     def usage(self) -> tuple[int, int]:
-        files = [p.stat().st_size for p in self.root.iterdir()
-                 if not p.name.endswith(_TMP) and p.name != _CLEAN]
-        return len(files), sum(files)
+        sizes = [p.stat().st_size for p in self._files()]
+        return len(sizes), sum(sizes)

@@ -480,14 +480,15 @@ class SnapshotFS(pyfuse3.Operations):
             return node.backing_id
         if self.backing is None or not backing_wanted(node.entry):
             return 0
+        backing = self.backing
         done = self._binding[inode] = trio.Event()
         try:
-            node.backing_id = await trio.to_thread.run_sync(self._bind, self.backing, node.entry)
+            node.backing_id = await trio.to_thread.run_sync(self._bind, backing, node.entry)
         except OSError as e:
             # The kernel refuses this folder's files (a filesystem that cannot back FUSE
             # passthrough): say so once, and serve every file through the daemon.
+            self.open_mode = f"passthrough refused for {backing.root}: {e.strerror or e}"
             self.backing = None
-            self.open_mode = e.strerror
             log.warning("FUSE %s; files are read through the daemon", self.open_mode)
         finally:
             del self._binding[inode]
@@ -505,9 +506,6 @@ class SnapshotFS(pyfuse3.Operations):
             return passthrough.open_backing(path)
         except FileNotFoundError:  # pruned meanwhile
             return 0
-        except OSError as e:
-            raise OSError(e.errno, f"passthrough refused for {path.parent}: "
-                                   f"{e.strerror or e}") from None
 
     async def read(self, fh, off, size):
         self.ops["read"] += 1

@@ -43,6 +43,15 @@ def _unloc(loc: int) -> tuple[int, int, int]:
     return loc >> 72, (loc >> 32) & ((1 << 40) - 1), loc & 0xFFFFFFFF
 
 
+def fsync_dir(path: Path) -> None:
+    """Make the names in a folder durable (files created or renamed in it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class StoreBusy(Exception):
     """Another process owns this store."""
 
@@ -244,11 +253,7 @@ class Store:
         files, or the other nodes' stores of a local cluster)."""
         with self._lock:
             os.fdatasync(self._fd)
-        fd = os.open(self.packs, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(self.packs)
 
     def usage(self) -> tuple[int, int]:
         """(objects, bytes on disk)."""
