@@ -30,6 +30,7 @@ from .protocol import (
     Reply,
     Request,
     Role,
+    State,
     TruncatedFrame,
     Welcome,
 )
@@ -146,7 +147,12 @@ class Channel:
         async with self._send_lock:
             if self._send_broken:
                 raise ConnectionLost(self.peer, "an earlier send was interrupted mid-frame")
-            data = b"".join([self.conn.send(msg) for msg in msgs])
+            try:
+                data = b"".join([self.conn.send(msg) for msg in msgs])
+            except ProtocolError:
+                if self.conn.state is State.CLOSED:  # the peer hung up (receive() saw it)
+                    raise ConnectionLost(self.peer, "connection closed") from None
+                raise
             try:
                 await self.stream.send_all(data)
             except trio.BrokenResourceError as e:

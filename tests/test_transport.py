@@ -246,6 +246,26 @@ async def test_receive_after_server_closes():
         nursery.cancel_scope.cancel()
 
 
+async def test_send_after_the_peer_closed_is_connection_lost():
+    """A writer racing a reader that saw the peer hang up gets the transport's ConnectionLost,
+    which callers handle, not a ProtocolError (a peer breaking the protocol)."""
+    async def once(stream: trio.SocketStream) -> None:
+        ch = await accept(stream, TOKEN, {})
+        await ch.aclose()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        port = listeners[0].socket.getsockname()[1]
+        nursery.start_soon(trio.serve_listeners, once, listeners)
+        ch = await connect(f"127.0.0.1:{port}", TOKEN)
+        with pytest.raises(ConnectionLost):
+            await ch.receive()
+        with pytest.raises(ConnectionLost, match="connection closed"):
+            await ch.send(Event("after", {}))
+        await ch.aclose()
+        nursery.cancel_scope.cancel()
+
+
 @pytest.mark.parametrize(
     "addr,expected",
     [
