@@ -129,7 +129,10 @@ def cmd_status(args: argparse.Namespace) -> int:
                   f" in {n['store_objects']} objects  transport {n.get('transport', 'tcp')}"
                   f"  fuse {n.get('fuse', '?')}"
                   + (f" ({n['backing_files']} backing files, {fmt_bytes(n['backing_bytes'])})"
-                     if n.get("backing_files") else ""))
+                     if n.get("backing_files") else "")
+                  + (f" (writing {n['backing_writing']} more)" if n.get("backing_writing") else ""))
+            if n.get("backing_error"):
+                print(f"{n['host']}  warning: {n['backing_error']}; read through the daemon")
     return 0 if all(n["reachable"] for n in nodes) else 1
 
 

@@ -176,7 +176,8 @@ class NodeDaemon:
         self._prepared: set[tuple[str, bytes]] = set()
         # The version each workspace is being prepared for: its backing files are kept.
         self._pinned: dict[str, bytes] = {}
-        self._writing: dict[str, trio.Event] = {}  # backing files being written, by key
+        self.backing_error: str | None = None  # why the last backing file was not written
+        self._nursery: trio.Nursery | None = None  # background work: backing files
         self._publish_lock = trio.Lock()
         self.procs: ProcessTable | None = None
         self._write_limiter = trio.CapacityLimiter(4)
@@ -204,7 +205,7 @@ class NodeDaemon:
         try:
             async with trio.open_nursery() as nursery:
                 self.procs = ProcessTable(self.mount, nursery)
-                self.fs.nursery = nursery
+                self.fs.nursery = self._nursery = nursery
                 nursery.start_soon(self._fuse_main, nursery.cancel_scope)
                 nursery.start_soon(self._stop_on_signal, nursery.cancel_scope)
                 nursery.start_soon(trio.serve_listeners, self._serve, listeners)
@@ -424,44 +425,24 @@ class NodeDaemon:
             raise RequestError(f"version {version.hex()[:12]}: {len(missing)} chunks missing")
 
     async def _make_ready(self, name: str, version: bytes) -> None:
-        """Everything a publish of `version` needs on local disk, and the store durable (the
-        backing files are a cache of it, see fs/backing.py)."""
+        """Everything a publish of `version` needs: every chunk, durable in the store. Its
+        backing files are a cache of the store (fs/backing.py): they are written from here on,
+        and a publish does not wait for them."""
         self._pinned[name] = version
         await trio.to_thread.run_sync(self._check_complete, version)
-        if self.fs.passthrough:
-            await self._write_backing(self._manifest(version))
         await trio.to_thread.run_sync(self.store.sync)
+        if self.fs.passthrough and self._nursery is not None:
+            self._nursery.start_soon(self._write_backing, self._manifest(version))
 
     async def _write_backing(self, manifest: Manifest) -> None:
-        """Write the backing files `manifest` lacks, two at a time.
-        A file another request is already writing is waited for, not written twice."""
-        todo = await trio.to_thread.run_sync(self.backing.missing, manifest.entries)
-        limiter = trio.CapacityLimiter(2)
-        failed: list[str] = []
-
-        async def write(entry) -> None:
-            k = backing_key(entry)
-            while (busy := self._writing.get(k)) is not None:
-                await busy.wait()  # then write() finds it there, unless that writer failed
-            done = self._writing[k] = trio.Event()
-            try:
-                await trio.to_thread.run_sync(self.backing.write, entry, self.store,
-                                              limiter=limiter)
-            except (OSError, KeyError, CorruptChunk) as e:
-                what = e.strerror if isinstance(e, OSError) and e.strerror else e
-                failed.append(f"cannot write the backing file of "
-                              f"{entry.path.decode(errors='replace')}: {what}")
-                nursery.cancel_scope.cancel()
-            finally:
-                if self._writing.get(k) is done:
-                    del self._writing[k]
-                done.set()
-
-        async with trio.open_nursery() as nursery:
-            for entry in todo:
-                nursery.start_soon(write, entry)
+        """Write the backing files `manifest` lacks; a file that cannot be written is served
+        from the chunk store, and `status` says why."""
+        failed = await self.backing.write_missing(manifest.entries, self.store)
         if failed:
-            raise RequestError(failed[0])
+            more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+            self.backing_error = failed[0] + more
+            log.warning("backing files: %s; those files are read through the daemon",
+                        self.backing_error)
 
     async def _fill_backing(self) -> None:
         """At start: write the backing files the current versions lack (files of older retained
@@ -469,10 +450,7 @@ class NodeDaemon:
         if not self.fs.passthrough:
             return
         for versions in list(self.refs.workspaces.values()):
-            try:
-                await self._write_backing(self._manifest(versions[0]))
-            except (RequestError, OSError) as e:  # those files are served by the daemon
-                log.warning("backing files: %s", e)
+            await self._write_backing(self._manifest(versions[0]))
         await self._prune_backing()
 
     async def _prune_backing(self) -> None:
@@ -533,6 +511,9 @@ class NodeDaemon:
             "fuse": self.fs.open_mode,
             "backing_files": backing[0],
             "backing_bytes": backing[1],
+            "backing_writing": self.backing.writing,
+            "backing_waits": self.backing.waits,
+            "backing_error": self.backing_error,
             **self.counters,
             "workspaces": {n: [v.hex() for v in vs] for n, vs in self.refs.workspaces.items()},
         }

@@ -8,8 +8,13 @@ local-disk speed, cold and warm, and no request at all after the open.
 
 A backing file is the plain content of one file, named by the digest of its chunk ids, so every
 version and workspace holding the same content shares one. It is copied from the chunk store
-(where every chunk was verified when it arrived) when a version is prepared, before it can be
-published, under a temporary name and renamed, so a backing file that exists is complete.
+(where every chunk was verified when it arrived) under a temporary name and renamed, so a
+backing file that exists is complete.
+
+The copies start when a version is prepared, but a publish does not wait for them: that would
+add a second write of every new large file to every push. An open of a file whose copy is queued
+or running waits for that one copy (it jumps the queue), so the first reader still gets
+passthrough; a copy that failed leaves the file to be served from the chunk store.
 
 Backing files are a cache of the store, so they are not flushed at publish (that would wait for
 the disk to take every large file): they are flushed when the daemon stops, which leaves a
@@ -24,10 +29,13 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import trio
 import xxhash
 
+from .chunk import CorruptChunk
 from .manifest import Entry, Kind
 from .store import Store, fsync_dir
 
@@ -46,6 +54,16 @@ def key(entry: Entry) -> str:
     return xxhash.xxh3_128_hexdigest(b"".join(entry.chunks))
 
 
+@dataclass
+class _Copy:
+    """One backing file to write: queued, then running, then done (with an error or not)."""
+    entry: Entry
+    store: Store
+    started: bool = False
+    error: str | None = None
+    done: trio.Event = field(default_factory=trio.Event)
+
+
 class BackingFiles:
     def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root)
@@ -57,6 +75,69 @@ class BackingFiles:
                 p.unlink(missing_ok=True)
         marker.unlink(missing_ok=True)
         self._unflushed: set[str] = set()
+        self._copies: dict[str, _Copy] = {}  # queued or running, by key
+        self.waits = 0  # opens that waited for their file's copy
+
+    @property
+    def writing(self) -> int:
+        """How many backing files are queued or being written."""
+        return len(self._copies)
+
+    async def write_missing(self, entries: Iterable[Entry], store: Store,
+                            parallel: int = 2) -> list[str]:
+        """Write the backing files `entries` lack, `parallel` at a time, and return what failed
+        (a line a file). A file already queued or being written is waited for, not written
+        twice."""
+        todo = await trio.to_thread.run_sync(self.missing, entries)
+        copies, new = [], []
+        for entry in todo:
+            k = key(entry)
+            if k not in self._copies:
+                self._copies[k] = _Copy(entry, store)
+                new.append(k)
+            copies.append(self._copies[k])
+        limiter = trio.CapacityLimiter(parallel)
+
+        async def queued(k: str) -> None:
+            copy = self._copies[k]
+            try:
+                async with limiter:
+                    await self._run(k, copy)
+            finally:
+                if not copy.started:  # cancelled while queued
+                    self._copies.pop(k, None)
+                    copy.done.set()
+
+        async with trio.open_nursery() as nursery:
+            for k in new:
+                nursery.start_soon(queued, k)
+        for copy in copies:
+            await copy.done.wait()
+        return [c.error for c in copies if c.error]
+
+    async def wait(self, entry: Entry) -> None:
+        """Return once `entry`'s backing file is written, if it is queued or being written
+        (a queued one is written now, ahead of the others)."""
+        k = key(entry)
+        copy = self._copies.get(k)
+        if copy is not None:
+            self.waits += 1
+            await self._run(k, copy)
+
+    async def _run(self, k: str, copy: _Copy) -> None:
+        if copy.started:
+            await copy.done.wait()
+            return
+        copy.started = True
+        try:
+            await trio.to_thread.run_sync(self.write, copy.entry, copy.store)
+        except (OSError, KeyError, CorruptChunk) as e:
+            what = e.strerror if isinstance(e, OSError) and e.strerror else e
+            copy.error = (f"cannot write the backing file of "
+                          f"{copy.entry.path.decode(errors='replace')}: {what}")
+        finally:
+            del self._copies[k]
+            copy.done.set()
 
     def close(self) -> None:
         """Flush the backing files written since start, then mark the folder clean."""

@@ -483,6 +483,7 @@ class SnapshotFS(pyfuse3.Operations):
         backing = self.backing
         done = self._binding[inode] = trio.Event()
         try:
+            await backing.wait(node.entry)  # its copy is queued or running: that one first
             node.backing_id = await trio.to_thread.run_sync(self._bind, backing, node.entry)
         except OSError as e:
             # The kernel refuses this folder's files (a filesystem that cannot back FUSE

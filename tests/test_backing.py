@@ -85,3 +85,37 @@ def test_only_a_clean_stop_keeps_backing_files(tmp_path):
     # No close: like a crash. The next start cannot trust what is there.
     after_crash = BackingFiles(b.root)
     assert not after_crash.trusted and after_crash.ready(e) is None
+
+
+async def test_an_open_waits_for_its_queued_copy_and_failures_are_reported(tmp_path):
+    """`write_missing` copies in the background of a publish; `wait` (what an open calls)
+    returns only once that file's copy is written, even if it was still queued behind others,
+    and a file written twice at once is written once."""
+    import trio
+
+    store = Store(tmp_path / "store")
+    entries = [stored_file(store, os.urandom(2 * CHUNK), raw=True, path=b"lib%d.so" % i)
+               for i in range(6)]
+    b = BackingFiles(tmp_path / "backing")
+    results = []
+    async with trio.open_nursery() as nursery:
+        async def background() -> None:
+            results.append(await b.write_missing(entries, store, parallel=1))
+
+        nursery.start_soon(background)
+        nursery.start_soon(background)  # a second publish of the same files
+        while b.writing < len(entries):
+            await trio.sleep(0)
+        await b.wait(entries[-1])  # the last one queued
+        assert b.path(entries[-1]).read_bytes() == b"".join(
+            store.get(c) for c in entries[-1].chunks)
+        assert b.waits == 1
+    assert results == [[], []] and b.writing == 0
+    assert sorted(os.listdir(b.root)) == sorted(key(e) for e in entries)
+
+    # A copy that cannot be made is reported, names the file, and leaves nothing behind.
+    gone = Entry(b"gone.so", Kind.FILE, 0o644, MIN_SIZE, 0, chunks=(b"\1" * 16,))
+    (failed,) = await b.write_missing([gone], store)
+    assert failed.startswith("cannot write the backing file of gone.so")
+    assert b.ready(gone) is None and b.writing == 0
+    await b.wait(gone)  # nothing queued: returns at once

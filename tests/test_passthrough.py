@@ -39,6 +39,13 @@ def wait_for(cond, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
+def written(c) -> None:
+    """Wait until every node has written the backing files it was copying (a publish does not
+    wait for them)."""
+    wait_for(lambda: all(n["backing_writing"] == 0 for n in c.status()), 30,
+             "the backing files to be written")
+
+
 def require_passthrough(c) -> None:
     mode = c.status()[0]["fuse"]
     if "the kernel offers no passthrough" in mode:
@@ -53,6 +60,7 @@ def push_one_file(c, tmp_path, name: str, size: int) -> tuple[bytes, str]:
     data = os.urandom(size)
     (src / name).write_bytes(data)
     c.push(src)
+    written(c)
     (backing,) = os.listdir(backing_dir(c))
     return data, backing
 
@@ -73,6 +81,7 @@ def test_large_files_are_read_and_mapped_without_requests(one_node, tmp_path):
     (src / "small.py").write_text("x = 1\n")
     (src / "edge").write_bytes(os.urandom(MIN_SIZE))  # exactly the threshold
     c.push(src)
+    written(c)
     node = c.status()[0]
     assert node["backing_files"] == 2 and node["backing_bytes"] == len(big) + MIN_SIZE
 
@@ -111,6 +120,7 @@ def test_open_file_keeps_its_version_after_publish_and_prune(one_node, tmp_path)
         for data in versions[1:]:  # the daemon keeps 3 versions: the first one is dropped
             (src / "lib.so").write_bytes(data)
             c.push(src)
+        written(c)
         assert len(os.listdir(backing_dir(c))) == 3  # the dropped version's file is gone
         assert f.read() == versions[0][MiB:]
         f.seek(0)
@@ -163,12 +173,12 @@ def test_after_a_crash_backing_files_are_not_trusted(one_node, tmp_path):
     assert (c.mnt(0) / "ws" / "weights.bin").read_bytes() == data
 
 
-def test_full_disk_while_writing_backing_files_publishes_nothing(tmp_path):
-    """The backing files are written at prepare: no room for them fails the push on that node,
-    names it and the cause, and the last good version keeps serving."""
+def test_full_disk_while_writing_backing_files_serves_from_the_store(tmp_path):
+    """Backing files are written after the publish: no room for one leaves that file read
+    through the daemon (correct, only slower), no partial file behind, and `status` says why."""
     import subprocess
 
-    from conftest import start_cluster, stop_cluster
+    from conftest import mfs, start_cluster, stop_cluster
 
     node = tmp_path / "cluster" / "node-0"
     backing = node / "state" / "backing"
@@ -180,20 +190,46 @@ def test_full_disk_while_writing_backing_files_publishes_nothing(tmp_path):
             require_passthrough(c)
             src = tmp_path / "ws"
             src.mkdir()
-            (src / "f").write_text("good")
+            big = os.urandom(3 * MiB)
+            (src / "big").write_bytes(big)
             c.push(src)
-            (src / "big").write_bytes(os.urandom(3 * MiB))
-            out = c.push(src, check=False)
-            assert out.returncode != 0
-            assert c.hosts[0] in out.stderr and "No space left on device" in out.stderr
-            assert "backing file of big" in out.stderr and "nothing was published" in out.stderr
-            assert (c.mnt(0) / "ws" / "f").read_text() == "good"
-            assert not (c.mnt(0) / "ws" / "big").exists()
+            written(c)
+            error = c.status()[0]["backing_error"]
+            assert "backing file of big" in error and "No space left on device" in error
+            out = mfs("status", "--hosts", c.hostfile, "--token-file", c.token_file)
+            assert "backing file of big" in out.stdout, out.stdout
             assert os.listdir(backing) == []  # no partial file left behind
+            root = c.mnt(0)
+            opened, before = passthrough_opens(root), ops(root)
+            assert (root / "ws" / "big").read_bytes() == big
+            assert passthrough_opens(root) == opened
+            assert ops(root).get("read", 0) > before.get("read", 0)
         finally:
             stop_cluster(c)
     finally:
         subprocess.run(["umount", str(backing)], check=True)
+
+
+def test_an_open_right_after_publish_waits_for_its_backing_file(one_node, tmp_path):
+    """The publish does not wait for the backing files; an open of a file whose copy is still
+    queued waits for that copy (ahead of the others), so the first reader gets passthrough.
+    Whether the copy is still queued at the open depends on timing (without the wait this test
+    failed 3 runs in 4); test_backing checks the wait itself without a race."""
+    c = one_node
+    src = tmp_path / "ws"
+    src.mkdir()
+    files = {f"lib{i}.so": os.urandom(32 * MiB) for i in range(8)}
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    c.push(src)
+    root = c.mnt(0)
+    opened, before = passthrough_opens(root), ops(root)
+    with open(root / "ws" / "lib7.so", "rb") as f:  # the last one copied
+        assert f.read() == files["lib7.so"]
+    assert passthrough_opens(root) == opened + 1
+    assert ops(root).get("read", 0) == before.get("read", 0), "reads reached the daemon"
+    written(c)
+    assert c.status()[0]["backing_files"] == 8
 
 
 def test_concurrent_first_opens_share_one_backing_file(one_node, tmp_path):

@@ -315,7 +315,9 @@ async def test_a_file_edited_after_the_scan_is_still_changed_during_the_push(src
     assert Path(cache_file(tmp_path / "cache", src)).exists()  # the cache was right: kept
 
 
-def test_saving_and_loading_15000_entries_is_fast(tmp_path):
+def test_saving_and_loading_15000_entries_round_trips(tmp_path):
+    """Its speed is measured by bench/push_bench.py (the re-push cases), not timed here: a
+    timed unit test fails on a loaded machine."""
     folder = tmp_path / "big"
     cache = ScanCache.for_folder(tmp_path / "cache", folder)
     cache.begin(CHUNK_SIZE, started_ns=time.time_ns() + 10**12)
@@ -324,16 +326,11 @@ def test_saving_and_loading_15000_entries_is_fast(tmp_path):
         ids = [chunk_id(b"%d-%d" % (i, k)) for k in range(-(-size // CHUNK_SIZE))]
         cache.record((2049, 1_000_000 + i, size, 1_700_000_000_000_000_000 + i,
                       1_700_000_000_000_000_000 + i), ids)
-    t0 = time.perf_counter()
     assert cache.save()
-    saved = time.perf_counter() - t0
     loader = ScanCache.for_folder(tmp_path / "cache", folder)
-    t0 = time.perf_counter()
     loader.begin(CHUNK_SIZE)
-    loaded = time.perf_counter() - t0
     assert loader.loaded == 15_000
     assert loader._old == cache._old
-    assert saved < 0.1 and loaded < 0.1, (saved, loaded)
 
 
 def test_least_recently_used_cache_files_are_pruned(tmp_path):
