@@ -53,15 +53,12 @@ demo: $(STAMP)
 	  --workspace job -- "$$PWD/$(VENV)/bin/python" train.py --crash-once 3; \
 	step monarch-fs cluster down
 
-# The suite (bench/run_all.py: push, reads, import torch, find over 100k files; then, as root,
-# a cold push over 1 Gbit/s links vs rsync -a to each host; under 10 minutes on 2 cores).
-# BENCH_ARGS=--quick for a 1-2 minute smoke run (without the network push). FANOUT=1 adds the fan-out
+# The suite (bench/run_all.py: push, reads, import torch, find over 100k files and, as root, a
+# cold push over 1 Gbit/s links vs rsync -a to each host; under 10 minutes on 2 cores).
+# BENCH_ARGS=--quick for a 1-2 minute smoke run. FANOUT=1 adds the fan-out
 # benchmark (network namespaces, root; several more minutes, so not in the default budget).
 bench: $(STAMP)
 	$(PY) bench/run_all.py $(BENCH_ARGS)
-	@if [ -n "$(findstring --quick,$(BENCH_ARGS))" ]; then :; \
-	elif [ "$$(id -u)" = 0 ]; then $(PY) bench/network_push_bench.py --nodes 1,3,8; \
-	else echo "network_push_bench: skipped (network namespaces need root)"; fi
 	@if [ -n "$(FANOUT)" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then $(PY) bench/fanout_bench.py; \
 	  else echo "fanout_bench: skipped (network namespaces need root)"; fi; \

@@ -49,6 +49,7 @@ from netns import NetCluster, NetnsUnsupported  # noqa: E402
 from push_bench import ensure_tree  # noqa: E402
 
 RSYNC_PORT = 8730
+SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None  # where stores and destinations go
 
 
 def tree_stats(root: Path) -> tuple[int, int]:
@@ -196,47 +197,53 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def measure(size_mb: int, nodes: list[int], rate: str = "1gbit", store_dir: str | None = None,
+            cache: Path = DEFAULT_CACHE) -> dict:
+    """Run the comparison for each node count; raises NetnsUnsupported where namespaces
+    cannot be made (not root), BenchError if a result is wrong."""
+    if shutil.which("rsync") is None:
+        raise BenchError("needs rsync (apt-get install rsync)")
+    src, _, _ = ensure_tree(cache, size_mb)
+    expect = tree_stats(src)
+    read_once(src)
+    log(f"tree {src}: {expect[0]:,} files, {fmt_bytes(expect[1])}; links {rate}")
+    args = argparse.Namespace(rate=rate, store_dir=store_dir)
+    runs = []
+    for n in nodes:
+        log(f"  N={n} ...", end="")
+        runs.append(run_n(src, n, args, expect))
+        r = runs[-1]
+        log(f" monarch-fs {r['monarch_fs_s']:.2f}s, rsync one by one {r['rsync_one_by_one_s']:.2f}s "
+            f"({r['vs_rsync_one_by_one']:.2f}x), all at once {r['rsync_all_at_once_s']:.2f}s "
+            f"({r['vs_rsync_all_at_once']:.2f}x)")
+    f = machine_facts()
+    facts = (f"{f['nproc']} cores ({f['cpu']}), kernel {f['kernel']}, {f['rsync']}; "
+             f"monarch-fs {f['monarch_fs_commit']}")
+    return {"config": {"size_mb": size_mb, "files": expect[0], "bytes": expect[1],
+                       "rate": rate, "store_dir": store_dir, "machine": facts},
+            "runs": runs}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mb", type=int, default=512)
     parser.add_argument("--nodes", default="3", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--rate", default="1gbit", help="every link, each way (tc units)")
-    parser.add_argument("--store-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    parser.add_argument("--store-dir", default=SHM)
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    if shutil.which("rsync") is None:
-        print("network_push_bench: needs rsync (apt-get install rsync)", file=sys.stderr)
-        return 2
-    src, _, _ = ensure_tree(args.cache, args.size_mb)
-    expect = tree_stats(src)
-    read_once(src)
-    log(f"tree {src}: {expect[0]:,} files, {fmt_bytes(expect[1])}; links {args.rate}")
-    runs = []
+    now = datetime.datetime.now()
     try:
-        for n in args.nodes:
-            log(f"  N={n} ...", end="")
-            runs.append(run_n(src, n, args, expect))
-            r = runs[-1]
-            log(f" monarch-fs {r['monarch_fs_s']:.2f}s, rsync one by one {r['rsync_one_by_one_s']:.2f}s "
-                f"({r['vs_rsync_one_by_one']:.2f}x), all at once {r['rsync_all_at_once_s']:.2f}s "
-                f"({r['vs_rsync_all_at_once']:.2f}x)")
+        report = measure(args.size_mb, args.nodes, args.rate, args.store_dir, args.cache)
     except NetnsUnsupported as e:
         print(f"network_push_bench: cannot run here: {e}", file=sys.stderr)
         return 2
     except BenchError as e:
         print(f"network_push_bench: FAILED: {e}", file=sys.stderr)
         return 1
-    now = datetime.datetime.now()
-    f = machine_facts()
-    facts = (f"{f['nproc']} cores ({f['cpu']}), kernel {f['kernel']}, {f['rsync']}; "
-             f"monarch-fs {f['monarch_fs_commit']}")
-    report = {"date": now.isoformat(timespec="seconds"),
-              "config": {"size_mb": args.size_mb, "files": expect[0], "bytes": expect[1],
-                         "rate": args.rate, "store_dir": args.store_dir,
-                         "machine": facts},
-              "runs": runs}
+    report = {"date": now.isoformat(timespec="seconds"), **report}
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"netpush-{now:%Y%m%d-%H%M%S}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")

@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip names or relative paths matching GLOB (repeatable)")
     p.add_argument("--topology", choices=["auto", "chain", "tree", "star"], default="auto",
                    help="how chunks fan out: nodes relay along a chain or tree (default auto: "
-                        "star for 1-2 nodes or small payloads, else chain)")
+                        "star for one node or small payloads, else chain)")
     p.add_argument("--fanout", type=int, default=2, metavar="K", help="children per tree node")
     p.add_argument("--allow-partial", action="store_true",
                    help="route around failed nodes and publish on the healthy ones")

@@ -7,7 +7,10 @@ and every node forwards to its children what their subtrees lack while it receiv
 - chain: one root, each node forwards to the next. Dev-box egress = payload; time is about
   payload / bandwidth + N x (one chunk's transfer time), because the chain is pipelined.
 - tree: a k-ary tree (--fanout K). Depth log_k(N), but inner nodes send k copies.
-- auto: star for 1-2 nodes or a payload under AUTO_STAR_BYTES per node, else chain.
+- auto: star for one node or a payload under AUTO_STAR_BYTES per node, else chain. Even two
+  nodes get a chain: a star would send the dev box's uplink twice the bytes (measured over
+  1 Gbit/s links, bench/network_push_bench.py: 512 MiB to 2 hosts took 6.6 s as a star, about
+  the 1-host time as a chain).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ def choose(kind: str, nodes: int, payload: int) -> str:
     """The topology `auto` resolves to, for `nodes` nodes each lacking up to `payload` bytes."""
     if kind != "auto":
         return kind
-    if nodes <= 2 or payload < AUTO_STAR_BYTES:
+    if nodes <= 1 or payload < AUTO_STAR_BYTES:
         return "star"
     return "chain"
 

@@ -207,3 +207,15 @@ def test_daemon_sigkilled_mid_push_restarts_on_last_good_version(fresh_cluster, 
     for mnt in c.mounts():
         assert tree(mnt / "ws") == expected
     assert out["nodes"] == 2
+
+
+def test_auto_topology_relays_as_soon_as_there_are_two_nodes():
+    """`auto` sends the dev box's bytes once whenever a second node could relay them: a star
+    is kept for one node, or for payloads too small for the uplink to matter."""
+    from monarch_fs.daemon.topology import AUTO_STAR_BYTES, choose
+
+    big, small = 512 * MiB, AUTO_STAR_BYTES - 1
+    assert choose("auto", 1, big) == "star"
+    assert choose("auto", 2, big) == "chain" and choose("auto", 8, big) == "chain"
+    assert choose("auto", 8, small) == "star"
+    assert choose("tree", 2, small) == "tree"  # an explicit choice is kept
