@@ -8,6 +8,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,20 @@ def mfs(*args: str, env: dict | None = None, check: bool = True, timeout: float 
         raise AssertionError(f"monarch-fs {' '.join(args)} exited {proc.returncode}:\n"
                              f"{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def umount_tmpfs(path: Path, timeout: float = 10) -> None:
+    """Unmount a tmpfs a test mounted. Right after a daemon that used it exits, the kernel may
+    hold it a little longer (`fuser -m` says "kernel": its last files are released
+    asynchronously), so a busy unmount is retried until `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        proc = subprocess.run(["umount", str(path)], capture_output=True, text=True)
+        if proc.returncode == 0:
+            return
+        if "busy" not in proc.stderr or time.monotonic() > deadline:
+            raise AssertionError(f"cannot unmount {path}: {proc.stderr.strip()}")
+        time.sleep(0.1)
 
 
 def mounted(path: Path) -> bool:

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import trio
 
-from conftest import mfs, start_cluster, stop_cluster
+from conftest import mfs, start_cluster, stop_cluster, umount_tmpfs
 from monarch_fs.daemon import protocol as p
 from monarch_fs.daemon.auth import load_token
 from monarch_fs.daemon.transport import RemoteError, connect
@@ -119,4 +119,4 @@ def test_full_disk_fails_cleanly(tmp_path):
         finally:
             stop_cluster(c)
     finally:
-        subprocess.run(["umount", str(state)], check=True)
+        umount_tmpfs(state)

@@ -178,7 +178,7 @@ def test_full_disk_while_writing_backing_files_serves_from_the_store(tmp_path):
     through the daemon (correct, only slower), no partial file behind, and `status` says why."""
     import subprocess
 
-    from conftest import mfs, start_cluster, stop_cluster
+    from conftest import mfs, start_cluster, stop_cluster, umount_tmpfs
 
     node = tmp_path / "cluster" / "node-0"
     backing = node / "state" / "backing"
@@ -207,7 +207,7 @@ def test_full_disk_while_writing_backing_files_serves_from_the_store(tmp_path):
         finally:
             stop_cluster(c)
     finally:
-        subprocess.run(["umount", str(backing)], check=True)
+        umount_tmpfs(backing)
 
 
 def test_an_open_right_after_publish_waits_for_its_backing_file(one_node, tmp_path):
