@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -130,7 +130,8 @@ class BackingFiles:
             return
         copy.started = True
         try:
-            await trio.to_thread.run_sync(self.write, copy.entry, copy.store)
+            await trio.to_thread.run_sync(self.write, copy.entry, copy.store,
+                                          trio.from_thread.check_cancelled)
         except (OSError, KeyError, CorruptChunk) as e:
             what = e.strerror if isinstance(e, OSError) and e.strerror else e
             copy.error = (f"cannot write the backing file of "
@@ -183,10 +184,12 @@ class BackingFiles:
                 out[k] = e
         return list(out.values())
 
-    def write(self, entry: Entry, store: Store) -> None:
+    def write(self, entry: Entry, store: Store,
+              checkpoint: Callable[[], None] = lambda: None) -> None:
         """Write one backing file from the store, unless it is there already (blocking: run it
         in a worker thread). Chunks stored raw are copied inside the kernel; compressed ones are
-        decoded and verified. A failure leaves nothing behind."""
+        decoded and verified. `checkpoint` runs before each chunk and may raise to stop (a
+        daemon stopping does not wait for a large file). A failure leaves nothing behind."""
         final = self.path(entry)
         if self._whole(final, entry.size) is not None:
             return
@@ -195,6 +198,7 @@ class BackingFiles:
         try:
             os.fchmod(fd, 0o444)
             for cid in entry.chunks:
+                checkpoint()
                 if not store.copy_raw(cid, fd):
                     data = memoryview(store.get(cid))
                     while data:

@@ -119,3 +119,41 @@ async def test_an_open_waits_for_its_queued_copy_and_failures_are_reported(tmp_p
     assert failed.startswith("cannot write the backing file of gone.so")
     assert b.ready(gone) is None and b.writing == 0
     await b.wait(gone)  # nothing queued: returns at once
+
+
+def test_a_copy_stopped_midway_leaves_nothing_behind(tmp_path):
+    """A daemon that stops does not wait for a large copy: the checkpoint between chunks
+    raises (trio.Cancelled in a daemon) and the partial file is removed."""
+    store = Store(tmp_path / "store")
+    e = stored_file(store, os.urandom(4 * CHUNK), raw=True)
+    b = BackingFiles(tmp_path / "backing")
+    calls = []
+
+    def stop_at_third_chunk() -> None:
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # what trio.Cancelled is to this code: not an error to catch
+
+    with pytest.raises(KeyboardInterrupt):
+        b.write(e, store, stop_at_third_chunk)
+    assert os.listdir(b.root) == [] and b.ready(e) is None
+    b.write(e, store)
+    assert b.path(e).read_bytes() == b"".join(store.get(c) for c in e.chunks)
+
+
+async def test_cancelling_background_copies_stops_them_midway(tmp_path):
+    """Cancelling the copies (the daemon stopping) stops the running ones at their next chunk,
+    not at the end of the file, and leaves no partial file."""
+    import trio
+
+    store = Store(tmp_path / "store")
+    entries = [stored_file(store, os.urandom(16 * CHUNK), raw=True, path=b"w%d" % i)
+               for i in range(2)]
+    b = BackingFiles(tmp_path / "backing")
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(b.write_missing, entries, store)
+            while not (b._copies and all(c.started for c in b._copies.values())):
+                await trio.sleep(0)
+            scope.cancel()
+    assert b.writing == 0 and os.listdir(b.root) == []
