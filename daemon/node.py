@@ -176,7 +176,7 @@ class NodeDaemon:
         self._prepared: set[tuple[str, bytes]] = set()
         # The version each workspace is being prepared for: its backing files are kept.
         self._pinned: dict[str, bytes] = {}
-        self.backing_error: str | None = None  # why the last backing file was not written
+        self.backing_error: str | None = None  # why a file of the latest version has none
         self._nursery: trio.Nursery | None = None  # background work: backing files
         self._publish_lock = trio.Lock()
         self.procs: ProcessTable | None = None
@@ -438,6 +438,7 @@ class NodeDaemon:
         """Write the backing files `manifest` lacks; a file that cannot be written is served
         from the chunk store, and `status` says why."""
         failed = await self.backing.write_missing(manifest.entries, self.store)
+        self.backing_error = None  # about the latest version's files only
         if failed:
             more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
             self.backing_error = failed[0] + more

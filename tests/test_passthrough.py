@@ -204,6 +204,14 @@ def test_full_disk_while_writing_backing_files_serves_from_the_store(tmp_path):
             assert (root / "ws" / "big").read_bytes() == big
             assert passthrough_opens(root) == opened
             assert ops(root).get("read", 0) > before.get("read", 0)
+
+            # A later version whose files fit gets its backing files, and the warning goes.
+            (src / "big").write_bytes(os.urandom(MIN_SIZE))
+            c.push(src)
+            written(c)
+            assert c.status()[0]["backing_error"] is None
+            assert (root / "ws" / "big").read_bytes() == (src / "big").read_bytes()
+            assert passthrough_opens(root) == opened + 1
         finally:
             stop_cluster(c)
     finally:
