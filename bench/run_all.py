@@ -181,6 +181,12 @@ def _ops_line(c: dict) -> str:
     return f"{text} | {cache} | {c['daemon_cpu_s'] / runs:.2f}"
 
 
+def _spread(s: dict) -> str:
+    """A median with its range: on a shared machine one run can move more than a goal's
+    margin."""
+    return f"{s['median']:.2f} s ({s['min']:.2f}-{s['max']:.2f})"
+
+
 def _runs(n: int, *discarded: int) -> str:
     rerun = sum(d or 0 for d in discarded)
     return f"{n} runs" + (f", {rerun} rerun: cache dropped by another job" if rerun else "")
@@ -262,15 +268,16 @@ def summary_tables(report: dict) -> list[str]:
         v = imp["venv"]
         lines += [f"**`import {imp['module']}`** ({imp['version']}) from a pushed venv "
                   f"({imp['push']['files']:,} files, {fmt_bytes(imp['push']['bytes'])}); "
-                  "median seconds of a fresh interpreter, and of the import statement alone", "",
+                  "median seconds of a fresh interpreter (fastest-slowest run), and of the "
+                  "import statement alone", "",
                   "| case | mount | local disk | mount / local | import statement: mount / local |",
                   "| --- | ---: | ---: | ---: | ---: |"]
         for case in ("cold", "warm"):
             r = imp[case]
             runs = _runs(len(r["mount"]["wall_s"]["runs"]), r["mount"].get("discarded"),
                          r["local"].get("discarded"))
-            lines.append(f"| {case} ({runs}) | {r['mount']['wall_s']['median']:.2f} s | "
-                         f"{r['local']['wall_s']['median']:.2f} s | {r['ratio']:.2f}x | "
+            lines.append(f"| {case} ({runs}) | {_spread(r['mount']['wall_s'])} | "
+                         f"{_spread(r['local']['wall_s'])} | {r['ratio']:.2f}x | "
                          f"{r['mount']['import_s']['median']:.2f} s / "
                          f"{r['local']['import_s']['median']:.2f} s = {r['import_ratio']:.2f}x |")
         if v.get("excludes"):
