@@ -178,6 +178,19 @@ def run_n(src: Path, n: int, args: argparse.Namespace, expect: tuple[int, int]) 
             "vs_rsync_all_at_once": round(par_s / push_s, 2)}
 
 
+def table(runs: list[dict]) -> list[str]:
+    """The results as markdown table lines (x: how many times faster monarch-fs is)."""
+    lines = ["| hosts | monarch-fs | sent by monarch-fs | rsync -a, one host after another | x "
+             "| rsync -a, all hosts at once | x |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in runs:
+        lines.append(f"| {r['nodes']} | {r['monarch_fs_s']:.2f} s ({r['topology']}) | "
+                     f"{fmt_bytes(r['monarch_fs_bytes_sent'])} | {r['rsync_one_by_one_s']:.2f} s | "
+                     f"{r['vs_rsync_one_by_one']:.2f}x | {r['rsync_all_at_once_s']:.2f} s | "
+                     f"{r['vs_rsync_all_at_once']:.2f}x |")
+    return lines
+
+
 def markdown(report: dict) -> str:
     c = report["config"]
     lines = [f"## Cold push over {c['rate']} links: monarch-fs vs rsync -a, {report['date']}", "",
@@ -185,15 +198,7 @@ def markdown(report: dict) -> str:
              f"- tree: {c['files']:,} files, {fmt_bytes(c['bytes'])} (push_bench's generated "
              f"tree, {c['size_mb']} MB); every host in its own network namespace, every link "
              f"{c['rate']} each way; stores and rsync destinations on {c['store_dir']}",
-             "- x: how many times faster monarch-fs is", "",
-             "| nodes | monarch-fs | sent by monarch-fs | rsync -a, one host after another | x "
-             "| rsync -a, all hosts at once | x |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in report["runs"]:
-        lines.append(f"| {r['nodes']} | {r['monarch_fs_s']:.2f} s ({r['topology']}) | "
-                     f"{fmt_bytes(r['monarch_fs_bytes_sent'])} | {r['rsync_one_by_one_s']:.2f} s | "
-                     f"{r['vs_rsync_one_by_one']:.2f}x | {r['rsync_all_at_once_s']:.2f} s | "
-                     f"{r['vs_rsync_all_at_once']:.2f}x |")
+             "- x: how many times faster monarch-fs is", "", *table(report["runs"])]
     return "\n".join(lines) + "\n"
 
 

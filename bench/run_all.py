@@ -237,16 +237,8 @@ def summary_tables(report: dict) -> list[str]:
         c = net["config"]
         lines += [f"**push over a network**: the same tree to N hosts, each in its own network "
                   f"namespace, every link {c['rate']} each way; `rsync -a` to an rsync daemon on "
-                  f"each host; stores and destinations on {c['store_dir']}", "",
-                  "| hosts | monarch-fs | sent by monarch-fs | rsync, one host after another | "
-                  "vs rsync | rsync, all hosts at once | vs rsync |",
-                  "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-        for r in net["runs"]:
-            lines.append(f"| {r['nodes']} | {r['monarch_fs_s']:.2f} s ({r['topology']}) | "
-                         f"{fmt_bytes(r['monarch_fs_bytes_sent'])} | "
-                         f"{r['rsync_one_by_one_s']:.2f} s | {r['vs_rsync_one_by_one']:.2f}x | "
-                         f"{r['rsync_all_at_once_s']:.2f} s | {r['vs_rsync_all_at_once']:.2f}x |")
-        lines.append("")
+                  f"each host; stores and destinations on {c['store_dir']}; x: how many times "
+                  "faster monarch-fs is", "", *network_push_bench.table(net["runs"]), ""]
     elif "skipped" in net:
         lines += [f"**push over a network**: skipped ({net['skipped']})", ""]
 
