@@ -437,7 +437,10 @@ class NodeDaemon:
     async def _write_backing(self, manifest: Manifest) -> None:
         """Write the backing files `manifest` lacks; a file that cannot be written is served
         from the chunk store, and `status` says why."""
-        failed = await self.backing.write_missing(manifest.entries, self.store)
+        try:
+            failed = await self.backing.write_missing(manifest.entries, self.store)
+        except OSError as e:  # the folder itself (this runs in the background: never fatal)
+            failed = [f"backing files in {self.backing.root}: {e.strerror or e}"]
         self.backing_error = None  # about the latest version's files only
         if failed:
             more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""

@@ -228,5 +228,14 @@ class BackingFiles:
         return removed
 
     def usage(self) -> tuple[int, int]:
-        sizes = [p.stat().st_size for p in self._files()]
+        """(files, bytes); (0, 0) if the folder cannot be listed (the copies say why)."""
+        sizes = []
+        try:
+            for p in self._files():
+                try:
+                    sizes.append(p.stat().st_size)
+                except FileNotFoundError:
+                    pass  # pruned meanwhile
+        except OSError:
+            return 0, 0
         return len(sizes), sum(sizes)

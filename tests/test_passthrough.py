@@ -258,3 +258,27 @@ def test_concurrent_first_opens_share_one_backing_file(one_node, tmp_path):
         assert all(r == data for r in pool.map(read, range(32)))
     assert passthrough_opens(c.mnt(0)) == opened + 32
     assert ops(c.mnt(0)).get("read", 0) == 0
+
+
+def test_a_broken_backing_folder_is_reported_not_fatal(one_node, tmp_path):
+    """The copies run in the background of the daemon: an error from the backing folder itself
+    (here it was replaced by a file) is reported by `status`, and the daemon keeps serving."""
+    import shutil
+
+    c = one_node
+    folder = backing_dir(c)
+    shutil.rmtree(folder)
+    folder.write_text("not a folder")
+    try:
+        src = tmp_path / "ws"
+        src.mkdir()
+        data = os.urandom(2 * MiB)
+        (src / "lib.so").write_bytes(data)
+        c.push(src)
+        wait_for(lambda: c.status()[0]["backing_error"], 20, "the error to be reported")
+        assert "Not a directory" in c.status()[0]["backing_error"]
+        assert (c.mnt(0) / "ws" / "lib.so").read_bytes() == data  # served by the daemon
+        assert cluster_mod.running_node(c.dir, 0)
+    finally:
+        folder.unlink()
+        folder.mkdir()  # what the daemon's clean stop writes its marker into
