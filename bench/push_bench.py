@@ -23,8 +23,8 @@ Fairness rules, and why:
 - The page cache is dropped before every cold run when we are root (the tree fits in RAM, so a
   warm cache would hide the disk); warm cases run with whatever the previous case left behind.
 - `sync` runs (untimed) before every measured run, so one tool's dirty pages are never flushed on
-  another tool's clock: monarch-fs calls syncfs(2) before it publishes, rsync and tar never
-  flush. The time a `sync` takes right after each rsync/tar run is recorded too, as the price of
+  another tool's clock: monarch-fs flushes its chunk store (fdatasync) before it publishes,
+  rsync and tar never flush. The time a `sync` takes right after each rsync/tar run is recorded too, as the price of
   the durability monarch-fs pays and they do not.
 
 The tree is generated once, deterministically (random.Random(0)), into a cache folder and reused:

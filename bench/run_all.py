@@ -230,6 +230,12 @@ def summary_tables(report: dict) -> list[str]:
             row += [f"{o['seconds'] / m['seconds']:.2f}x" if o else "n/a" for o in others]
             row.append(fmt_bytes(m["push"]["bytes_sent"]))
             lines.append("| " + " | ".join(row) + " |")
+        flushes = [f"{tool} {by[(tool, 'cold')]['flush_seconds']:.2f} s" for tool in
+                   ("rsync", "tar|zstd") if by.get((tool, "cold"), {}).get("flush_seconds")]
+        if flushes:
+            lines += ["", "monarch-fs flushes the chunk store before it publishes; rsync and tar "
+                      "do not, and a `sync` right after their cold copies took "
+                      + ", ".join(flushes) + " (not in their times above)."]
         lines.append("")
 
     net = res.get("netpush", {})
