@@ -32,7 +32,7 @@ from ..fs.backing import wanted as backing_wanted
 from ..fs.chunk import CorruptChunk
 from ..fs.fuse_ops import SnapshotFS, mount_options, set_readahead
 from ..fs.manifest import Manifest, ManifestError
-from ..fs.store import Store
+from ..fs.store import PACK_LIMIT, Store
 from . import bulk
 from . import protocol as p
 from .refs import Refs, check_workspace_name
@@ -166,7 +166,10 @@ class NodeDaemon:
         self.state = Path(state)
         self.mount = Path(mount)
         self.state.mkdir(parents=True, exist_ok=True)
-        self.store = Store(self.state / "store")
+        # MONARCH_FS_PACK_MIB: pack file size. A pack is deleted once nothing in it is used,
+        # so smaller packs give space back sooner, for more files.
+        pack_mib = int(os.environ.get("MONARCH_FS_PACK_MIB", PACK_LIMIT >> 20))
+        self.store = Store(self.state / "store", pack_limit=max(1, pack_mib) << 20)
         self.refs = Refs(self.state / "refs.json")
         self.backing = BackingFiles(self.state / "backing")
         self.fs = SnapshotFS(self.store.get, self.backing)
@@ -179,12 +182,14 @@ class NodeDaemon:
         self.backing_error: str | None = None  # why a file of the latest version has none
         self._nursery: trio.Nursery | None = None  # background work: backing files
         self._publish_lock = trio.Lock()
+        self._gc_lock = trio.Lock()  # a collect, and the answers to "which chunks do you lack"
+        self._negotiating = 0  # sessions told what this node has, and not committed since
         self.procs: ProcessTable | None = None
         self._write_limiter = trio.CapacityLimiter(4)
         self.started = time.time()
         # What crossed this node since it started: a push's edges carry only what is lacking.
         self.counters = {"chunks_received": 0, "bytes_received": 0, "chunks_stored": 0,
-                         "chunks_forwarded": 0}
+                         "chunks_forwarded": 0, "packs_collected": 0, "bytes_collected": 0}
 
     # ---- life cycle -----------------------------------------------------------------------
 
@@ -216,6 +221,7 @@ class NodeDaemon:
                 # Backing files this node's versions lack (all of them after a crash, see
                 # fs/backing.py) are written now; until then the chunk store serves those files.
                 nursery.start_soon(self._fill_backing)
+                nursery.start_soon(self._collect)  # what a crash left behind
                 log.info("serving %s on %s (state %s)", self.mount, self.addr, self.state)
                 if ready_file:
                     tmp = ready_file + ".tmp"
@@ -276,6 +282,7 @@ class NodeDaemon:
         writes = _Writes(self.counters, self._write_limiter, self._put)
         relay: Relay | None = None
         own_missing: set[bytes] | None = None  # what this node lacks, once asked
+        claimed = False  # this session was told what this node has: no collect until commit
         bulk_rx: bulk.BulkReceiver | None = None  # an RDMA channel the client opened
 
         async def on_chunk(cid: bytes, blob: bytes) -> None:  # PutChunk frames and RDMA alike
@@ -296,7 +303,10 @@ class NodeDaemon:
                     if isinstance(msg, p.PutChunk):
                         await on_chunk(msg.cid, msg.blob)
                     elif isinstance(msg, p.QueryMissing):
-                        own = await trio.to_thread.run_sync(self.store.missing, msg.ids)
+                        async with self._gc_lock:  # not while a collect drops chunks
+                            own = await trio.to_thread.run_sync(self.store.missing, msg.ids)
+                        if not claimed:
+                            claimed, self._negotiating = True, self._negotiating + 1
                         own_missing = set(own)
                         below = await relay.query(msg.ids) if relay is not None else set()
                         await chan.send(p.MissingIds(
@@ -338,6 +348,9 @@ class NodeDaemon:
                         try:
                             writes.raise_first()
                             value = await self._handle(msg.op, msg.args)
+                            if msg.op == "commit" and claimed:  # what it has is now retained
+                                claimed = False
+                                self._release_claim()
                         except (RequestError, ValueError, ManifestError) as e:
                             await chan.send(p.Error(str(e), code="refused", id=msg.id))
                         except Exception as e:
@@ -347,6 +360,8 @@ class NodeDaemon:
                         else:
                             await chan.send(p.Reply(msg.id, value))
             finally:
+                if claimed:
+                    self._release_claim()
                 if relay is not None:
                     await relay.aclose()
                 if bulk_rx is not None:
@@ -478,6 +493,49 @@ class NodeDaemon:
         except OSError as e:
             log.warning("pruning backing files: %s", e)
 
+    def _release_claim(self) -> None:
+        """A session told what this node has committed or went away: once no push is in
+        flight, the chunks the last ones left unused can go."""
+        self._negotiating -= 1
+        if self._negotiating == 0 and self._nursery is not None:
+            self._nursery.start_soon(self._collect)
+
+    async def _collect(self) -> None:
+        """Delete the store's packs that hold only chunks nothing uses: no retained version, no
+        version being published, no file the kernel still holds. Skipped while another push
+        has been told what this node has (those chunks must stay): its commit collects."""
+        async with self._gc_lock:
+            if self._negotiating:
+                return
+            retained = {v for vs in self.refs.workspaces.values() for v in vs}
+            versions = retained | set(self._pinned.values())
+            manifests = []
+            for v in versions:
+                try:
+                    manifests.append(self._manifest(v))
+                except (KeyError, CorruptChunk, ManifestError) as e:
+                    if v in retained:  # what it uses is unknown: delete nothing
+                        log.warning("not collecting: version %s: %s", v.hex()[:12], e)
+                        return
+                    # else a version being published whose manifest has not arrived
+            held = self.fs.held_chunks()
+
+            def collect() -> tuple[int, int]:
+                live = held | versions
+                for m in manifests:
+                    live.update(m.chunk_ids())
+                return self.store.collect(live)
+
+            try:
+                packs, freed = await trio.to_thread.run_sync(collect)
+            except OSError as e:
+                log.warning("collecting the store: %s", e)
+                return
+        if packs:
+            self.counters["packs_collected"] += packs
+            self.counters["bytes_collected"] += freed
+            log.info("collected %d packs (%d bytes) no version uses", packs, freed)
+
     async def _prepare(self, name: str, version: bytes) -> dict:
         await self._make_ready(name, version)
         self._prepared.add((name, version))
@@ -498,6 +556,8 @@ class NodeDaemon:
                                or any(v in vs for vs in self.refs.workspaces.values())}
             await self._prune_backing()
         log.info("published %s = %s", name, version.hex())
+        if self._nursery is not None:
+            self._nursery.start_soon(self._collect)
         return {"version": version.hex(), "previous": previous.hex() if previous else None}
 
     async def status(self) -> dict:

@@ -8,7 +8,9 @@ and a directory entry on every node (~300 us each here); appending to a pack cos
     store/lock                 held by the one process that owns the store
 
 An object exists once its whole record is in a pack: the in-memory index is only updated after
-the append. After a crash, packs without an index are scanned and a torn record at the end is
+the append. `collect` deletes the sealed packs in which no object is live any more (the chunks
+of versions no node keeps); packs are never rewritten, so a crash mid-collect loses nothing
+live. After a crash, packs without an index are scanned and a torn record at the end is
 cut off, so a partial object is never visible. Every blob is verified against its id before it is
 appended and whenever it is read: a damaged record is an error, never wrong bytes. Durability is
 batched: `sync()` flushes the open pack once before a version is published.
@@ -70,6 +72,7 @@ class Store:
             raise StoreBusy(f"store {self.root} is in use by another process") from None
         self._index: dict[bytes, int] = {}  # id -> _loc(pack, offset, length)
         self._readers: dict[int, int] = {}
+        self._retired: list[int] = []  # readers of deleted packs, closed at the next collect
         self._lock = threading.Lock()
         numbers = sorted(int(p.stem) for p in self.packs.glob("*.pack"))
         for n in numbers:
@@ -255,14 +258,54 @@ class Store:
             os.fdatasync(self._fd)
         fsync_dir(self.packs)
 
+    def collect(self, live: set[bytes]) -> tuple[int, int]:
+        """Delete every sealed pack that holds no object in `live`; (packs, bytes) freed.
+
+        Their objects leave the index first, so from then on `missing` reports them and a push
+        sends them again; the open pack is never touched. A pack's index goes before the pack:
+        a crash in between leaves a pack that the next start scans and the next collect
+        deletes. Blocking: run it in a worker thread."""
+        for fd in self._retired:  # any read that used them finished long ago
+            os.close(fd)
+        self._retired.clear()
+        with self._lock:
+            sealed = {int(p.stem) for p in self.packs.glob("*.pack")} - {self._cur}
+            doomed: dict[int, list[bytes]] = {n: [] for n in sealed}
+            for cid, loc in self._index.items():
+                n = loc >> 72
+                if n in doomed:
+                    if cid in live:
+                        del doomed[n]
+                    else:
+                        doomed[n].append(cid)
+            for cids in doomed.values():
+                for cid in cids:
+                    del self._index[cid]
+            for n in doomed:
+                fd = self._readers.pop(n, None)
+                if fd is not None:
+                    self._retired.append(fd)
+        freed = 0
+        for n in sorted(doomed):
+            try:
+                freed += self._pack_path(n).stat().st_size
+            except FileNotFoundError:
+                continue
+            self._idx_path(n).unlink(missing_ok=True)
+            self._pack_path(n).unlink()
+        if doomed:
+            fsync_dir(self.packs)
+        return len(doomed), freed
+
     def usage(self) -> tuple[int, int]:
         """(objects, bytes on disk)."""
         return len(self._index), sum(p.stat().st_size for p in self.packs.glob("*.pack"))
 
     def close(self) -> None:
-        for fd in [self._fd, *self._readers.values(), self._lockfd]:
+        for fd in [self._fd, *self._readers.values(), *self._retired, self._lockfd]:
             os.close(fd)
         self._readers.clear()
+        self._retired.clear()
 
 
 __all__ = ["Store", "StoreBusy", "CorruptChunk"]

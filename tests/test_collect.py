@@ -1,0 +1,109 @@
+"""The store gives space back: packs whose chunks no retained version, publish in flight or open
+file uses are deleted after a publish. Real daemons and mounts; 1 MiB packs so a few small
+pushes fill several."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from conftest import tree
+
+MiB = 1 << 20
+FILES = 12
+SIZE = 200 * 1024  # below the backing-file size: these files are read through the store
+
+
+def wait_for(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def fill(src, seed: int) -> dict[str, bytes]:
+    data = {f"m{i}.py": os.urandom(SIZE) for i in range(FILES)}
+    for name, content in data.items():
+        (src / name).write_bytes(content)
+    return data
+
+
+@pytest.fixture
+def small_packs(monkeypatch):
+    monkeypatch.setenv("MONARCH_FS_PACK_MIB", "1")
+
+
+def test_packs_of_dropped_versions_are_collected_but_not_an_open_file(small_packs,
+                                                                       fresh_cluster, tmp_path):
+    c = fresh_cluster(1)
+    src = tmp_path / "ws"
+    src.mkdir()
+    first = fill(src, 1)
+    c.push(src)
+    mnt = c.mnt(0) / "ws"
+    held = open(mnt / "m0.py", "rb")  # a job keeps one file of the first version open
+    try:
+        versions = [first]
+        for seed in (2, 3, 4):  # the daemon keeps 3 versions: the first is dropped at the 4th
+            versions.append(fill(src, seed))
+            c.push(src)
+        wait_for(lambda: c.status()[0]["packs_collected"] > 0, 20, "a collect")
+        node = c.status()[0]
+        assert node["bytes_collected"] >= MiB
+        # Retained versions are whole, through the current view and .versions/.
+        assert tree(mnt) == tree(src)
+        listed = sorted(os.listdir(c.mnt(0) / ".versions" / "ws"))
+        assert len(listed) == 3
+        for v in listed:
+            got = {n: (c.mnt(0) / ".versions" / "ws" / v / n).read_bytes() for n in versions[1]}
+            assert got in versions[1:]
+        # The open file of the dropped version still reads, from the store, not a cache.
+        os.posix_fadvise(held.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        assert held.read() == first["m0.py"]
+    finally:
+        held.close()
+    # The store shrank by what it collected: about a version's worth, not less.
+    assert node["store_bytes"] < 4 * FILES * SIZE
+
+
+def test_a_push_in_flight_keeps_what_it_was_told_the_node_has(small_packs, fresh_cluster,
+                                                              tmp_path):
+    """A node that told a push "I have these" keeps them until that push commits, even if a
+    publish of another workspace drops the last version using them meanwhile."""
+    import trio
+
+    from monarch_fs.daemon.auth import load_token
+    from monarch_fs.daemon.push import push
+    from monarch_fs.daemon.transport import connect
+    from monarch_fs.fs.scan import scan
+
+    c = fresh_cluster(1)
+    token = load_token(c.token_file)
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    shared = fill(a, 1)  # workspace a holds these chunks...
+    c.push(a)
+    for name, content in shared.items():
+        (b / name).write_bytes(content)  # ...and b will be pushed with the same content
+
+    async def main() -> None:
+        snap = await scan(b)
+        ids = snap.manifest.chunk_ids()
+        chan = await connect(c.hosts[0], token)
+        try:
+            assert await chan.query_missing(ids) == []  # "I have all of b's chunks"
+            for seed in (2, 3, 4):  # meanwhile a moves on: its first version is dropped
+                fill(a, seed)
+                await push(a, c.hosts, token, transport="tcp")
+            assert c.status()[0]["packs_collected"] == 0  # the claim held the collect back
+            assert await chan.query_missing(ids) == []
+        finally:
+            await chan.aclose()
+        await push(b, c.hosts, token, transport="tcp")  # nothing to send, and it publishes
+
+    trio.run(main)
+    assert tree(c.mnt(0) / "b") == tree(b)
+    wait_for(lambda: c.status()[0]["packs_collected"] > 0, 20, "the deferred collect")
