@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import itertools
 import json
 import logging
 import os
@@ -521,10 +522,8 @@ class NodeDaemon:
             held = self.fs.held_chunks()
 
             def collect() -> tuple[int, int]:
-                live = held | versions
-                for m in manifests:
-                    live.update(m.chunk_ids())
-                return self.store.collect(live)
+                return self.store.collect(itertools.chain(
+                    versions, held, (c for m in manifests for e in m.entries for c in e.chunks)))
 
             try:
                 packs, freed = await trio.to_thread.run_sync(collect)

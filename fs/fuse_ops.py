@@ -229,10 +229,11 @@ class SnapshotFS(pyfuse3.Operations):
         a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = e.mtime_ns
         return a
 
-    def held_chunks(self) -> set[bytes]:
+    def held_chunks(self) -> list[bytes]:
         """The chunks of every file the kernel still holds: a job may have one of a version
-        no longer retained open, and keeps reading it through here."""
-        return {c for node in self._nodes.values() for c in node.entry.chunks}
+        no longer retained open, and keeps reading it through here. (A list: references to
+        ids the entries already hold, not a set's table.)"""
+        return [c for node in self._nodes.values() for c in node.entry.chunks]
 
     def _node(self, ino: int) -> Node:
         try:

@@ -258,29 +258,25 @@ class Store:
             os.fdatasync(self._fd)
         fsync_dir(self.packs)
 
-    def collect(self, live: set[bytes]) -> tuple[int, int]:
+    def collect(self, live: Iterable[bytes]) -> tuple[int, int]:
         """Delete every sealed pack that holds no object in `live`; (packs, bytes) freed.
 
-        Their objects leave the index first, so from then on `missing` reports them and a push
-        sends them again; the open pack is never touched. A pack's index goes before the pack:
-        a crash in between leaves a pack that the next start scans and the next collect
-        deletes. Blocking: run it in a worker thread."""
+        `live` is only looked up, never kept: on a daemon holding 100k files a set of every
+        live id would be its largest allocation. The doomed packs' objects leave the index
+        first, so from then on `missing` reports them and a push sends them again; the open
+        pack is never touched. A pack's index goes before the pack: a crash in between leaves
+        a pack that the next start scans and the next collect deletes. Blocking: run it in a
+        worker thread."""
         for fd in self._retired:  # any read that used them finished long ago
             os.close(fd)
         self._retired.clear()
         with self._lock:
-            sealed = {int(p.stem) for p in self.packs.glob("*.pack")} - {self._cur}
-            doomed: dict[int, list[bytes]] = {n: [] for n in sealed}
-            for cid, loc in self._index.items():
-                n = loc >> 72
-                if n in doomed:
-                    if cid in live:
-                        del doomed[n]
-                    else:
-                        doomed[n].append(cid)
-            for cids in doomed.values():
-                for cid in cids:
-                    del self._index[cid]
+            index = self._index
+            alive = {loc >> 72 for cid in live if (loc := index.get(cid)) is not None}
+            doomed = {int(p.stem) for p in self.packs.glob("*.pack")} - alive - {self._cur}
+            if doomed:
+                for cid in [c for c, loc in index.items() if loc >> 72 in doomed]:
+                    del index[cid]
             for n in doomed:
                 fd = self._readers.pop(n, None)
                 if fd is not None:
