@@ -138,10 +138,10 @@ class RsyncDaemons:
         return seconds
 
 
-def run_n(src: Path, n: int, args: argparse.Namespace, expect: tuple[int, int]) -> dict:
-    base = Path(tempfile.mkdtemp(prefix="netpush-", dir=args.store_dir))
+def run_n(src: Path, n: int, rate: str, store_dir: str | None, expect: tuple[int, int]) -> dict:
+    base = Path(tempfile.mkdtemp(prefix="netpush-", dir=store_dir))
     try:
-        with NetCluster(n, rate=args.rate, workdir=base / "cluster") as cluster:
+        with NetCluster(n, rate=rate, workdir=base / "cluster") as cluster:
             start = time.monotonic()
             proc = cluster.run_devbox(cluster.push_argv(src, "--json", "--no-cache",
                                                         "--timeout", "300"), timeout=3600)
@@ -212,11 +212,10 @@ def measure(size_mb: int, nodes: list[int], rate: str = "1gbit", store_dir: str 
     expect = tree_stats(src)
     read_once(src)
     log(f"tree {src}: {expect[0]:,} files, {fmt_bytes(expect[1])}; links {rate}")
-    args = argparse.Namespace(rate=rate, store_dir=store_dir)
     runs = []
     for n in nodes:
         log(f"  N={n} ...", end="")
-        runs.append(run_n(src, n, args, expect))
+        runs.append(run_n(src, n, rate, store_dir, expect))
         r = runs[-1]
         log(f" monarch-fs {r['monarch_fs_s']:.2f}s, rsync one by one {r['rsync_one_by_one_s']:.2f}s "
             f"({r['vs_rsync_one_by_one']:.2f}x), all at once {r['rsync_all_at_once_s']:.2f}s "

@@ -352,6 +352,8 @@ class NodeDaemon:
                             if msg.op == "commit" and claimed:  # what it has is now retained
                                 claimed = False
                                 self._release_claim()
+                            elif msg.op == "commit":
+                                self._start_collect()
                         except (RequestError, ValueError, ManifestError) as e:
                             await chan.send(p.Error(str(e), code="refused", id=msg.id))
                         except Exception as e:
@@ -495,9 +497,13 @@ class NodeDaemon:
             log.warning("pruning backing files: %s", e)
 
     def _release_claim(self) -> None:
-        """A session told what this node has committed or went away: once no push is in
-        flight, the chunks the last ones left unused can go."""
+        """A session told what this node has committed or went away."""
         self._negotiating -= 1
+        self._start_collect()
+
+    def _start_collect(self) -> None:
+        """After a commit or a released claim: once no push is in flight, the chunks the last
+        ones left unused can go."""
         if self._negotiating == 0 and self._nursery is not None:
             self._nursery.start_soon(self._collect)
 
@@ -555,8 +561,6 @@ class NodeDaemon:
                                or any(v in vs for vs in self.refs.workspaces.values())}
             await self._prune_backing()
         log.info("published %s = %s", name, version.hex())
-        if self._nursery is not None:
-            self._nursery.start_soon(self._collect)
         return {"version": version.hex(), "previous": previous.hex() if previous else None}
 
     async def status(self) -> dict:

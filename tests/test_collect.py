@@ -23,7 +23,7 @@ def wait_for(cond, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def fill(src, seed: int) -> dict[str, bytes]:
+def fill(src) -> dict[str, bytes]:
     data = {f"m{i}.py": os.urandom(SIZE) for i in range(FILES)}
     for name, content in data.items():
         (src / name).write_bytes(content)
@@ -40,14 +40,14 @@ def test_packs_of_dropped_versions_are_collected_but_not_an_open_file(small_pack
     c = fresh_cluster(1)
     src = tmp_path / "ws"
     src.mkdir()
-    first = fill(src, 1)
+    first = fill(src)
     c.push(src)
     mnt = c.mnt(0) / "ws"
     held = open(mnt / "m0.py", "rb")  # a job keeps one file of the first version open
     try:
         versions = [first]
-        for seed in (2, 3, 4):  # the daemon keeps 3 versions: the first is dropped at the 4th
-            versions.append(fill(src, seed))
+        for _ in range(3):  # the daemon keeps 3 versions: the first is dropped at the 4th
+            versions.append(fill(src))
             c.push(src)
         wait_for(lambda: c.status()[0]["packs_collected"] > 0, 20, "a collect")
         node = c.status()[0]
@@ -84,7 +84,7 @@ def test_a_push_in_flight_keeps_what_it_was_told_the_node_has(small_packs, fresh
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
     b.mkdir()
-    shared = fill(a, 1)  # workspace a holds these chunks...
+    shared = fill(a)  # workspace a holds these chunks...
     c.push(a)
     for name, content in shared.items():
         (b / name).write_bytes(content)  # ...and b will be pushed with the same content
@@ -95,8 +95,8 @@ def test_a_push_in_flight_keeps_what_it_was_told_the_node_has(small_packs, fresh
         chan = await connect(c.hosts[0], token)
         try:
             assert await chan.query_missing(ids) == []  # "I have all of b's chunks"
-            for seed in (2, 3, 4):  # meanwhile a moves on: its first version is dropped
-                fill(a, seed)
+            for _ in range(3):  # meanwhile a moves on: its first version is dropped
+                fill(a)
                 await push(a, c.hosts, token, transport="tcp")
             assert c.status()[0]["packs_collected"] == 0  # the claim held the collect back
             assert await chan.query_missing(ids) == []

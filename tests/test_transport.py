@@ -6,6 +6,7 @@ import hashlib
 import os
 import stat
 import struct
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
@@ -230,40 +231,38 @@ async def test_big_chunk_and_concurrent_senders():
         nursery.cancel_scope.cancel()
 
 
-async def test_receive_after_server_closes():
+@asynccontextmanager
+async def hanging_up_server():
+    """The address of a server that authenticates each client, then closes at once."""
     async def once(stream: trio.SocketStream) -> None:
         ch = await accept(stream, TOKEN, {})
         await ch.aclose()
 
     async with trio.open_nursery() as nursery:
         listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        port = listeners[0].socket.getsockname()[1]
         nursery.start_soon(trio.serve_listeners, once, listeners)
-        ch = await connect(f"127.0.0.1:{port}", TOKEN)
-        with pytest.raises(ConnectionLost, match=f"127.0.0.1:{port}"):
+        yield f"127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+        nursery.cancel_scope.cancel()
+
+
+async def test_receive_after_server_closes():
+    async with hanging_up_server() as addr:
+        ch = await connect(addr, TOKEN)
+        with pytest.raises(ConnectionLost, match=addr):
             await ch.receive()
         await ch.aclose()
-        nursery.cancel_scope.cancel()
 
 
 async def test_send_after_the_peer_closed_is_connection_lost():
     """A writer racing a reader that saw the peer hang up gets the transport's ConnectionLost,
     which callers handle, not a ProtocolError (a peer breaking the protocol)."""
-    async def once(stream: trio.SocketStream) -> None:
-        ch = await accept(stream, TOKEN, {})
-        await ch.aclose()
-
-    async with trio.open_nursery() as nursery:
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        port = listeners[0].socket.getsockname()[1]
-        nursery.start_soon(trio.serve_listeners, once, listeners)
-        ch = await connect(f"127.0.0.1:{port}", TOKEN)
+    async with hanging_up_server() as addr:
+        ch = await connect(addr, TOKEN)
         with pytest.raises(ConnectionLost):
             await ch.receive()
         with pytest.raises(ConnectionLost, match="connection closed"):
             await ch.send(Event("after", {}))
         await ch.aclose()
-        nursery.cancel_scope.cancel()
 
 
 @pytest.mark.parametrize(
