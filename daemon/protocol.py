@@ -4,6 +4,11 @@ Keeping I/O out makes the protocol fuzzable and shared by every transport. A fra
 (payload length u32, frame type u8) and a payload. Limits are checked from the header alone,
 before any payload is buffered, so a peer cannot make us allocate by claiming a huge frame.
 
+Chunk payloads are most of the bytes, so they are not copied on the way through: send_parts()
+gives a frame as a list of buffers (a socket writes them with one sendmsg), and a large PUT_CHUNK
+or DATA frame is received in place, into a buffer of its own that get_buffer() hands to
+recv_into (the asyncio BufferedProtocol pattern); its payload arrives as a view of that buffer.
+
 Handshake (mutual HMAC challenge-response; the token never crosses the wire):
 
     server -> Hello(version, server_nonce)
@@ -45,6 +50,8 @@ _LENGTH = struct.Struct("<Q")
 _CLIENT_LABEL = b"monarch-fs client"
 _SERVER_LABEL = b"monarch-fs server"
 _MAX_EARLY_ERROR = 500  # characters of an Error message sent during the handshake
+IN_PLACE = 64 * 1024  # PUT_CHUNK and DATA frames this big are received into their own buffer
+_SCRATCH = 256 * 1024  # what get_buffer() offers between large frames
 
 
 class ProtocolError(Exception):
@@ -189,9 +196,12 @@ def _mac(token: bytes, label: bytes, first: bytes, second: bytes) -> bytes:
     return hmac.new(token, label + first + second, hashlib.sha256).digest()
 
 
-def _frame(ftype: FrameType, *parts: bytes | memoryview) -> bytes:
-    size = sum(len(p) for p in parts)
-    return b"".join([_HEADER.pack(size, ftype), *parts])
+Buffer = bytes | bytearray | memoryview
+
+
+def _frame(ftype: FrameType, *parts: Buffer) -> list[Buffer]:
+    """A frame as the buffers to write, the payload parts not copied."""
+    return [_HEADER.pack(sum(len(p) for p in parts), ftype), *parts]
 
 
 def _json(obj: dict) -> bytes:
@@ -223,7 +233,7 @@ def _split_ids(ftype: FrameType, payload: bytes) -> list[bytes]:
     return [payload[i : i + ID_SIZE] for i in range(0, len(payload), ID_SIZE)]
 
 
-def _split_data(payload: bytearray) -> Data:
+def _split_data(payload: bytearray | memoryview) -> Data:
     if len(payload) < _COUNT.size:
         raise ProtocolError("DATA frame too short")
     (count,) = _COUNT.unpack_from(payload)
@@ -275,6 +285,9 @@ class Connection:
         self._peer_nonce: bytes | None = None
         self._sent: set[FrameType] = set()  # handshake frames we have sent
         self._buf = bytearray()
+        self._frame: bytearray | None = None  # a large frame being received in place
+        self._got = 0  # bytes of self._frame received so far
+        self._scratch: memoryview | None = None  # get_buffer() between large frames
         self._eof = False
         self._error: ProtocolError | None = None
 
@@ -282,6 +295,11 @@ class Connection:
 
     def send(self, msg: Message) -> bytes:
         """The bytes that carry `msg`. Raises ProtocolError if it may not be sent now."""
+        return b"".join(self.send_parts(msg))
+
+    def send_parts(self, msg: Message) -> list[Buffer]:
+        """send(), as a list of buffers to write in order: a chunk's blob or a DATA part is one
+        of them, not copied. Raises ProtocolError if `msg` may not be sent now."""
         ftype = _TYPES.get(type(msg))
         if ftype is None:
             raise TypeError(f"not a protocol message: {msg!r}")
@@ -323,8 +341,8 @@ class Connection:
                 raise ProtocolError(f"PUT_CHUNK: chunk id must be {ID_SIZE} bytes")
             data = _frame(ftype, msg.cid, msg.blob)
         limit = self.max_frame if self._peer_ready() else MAX_HANDSHAKE_FRAME
-        if len(data) - _HEADER.size > limit:
-            size = len(data) - _HEADER.size
+        size = sum(len(part) for part in data) - _HEADER.size
+        if size > limit:
             raise ProtocolError(f"{ftype.name} frame of {size} bytes exceeds the limit of {limit}")
         if ftype in (FrameType.HELLO, FrameType.AUTH, FrameType.WELCOME):
             self._sent.add(ftype)
@@ -357,16 +375,45 @@ class Connection:
 
     # -- receiving -------------------------------------------------------------------------
 
-    def receive_data(self, data: bytes) -> None:
+    def receive_data(self, data: Buffer) -> None:
         """Buffer bytes read from the peer; b"" means the peer closed its side."""
         if self._eof:
             if data:
                 raise ProtocolError("data received after EOF")
             return
+        if not data:
+            self._eof = True
+            return
+        if self._frame is not None:  # the rest of a large frame first
+            take = min(len(data), len(self._frame) - self._got)
+            self._frame[self._got : self._got + take] = memoryview(data)[:take]
+            self._got += take
+            data = memoryview(data)[take:]
         if data:
             self._buf += data
+
+    @property
+    def in_frame(self) -> bool:
+        """Whether a large frame is being received in place (get_buffer() is its rest)."""
+        return self._frame is not None
+
+    def get_buffer(self) -> memoryview:
+        """Where the next bytes from the peer may be written (by recv_into); then call
+        buffer_updated(n). While a large frame arrives, this is the rest of its own buffer."""
+        if self._frame is not None:
+            return memoryview(self._frame)[self._got :]
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(_SCRATCH))
+        return self._scratch
+
+    def buffer_updated(self, n: int) -> None:
+        """`n` bytes were written to the start of get_buffer()'s buffer; 0 means EOF."""
+        if n and self._frame is not None and not self._eof:
+            if n > len(self._frame) - self._got:
+                raise ValueError("buffer_updated() past the end of get_buffer()")
+            self._got += n
         else:
-            self._eof = True
+            self.receive_data(self._scratch[:n] if n and self._scratch is not None else b"")
 
     def next_event(self) -> Message | NeedData | Closed:
         """The next complete message, NEED_DATA, or CLOSED. Raises ProtocolError (AuthError for
@@ -381,6 +428,14 @@ class Connection:
             raise
 
     def _next_event(self) -> Message | NeedData | Closed:
+        if self._frame is not None:
+            if self._got < len(self._frame):
+                if self._eof:
+                    raise TruncatedFrame("connection closed mid-frame")
+                return NEED_DATA
+            frame, self._frame = self._frame, None
+            size, raw_type = _HEADER.unpack_from(frame)
+            return self._large(FrameType(raw_type), memoryview(frame))
         buf = self._buf
         if len(buf) < _HEADER.size:
             if not self._eof:
@@ -402,6 +457,12 @@ class Connection:
         if len(buf) < end:
             if self._eof:
                 raise TruncatedFrame("connection closed mid-frame")
+            if end >= IN_PLACE and ftype in (FrameType.PUT_CHUNK, FrameType.DATA):
+                # Everything buffered is the start of this frame: move it to a buffer of the
+                # frame's size and receive the rest straight into it.
+                self._frame, self._got = bytearray(end), len(buf)
+                self._frame[: len(buf)] = buf
+                buf.clear()
             return NEED_DATA
         start = _HEADER.size
         if ftype is FrameType.PUT_CHUNK:  # slice straight out of the buffer: one copy of the blob
@@ -416,6 +477,15 @@ class Connection:
             msg = self._parse(ftype, bytes(buf[start:end]))
         del buf[:end]
         return msg
+
+    def _large(self, ftype: FrameType, frame: memoryview) -> Message:
+        """The message of a frame received in place: its payload stays in that buffer."""
+        if ftype is FrameType.DATA:
+            return _split_data(frame[_HEADER.size :])
+        if len(frame) < _HEADER.size + ID_SIZE:
+            raise ProtocolError("PUT_CHUNK frame too short")
+        return PutChunk(bytes(frame[_HEADER.size : _HEADER.size + ID_SIZE]),
+                        frame[_HEADER.size + ID_SIZE :])
 
     def _check_receive(self, ftype: FrameType) -> None:
         if ftype is FrameType.ERROR:

@@ -261,7 +261,8 @@ class _Push:
                     nursery.cancel_scope.cancel()
                     return
                 for r in live:
-                    mine = [(cid, blob) for cid, blob in blobs if cid in wants[r.addr]]
+                    wanted = wants[r.addr]
+                    mine = [(cid, blob) for cid, blob in blobs if cid in wanted]
                     if mine and r.error is None:
                         try:
                             await queues[r.addr][0].send(mine)

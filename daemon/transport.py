@@ -123,6 +123,28 @@ def _nodelay(stream: trio.SocketStream) -> None:
         pass  # not TCP (tests may hand us a socketpair)
 
 
+_IOV_MAX = 1024  # buffers one sendmsg takes (Linux's IOV_MAX)
+_SMALL = 16 * 1024
+_LOWAT = 512 * 1024
+
+
+def _coalesce(parts: list) -> list:
+    """`parts` with each run of small buffers joined: fewer, larger buffers for sendmsg."""
+    out: list = []
+    run: list = []
+    for part in parts:
+        if len(part) < _SMALL:
+            run.append(part)
+            continue
+        if run:
+            out.append(b"".join(run))
+            run = []
+        out.append(part)
+    if run:
+        out.append(b"".join(run))
+    return out
+
+
 class Channel:
     """An authenticated connection. One task may receive at a time (request() receives too);
     any number of tasks may send, whole frames never interleave."""
@@ -131,6 +153,10 @@ class Channel:
         self.stream = stream
         self.conn = conn
         self.peer = peer
+        # A socket is written with sendmsg and read with recv_into: chunk payloads are not
+        # copied in user space on their way through (see protocol.py).
+        self._sock = stream.socket if isinstance(stream, trio.SocketStream) else None
+        self._lowat = 1
         self.info: dict = {}  # Welcome.info from the server (client side)
         self.events: list[Event] = []  # Events that arrived while request() awaited a Reply
         self._send_lock = trio.Lock()
@@ -148,19 +174,53 @@ class Channel:
             if self._send_broken:
                 raise ConnectionLost(self.peer, "an earlier send was interrupted mid-frame")
             try:
-                data = b"".join([self.conn.send(msg) for msg in msgs])
+                parts = [part for msg in msgs for part in self.conn.send_parts(msg)]
             except ProtocolError:
                 if self.conn.state is State.CLOSED:  # the peer hung up (receive() saw it)
                     raise ConnectionLost(self.peer, "connection closed") from None
                 raise
             try:
-                await self.stream.send_all(data)
+                await self._write(parts)
             except trio.BrokenResourceError as e:
                 self._send_broken = True
                 raise ConnectionLost(self.peer, "connection broken") from e
             except BaseException:
                 self._send_broken = True
                 raise
+
+    async def _write(self, parts: list) -> None:
+        if self._sock is None:
+            await self.stream.send_all(b"".join(parts))
+            return
+        bufs, first = _coalesce(parts), 0
+        while first < len(bufs):
+            try:
+                sent = await self._sock.sendmsg(bufs[first : first + _IOV_MAX])
+            except OSError as e:
+                raise trio.BrokenResourceError(_describe(e)) from e
+            while first < len(bufs) and sent >= len(bufs[first]):
+                sent -= len(bufs[first])
+                first += 1
+            if sent:  # a partial write: the rest of this buffer goes next
+                bufs[first] = memoryview(bufs[first])[sent:]
+
+    async def _receive(self) -> None:
+        """Feed the connection what the peer sent next (b"" at EOF)."""
+        if self._sock is None:
+            self.conn.receive_data(await self.stream.receive_some(RECEIVE_SIZE))
+            return
+        buf = self.conn.get_buffer()
+        # Inside a large frame, wake up only once a good part of the rest has arrived: fewer,
+        # larger reads (never more than the frame needs, so a reply can never be held back).
+        lowat = min(len(buf), _LOWAT) if self.conn.in_frame else 1
+        try:
+            if lowat != self._lowat:
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
+                self._lowat = lowat
+            n = await self._sock.recv_into(buf)
+        except OSError as e:
+            raise trio.BrokenResourceError(_describe(e)) from e
+        self.conn.buffer_updated(n)
 
     async def _next(self) -> Message:
         """The next message of any kind, Error frames included."""
@@ -171,10 +231,9 @@ class Channel:
                 raise ConnectionLost(self.peer, str(e)) from e
             if event is NEED_DATA:
                 try:
-                    data = await self.stream.receive_some(RECEIVE_SIZE)
+                    await self._receive()
                 except trio.BrokenResourceError as e:
                     raise ConnectionLost(self.peer, "connection broken") from e
-                self.conn.receive_data(data)
             elif event is CLOSED:
                 raise ConnectionLost(self.peer)
             else:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from monarch_fs.daemon.protocol import (
     CLOSED,
+    IN_PLACE,
     MAX_FRAME,
     NEED_DATA,
     PROTOCOL_VERSION,
@@ -30,6 +31,7 @@ from monarch_fs.daemon.protocol import (
     Request,
     Role,
     State,
+    TruncatedFrame,
     Welcome,
 )
 
@@ -166,6 +168,83 @@ def test_data_parts_arrive_as_writable_views_of_one_buffer():
     assert all(isinstance(p, memoryview) and not p.readonly for p in got.parts)
     assert got.parts[1].obj is got.parts[2].obj  # views into the same frame buffer
     got.parts[1][0] = 0  # writable: a receiver may rebuild mutable objects on them in place
+
+
+def recv_into_all(conn: Connection, data: bytes, step: int) -> tuple[list, list]:
+    """What a socket reader does: recv_into get_buffer() at most `step` bytes at a time,
+    buffer_updated(), then take every event. Returns the events and the buffers handed out."""
+    events, buffers, pos = [], [], 0
+    while pos < len(data):
+        buf = conn.get_buffer()
+        n = min(step, len(buf), len(data) - pos)
+        buf[:n] = data[pos : pos + n]
+        buffers.append(buf)
+        conn.buffer_updated(n)
+        pos += n
+        events += [ev for ev in drain(conn) if ev is not NEED_DATA]
+    return events, buffers
+
+
+def test_large_frames_are_received_in_place():
+    w = ready_pair()
+    blob = bytes(range(256)) * 40_000  # ~10 MB
+    msgs = [Request("a", {}, id=1), PutChunk(b"\x09" * 16, blob), Request("b", {}, id=2),
+            Data([b"head", bytes(3 * IN_PLACE)]), PutChunk(b"\x01" * 16, b"\x00small")]
+    data = b"".join(w.client.send(m) for m in msgs)
+    got, buffers = recv_into_all(w.server, data, 100_000)
+    assert got == msgs
+    # The big blob is a view of the buffer its bytes were received into: no copy was made.
+    assert isinstance(got[1].blob, memoryview)
+    assert any(b.obj is got[1].blob.obj for b in buffers)
+    assert any(b.obj is got[3].parts[1].obj for b in buffers)
+    assert isinstance(got[4].blob, bytes)  # small frames are copied out of the shared buffer
+
+
+def test_send_parts_leave_the_payload_uncopied():
+    w = ready_pair()
+    blob = memoryview(bytes(IN_PLACE))
+    parts = w.client.send_parts(PutChunk(b"\x09" * 16, blob))
+    assert any(part is blob for part in parts)
+    assert b"".join(parts) == w.client.send(PutChunk(b"\x09" * 16, blob))
+
+
+@pytest.mark.parametrize("api", ["buffer", "bytes"])
+def test_connection_closed_inside_a_large_frame(api):
+    w = ready_pair()
+    data = w.client.send(PutChunk(b"\x09" * 16, bytes(4 * IN_PLACE)))[: 2 * IN_PLACE]
+    if api == "buffer":
+        assert recv_into_all(w.server, data, 10_000)[0] == []
+        w.server.buffer_updated(0)
+    else:
+        w.server.receive_data(data)
+        assert w.server.next_event() is NEED_DATA
+        w.server.receive_data(b"")
+    with pytest.raises(TruncatedFrame):
+        w.server.next_event()
+
+
+def test_buffer_updated_past_the_buffer_is_refused():
+    w = ready_pair()
+    w.server.receive_data(w.client.send(PutChunk(b"\x09" * 16, bytes(2 * IN_PLACE)))[:100])
+    assert w.server.next_event() is NEED_DATA
+    rest = len(w.server.get_buffer())
+    with pytest.raises(ValueError):
+        w.server.buffer_updated(rest + 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 3 * IN_PLACE), min_size=1, max_size=4),
+       st.integers(1, 2 * IN_PLACE), st.booleans())
+def test_fuzz_chunks_of_any_size_in_any_pieces(sizes, step, buffered):
+    w = ready_pair()
+    msgs = [PutChunk(bytes([i]) * 16, bytes([i]) * n) for i, n in enumerate(sizes)]
+    data = b"".join(w.client.send(m) for m in msgs)
+    if buffered:
+        assert recv_into_all(w.server, data, step)[0] == msgs
+    else:
+        for i in range(0, len(data), step):
+            w.server.receive_data(data[i : i + step])
+        assert drain(w.server) == [*msgs, NEED_DATA]
 
 
 @pytest.mark.parametrize("payload", [
