@@ -443,20 +443,18 @@ class NodeDaemon:
             raise RequestError(f"version {version.hex()[:12]}: {len(missing)} chunks missing")
 
     async def _make_ready(self, name: str, version: bytes) -> None:
-        """Everything a publish of `version` needs: every chunk, durable in the store. Its
-        backing files are a cache of the store (fs/backing.py): they are written from here on,
-        and a publish does not wait for them."""
+        """Everything a publish of `version` needs: every chunk, durable in the store."""
         self._pinned[name] = version
         await trio.to_thread.run_sync(self._check_complete, version)
         await trio.to_thread.run_sync(self.store.sync)
-        if self.fs.passthrough and self._nursery is not None:
-            self._nursery.start_soon(self._write_backing, self._manifest(version))
 
-    async def _write_backing(self, manifest: Manifest) -> None:
+    async def _write_backing(self, manifest: Manifest, *,
+                             task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Write the backing files `manifest` lacks; a file that cannot be written is served
-        from the chunk store, and `status` says why."""
+        from the chunk store, and `status` says why. Started once the copies are queued."""
         try:
-            failed = await self.backing.write_missing(manifest.entries, self.store)
+            failed = await self.backing.write_missing(manifest.entries, self.store,
+                                                      task_status=task_status)
         except OSError as e:  # the folder itself (this runs in the background: never fatal)
             failed = [f"backing files in {self.backing.root}: {e.strerror or e}"]
         self.backing_error = None  # about the latest version's files only
@@ -550,6 +548,13 @@ class NodeDaemon:
         if (name, version) not in self._prepared:
             await self._make_ready(name, version)
         async with self._publish_lock:
+            if self.fs.passthrough and self._nursery is not None:
+                # Backing files are a cache of the store (fs/backing.py), written in the
+                # background from the commit on: not at prepare, where the copies slowed the
+                # other nodes' prepares (4.5 s vs 4.2 s for 3 hosts on one 2-core machine) and
+                # would compete with the store's fsync on a real disk. Queued before the switch,
+                # so an open of a new file waits for its copy rather than missing passthrough.
+                await self._nursery.start(self._write_backing, self._manifest(version))
             previous = self.refs.workspaces.get(name, [None])[0]
             versions = self.refs.publish(name, version, self.keep)
             await self.fs.set_workspace(name, [(v, self._manifest(v)) for v in versions])

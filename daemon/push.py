@@ -33,6 +33,41 @@ from .transport import (CONNECT_TIMEOUT, Channel, ConnectError, RemoteError, con
 STALL_TIMEOUT = 60.0  # no progress on one node for this long fails that node
 _QUEUE = 4  # batches buffered per root
 _ENCODERS = 2
+LARGE_CHUNK = 1 << 20  # interleave(): chunks this big cost link time more than CPU
+SMALL_RUN = 4 << 20
+
+
+def interleave(ids: list[bytes], sizes: dict[bytes, int]) -> list[bytes]:
+    """The order to send `ids` in: runs of small chunks (whole small files) spread among the
+    large chunks in proportion to their bytes, each kind still in folder order.
+
+    Small files cost CPU per byte (a read, a compression, a frame and a store write each, on
+    every node); large chunks cost link time. Sent in folder order, a push is bound first by
+    one and then by the other; mixed, it keeps both busy. A run of small files is up to
+    SMALL_RUN bytes long, so files of one folder still sit together in a node's pack."""
+    small = [c for c in ids if sizes[c] < LARGE_CHUNK]
+    large = [c for c in ids if sizes[c] >= LARGE_CHUNK]
+    if not small or not large:
+        return ids
+    small_total = sum(sizes[c] for c in small)
+    large_total = sum(sizes[c] for c in large)
+    out: list[bytes] = []
+    i = j = small_done = large_done = 0
+    while i < len(small) or j < len(large):
+        # Small files next while they are behind the large chunks, as fractions sent.
+        if j == len(large) or (i < len(small)
+                               and small_done * large_total <= large_done * small_total):
+            run = 0
+            while i < len(small) and run < SMALL_RUN:
+                out.append(small[i])
+                run += sizes[small[i]]
+                i += 1
+            small_done += run
+        else:
+            out.append(large[j])
+            large_done += sizes[large[j]]
+            j += 1
+    return out
 
 
 class PushError(Exception):
@@ -227,7 +262,8 @@ class _Push:
         await _each([r for r, _ in roots], lambda r: open_session(r, children_of[r.addr]),
                     self.timeout, levels)
         live = [r for r, _ in roots if r.error is None and r.addr in wants]
-        order = [c for c in self.ids if any(c in wants[r.addr] for r in live)]
+        order = interleave([c for c in self.ids if any(c in wants[r.addr] for r in live)],
+                           self.sizes)
         if any(self.version in wants[r.addr] for r in live):
             order.append(self.version)  # the manifest goes last: it names everything before it
         self.progress.phase("sending", sum(self.sizes[c] for r in live for c in wants[r.addr]))

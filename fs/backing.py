@@ -83,12 +83,17 @@ class BackingFiles:
         """How many backing files are queued or being written."""
         return len(self._copies)
 
-    async def write_missing(self, entries: Iterable[Entry], store: Store,
-                            parallel: int = 2) -> list[str]:
+    async def write_missing(self, entries: Iterable[Entry], store: Store, parallel: int = 2,
+                            *, task_status=trio.TASK_STATUS_IGNORED) -> list[str]:
         """Write the backing files `entries` lack, `parallel` at a time, and return what failed
         (a line a file). A file already queued or being written is waited for, not written
-        twice."""
-        todo = await trio.to_thread.run_sync(self.missing, entries)
+        twice. Started (nursery.start) once every copy is queued: an open from then on waits
+        for its file's copy."""
+        try:
+            todo = await trio.to_thread.run_sync(self.missing, entries)
+        except OSError:
+            task_status.started()  # nothing was queued
+            raise
         copies, new = [], []
         for entry in todo:
             k = key(entry)
@@ -96,6 +101,7 @@ class BackingFiles:
                 self._copies[k] = _Copy(entry, store)
                 new.append(k)
             copies.append(self._copies[k])
+        task_status.started()
         limiter = trio.CapacityLimiter(parallel)
 
         async def queued(k: str) -> None:

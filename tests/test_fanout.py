@@ -219,3 +219,31 @@ def test_auto_topology_relays_as_soon_as_there_are_two_nodes():
     assert choose("auto", 2, big) == "chain" and choose("auto", 8, big) == "chain"
     assert choose("auto", 8, small) == "star"
     assert choose("tree", 2, small) == "tree"  # an explicit choice is kept
+
+
+def test_small_files_are_spread_among_large_chunks():
+    """A push sends runs of small files between large chunks, in proportion to their bytes,
+    so CPU-bound small files and link-bound large chunks overlap; every chunk goes exactly
+    once and each kind keeps folder order."""
+    from monarch_fs.daemon.push import LARGE_CHUNK, SMALL_RUN, interleave
+
+    small = [b"s%05d" % i for i in range(8000)]  # 8000 x 10 KiB = ~78 MiB
+    large = [b"L%05d" % i for i in range(60)]  # 60 x 4 MiB = 240 MiB
+    sizes = {**{c: 10 * 1024 for c in small}, **{c: 4 * MiB for c in large}}
+    ids = small + large  # folder order: every small file first
+    out = interleave(ids, sizes)
+    assert sorted(out) == sorted(ids)
+    assert [c for c in out if c in sizes and sizes[c] < LARGE_CHUNK] == small
+    assert [c for c in out if sizes[c] >= LARGE_CHUNK] == large
+    # Halfway through the large bytes, about half of the small bytes went too ...
+    half = out.index(large[30])
+    sent_small = sum(sizes[c] for c in out[:half] if c.startswith(b"s"))
+    assert 0.4 < sent_small / (8000 * 10 * 1024) < 0.6
+    # ... in runs of consecutive small files no longer than SMALL_RUN (plus one file).
+    run = longest = 0
+    for c in out:
+        run = run + sizes[c] if c.startswith(b"s") else 0
+        longest = max(longest, run)
+    assert SMALL_RUN <= longest < SMALL_RUN + 10 * 1024
+    # Only one kind: the order is kept as it is.
+    assert interleave(small, sizes) == small and interleave(large, sizes) == large
