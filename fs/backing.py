@@ -11,8 +11,9 @@ version and workspace holding the same content shares one. It is copied from the
 (where every chunk was verified when it arrived) under a temporary name and renamed, so a
 backing file that exists is complete.
 
-The copies start when a version is prepared, but a publish does not wait for them: that would
-add a second write of every new large file to every push. An open of a file whose copy is queued
+The copies start when a version is committed (queued before it becomes visible), and a publish
+does not wait for them: that would add a second write of every new large file to every push.
+Starting them at prepare slowed the other nodes' prepares. An open of a file whose copy is queued
 or running waits for that one copy (it jumps the queue), so the first reader still gets
 passthrough; a copy that failed leaves the file to be served from the chunk store.
 
