@@ -24,7 +24,7 @@ Rules, and why:
 - Each result is checked: monarch-fs's version must be served by every node, and rsync's copy
   must have every file with the right size.
 - monarch-fs pushes PUSHES times, to a fresh cluster each time, and the median counts (single
-  runs of the same push moved between 4.5 s and 5.7 s here); rsync runs once each way.
+  runs of the same 3-host push moved between 4.2 s and 7.0 s here); rsync runs once each way.
 """
 
 from __future__ import annotations
@@ -164,7 +164,8 @@ def push_once(cluster: NetCluster, src: Path) -> tuple[float, dict]:
 def run_n(src: Path, n: int, rate: str, store_dir: str | None, expect: tuple[int, int],
           pushes: int = PUSHES) -> dict:
     """`pushes` cold pushes (a fresh cluster each: empty stores) and their median; rsync runs
-    once each way on the last cluster (it varies far less: 13.8-13.9 s in 3 runs of 3 hosts)."""
+    once each way on the last cluster (it varies far less: 13.8-14.9 s over 9 runs to 3 hosts,
+    when monarch-fs moved 4.2-7.0 s)."""
     base = Path(tempfile.mkdtemp(prefix="netpush-", dir=store_dir))
     times = []
     try:

@@ -413,7 +413,7 @@ class Connection:
                 raise ValueError("buffer_updated() past the end of get_buffer()")
             self._got += n
         else:
-            self.receive_data(self._scratch[:n] if n and self._scratch is not None else b"")
+            self.receive_data(self._scratch[:n] if n else b"")
 
     def next_event(self) -> Message | NeedData | Closed:
         """The next complete message, NEED_DATA, or CLOSED. Raises ProtocolError (AuthError for
@@ -434,7 +434,7 @@ class Connection:
                     raise TruncatedFrame("connection closed mid-frame")
                 return NEED_DATA
             frame, self._frame = self._frame, None
-            size, raw_type = _HEADER.unpack_from(frame)
+            _, raw_type = _HEADER.unpack_from(frame)
             return self._large(FrameType(raw_type), memoryview(frame))
         buf = self._buf
         if len(buf) < _HEADER.size:
@@ -479,11 +479,10 @@ class Connection:
         return msg
 
     def _large(self, ftype: FrameType, frame: memoryview) -> Message:
-        """The message of a frame received in place: its payload stays in that buffer."""
+        """The message of a frame received in place (at least IN_PLACE bytes, checked when its
+        header arrived): its payload stays in that buffer."""
         if ftype is FrameType.DATA:
             return _split_data(frame[_HEADER.size :])
-        if len(frame) < _HEADER.size + ID_SIZE:
-            raise ProtocolError("PUT_CHUNK frame too short")
         return PutChunk(bytes(frame[_HEADER.size : _HEADER.size + ID_SIZE]),
                         frame[_HEADER.size + ID_SIZE :])
 

@@ -95,18 +95,17 @@ class BackingFiles:
         except OSError:
             task_status.started()  # nothing was queued
             raise
-        copies, new = [], []
+        copies, new = [], []  # every copy this waits for; those it queued itself
         for entry in todo:
             k = key(entry)
             if k not in self._copies:
                 self._copies[k] = _Copy(entry, store)
-                new.append(k)
+                new.append((k, self._copies[k]))
             copies.append(self._copies[k])
         task_status.started()
         limiter = trio.CapacityLimiter(parallel)
 
-        async def queued(k: str) -> None:
-            copy = self._copies[k]
+        async def queued(k: str, copy: _Copy) -> None:
             try:
                 async with limiter:
                     await self._run(k, copy)
@@ -116,8 +115,8 @@ class BackingFiles:
                     copy.done.set()
 
         async with trio.open_nursery() as nursery:
-            for k in new:
-                nursery.start_soon(queued, k)
+            for k, copy in new:
+                nursery.start_soon(queued, k, copy)
         for copy in copies:
             await copy.done.wait()
         return [c.error for c in copies if c.error]

@@ -36,13 +36,16 @@ RAW_CODEC = bytes([RAW])
 _NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 
 
+_PACK_SHIFT = 72  # a location's pack number is loc >> _PACK_SHIFT (see _loc)
+
+
 def _loc(pack: int, offset: int, length: int) -> int:
     """Where an object is, as one int: a 100k-chunk index is 8 MB smaller than with tuples."""
-    return pack << 72 | offset << 32 | length
+    return pack << _PACK_SHIFT | offset << 32 | length
 
 
 def _unloc(loc: int) -> tuple[int, int, int]:
-    return loc >> 72, (loc >> 32) & ((1 << 40) - 1), loc & 0xFFFFFFFF
+    return loc >> _PACK_SHIFT, (loc >> 32) & ((1 << 40) - 1), loc & 0xFFFFFFFF
 
 
 def fsync_dir(path: Path) -> None:
@@ -85,7 +88,7 @@ class Store:
         else:  # reopened: the records _scan found go into its index when it is sealed
             self._open_pack(last)
             self._records.extend(_IDX.pack(cid, *_unloc(v)[1:])
-                                 for cid, v in self._index.items() if v >> 72 == last)
+                                 for cid, v in self._index.items() if v >> _PACK_SHIFT == last)
 
     # ---- layout -------------------------------------------------------------------------
 
@@ -272,10 +275,10 @@ class Store:
         self._retired.clear()
         with self._lock:
             index = self._index
-            alive = {loc >> 72 for cid in live if (loc := index.get(cid)) is not None}
+            alive = {loc >> _PACK_SHIFT for cid in live if (loc := index.get(cid)) is not None}
             doomed = {int(p.stem) for p in self.packs.glob("*.pack")} - alive - {self._cur}
             if doomed:
-                for cid in [c for c, loc in index.items() if loc >> 72 in doomed]:
+                for cid in [c for c, loc in index.items() if loc >> _PACK_SHIFT in doomed]:
                     del index[cid]
             for n in doomed:
                 fd = self._readers.pop(n, None)
