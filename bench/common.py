@@ -247,6 +247,11 @@ def parse_ops(text: str) -> Counter:
     return Counter({k: int(v) for k, v in (kv.split("=", 1) for kv in text.split())})
 
 
+# The daemon's chunk-cache counters (root xattrs user.monarch.KEY): hits, misses, and the
+# misses answered from the page cache without a worker thread.
+CACHE_KEYS = ("cache_hits", "cache_misses", "cache_nowait")
+
+
 class LocalCluster:
     """N daemons started with daemon/cluster.py in `directory`, stopped (cluster.down) on exit
     whatever happens. Pushes go through the real CLI with $MONARCH_FS_HOME inside the cluster
@@ -303,7 +308,7 @@ class LocalCluster:
         root = self.mount(node)
         ops = parse_ops(os.getxattr(root, "user.monarch.ops").decode())
         out = {"ops": ops}
-        for key in ("cache_hits", "cache_misses"):
+        for key in CACHE_KEYS:
             try:
                 out[key] = int(os.getxattr(root, f"user.monarch.{key}"))
             except OSError:
@@ -334,7 +339,7 @@ def counter_delta(after: dict, before: dict) -> dict:
     ops.subtract(before["ops"])
     ops["getxattr"] -= 3  # the readings themselves
     out = {"ops": {k: v for k, v in sorted(ops.items()) if v > 0}}
-    for key in ("cache_hits", "cache_misses"):
+    for key in CACHE_KEYS:
         if key in after and key in before:
             out[key] = after[key] - before[key]
     return out
@@ -346,7 +351,7 @@ def add_deltas(a: dict | None, b: dict) -> dict:
     ops = Counter(a["ops"])
     ops.update(b["ops"])
     out = {"ops": dict(sorted(ops.items()))}
-    for key in ("cache_hits", "cache_misses"):
+    for key in CACHE_KEYS:
         out[key] = a.get(key, 0) + b.get(key, 0)
     return out
 

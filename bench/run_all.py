@@ -178,6 +178,8 @@ def _ops_line(c: dict) -> str:
     cache = ""
     if "cache_misses" in c:
         cache = f"{c.get('cache_hits', 0) / runs:,.0f} / {c['cache_misses'] / runs:,.0f}"
+        if c.get("cache_nowait"):
+            cache += f" ({c['cache_nowait'] / runs:,.0f} from memory)"
     return f"{text} | {cache} | {c['daemon_cpu_s'] / runs:.2f}"
 
 

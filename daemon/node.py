@@ -173,7 +173,7 @@ class NodeDaemon:
         self.store = Store(self.state / "store", pack_limit=max(1, pack_mib) << 20)
         self.refs = Refs(self.state / "refs.json")
         self.backing = BackingFiles(self.state / "backing")
-        self.fs = SnapshotFS(self.store.get, self.backing)
+        self.fs = SnapshotFS(self.store.get, self.backing, self.store.get_if_cached)
         self.node_name = node_name or socket.gethostname()
         self.addr = listen  # the bound address, once listening
         self._manifests: dict[bytes, Manifest] = {}

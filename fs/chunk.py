@@ -63,6 +63,18 @@ def encode(data: bytes) -> bytes:
     return bytes([RAW]) + data
 
 
+def raw_size(blob: bytes | bytearray | memoryview) -> int:
+    """The size of the chunk a blob decodes to, as its header claims; -1 if it claims none."""
+    if blob[:1] == bytes([RAW]):
+        return len(blob) - 1
+    if blob[:1] == bytes([ZSTD]):
+        try:
+            return zstandard.frame_content_size(blob[1:])
+        except zstandard.ZstdError:
+            return -1
+    return -1
+
+
 def decode(cid: bytes, blob: bytes | memoryview,
            max_size: int = MAX_CHUNK_SIZE) -> bytes | memoryview:
     """The raw bytes of a blob, verified against `cid`. Raises CorruptChunk, never wrong bytes.

@@ -18,8 +18,10 @@ LOAD_THREADS = 4  # chunk loads (read, decompress, hash) running at once
 
 class ChunkCache:
     def __init__(self, load: Callable[[bytes], bytes | memoryview],
-                 max_bytes: int = 128 * 1024 * 1024):
+                 max_bytes: int = 128 * 1024 * 1024,
+                 load_cached: Callable[[bytes], bytes | memoryview | None] | None = None):
         self._load = load
+        self._load_cached = load_cached
         self._max = max_bytes
         self._bytes = 0
         self._data: OrderedDict[bytes, bytes | memoryview] = OrderedDict()
@@ -27,6 +29,7 @@ class ChunkCache:
         self._limiter = trio.CapacityLimiter(LOAD_THREADS)
         self.hits = 0
         self.misses = 0
+        self.nowait = 0  # misses answered by load_cached, without a worker thread
 
     def prefetch(self, nursery: trio.Nursery, cid: bytes) -> None:
         """Start loading a chunk a sequential reader will want next, unless it is underway."""
@@ -51,15 +54,24 @@ class ChunkCache:
                 break
             await pending.wait()  # another reader is loading it; then look again
         self.misses += 1
+        if self._load_cached is not None:
+            data = self._load_cached(cid)
+            if data is not None:
+                self.nowait += 1
+                self._keep(cid, data)
+                return data
         done = self._loading[cid] = trio.Event()
         try:
             data = await trio.to_thread.run_sync(self._load, cid, limiter=self._limiter)
         finally:
             del self._loading[cid]
             done.set()
+        self._keep(cid, data)
+        return data
+
+    def _keep(self, cid: bytes, data: bytes | memoryview) -> None:
         self._data[cid] = data
         self._bytes += len(data)
         while self._bytes > self._max and len(self._data) > 1:
             _, old = self._data.popitem(last=False)
             self._bytes -= len(old)
-        return data

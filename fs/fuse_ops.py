@@ -140,10 +140,11 @@ def _obj_key(ws: str, e: Entry, chunk_size: int) -> bytes:
 
 class SnapshotFS(pyfuse3.Operations):
     def __init__(self, load_chunk: Callable[[bytes], bytes | memoryview],
-                 backing: BackingFiles | None = None):
+                 backing: BackingFiles | None = None,
+                 load_cached: Callable[[bytes], bytes | memoryview | None] | None = None):
         super().__init__()
         self.backing = backing
-        self.chunks = ChunkCache(load_chunk, CHUNK_CACHE_BYTES)
+        self.chunks = ChunkCache(load_chunk, CHUNK_CACHE_BYTES, load_cached)
         self.workspaces: dict[str, list[Tree]] = {}  # name -> [current, older...]
         self.mtime_ns = 0
         self._nodes: dict[int, Node] = {}
@@ -577,6 +578,7 @@ class SnapshotFS(pyfuse3.Operations):
                 f"{ws}={t[0].hex}" for ws, t in sorted(self.workspaces.items())).encode()
             out[b"user.monarch.cache_hits"] = str(self.chunks.hits).encode()
             out[b"user.monarch.cache_misses"] = str(self.chunks.misses).encode()
+            out[b"user.monarch.cache_nowait"] = str(self.chunks.nowait).encode()
             out[b"user.monarch.passthrough_opens"] = str(self.passthrough_opens).encode()
             out[b"user.monarch.ops"] = " ".join(f"{k}={v}" for k, v in sorted(self.ops.items())).encode()
             return out

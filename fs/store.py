@@ -26,13 +26,19 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
-from .chunk import ID_SIZE, RAW, CorruptChunk, chunk_id, decode, encode
+from .chunk import ID_SIZE, RAW, CorruptChunk, chunk_id, decode, encode, raw_size
 
 _RECORD = struct.Struct("<4s16sI")  # magic, chunk id, blob length
 _MAGIC = b"MFSR"
 _IDX = struct.Struct("<16sQI")  # chunk id, blob offset, blob length
 PACK_LIMIT = 256 * 1024 * 1024
 RAW_CODEC = bytes([RAW])
+# A small blob read from a pack brings the pack's next READ_AROUND bytes into the page cache:
+# files pushed together (a folder's modules) are read together, and a read that finds its
+# blob in memory is answered without a worker thread (get_if_cached). A cold replay of the
+# files `import torch` opens took 0.82 s without it, 0.77 s with 1 MiB (medians of 6).
+READ_AROUND = 1 << 20
+NOWAIT_MAX = 256 << 10  # get_if_cached decodes on the caller's thread: keep that short
 _NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 
 
@@ -226,7 +232,32 @@ class Store:
         blob = os.pread(fd, length, off)
         if len(blob) != length:
             raise CorruptChunk(f"chunk {cid.hex()}: a pack is shorter than its index says")
+        if length < READ_AROUND:  # asynchronous: the kernel starts the reads and returns
+            os.posix_fadvise(fd, off + length, READ_AROUND, os.POSIX_FADV_WILLNEED)
         return blob
+
+    def get_if_cached(self, cid: bytes) -> bytes | memoryview | None:
+        """What `get` returns, if the chunk is small, its pack already open and its blob in the
+        page cache: read with RWF_NOWAIT, which fails rather than wait for the disk. None
+        otherwise (then `get` it in a worker thread, which also reports any error). Never
+        blocks, so the FUSE thread calls it directly instead of handing the read to a worker
+        thread and back (two wake-ups, ~60 us each across CPUs here)."""
+        loc = self._index.get(cid)
+        if loc is None:
+            return None
+        n, off, length = _unloc(loc)
+        fd = self._readers.get(n)
+        if fd is None or length > NOWAIT_MAX:
+            return None
+        blob = bytearray(length)
+        try:
+            if os.preadv(fd, [blob], off, os.RWF_NOWAIT) != length:
+                return None  # partly in memory
+        except OSError:  # not in memory (EAGAIN), or a filesystem without RWF_NOWAIT
+            return None
+        if not 0 <= raw_size(blob) <= NOWAIT_MAX:
+            return None
+        return decode(cid, blob)
 
     def copy_raw(self, cid: bytes, dst_fd: int) -> bool:
         """Append a chunk stored raw to `dst_fd`, copied inside the kernel (it was verified

@@ -3,6 +3,8 @@ read-path chunk cache. Real files on a real filesystem; no mocks."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import socket
 import stat
@@ -46,7 +48,7 @@ from monarch_fs.fs.manifest import (
     check_path,
 )
 from monarch_fs.fs.scan import Snapshot, SourceChanged, scan
-from monarch_fs.fs.store import Store, StoreBusy
+from monarch_fs.fs.store import NOWAIT_MAX, READ_AROUND, Store, StoreBusy
 
 FUZZ = settings(max_examples=300, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -403,6 +405,77 @@ def test_get_of_a_truncated_or_swapped_object_raises(tmp_path):
     os.truncate(path, off + length // 2)  # the pack lost its tail
     with pytest.raises(CorruptChunk):
         s.get(b)
+
+
+def _evicted(path: Path) -> bool:
+    """Drop a file's pages from the page cache; False where the filesystem keeps them."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        try:
+            os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)
+        except BlockingIOError:
+            return True
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_get_if_cached_answers_small_chunks_from_memory_only(tmp_path):
+    s = Store(tmp_path / "store")
+    small, packed = os.urandom(3000), b"compressible " * 3000
+    a, b = s.put(small), s.put(packed)
+    assert s.get_if_cached(a) is None  # no read has opened the pack yet
+    assert s.get(a) == small
+    assert s.get_if_cached(a) == small and s.get_if_cached(b) == packed
+    assert s.get_if_cached(chunk_id(b"absent")) is None
+    big = s.put(os.urandom(NOWAIT_MAX + 1))  # too long to decode on the FUSE thread...
+    zeros = s.put(bytes(NOWAIT_MAX * 4))  # ...and a short blob that decodes to too much
+    assert s.get(big) and s.get(zeros)
+    assert s.get_if_cached(big) is None and s.get_if_cached(zeros) is None
+    _flip(*s.locate(b)[:2], 0x01)
+    with pytest.raises(CorruptChunk):  # verified like any read
+        s.get_if_cached(b)
+
+
+def _resident(path: Path, off: int, length: int) -> bool:
+    """Whether every page of a file's range is in the page cache (mincore): unlike a read with
+    RWF_NOWAIT, asking starts no readahead."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    start = off // page * page
+    pages = (off + length - start + page - 1) // page
+    vec = (ctypes.c_ubyte * pages)()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as m:
+        base = ctypes.c_char.from_buffer(m)
+        try:
+            if libc.mincore(ctypes.c_void_p(ctypes.addressof(base) + start),
+                            ctypes.c_size_t(pages * page), vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore")
+        finally:
+            del base
+    return all(v & 1 for v in vec)
+
+
+def test_a_chunk_read_from_disk_brings_the_next_part_of_its_pack_into_memory(tmp_path):
+    s = Store(tmp_path / "store")
+    s.put(os.urandom(100_000))
+    a = s.put(os.urandom(3000))
+    s.put(os.urandom(READ_AROUND // 2))
+    b = s.put(os.urandom(3000))
+    s.put(os.urandom(2 * READ_AROUND))
+    c = s.put(os.urandom(3000))
+    pack, b_off, b_len = s.locate(b)
+    assert s.get(a)
+    if not _evicted(pack):
+        pytest.skip("this filesystem keeps every page in memory (tmpfs)")
+    assert not _resident(pack, b_off, b_len)
+    assert s.get(c) and s.get(a)  # a read far behind the last one: the kernel reads no more
+    deadline = time.monotonic() + 10  # the read-around is asynchronous
+    while not _resident(pack, b_off, b_len):
+        assert time.monotonic() < deadline, "the chunk after it never reached the page cache"
+        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("data, codec", [(os.urandom(300), RAW),
@@ -1153,6 +1226,15 @@ async def test_a_failed_load_is_raised_and_not_cached():
         await cget(cache, b"A")
     assert await cget(cache, b"A") == b"fine"
     assert attempts == [b"A", b"A"]
+
+
+async def test_a_miss_found_in_memory_needs_no_load():
+    load = Loader()
+    cache = ChunkCache(load, load_cached=lambda c: b"mem" if c == b"A" else None)
+    assert await cget(cache, b"A") == b"mem" and await cget(cache, b"B") == b"B" * 10
+    assert load.calls == [b"B"]
+    assert (cache.misses, cache.nowait, cache.hits) == (2, 1, 0)
+    assert await cget(cache, b"A") == b"mem" and cache.hits == 1  # kept like any load
 
 
 async def test_cache_over_a_real_store(tmp_path):

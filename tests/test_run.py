@@ -35,8 +35,9 @@ JOB = textwrap.dedent("""
     import json, os, signal, sys, time
     rank = int(os.environ["RANK"])
     out, mode = sys.argv[1], sys.argv[2]
-    with open(f"{out}/{rank}.pid", "w") as f:
+    with open(f"{out}/{rank}.tmp", "w") as f:  # a rank killed while writing leaves no .pid
         f.write(str(os.getpid()))
+    os.rename(f"{out}/{rank}.tmp", f"{out}/{rank}.pid")
     def everyone_started():
         while len([n for n in os.listdir(out) if n.endswith(".pid")]) < int(os.environ["WORLD_SIZE"]):
             time.sleep(0.02)
