@@ -106,7 +106,7 @@ $(LIBFUSE_STAMP):
 	@touch $(LIBFUSE_STAMP)
 
 # pyfuse3 from its PyPI sdist (checked against a pinned sha256) with fs/pyfuse3.patch, linked
-# against that libfuse: no open/opendir round trips, and passthrough (see fs/fuse_ops.py).
+# against that libfuse: no open/opendir round trips, passthrough, counted ioctls (see fs/fuse_ops.py).
 $(PYFUSE3_STAMP): fs/pyfuse3.patch $(LIBFUSE_STAMP)
 	@set -euo pipefail; d="$$(mktemp -d)"; trap 'rm -rf "$$d"' EXIT; \
 	echo "building pyfuse3 $(PYFUSE3_VERSION) with fs/pyfuse3.patch"; \
@@ -117,7 +117,7 @@ $(PYFUSE3_STAMP): fs/pyfuse3.patch $(LIBFUSE_STAMP)
 	(cd "$$src" && git apply "$(CURDIR)/fs/pyfuse3.patch" && rm -f src/pyfuse3/__init__.c); \
 	PKG_CONFIG_PATH="$(LIBFUSE)/lib/pkgconfig" LDFLAGS="-Wl,-rpath,$(LIBFUSE)/lib" \
 	SETUPTOOLS_SCM_PRETEND_VERSION=$(PYFUSE3_VERSION) $(PY) -m pip install -q --force-reinstall "$$src"
-	$(PY) -c 'import pyfuse3; assert pyfuse3.FH_ZERO_IS_INODE and hasattr(pyfuse3, "WANT_PASSTHROUGH")'
+	$(PY) -c 'import pyfuse3; assert pyfuse3.FH_ZERO_IS_INODE and hasattr(pyfuse3, "WANT_PASSTHROUGH") and hasattr(pyfuse3, "ioctls")'
 	@touch $(PYFUSE3_STAMP)
 
 clean:

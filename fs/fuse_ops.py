@@ -580,7 +580,10 @@ class SnapshotFS(pyfuse3.Operations):
             out[b"user.monarch.cache_misses"] = str(self.chunks.misses).encode()
             out[b"user.monarch.cache_nowait"] = str(self.chunks.nowait).encode()
             out[b"user.monarch.passthrough_opens"] = str(self.passthrough_opens).encode()
-            out[b"user.monarch.ops"] = " ".join(f"{k}={v}" for k, v in sorted(self.ops.items())).encode()
+            ops = self.ops.copy()
+            if hasattr(pyfuse3, "ioctls"):  # refused inside the patched pyfuse3, never seen here
+                ops["ioctl"] = pyfuse3.ioctls()
+            out[b"user.monarch.ops"] = " ".join(f"{k}={v}" for k, v in sorted(ops.items()) if v).encode()
             return out
         tree = self._tree(node) if node.ws else None
         if tree is not None:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -162,6 +164,15 @@ def test_xattrs_name_version_and_chunks(cluster3, tmp_path):
     after = dict(kv.split("=") for kv in os.getxattr(root, "user.monarch.ops").decode().split())
     assert int(after["getxattr"]) > int(before["getxattr"])
     assert int(after["read"]) == int(before.get("read", 0)) + 1
+    # Python's open() asks whether a file is a terminal: a request the daemon refuses as a
+    # local disk would, and counts
+    with open(f, "rb") as fh:
+        assert not fh.isatty()
+        with pytest.raises(OSError) as e:
+            fcntl.ioctl(fh, termios.TCGETS, bytes(64))
+        assert e.value.errno == errno.ENOTTY
+    ops = dict(kv.split("=") for kv in os.getxattr(root, "user.monarch.ops").decode().split())
+    assert int(ops["ioctl"]) >= int(after.get("ioctl", 0)) + 3  # open()'s own, isatty, TCGETS
 
 
 def test_with_open_round_trips_files_and_listings_still_follow_each_version(
@@ -195,7 +206,9 @@ def test_with_open_round_trips_files_and_listings_still_follow_each_version(
 def test_warm_reads_and_listings_cost_no_requests(fresh_cluster, tmp_path, monkeypatch, mode):
     """Once read, a file's pages and a directory's listing stay in the kernel: reading and
     listing again sends the daemon no read and no readdir. With no-open (the patched pyfuse3
-    without passthrough) it sends nothing at all; with passthrough each open is a request."""
+    without passthrough) it sends only the ioctl with which Python's open() asks whether a
+    file is a terminal (the kernel forwards every ioctl); with passthrough each open is a
+    request too."""
     from monarch_fs.fs import fuse_ops
     assert fuse_ops.NO_OPEN, "pyfuse3 is not the patched build (make builds it)"
     if mode == "no-open":
@@ -227,10 +240,10 @@ def test_warm_reads_and_listings_cost_no_requests(fresh_cluster, tmp_path, monke
     # first walk may still be on their way.
     for late in ("release", "forget"):
         served.pop(late, None)
-    if mode == "no-open":
-        assert served == {"getxattr": 1}, served  # only the xattr read of `ops` itself
+    if mode == "no-open":  # and the xattr read of `ops` itself
+        assert served == {"getxattr": 1, "ioctl": 50}, served
     else:
-        assert served == {"getxattr": 1, "open": 50}, served
+        assert served == {"getxattr": 1, "ioctl": 50, "open": 50}, served
     assert len(first) == 50 and first["m7.py"] == b"x = 7\n" * 100
 
 
