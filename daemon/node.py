@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import ipaddress
-import itertools
 import json
 import logging
 import os
@@ -20,7 +19,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import pyfuse3
@@ -506,9 +505,10 @@ class NodeDaemon:
             self._nursery.start_soon(self._collect)
 
     async def _collect(self) -> None:
-        """Delete the store's packs that hold only chunks nothing uses: no retained version, no
-        version being published, no file the kernel still holds. Skipped while another push
-        has been told what this node has (those chunks must stay): its commit collects."""
+        """Delete the store's packs that hold only chunks nothing uses (no retained version, no
+        version being published, no file the kernel still holds), and compact those that hold
+        mostly such chunks (Store.collect). Skipped while another push has been told what this
+        node has (those chunks must stay): its commit collects."""
         async with self._gc_lock:
             if self._negotiating:
                 return
@@ -525,19 +525,21 @@ class NodeDaemon:
                     # else a version being published whose manifest has not arrived
             held = self.fs.held_chunks()
 
-            def collect() -> tuple[int, int]:
-                return self.store.collect(itertools.chain(
-                    versions, held, (c for m in manifests for e in m.entries for c in e.chunks)))
+            def live() -> Iterator[Iterable[bytes]]:  # by version: few repeats in each
+                yield versions
+                yield held
+                for m in manifests:
+                    yield (c for e in m.entries for c in e.chunks)
 
             try:
-                packs, freed = await trio.to_thread.run_sync(collect)
+                packs, freed = await trio.to_thread.run_sync(self.store.collect, live)
             except OSError as e:
                 log.warning("collecting the store: %s", e)
                 return
         if packs:
             self.counters["packs_collected"] += packs
             self.counters["bytes_collected"] += freed
-            log.info("collected %d packs (%d bytes) no version uses", packs, freed)
+            log.info("collected %d packs, freeing %d bytes no version uses", packs, freed)
 
     async def _prepare(self, name: str, version: bytes) -> dict:
         await self._make_ready(name, version)

@@ -9,8 +9,9 @@ and a directory entry on every node (~300 us each here); appending to a pack cos
 
 An object exists once its whole record is in a pack: the in-memory index is only updated after
 the append. `collect` deletes the sealed packs in which no object is live any more (the chunks
-of versions no node keeps); packs are never rewritten, so a crash mid-collect loses nothing
-live. After a crash, packs without an index are scanned and a torn record at the end is
+of versions no node keeps), and those mostly dead after their live objects are copied to the
+open pack and made durable; packs are never rewritten in place, so a crash mid-collect loses
+nothing live. After a crash, packs without an index are scanned and a torn record at the end is
 cut off, so a partial object is never visible. Every blob is verified against its id before it is
 appended and whenever it is read: a damaged record is an error, never wrong bytes. Durability is
 batched: `sync()` flushes the open pack once before a version is published.
@@ -23,7 +24,7 @@ import fcntl
 import os
 import struct
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from .chunk import ID_SIZE, RAW, CorruptChunk, chunk_id, decode, encode, raw_size
@@ -39,6 +40,10 @@ RAW_CODEC = bytes([RAW])
 # files `import torch` opens took 0.82 s without it, 0.77 s with 1 MiB (medians of 6).
 READ_AROUND = 1 << 20
 NOWAIT_MAX = 256 << 10  # get_if_cached decodes on the caller's thread: keep that short
+# A sealed pack whose live records fill less than this is compacted (see Store.collect), copying
+# at most COMPACT_MAX_BYTES per collect.
+COMPACT_BELOW = 0.5
+COMPACT_MAX_BYTES = 256 * 1024 * 1024
 _NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 
 
@@ -179,28 +184,32 @@ class Store:
             return False
         data = decode(cid, blob)
         parts = [RAW_CODEC, data] if raw and blob[0] != RAW else [blob]
-        length = sum(len(part) for part in parts)
-        header = _RECORD.pack(_MAGIC, cid, length)
-        size = len(header) + length
         with self._lock:
             if cid in self._index:
                 return False
-            off = self._size
-            try:
-                written = os.writev(self._fd, [header, *parts])
-                if written < size:  # short write: finish it from where it stopped
-                    rest = memoryview(b"".join([header, *parts]))[written:]
-                    while rest:
-                        rest = rest[os.write(self._fd, rest):]
-            except BaseException:
-                os.ftruncate(self._fd, off)  # no partial record stays behind
-                raise
-            self._size = off + size
-            self._index[cid] = _loc(self._cur, off + _RECORD.size, length)
-            self._records.append(_IDX.pack(cid, off + _RECORD.size, length))
-            if self._size >= self.pack_limit:
-                self._seal()
+            self._append(cid, parts)
         return True
+
+    def _append(self, cid: bytes, parts: list[bytes | memoryview]) -> None:
+        """Append one record to the open pack and point the index at it. Holds self._lock."""
+        length = sum(len(part) for part in parts)
+        header = _RECORD.pack(_MAGIC, cid, length)
+        size = len(header) + length
+        off = self._size
+        try:
+            written = os.writev(self._fd, [header, *parts])
+            if written < size:  # short write: finish it from where it stopped
+                rest = memoryview(b"".join([header, *parts]))[written:]
+                while rest:
+                    rest = rest[os.write(self._fd, rest):]
+        except BaseException:
+            os.ftruncate(self._fd, off)  # no partial record stays behind
+            raise
+        self._size = off + size
+        self._index[cid] = _loc(self._cur, off + _RECORD.size, length)
+        self._records.append(_IDX.pack(cid, off + _RECORD.size, length))
+        if self._size >= self.pack_limit:
+            self._seal()
 
     def put(self, data: bytes) -> bytes:
         cid = chunk_id(data)
@@ -215,17 +224,22 @@ class Store:
 
     def _reader(self, cid: bytes) -> tuple[int, int, int]:
         """(read descriptor of its pack, offset, length) of an object's blob."""
-        try:
-            n, off, length = _unloc(self._index[cid])
-        except KeyError:
-            raise KeyError(cid.hex()) from None
-        fd = self._readers.get(n)
-        if fd is None:
-            with self._lock:
-                fd = self._readers.get(n)
-                if fd is None:
-                    fd = self._readers[n] = os.open(self._pack_path(n), os.O_RDONLY)
-        return fd, off, length
+        for _ in range(2):
+            try:
+                n, off, length = _unloc(self._index[cid])
+            except KeyError:
+                raise KeyError(cid.hex()) from None
+            fd = self._readers.get(n)
+            if fd is None:
+                with self._lock:
+                    fd = self._readers.get(n)
+                    if fd is None:
+                        try:
+                            fd = self._readers[n] = os.open(self._pack_path(n), os.O_RDONLY)
+                        except FileNotFoundError:
+                            continue  # compacted since the index was read: it has moved
+            return fd, off, length
+        raise KeyError(cid.hex())
 
     def get_blob(self, cid: bytes) -> bytes:
         fd, off, length = self._reader(cid)
@@ -292,40 +306,122 @@ class Store:
             os.fdatasync(self._fd)
         fsync_dir(self.packs)
 
-    def collect(self, live: Iterable[bytes]) -> tuple[int, int]:
-        """Delete every sealed pack that holds no object in `live`; (packs, bytes) freed.
+    def collect(self, live: Callable[[], Iterable[Iterable[bytes]]]) -> tuple[int, int]:
+        """Free the space of objects outside `live()`; (packs deleted, bytes freed).
 
-        `live` is only looked up, never kept: on a daemon holding 100k files a set of every
-        live id would be its largest allocation. The doomed packs' objects leave the index
+        A sealed pack holding no live object is deleted. A sealed pack whose live records fill
+        less than COMPACT_BELOW of it is compacted: its live objects are read, verified and
+        appended to the open pack, which is made durable, and then it is deleted too. Without
+        that, a node pushed small edits for months would keep whole packs for the odd live
+        file in each. At most COMPACT_MAX_BYTES are copied per collect (a push waits for it).
+
+        `live()` gives the live ids in groups (one per retained version, say), and may be
+        called twice. Its ids are looked up, never all kept: on a daemon holding 100k files a
+        set of them would be its largest allocation. A first pass finds the packs no group
+        fills to COMPACT_BELOW; only for those does a second pass collect the live ids, which
+        tell exactly which to compact and what to copy. Deleted packs' objects leave the index
         first, so from then on `missing` reports them and a push sends them again; the open
         pack is never touched. A pack's index goes before the pack: a crash in between leaves
-        a pack that the next start scans and the next collect deletes. Blocking: run it in a
-        worker thread."""
+        a pack that the next start scans and the next collect deletes. A crash after the
+        copies leaves those objects twice; the newer pack wins at start, and the next collect
+        deletes the older. Blocking: run it in a worker thread."""
         for fd in self._retired:  # any read that used them finished long ago
             os.close(fd)
         self._retired.clear()
+        most: dict[int, int] = {}  # pack -> the most bytes of live records one group has there
         with self._lock:
-            index = self._index
-            alive = {loc >> _PACK_SHIFT for cid in live if (loc := index.get(cid)) is not None}
-            doomed = {int(p.stem) for p in self.packs.glob("*.pack")} - alive - {self._cur}
-            if doomed:
-                for cid in [c for c, loc in index.items() if loc >> _PACK_SHIFT in doomed]:
+            sizes = {int(p.stem): p.stat().st_size for p in self.packs.glob("*.pack")}
+            for group in live():
+                mine = self._bytes_by_pack(group, None)
+                for n, used in mine.items():
+                    most[n] = max(most.get(n, 0), used)
+            sealed = set(sizes) - {self._cur}
+        doomed = sealed - set(most)
+        maybe = {n for n in sealed & set(most) if most[n] < COMPACT_BELOW * sizes[n]}
+        freed = self._delete(doomed)
+        compacted = 0
+        if maybe:
+            compacted, more = self._compact(maybe, sizes, live)
+            freed += more
+        return len(doomed) + compacted, freed
+
+    def _bytes_by_pack(self, ids: Iterable[bytes], packs: set[int] | None) -> dict[int, int]:
+        """Bytes of the records of `ids` per pack (only `packs`, unless None)."""
+        index, out = self._index, {}
+        for cid in ids:
+            if (loc := index.get(cid)) is not None:
+                n, _, length = _unloc(loc)
+                if packs is None or n in packs:
+                    out[n] = out.get(n, 0) + _RECORD.size + length
+        return out
+
+    def _compact(self, maybe: set[int], sizes: dict[int, int],
+                 live: Callable[[], Iterable[Iterable[bytes]]]) -> tuple[int, int]:
+        """Compact those of `maybe` that are less than COMPACT_BELOW live, within the budget:
+        copy their live objects to the open pack, then delete them. (packs, bytes freed)."""
+        index = self._index
+        ids = {cid for group in live() for cid in group
+               if (loc := index.get(cid)) is not None and loc >> _PACK_SHIFT in maybe}
+        used = self._bytes_by_pack(ids, maybe)
+        packs, budget = set(), COMPACT_MAX_BYTES
+        for n in sorted(maybe, key=lambda n: used.get(n, 0)):
+            live_bytes = used.get(n, 0)
+            if live_bytes < COMPACT_BELOW * sizes[n] and (not packs or live_bytes <= budget):
+                packs.add(n)
+                budget -= live_bytes
+        copied = 0
+        for cid in sorted(ids, key=lambda c: index.get(c, 0)):  # in pack order
+            if index.get(cid, 0) >> _PACK_SHIFT not in packs:
+                continue
+            try:
+                blob = self.get_blob(cid)
+                decode(cid, blob)
+            except KeyError:
+                continue
+            except CorruptChunk:
+                blob = None  # damaged: not copied, so missing from now on; a push resends it
+            with self._lock:
+                loc = index.get(cid)
+                if loc is None or loc >> _PACK_SHIFT not in packs:
+                    continue
+                if blob is None:
                     del index[cid]
-            for n in doomed:
-                fd = self._readers.pop(n, None)
-                if fd is not None:
-                    self._retired.append(fd)
+                    continue
+                self._append(cid, [blob])
+                copied += _RECORD.size + len(blob)
+        if packs:
+            with self._lock:  # the copies are durable before the originals go (sealed packs
+                os.fdatasync(self._fd)  # were flushed when they were sealed)
+            fsync_dir(self.packs)
+        return len(packs), self._delete(packs) - copied
+
+    def _delete(self, packs: set[int]) -> int:
+        """Delete sealed packs, their objects leaving the index first; the bytes freed."""
+        if not packs:
+            return 0
+        with self._lock:
+            for cid in [c for c, loc in self._index.items() if loc >> _PACK_SHIFT in packs]:
+                del self._index[cid]
+            self._retire(packs)
         freed = 0
-        for n in sorted(doomed):
+        for n in sorted(packs):
             try:
                 freed += self._pack_path(n).stat().st_size
             except FileNotFoundError:
                 continue
             self._idx_path(n).unlink(missing_ok=True)
             self._pack_path(n).unlink()
-        if doomed:
-            fsync_dir(self.packs)
-        return len(doomed), freed
+        with self._lock:
+            self._retire(packs)  # a read may have opened one of them in the meantime
+        fsync_dir(self.packs)
+        return freed
+
+    def _retire(self, packs: set[int]) -> None:
+        """Hand the read descriptors of deleted packs to the next collect. Holds self._lock."""
+        for n in packs:
+            fd = self._readers.pop(n, None)
+            if fd is not None:
+                self._retired.append(fd)
 
     def usage(self) -> tuple[int, int]:
         """(objects, bytes on disk)."""

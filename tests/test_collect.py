@@ -107,3 +107,28 @@ def test_a_push_in_flight_keeps_what_it_was_told_the_node_has(small_packs, fresh
     trio.run(main)
     assert tree(c.mnt(0) / "b") == tree(b)
     wait_for(lambda: c.status()[0]["packs_collected"] > 0, 20, "the deferred collect")
+
+
+def test_a_pack_left_mostly_dead_is_compacted_and_its_live_file_still_reads(small_packs,
+                                                                            fresh_cluster,
+                                                                            tmp_path):
+    """A file no push changes outlives the version it came with, and the rest of the pack it
+    arrived in is given back: its chunk is copied out and the pack deleted, rather than kept
+    whole for one live file."""
+    c = fresh_cluster(1)
+    src = tmp_path / "ws"
+    src.mkdir()
+    first = fill(src)
+    c.push(src)
+    cid = bytes.fromhex(os.getxattr(c.mnt(0) / "ws" / "m0.py", "user.monarch.chunks").decode())
+    packs = c.dir / "node-0" / "state" / "store" / "packs"
+    first_pack, = [p for p in packs.glob("*.pack") if b"MFSR" + cid in p.read_bytes()]
+    for _ in range(3):  # every file but m0 changes; the first version goes at the 4th push
+        for i in range(1, FILES):
+            (src / f"m{i}.py").write_bytes(os.urandom(SIZE))
+        c.push(src)
+    wait_for(lambda: not first_pack.exists(), 20, "m0's first pack to be compacted")
+    with open(c.mnt(0) / "ws" / "m0.py", "rb") as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # read from the store
+        assert f.read() == first["m0.py"]
+    assert tree(c.mnt(0) / "ws") == tree(src)
