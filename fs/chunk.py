@@ -65,9 +65,9 @@ def encode(data: bytes) -> bytes:
 
 def raw_size(blob: bytes | bytearray | memoryview) -> int:
     """The size of the chunk a blob decodes to, as its header claims; -1 if it claims none."""
-    if blob[:1] == bytes([RAW]):
+    if len(blob) and blob[0] == RAW:
         return len(blob) - 1
-    if blob[:1] == bytes([ZSTD]):
+    if len(blob) and blob[0] == ZSTD:
         try:
             return zstandard.frame_content_size(blob[1:])
         except zstandard.ZstdError:

@@ -3,7 +3,8 @@
 The kernel reads a file in requests of at most a few hundred KiB, so without a cache one 4 MiB
 zstd chunk would be read, decompressed and verified dozens of times. Loads run in worker threads
 (disk, decompression and hashing must not stall the FUSE loop), and concurrent readers of one
-chunk share a single load.
+chunk share a single load; except that a `load_cached` function, which must never block (a small
+chunk already in the page cache), is tried first on the caller's thread.
 """
 
 from __future__ import annotations
