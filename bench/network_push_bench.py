@@ -164,6 +164,24 @@ def push_once(cluster: NetCluster, src: Path) -> tuple[float, dict]:
     return seconds, pushed
 
 
+def rsync_both_ways(cluster: NetCluster, src: Path, dests: Path,
+                    expect: tuple[int, int]) -> tuple[float, float]:
+    """Seconds for `rsync -a` to every host one after another, then to all at once."""
+    with RsyncDaemons(cluster, dests) as rsync:
+
+        def check_dests() -> None:
+            for d in rsync.dests:
+                if tree_stats(d) != expect:
+                    raise BenchError(f"rsync left {tree_stats(d)} in {d}, expected {expect}")
+
+        seq_s = rsync.copy(src, parallel=False)
+        check_dests()
+        rsync.reset()
+        par_s = rsync.copy(src, parallel=True)
+        check_dests()
+    return seq_s, par_s
+
+
 def run_n(src: Path, n: int, rate: str, store_dir: str | None, expect: tuple[int, int],
           pushes: int = PUSHES) -> dict:
     """`pushes` cold pushes (a fresh cluster each: empty stores) and their median; rsync runs
@@ -173,25 +191,17 @@ def run_n(src: Path, n: int, rate: str, store_dir: str | None, expect: tuple[int
     times = []
     try:
         for i in range(pushes):
-            with NetCluster(n, rate=rate, workdir=base / f"cluster{i}") as cluster:
-                seconds, pushed = push_once(cluster, src)
-                times.append(seconds)
-                if i < pushes - 1:
-                    continue
-                with RsyncDaemons(cluster, base / "rsync") as rsync:
-
-                    def check_dests() -> None:
-                        for d in rsync.dests:
-                            if tree_stats(d) != expect:
-                                raise BenchError(f"rsync left {tree_stats(d)} in {d}, "
-                                                 f"expected {expect}")
-
-                    seq_s = rsync.copy(src, parallel=False)
-                    check_dests()
-                    rsync.reset()
-                    par_s = rsync.copy(src, parallel=True)
-                    check_dests()
-            shutil.rmtree(base / f"cluster{i}", ignore_errors=True)
+            # Each cluster's stores and backing files (7 GB for 8 nodes) go before the next:
+            # they are on tmpfs, in RAM.
+            workdir = base / f"cluster{i}"
+            try:
+                with NetCluster(n, rate=rate, workdir=workdir) as cluster:
+                    seconds, pushed = push_once(cluster, src)
+                    times.append(seconds)
+                    if i == pushes - 1:
+                        seq_s, par_s = rsync_both_ways(cluster, src, base / "rsync", expect)
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     push_s = median(times)
