@@ -52,9 +52,8 @@ from netns import NetCluster, NetnsUnsupported  # noqa: E402
 from push_bench import ensure_tree  # noqa: E402
 
 RSYNC_PORT = 8730
-# Cold pushes per host count, reported as their median: a 2-core VM is noisy (a make bench run
-# whose three 3-host pushes took 4.41, 5.40 and 6.29 s, right after an A/B of the same code whose
-# eight took 4.42-5.18 s, median 4.6 s).
+# Cold pushes per host count, reported as their median: a 2-core VM is noisy (eight 3-host
+# pushes of the same code took 4.42-5.18 s in one A/B series).
 PUSHES = 5
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None  # where stores and destinations go
 

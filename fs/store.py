@@ -332,27 +332,25 @@ class Store:
         with self._lock:
             sizes = {int(p.stem): p.stat().st_size for p in self.packs.glob("*.pack")}
             for group in live():
-                mine = self._bytes_by_pack(group, None)
-                for n, used in mine.items():
+                for n, used in self._bytes_by_pack(group).items():
                     most[n] = max(most.get(n, 0), used)
             sealed = set(sizes) - {self._cur}
         doomed = sealed - set(most)
         maybe = {n for n in sealed & set(most) if most[n] < COMPACT_BELOW * sizes[n]}
-        freed = self._delete(doomed)
+        freed = self._delete(doomed, sizes)
         compacted = 0
         if maybe:
             compacted, more = self._compact(maybe, sizes, live)
             freed += more
         return len(doomed) + compacted, freed
 
-    def _bytes_by_pack(self, ids: Iterable[bytes], packs: set[int] | None) -> dict[int, int]:
-        """Bytes of the records of `ids` per pack (only `packs`, unless None)."""
+    def _bytes_by_pack(self, ids: Iterable[bytes]) -> dict[int, int]:
+        """Bytes of the records of `ids`, per pack."""
         index, out = self._index, {}
         for cid in ids:
             if (loc := index.get(cid)) is not None:
                 n, _, length = _unloc(loc)
-                if packs is None or n in packs:
-                    out[n] = out.get(n, 0) + _RECORD.size + length
+                out[n] = out.get(n, 0) + _RECORD.size + length
         return out
 
     def _compact(self, maybe: set[int], sizes: dict[int, int],
@@ -362,7 +360,7 @@ class Store:
         index = self._index
         ids = {cid for group in live() for cid in group
                if (loc := index.get(cid)) is not None and loc >> _PACK_SHIFT in maybe}
-        used = self._bytes_by_pack(ids, maybe)
+        used = self._bytes_by_pack(ids)
         packs, budget = set(), COMPACT_MAX_BYTES
         for n in sorted(maybe, key=lambda n: used.get(n, 0)):
             live_bytes = used.get(n, 0)
@@ -390,31 +388,25 @@ class Store:
                 self._append(cid, [blob])
                 copied += _RECORD.size + len(blob)
         if packs:
-            with self._lock:  # the copies are durable before the originals go (sealed packs
-                os.fdatasync(self._fd)  # were flushed when they were sealed)
-            fsync_dir(self.packs)
-        return len(packs), self._delete(packs) - copied
+            self.sync()  # the copies are durable before the originals go
+        return len(packs), self._delete(packs, sizes) - copied
 
-    def _delete(self, packs: set[int]) -> int:
-        """Delete sealed packs, their objects leaving the index first; the bytes freed."""
+    def _delete(self, packs: set[int], sizes: dict[int, int]) -> int:
+        """Delete sealed packs, their objects leaving the index first; the bytes freed (their
+        `sizes`: sealed packs do not change)."""
         if not packs:
             return 0
         with self._lock:
             for cid in [c for c, loc in self._index.items() if loc >> _PACK_SHIFT in packs]:
                 del self._index[cid]
             self._retire(packs)
-        freed = 0
         for n in sorted(packs):
-            try:
-                freed += self._pack_path(n).stat().st_size
-            except FileNotFoundError:
-                continue
             self._idx_path(n).unlink(missing_ok=True)
-            self._pack_path(n).unlink()
+            self._pack_path(n).unlink(missing_ok=True)
         with self._lock:
             self._retire(packs)  # a read may have opened one of them in the meantime
         fsync_dir(self.packs)
-        return freed
+        return sum(sizes[n] for n in packs)
 
     def _retire(self, packs: set[int]) -> None:
         """Hand the read descriptors of deleted packs to the next collect. Holds self._lock."""
