@@ -218,6 +218,7 @@ class NodeDaemon:
                 # resets the readahead window): then the mount is ready, and tunable.
                 await trio.to_thread.run_sync(os.stat, self.mount)
                 set_readahead(str(self.mount))
+                await self.fs.check_passthrough()
                 # Backing files this node's versions lack (all of them after a crash, see
                 # fs/backing.py) are written now; until then the chunk store serves those files.
                 nursery.start_soon(self._fill_backing)

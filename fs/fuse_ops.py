@@ -11,9 +11,10 @@ kernel entries that changed are invalidated before `set_workspace` returns, so n
 content after a push has succeeded.
 
 A handle is the inode number. With the patched pyfuse3 the Makefile builds (`fs/pyfuse3.patch`,
-against libfuse 3.17), files are served one of two ways, decided at FUSE INIT:
+against the system's libfuse 3), files are served one of two ways, decided once FUSE INIT is
+answered (check_passthrough):
 
-- passthrough (root, Linux 6.9+): a file of backing.MIN_SIZE or more is bound at open to its
+- passthrough (root, Linux 6.9+, and a backing id from the kernel): a file of backing.MIN_SIZE or more is bound at open to its
   backing file on local disk (fs/backing.py), and the kernel reads and maps it directly, at
   local-disk speed and in large folios. Every open is then a round trip (the kernel has no
   passthrough without open), so smaller files are opened with `keep_cache` and read through here.
@@ -162,6 +163,7 @@ class SnapshotFS(pyfuse3.Operations):
         self.passthrough_opens = 0  # opens bound to a backing file (user.monarch.passthrough_opens)
         self._binding: dict[int, trio.Event] = {}  # inodes whose backing file is being opened
         self.open_mode = "not mounted"  # what `monarch-fs status` shows: no-open, or why not
+        self._checked = trio.Event()  # check_passthrough() has decided
         root = Node(b"root", self._synthetic(), special="root")
         self._nodes[pyfuse3.ROOT_INODE] = root
         self._inos[root.key] = pyfuse3.ROOT_INODE
@@ -360,11 +362,14 @@ class SnapshotFS(pyfuse3.Operations):
 
     def init(self) -> None:
         """FUSE INIT: answer open/opendir with ENOSYS only where the kernel understands it
-        (Linux 5.1+); an older kernel would fail every `ls` with ENOSYS."""
-        self.passthrough = passthrough.negotiated()
+        (Linux 5.1+); an older kernel would fail every `ls` with ENOSYS. Passthrough is asked
+        for here, and confirmed by check_passthrough() once INIT is answered."""
+        self.passthrough = passthrough.asked()
         self.no_opendir = NO_OPEN and getattr(pyfuse3, "NO_OPEN_SUPPORTED", False)
+        self._set_open_mode(self.passthrough_unavailable() or passthrough.negotiated()[1])
+
+    def _set_open_mode(self, why_not: str) -> None:
         self.no_open = self.no_opendir and not self.passthrough
-        why_not = self.passthrough_unavailable() or "the kernel offers no passthrough"
         if self.passthrough:
             self.open_mode = "passthrough"
         elif self.no_open:
@@ -377,6 +382,29 @@ class SnapshotFS(pyfuse3.Operations):
             self.open_mode = "open per file (the kernel has no FUSE no-open support)"
         if not self.passthrough and not self.no_open:
             log.info("FUSE: %s: every open is a round trip", self.open_mode)
+
+    async def check_passthrough(self) -> None:
+        """Once INIT is answered (a stat of the mount from another thread has returned): keep
+        passthrough only if the INIT reply took it and the kernel gives a backing id for a file
+        of the backing folder; else serve files with no-open. Opens wait for the answer."""
+        try:
+            if not self.passthrough:
+                return
+            ok, why_not = passthrough.negotiated()
+            if ok and self.backing is not None:
+                try:
+                    backing_id = await trio.to_thread.run_sync(passthrough.probe,
+                                                               self.backing.root)
+                    if backing_id <= 0:
+                        ok, why_not = False, f"the kernel gave backing id {backing_id}"
+                except OSError as e:
+                    ok, why_not = False, f"the kernel refused a backing file: {e.strerror or e}"
+            if not ok:
+                self.passthrough = False
+                self._set_open_mode(why_not)
+                log.warning("FUSE %s", self.open_mode)
+        finally:
+            self._checked.set()
 
     async def lookup(self, parent_inode, name, ctx=None):
         self.ops["lookup"] += 1
@@ -468,6 +496,8 @@ class SnapshotFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EROFS)
         if node.entry.kind != FILE:
             raise pyfuse3.FUSEError(errno.EISDIR if node.entry.kind == DIR else errno.EINVAL)
+        if self.passthrough and not self._checked.is_set():
+            await self._checked.wait()  # the first opens, while check_passthrough() runs
         if self.no_open:
             raise pyfuse3.FUSEError(errno.ENOSYS)  # no-open: reads come with the inode
         backing_id = await self._backing_id(inode, node) if self.passthrough else 0

@@ -5,9 +5,12 @@ The daemon registers an open file descriptor with the kernel (FUSE_DEV_IOC_BACKI
 mmaps of that open file then never reach the daemon. The id is closed when no open file of the
 inode is left (the kernel keeps its own reference for as long as a file uses it).
 
-Available with the patched pyfuse3 the Makefile builds against libfuse 3.17 (it negotiates
-passthrough at INIT and carries `FileInfo.backing_id`), on Linux 6.9+ with
-CONFIG_FUSE_PASSTHROUGH, and for a daemon that has CAP_SYS_ADMIN.
+Available with the patched pyfuse3 the Makefile builds (`fs/pyfuse3.patch`: it negotiates
+passthrough at INIT and carries `FileInfo.backing_id`, through libfuse's own API on 3.16+ and
+through `fuse_session_custom_io()` on Debian 12's 3.14), on Linux 6.9+ with
+CONFIG_FUSE_PASSTHROUGH, and for a daemon that has CAP_SYS_ADMIN. The INIT reply alone proves
+little, so the mount registers one backing file before it serves opens (`probe`): passthrough
+is on only when the kernel hands back an id.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import fcntl
 import os
 import struct
+import tempfile
 
 import pyfuse3
 
@@ -42,9 +46,30 @@ def request(want: bool) -> None:
         pyfuse3.WANT_PASSTHROUGH = want
 
 
-def negotiated() -> bool:
-    """Whether the kernel agreed to passthrough at INIT."""
+def asked() -> bool:
+    """Whether FUSE INIT asked the kernel for passthrough (known inside Operations.init)."""
     return bool(getattr(pyfuse3, "PASSTHROUGH", False))
+
+
+def negotiated() -> tuple[bool, str]:
+    """(whether the INIT reply took passthrough, why not); known once INIT is answered."""
+    if not hasattr(pyfuse3, "passthrough_negotiated"):
+        return asked(), "" if asked() else "the kernel offers no passthrough"
+    return pyfuse3.passthrough_negotiated(), pyfuse3.passthrough_why()
+
+
+def probe(folder: os.PathLike[str] | str) -> int:
+    """Register (and release) a file of `folder` as a backing file: the id the kernel gave,
+    which is > 0 when passthrough works for files there. Raises OSError when it refuses."""
+    fd, path = tempfile.mkstemp(prefix=".probe", suffix=".tmp", dir=folder)
+    try:
+        os.close(fd)
+        backing_id = open_backing(path)
+        if backing_id > 0:
+            close_backing(backing_id)
+        return backing_id
+    finally:
+        os.unlink(path)
 
 
 def open_backing(path: os.PathLike[str] | str) -> int:
