@@ -79,7 +79,8 @@ async def serve(listen: str, token: bytes, once: bool) -> None:
                     if isinstance(msg, p.PutChunk):
                         await deliver(msg.cid, msg.blob)
                     elif msg.op == "bulk":
-                        rx, value = bulk.accept_receiver(local, msg.args, deliver, nursery)
+                        rx, value = bulk.accept_receiver(local, msg.args, deliver, nursery,
+                                                         chan.conn.bulk_key)
                         await chan.send(p.Reply(msg.id, value))
                     elif msg.op == "flush":
                         err = None

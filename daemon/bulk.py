@@ -378,8 +378,9 @@ async def close_peer(sender: BulkSender | None, chan) -> None:
 
 
 def accept_receiver(local: LocalTransport, args: dict, deliver: Deliver,
-                    nursery: trio.Nursery) -> tuple[BulkReceiver, dict]:
-    """The node's side of Request("bulk"): a running receiver and the reply to send."""
+                    nursery: trio.Nursery, key: bytes) -> tuple[BulkReceiver, dict]:
+    """The node's side of Request("bulk"): a running receiver and the reply to send. `key` is
+    the control session's bulk key (chunks that bypass its frames are sealed with it)."""
     kind = args.get("kind")
     if local.kind != "rdma":
         raise BulkRefused(f"this node does not offer RDMA ({local.reason})")
@@ -390,6 +391,6 @@ def accept_receiver(local: LocalTransport, args: dict, deliver: Deliver,
         raise BulkRefused(f"this node has no {kind!r} device")
     from . import rdma
 
-    rx = rdma.RdmaReceiver.accept(kind, dev, args, deliver)
+    rx = rdma.RdmaReceiver.accept(kind, dev, args, deliver, key)
     nursery.start_soon(rx.run)
     return rx, rx.reply()

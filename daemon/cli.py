@@ -19,10 +19,14 @@ from .auth import TokenError, home_dir, load_token, resolve_token
 from .hosts import HostsError, parse_hosts
 from .push import Progress, PushError, fmt_bytes, push
 from .status import status
+from .transport import ENCRYPT_POLICIES
 
 log = logging.getLogger("monarch_fs")
 TRANSPORT_HELP = ("how chunk payloads travel: auto (RDMA when both ends have a usable device, "
                   "else TCP, saying why), tcp, or rdma (an error without a device)")
+ENCRYPT_HELP = ("encrypt sessions (every frame is authenticated either way): auto (links that "
+                "leave this machine; loopback is not), on, or off; a client asks, a daemon "
+                "requires, and either is enough")
 
 
 class BarProgress(Progress):
@@ -58,7 +62,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     log.info("transport: %s (%s)", transport.kind, transport.reason)
     daemon = NodeDaemon(state=args.state, mount=args.mount, listen=args.listen, token=token,
                         keep=args.keep, node_name=args.node_name, transport=transport,
-                        store_raw=not args.store_compressed)
+                        store_raw=not args.store_compressed, encrypt=args.encrypt)
     trio.run(lambda: daemon.run(ready_file=args.ready_file))
     return 0
 
@@ -78,7 +82,8 @@ def cmd_push(args: argparse.Namespace) -> int:
         return push(
             args.src, hosts, token, name=args.name, excludes=args.exclude, progress=progress,
             topology_kind=args.topology, fanout=args.fanout, allow_partial=args.allow_partial,
-            timeout=args.timeout, cache_dir=cache_dir, transport=transport)
+            timeout=args.timeout, cache_dir=cache_dir, transport=transport,
+            encrypt=args.encrypt)
 
     if args.watch:
         from .watch import watch
@@ -186,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--ready-file", help="write {addr, pid} here once mounted and listening")
     d.add_argument("--node-name", default="", help="name reported in status (default hostname)")
     d.add_argument("--transport", choices=TRANSPORTS, default="auto", help=TRANSPORT_HELP)
+    d.add_argument("--encrypt", choices=ENCRYPT_POLICIES, default="auto", help=ENCRYPT_HELP)
     d.set_defaults(fn=cmd_daemon)
 
     hosts_help = "host:port,host:port or @hostfile (default $MONARCH_FS_HOSTS, then the local cluster)"
@@ -212,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hash every file: do not use or update the scan cache "
                         "(default: $MONARCH_FS_HOME/scan-cache, so unchanged files are not read)")
     p.add_argument("--transport", choices=TRANSPORTS, default="auto", help=TRANSPORT_HELP)
+    p.add_argument("--encrypt", choices=ENCRYPT_POLICIES, default="auto", help=ENCRYPT_HELP)
     p.set_defaults(fn=cmd_push)
 
     s = sub.add_parser("status", help="what every node serves")

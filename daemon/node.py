@@ -11,7 +11,6 @@ entry. A failed or abandoned push leaves the last good version serving; what it 
 from __future__ import annotations
 
 import errno
-import ipaddress
 import json
 import logging
 import os
@@ -38,7 +37,7 @@ from . import protocol as p
 from .refs import Refs, check_workspace_name
 from .procs import ProcessTable, SpawnError, free_port
 from .relay import Relay
-from .transport import Channel, accept, parse_addr
+from .transport import Channel, ConnectionLost, accept, is_loopback, parse_addr
 
 log = logging.getLogger("monarch_fs.daemon")
 
@@ -118,15 +117,6 @@ class _Writes:
             raise RequestError(self.errors[0] + more)
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def clear_stale_mount(mountpoint: Path) -> None:
     """A daemon killed with SIGKILL leaves its mount behind ("transport endpoint is not
     connected"); detach it so the new daemon can mount in its place."""
@@ -150,13 +140,16 @@ def clear_stale_mount(mountpoint: Path) -> None:
 class NodeDaemon:
     def __init__(self, *, state: str | os.PathLike[str], mount: str | os.PathLike[str],
                  listen: str, token: bytes, keep: int = KEEP_VERSIONS, node_name: str = "",
-                 transport: bulk.LocalTransport | None = None, store_raw: bool = True):
+                 transport: bulk.LocalTransport | None = None, store_raw: bool = True,
+                 encrypt: str = "auto"):
         host, _ = parse_addr(listen, listen=True)
         if not token and not is_loopback(host):
             raise ValueError(f"refusing to listen on {listen} without a token: anyone on the "
                              "network could push; pass --token-file")
         self.listen = listen
         self.token = token
+        # Sessions are always authenticated; encrypted under this policy (transport.encrypts).
+        self.encrypt = encrypt
         # What this node offers for chunk payloads (--transport; RDMA only if a device works).
         self.transport = transport or bulk.LocalTransport("tcp", "tcp", "not probed")
         # Chunks are kept decompressed: reads then cost a hash, not a decompression (twice the
@@ -261,7 +254,8 @@ class NodeDaemon:
             peer = "?"
         try:
             chan = await accept(stream, self.token, {"node": self.node_name, "addr": self.addr,
-                                                     **self.transport.info()})
+                                                     **self.transport.info()},
+                                encrypt=self.encrypt)
         except p.AuthError as e:
             log.warning("refused connection from %s: %s", peer, e)
             return
@@ -299,7 +293,10 @@ class NodeDaemon:
                 while True:
                     try:
                         msg = await chan.receive()
-                    except Exception:
+                    except ConnectionLost:
+                        return  # the peer went away: the normal end of a session
+                    except Exception as e:  # a broken or forged frame ends this session only
+                        log.warning("session with %s ended: %s", chan.peer, e)
                         return
                     if isinstance(msg, p.PutChunk):
                         await on_chunk(msg.cid, msg.blob)
@@ -315,7 +312,7 @@ class NodeDaemon:
                     elif isinstance(msg, p.Request) and msg.op == "relay":
                         relay = Relay(self.token, msg.args.get("children", []),
                                       float(msg.args.get("timeout", 60)), nursery,
-                                      self.counters, self.transport)
+                                      self.counters, self.transport, self.encrypt)
                         await chan.send(p.Reply(msg.id, {"failed": await relay.open()}))
                     elif isinstance(msg, p.Request) and msg.op in ("spawn", "kill", "free_port"):
                         try:
@@ -327,7 +324,8 @@ class NodeDaemon:
                     elif isinstance(msg, p.Request) and msg.op == "bulk":
                         try:  # an RDMA channel for chunk payloads; control stays here
                             bulk_rx, value = bulk.accept_receiver(self.transport, msg.args,
-                                                                  on_chunk, nursery)
+                                                                  on_chunk, nursery,
+                                                                  chan.conn.bulk_key)
                         except Exception as e:
                             await chan.send(p.Error(f"bulk: {e}", code="refused", id=msg.id))
                         else:

@@ -12,11 +12,18 @@ recv_into (the asyncio BufferedProtocol pattern); its payload arrives as a view 
 Handshake (mutual HMAC challenge-response; the token never crosses the wire):
 
     server -> Hello(version, server_nonce)
-    client -> Auth(version, client_nonce, HMAC(token, "monarch-fs client" + sn + cn))
-    server -> Welcome(HMAC(token, "monarch-fs server" + cn + sn), info)
+    client -> Auth(version, client_nonce, encrypt?, HMAC(token, "monarch-fs client" + sn + cn + encrypt?))
+    server -> Welcome(HMAC(token, "monarch-fs server" + cn + sn + encrypted), encrypted, info)   [sealed]
+
+From the Welcome on, every frame in either direction is sealed (seal.py): a GCM tag under a
+key derived from the token and both nonces, one key per direction, the frame's sequence number
+as nonce; a frame that fails its check ends the session (AuthError). The payloads are also
+encrypted when the client asked for it or the server requires it; that choice is inside both
+MACs, so a man in the middle cannot strip it.
 
 Until a peer has authenticated, only handshake frames (and Error) of at most 4096 bytes are
-accepted from it. Nothing here ever unpickles; JSON payloads are shape-checked on receipt.
+accepted from it, into a 4 KiB receive buffer. Nothing here ever unpickles; JSON payloads are
+shape-checked on receipt.
 
 DATA frames carry opaque binary parts for the layer above (the actor mesh sends a header, a
 pickle and the pickle's out-of-band buffers), so large buffers are framed without being copied
@@ -35,7 +42,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 1
+from .seal import TAG_SIZE, Opener, SealError, Sealer, derive_keys
+
+PROTOCOL_VERSION = 2
 MAX_FRAME = 80 * 1024 * 1024
 MAX_HANDSHAKE_FRAME = 4096
 NONCE_SIZE = 32
@@ -52,6 +61,9 @@ _SERVER_LABEL = b"monarch-fs server"
 _MAX_EARLY_ERROR = 500  # characters of an Error message sent during the handshake
 IN_PLACE = 64 * 1024  # PUT_CHUNK and DATA frames this big are received into their own buffer
 _SCRATCH = 256 * 1024  # what get_buffer() offers between large frames
+_EARLY_SCRATCH = 4096  # ... and before the peer has authenticated
+_FLAGS = struct.Struct("<B")  # AUTH: what the client asks for; WELCOME: what was agreed
+_ENCRYPT = 1
 
 
 class ProtocolError(Exception):
@@ -274,10 +286,17 @@ class Connection:
         role: Role,
         token: bytes,
         *,
+        encrypt: bool = False,
         max_frame: int = MAX_FRAME,
         nonce: Callable[[int], bytes] = os.urandom,
     ) -> None:
+        """`encrypt`: a client asks for encrypted payloads, a server requires them."""
         self.role = role
+        self.want_encrypt = encrypt
+        self.encrypted = False  # what both sides agreed, known once the Welcome has passed
+        self.bulk_key: bytes | None = None  # for chunks sent outside frames (seal.ChunkSealer)
+        self._sealer: Sealer | None = None  # set once the session keys exist
+        self._opener: Opener | None = None
         self.state = State.HANDSHAKE
         self.max_frame = max_frame
         self._token = bytes(token)
@@ -307,11 +326,13 @@ class Connection:
         if isinstance(msg, Hello):
             data = _frame(ftype, _VERSION.pack(PROTOCOL_VERSION), self._nonce)
         elif isinstance(msg, Auth):
-            mac = _mac(self._token, _CLIENT_LABEL, self._peer_nonce, self._nonce)
-            data = _frame(ftype, _VERSION.pack(PROTOCOL_VERSION), self._nonce, mac)
+            flags = _FLAGS.pack(_ENCRYPT if self.want_encrypt else 0)
+            mac = _mac(self._token, _CLIENT_LABEL, self._peer_nonce, self._nonce + flags)
+            data = _frame(ftype, _VERSION.pack(PROTOCOL_VERSION), self._nonce, flags, mac)
         elif isinstance(msg, Welcome):
-            mac = _mac(self._token, _SERVER_LABEL, self._peer_nonce, self._nonce)
-            data = _frame(ftype, mac, _json(msg.info))
+            flags = _FLAGS.pack(_ENCRYPT if self.encrypted else 0)
+            mac = _mac(self._token, _SERVER_LABEL, self._peer_nonce, self._nonce + flags)
+            data = _frame(ftype, mac, flags, _json(msg.info))
         elif isinstance(msg, Error):
             # Until the peer is past its handshake it takes 4096-byte frames at most.
             text = msg.message if self._peer_ready() else msg.message[:_MAX_EARLY_ERROR]
@@ -342,11 +363,24 @@ class Connection:
             data = _frame(ftype, msg.cid, msg.blob)
         limit = self.max_frame if self._peer_ready() else MAX_HANDSHAKE_FRAME
         size = sum(len(part) for part in data) - _HEADER.size
+        if self._sealer is not None:
+            size += TAG_SIZE
         if size > limit:
             raise ProtocolError(f"{ftype.name} frame of {size} bytes exceeds the limit of {limit}")
         if ftype in (FrameType.HELLO, FrameType.AUTH, FrameType.WELCOME):
             self._sent.add(ftype)
+        if self._sealer is not None:
+            data = self._sealer.seal(_HEADER.pack(size, ftype), data[1:])
+        if ftype is FrameType.AUTH:  # the client's keys: every later frame is sealed
+            self._start_session(self._nonce, self._peer_nonce)
+        elif ftype is FrameType.WELCOME:  # sealed as such; what follows in the agreed mode
+            self._sealer.encrypt = self.encrypted
         return data
+
+    def _start_session(self, client_nonce: bytes, server_nonce: bytes) -> None:
+        c2s, s2c, self.bulk_key = derive_keys(self._token, client_nonce, server_nonce)
+        mine, theirs = (c2s, s2c) if self.role is Role.CLIENT else (s2c, c2s)
+        self._sealer, self._opener = Sealer(mine), Opener(theirs)
 
     def _peer_ready(self) -> bool:
         """Whether the peer has left (or, on reading what we send, will leave) its handshake."""
@@ -402,8 +436,11 @@ class Connection:
         buffer_updated(n). While a large frame arrives, this is the rest of its own buffer."""
         if self._frame is not None:
             return memoryview(self._frame)[self._got :]
-        if self._scratch is None:
-            self._scratch = memoryview(bytearray(_SCRATCH))
+        if self._scratch is None or (len(self._scratch) < _SCRATCH
+                                     and self.state is State.READY):
+            # Small until the peer has authenticated: an idle connection costs little.
+            size = _SCRATCH if self.state is State.READY else _EARLY_SCRATCH
+            self._scratch = memoryview(bytearray(size))
         return self._scratch
 
     def buffer_updated(self, n: int) -> None:
@@ -435,7 +472,8 @@ class Connection:
                 return NEED_DATA
             frame, self._frame = self._frame, None
             _, raw_type = _HEADER.unpack_from(frame)
-            return self._large(FrameType(raw_type), memoryview(frame))
+            ftype = FrameType(raw_type)
+            return self._large(ftype, self._payload(ftype, memoryview(frame)))
         buf = self._buf
         if len(buf) < _HEADER.size:
             if not self._eof:
@@ -464,27 +502,40 @@ class Connection:
                 self._frame[: len(buf)] = buf
                 buf.clear()
             return NEED_DATA
-        start = _HEADER.size
-        if ftype is FrameType.PUT_CHUNK:  # slice straight out of the buffer: one copy of the blob
-            if size < ID_SIZE:
-                raise ProtocolError("PUT_CHUNK frame too short")
+        if ftype is FrameType.DATA:  # one copy out of the receive buffer, then views
+            frame: memoryview = memoryview(buf[:end])
+        else:  # one copy of the frame: a chunk's blob is a view of it
             with memoryview(buf) as view:  # bytes(buf[a:b]) would copy twice
-                cid = bytes(view[start : start + ID_SIZE])
-                msg: Message = PutChunk(cid, bytes(view[start + ID_SIZE : end]))
-        elif ftype is FrameType.DATA:  # one copy out of the receive buffer, then views
-            msg = _split_data(buf[start:end])
-        else:
-            msg = self._parse(ftype, bytes(buf[start:end]))
+                frame = memoryview(bytes(view[:end]))
         del buf[:end]
-        return msg
+        payload = self._payload(ftype, frame)
+        if ftype in (FrameType.PUT_CHUNK, FrameType.DATA):
+            return self._large(ftype, payload)
+        return self._parse(ftype, bytes(payload))
 
-    def _large(self, ftype: FrameType, frame: memoryview) -> Message:
-        """The message of a frame received in place (at least IN_PLACE bytes, checked when its
-        header arrived): its payload stays in that buffer."""
+    def _payload(self, ftype: FrameType, frame: memoryview) -> memoryview:
+        """A whole frame's payload, checked (and decrypted) when the session seals it."""
+        if self._opener is None or (ftype is FrameType.ERROR and self.state is not State.READY
+                                    and self.role is Role.CLIENT):
+            # Unsealed: the handshake, and an Error that refuses it (a server that could not
+            # authenticate us has no keys to seal it with).
+            return frame[_HEADER.size :]
+        if len(frame) < _HEADER.size + TAG_SIZE:
+            raise ProtocolError(f"{ftype.name} frame too short to be sealed")
+        try:
+            return self._opener.open(frame, _HEADER.size)
+        except SealError as e:
+            raise AuthError(str(e)) from None
+
+    def _large(self, ftype: FrameType, payload: memoryview) -> Message:
+        """A PUT_CHUNK or DATA message on its payload, which it keeps as views."""
         if ftype is FrameType.DATA:
-            return _split_data(frame[_HEADER.size :])
-        return PutChunk(bytes(frame[_HEADER.size : _HEADER.size + ID_SIZE]),
-                        frame[_HEADER.size + ID_SIZE :])
+            # Parts must be writable (the mesh rebuilds tensors on them): a decrypted payload
+            # is not.
+            return _split_data(payload if not payload.readonly else bytearray(payload))
+        if len(payload) < ID_SIZE:
+            raise ProtocolError("PUT_CHUNK frame too short")
+        return PutChunk(bytes(payload[:ID_SIZE]), payload[ID_SIZE:])
 
     def _check_receive(self, ftype: FrameType) -> None:
         if ftype is FrameType.ERROR:
@@ -512,20 +563,31 @@ class Connection:
             return Hello(PROTOCOL_VERSION, self._peer_nonce)
         if ftype is FrameType.AUTH:
             _check_version(ftype, p)
-            if len(p) != _VERSION.size + NONCE_SIZE + MAC_SIZE:
+            if len(p) != _VERSION.size + NONCE_SIZE + _FLAGS.size + MAC_SIZE:
                 raise ProtocolError("AUTH frame has the wrong size")
-            nonce, mac = p[_VERSION.size : -MAC_SIZE], p[-MAC_SIZE:]
-            if not hmac.compare_digest(mac, _mac(self._token, _CLIENT_LABEL, self._nonce, nonce)):
+            nonce = p[_VERSION.size : _VERSION.size + NONCE_SIZE]
+            flags, mac = p[-MAC_SIZE - _FLAGS.size : -MAC_SIZE], p[-MAC_SIZE:]
+            want = _mac(self._token, _CLIENT_LABEL, self._nonce, nonce + flags)
+            if not hmac.compare_digest(mac, want):
                 raise AuthError("authentication failed: wrong token")
             self._peer_nonce = nonce
+            self.encrypted = self.want_encrypt or bool(flags[0] & _ENCRYPT)
+            self._start_session(nonce, self._nonce)
+            self._opener.encrypt = self.encrypted  # the client sends nothing before Welcome
             self.state = State.READY
             return Auth(PROTOCOL_VERSION, nonce, mac)
         if ftype is FrameType.WELCOME:
-            mac = p[:MAC_SIZE]
-            want = _mac(self._token, _SERVER_LABEL, self._nonce, self._peer_nonce)
+            if len(p) < MAC_SIZE + _FLAGS.size:
+                raise ProtocolError("WELCOME frame too short")
+            mac, flags = p[:MAC_SIZE], p[MAC_SIZE : MAC_SIZE + _FLAGS.size]
+            want = _mac(self._token, _SERVER_LABEL, self._nonce, self._peer_nonce + flags)
             if not hmac.compare_digest(mac, want):
                 raise AuthError("server failed to prove it knows the token")
-            info = _parse_json(ftype, p[MAC_SIZE:], {})
+            self.encrypted = bool(flags[0] & _ENCRYPT)
+            if self.want_encrypt and not self.encrypted:
+                raise AuthError("the server did not agree to encrypt the session")
+            info = _parse_json(ftype, p[MAC_SIZE + _FLAGS.size :], {})
+            self._sealer.encrypt = self._opener.encrypt = self.encrypted
             self.state = State.READY
             return Welcome(mac, info)
         if ftype is FrameType.ERROR:

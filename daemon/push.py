@@ -174,9 +174,10 @@ class _Push:
     requested = "tcp"
 
     def __init__(self, snap: Snapshot, hosts: Sequence[str], token: bytes, progress: Progress,
-                 timeout: float, allow_partial: bool):
+                 timeout: float, allow_partial: bool, encrypt: str = "auto"):
         self.snap = snap
         self.token = token
+        self.encrypt = encrypt
         self.progress = progress
         self.timeout = timeout
         self.allow_partial = allow_partial
@@ -201,7 +202,7 @@ class _Push:
 
     async def connect(self) -> None:
         async def open_one(node: _Node) -> None:
-            node.chan = await connect(node.addr, self.token,
+            node.chan = await connect(node.addr, self.token, encrypt=self.encrypt,
                                       timeout=min(CONNECT_TIMEOUT, self.timeout))
 
         await _each(self.nodes, open_one)
@@ -376,9 +377,11 @@ async def push(
     timeout: float = STALL_TIMEOUT,
     cache_dir: str | os.PathLike[str] | None = None,
     transport: str | bulk.LocalTransport = "auto",
+    encrypt: str = "auto",
 ) -> PushResult:
     """Push `src` to every host as workspace `name` (default: the folder's name). With
-    `cache_dir`, the scan keeps a cache of the folder there, so unchanged files are not read."""
+    `cache_dir`, the scan keeps a cache of the folder there, so unchanged files are not read.
+    `encrypt` is the policy for the sessions with the nodes (transport.encrypts)."""
     t0 = time.monotonic()
     progress = progress or Progress()
     name = name or os.path.basename(os.path.abspath(src))
@@ -391,7 +394,7 @@ async def push(
         progress.phase("hashing", total) if done == 0 else progress.update(done)),
         cache=ScanCache.for_folder(cache_dir, src) if cache_dir else None)
 
-    job = _Push(snap, hosts, token, progress, timeout, allow_partial)
+    job = _Push(snap, hosts, token, progress, timeout, allow_partial, encrypt)
     job.requested = transport if isinstance(transport, str) else transport.requested
     job.local = (transport if isinstance(transport, bulk.LocalTransport)
                  else bulk.resolve_local(transport))

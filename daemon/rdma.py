@@ -29,6 +29,7 @@ from typing import Any
 import trio
 
 from .bulk import BulkError, BulkReceiver, BulkSender, Deliver
+from .seal import ChunkSealer, SealError
 from .rdma_logic import (
     DEFAULT_SLOT_SIZE,
     DEFAULT_SLOTS,
@@ -508,12 +509,14 @@ class RdmaSender(BulkSender):
     """Sends chunks over one queue pair. No background task: send_chunk() and flush() poll the
     CQ themselves (credits, completions) while they wait, yielding to trio between polls."""
 
-    def __init__(self, ep: Endpoint, engine: SenderEngine, peer: str):
+    def __init__(self, ep: Endpoint, engine: SenderEngine, peer: str, sealer: ChunkSealer):
         super().__init__()
         self.kind = ep.mode
         self.ep = ep
         self.engine = engine
         self.peer = peer
+        # RDMA bytes bypass the session's sealed frames: each chunk carries its own seal.
+        self._sealer = sealer
         self._backoff = Backoff()
         self._lock = trio.Lock()
 
@@ -544,7 +547,7 @@ class RdmaSender(BulkSender):
             ep.close()
             raise
         log.info("bulk %s channel to %s (%s)", mode, chan.peer, dev["name"])
-        return cls(ep, SenderEngine(mode, slots, size), chan.peer)
+        return cls(ep, SenderEngine(mode, slots, size), chan.peer, ChunkSealer(chan.conn.bulk_key))
 
     def _check(self) -> None:
         # Not prefixed with the peer: push and the relay report it under the node's address.
@@ -586,7 +589,7 @@ class RdmaSender(BulkSender):
     async def send_chunk(self, cid: bytes, blob: bytes) -> None:
         async with self._lock:
             self._check()
-            self.engine.submit(cid, blob)
+            self.engine.submit(cid, b"".join((blob, self._sealer.seal(cid, blob))))
             await self._pump(lambda: self.engine.queued == 0)  # all posted; may be in flight
             self.chunks_sent += 1
             self.bytes_sent += len(blob)
@@ -618,7 +621,18 @@ class RdmaReceiver(BulkReceiver):
         self._started = False
 
     @classmethod
-    def accept(cls, mode: str, dev: dict, args: dict, deliver: Deliver) -> RdmaReceiver:
+    def accept(cls, mode: str, dev: dict, args: dict, deliver: Deliver,
+               key: bytes) -> RdmaReceiver:
+        """`key`: the control session's bulk key, which every chunk's seal must verify under."""
+        opener = ChunkSealer(key)
+
+        async def checked(cid: bytes, sealed: bytes) -> None:
+            try:
+                blob = opener.open(cid, sealed)
+            except SealError as e:
+                raise BulkProtocolError(str(e)) from None
+            await deliver(cid, blob)
+
         peer = args.get("qp")
         slots, size = args.get("slots"), args.get("slot_size")
         check_geometry(slots, size)
@@ -633,7 +647,7 @@ class RdmaReceiver(BulkReceiver):
             ep.close()
             raise
         engine = ReceiverEngine(mode, slots, size, ep.read_slot)
-        return cls(ep, engine, deliver)
+        return cls(ep, engine, checked)
 
     def reply(self) -> dict:
         return {"qp": self.ep.info()}

@@ -47,8 +47,9 @@ class _Child:
 class Relay:
     def __init__(self, token: bytes, children: Sequence[dict], timeout: float,
                  nursery: trio.Nursery, counters: dict[str, int],
-                 local: bulk.LocalTransport | None = None):
+                 local: bulk.LocalTransport | None = None, encrypt: str = "auto"):
         self.token = token
+        self.encrypt = encrypt  # the node's policy, for its links to its children
         self.counters = counters
         # Chunks go to each child over the best bulk transport both ends have (RDMA or TCP),
         # as the dev box does to the roots; control stays on the TCP channel.
@@ -83,7 +84,7 @@ class Relay:
     async def open(self) -> dict[str, str]:
         """Connect to every child and have it open its own subtree."""
         async def start(child: _Child) -> None:
-            child.chan = await connect(child.addr, self.token,
+            child.chan = await connect(child.addr, self.token, encrypt=self.encrypt,
                                        timeout=min(CONNECT_TIMEOUT, self.timeout))
             policy = "tcp" if self.local.kind == bulk.TCP else "auto"
             kind, _ = bulk.choose_for_peer(self.local, policy, child.chan.info)

@@ -7,6 +7,7 @@ one ConnectError whose message names the peer, because that is what an operator 
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import os
 import socket
@@ -35,6 +36,7 @@ from .protocol import (
     Welcome,
 )
 
+ENCRYPT_POLICIES = ("auto", "on", "off")
 RECEIVE_SIZE = 1 << 20
 CONNECT_TIMEOUT = 10.0  # seconds to reach and authenticate a peer (push and relays cap theirs here)
 _CLOSE_GRACE = 1.0  # seconds to spend telling a rejected peer why
@@ -88,6 +90,24 @@ def parse_addr(addr: str, *, listen: bool = False) -> tuple[str, int]:
 
 def format_addr(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def encrypts(policy: str, host: str) -> bool:
+    """Whether a session with `host` is encrypted under `policy` ("auto": links that leave
+    this machine are, loopback is not; every session is authenticated either way). A client
+    asks for it, a server requires it; one side is enough."""
+    if policy not in ENCRYPT_POLICIES:
+        raise ValueError(f"encryption policy must be one of {', '.join(ENCRYPT_POLICIES)}")
+    return policy == "on" or (policy == "auto" and not is_loopback(host))
 
 
 def _describe(e: OSError) -> str:
@@ -288,9 +308,10 @@ class Channel:
         await self.aclose()
 
 
-async def connect(addr: str, token: bytes, *, timeout: float = CONNECT_TIMEOUT) -> Channel:
-    """Connect to a server at "host:port" and authenticate, all within `timeout` seconds.
-    Every failure is a ConnectError naming the peer."""
+async def connect(addr: str, token: bytes, *, timeout: float = CONNECT_TIMEOUT,
+                  encrypt: str = "auto") -> Channel:
+    """Connect to a server at "host:port" and authenticate, all within `timeout` seconds;
+    `encrypt` is the policy (see encrypts()). Every failure is a ConnectError naming the peer."""
     try:
         host, port = parse_addr(addr)
     except ValueError as e:
@@ -301,13 +322,12 @@ async def connect(addr: str, token: bytes, *, timeout: float = CONNECT_TIMEOUT) 
             stream = await trio.open_tcp_stream(host, port)
             try:
                 _nodelay(stream)
-                channel = Channel(stream, Connection(Role.CLIENT, token), peer)
-                hello = await channel.receive()
-                assert isinstance(hello, Hello)  # the protocol accepts nothing else first
+                conn = Connection(Role.CLIENT, token, encrypt=encrypts(encrypt, host))
+                channel = Channel(stream, conn, peer)
+                await channel.receive()  # Hello: the protocol accepts nothing else first
                 await channel.send(Auth())
-                welcome = await channel.receive()
-                assert isinstance(welcome, Welcome)
-                channel.info = welcome.info
+                welcome = await channel.receive()  # likewise a Welcome, or an Error
+                channel.info = welcome.info  # type: ignore[union-attr]
             except BaseException:
                 await trio.aclose_forcefully(stream)
                 raise
@@ -325,9 +345,11 @@ async def connect(addr: str, token: bytes, *, timeout: float = CONNECT_TIMEOUT) 
 
 
 async def accept(
-    stream: trio.SocketStream, token: bytes, info: dict, *, timeout: float = 10.0
+    stream: trio.SocketStream, token: bytes, info: dict, *, timeout: float = 10.0,
+    encrypt: str = "auto",
 ) -> Channel:
-    """Run the server side of the handshake on a freshly accepted stream.
+    """Run the server side of the handshake on a freshly accepted stream; `encrypt` is the
+    policy under which this server requires encryption (see encrypts()).
 
     A peer with the wrong token (or protocol version) is told why in an Error frame, then the
     stream is closed and AuthError (ProtocolError) is raised. ConnectionLost and RemoteError
@@ -336,11 +358,12 @@ async def accept(
     """
     try:
         name = stream.socket.getpeername()
-        peer = format_addr(name[0], name[1])
+        peer, host = format_addr(name[0], name[1]), name[0]
     except (OSError, AttributeError, IndexError, TypeError):
-        peer = "?"
+        peer, host = "?", "?"
     _nodelay(stream)
-    channel = Channel(stream, Connection(Role.SERVER, token), peer)
+    conn = Connection(Role.SERVER, token, encrypt=encrypts(encrypt, host))
+    channel = Channel(stream, conn, peer)
     try:
         with trio.fail_after(timeout):
             await channel.send(Hello())

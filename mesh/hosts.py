@@ -211,7 +211,8 @@ async def open_daemons(addrs: list[str], token: bytes,
 
     async def one(i: int, addr: str) -> None:
         try:
-            chans[i] = await connect(addr, token, timeout=timeout)
+            # Spawn requests carry the mesh's secrets: always encrypted.
+            chans[i] = await connect(addr, token, timeout=timeout, encrypt="on")
         except ConnectError as e:
             errors.append(str(e))
 

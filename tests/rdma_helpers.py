@@ -52,7 +52,8 @@ async def serve_bulk(chan: Channel, local: bulk.LocalTransport, got: list, slow:
                 msg = await chan.receive()
                 if msg.op == "bulk":
                     try:
-                        rx, value = bulk.accept_receiver(local, msg.args, deliver, nursery)
+                        rx, value = bulk.accept_receiver(local, msg.args, deliver, nursery,
+                                                            chan.conn.bulk_key)
                     except Exception as e:
                         await chan.send(p.Error(f"bulk: {e}", code="refused", id=msg.id))
                     else:

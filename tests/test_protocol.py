@@ -34,6 +34,7 @@ from monarch_fs.daemon.protocol import (
     TruncatedFrame,
     Welcome,
 )
+from monarch_fs.daemon.seal import TAG_SIZE, ChunkSealer, SealError
 
 TOKEN = b"TOKEN-0123456789abcdef-very-secret"
 HEADER = struct.Struct("<IB")
@@ -154,7 +155,7 @@ def test_put_chunk_accepts_memoryview_and_big_blobs():
     w = ready_pair()
     blob = bytes(range(256)) * 40_000  # ~10 MB
     got = w.deliver(w.client, PutChunk(b"\x09" * 16, memoryview(blob)))
-    assert got.cid == b"\x09" * 16 and got.blob == blob and isinstance(got.blob, bytes)
+    assert got.cid == b"\x09" * 16 and got.blob == blob
 
 
 def test_data_parts_arrive_as_writable_views_of_one_buffer():
@@ -197,7 +198,8 @@ def test_large_frames_are_received_in_place():
     assert isinstance(got[1].blob, memoryview)
     assert any(b.obj is got[1].blob.obj for b in buffers)
     assert any(b.obj is got[3].parts[1].obj for b in buffers)
-    assert isinstance(got[4].blob, bytes)  # small frames are copied out of the shared buffer
+    # A small frame is copied out of the shared receive buffer (which is reused).
+    assert not any(b.obj is getattr(got[4].blob, "obj", None) for b in buffers)
 
 
 def test_send_parts_leave_the_payload_uncopied():
@@ -205,7 +207,8 @@ def test_send_parts_leave_the_payload_uncopied():
     blob = memoryview(bytes(IN_PLACE))
     parts = w.client.send_parts(PutChunk(b"\x09" * 16, blob))
     assert any(part is blob for part in parts)
-    assert b"".join(parts) == w.client.send(PutChunk(b"\x09" * 16, blob))
+    w.server.receive_data(b"".join(parts))
+    assert drain(w.server)[0] == PutChunk(b"\x09" * 16, bytes(blob))
 
 
 @pytest.mark.parametrize("api", ["buffer", "bytes"])
@@ -289,6 +292,7 @@ def test_many_frames_in_one_read_and_byte_by_byte():
     data = b"".join(w.client.send(m) for m in msgs)
     w.server.receive_data(data)
     assert drain(w.server) == [*msgs, NEED_DATA]
+    data = b"".join(w.client.send(m) for m in msgs)  # sealed anew: a replay would not pass
     for byte in data:
         w.server.receive_data(bytes([byte]))
         ev = w.server.next_event()
@@ -320,8 +324,9 @@ def test_client_rejects_server_that_does_not_know_the_token():
     c.receive_data(impostor.send(Hello()))
     c.next_event()
     c.send(Auth())
-    c.receive_data(frame(FrameType.WELCOME, b"\x00" * 32 + b'{"node":"evil"}'))
-    with pytest.raises(AuthError, match="server failed to prove it knows the token"):
+    c.receive_data(frame(FrameType.WELCOME, b"\x00" * 33 + b'{"node":"evil"}' + b"\x00" * 16))
+    # Without the token it can neither seal the frame nor compute the MAC inside it.
+    with pytest.raises(AuthError, match="failed authentication"):
         c.next_event()
     assert c.state is State.CLOSED
 
@@ -373,8 +378,8 @@ def test_limits_at_the_boundary():
     w = Wire()
     w.client = Connection(Role.CLIENT, TOKEN, max_frame=100)
     w.handshake()
-    w.client.receive_data(frame(FrameType.PUT_CHUNK, b"i" * 100))
-    assert isinstance(w.client.next_event(), PutChunk)
+    w.client.receive_data(w.server.send(PutChunk(b"i" * 16, b"i" * (100 - 16 - TAG_SIZE))))
+    assert isinstance(w.client.next_event(), PutChunk)  # 100 bytes with its tag
     w.client.receive_data(frame(FrameType.PUT_CHUNK, b"i" * 101))
     with pytest.raises(ProtocolError, match="exceeds"):
         w.client.next_event()
@@ -447,12 +452,12 @@ def test_messages_in_the_wrong_direction_or_order():
 
 @pytest.mark.parametrize("ftype", [FrameType.HELLO, FrameType.AUTH])
 def test_version_mismatch(ftype):
-    payload = struct.pack("<I", 2) + b"\0" * 64
+    payload = struct.pack("<I", PROTOCOL_VERSION + 1) + b"\0" * 64
     conn = Connection(Role.CLIENT if ftype is FrameType.HELLO else Role.SERVER, TOKEN)
     if ftype is FrameType.AUTH:
         conn.send(Hello())
     conn.receive_data(frame(ftype, payload))
-    with pytest.raises(ProtocolError, match="version 2, we speak 1"):
+    with pytest.raises(ProtocolError, match=f"version {PROTOCOL_VERSION + 1}, we speak {PROTOCOL_VERSION}"):
         conn.next_event()
 
 
@@ -621,3 +626,128 @@ def test_fuzz_client_in_handshake(stream):
 def test_fuzz_ready_connection(stream, side):
     w = ready_pair()
     feed(w.client if side == "client" else w.server, *stream)
+
+
+# ---- sealed sessions: every frame after the handshake is authenticated -----------------------
+
+
+def test_a_proxy_that_relayed_the_handshake_cannot_inject_a_request():
+    """The session hijack: a man in the middle passes the handshake through untouched, then
+    writes a request of its own. It has no session key, so the daemon refuses the frame."""
+    w = ready_pair()
+    w.server.receive_data(frame(FrameType.REQUEST, b'{"id":1,"op":"spawn","args":{}}'
+                                + b"\x00" * TAG_SIZE))
+    with pytest.raises(AuthError, match="failed authentication"):
+        w.server.next_event()
+    assert w.server.state is State.CLOSED
+
+
+@pytest.mark.parametrize("where", ["header", "payload", "tag"])
+def test_a_changed_byte_anywhere_in_a_frame_is_refused(where):
+    w = ready_pair()
+    data = bytearray(w.client.send(PutChunk(b"c" * 16, b"chunk bytes" * 10)))
+    at = {"header": 4, "payload": 30, "tag": len(data) - 1}[where]
+    data[at] ^= 1
+    w.server.receive_data(bytes(data))
+    with pytest.raises(ProtocolError):  # AuthError, or the changed type is not allowed
+        w.server.next_event()
+
+
+@pytest.mark.parametrize("attack", ["replay", "reorder", "drop"])
+def test_replayed_reordered_or_dropped_frames_are_refused(attack):
+    w = ready_pair()
+    a, b = (w.client.send(Request(op, {}, id=i)) for i, op in enumerate(("a", "b"), 1))
+    stream = {"replay": a + a, "reorder": b + a, "drop": b}[attack]
+    w.server.receive_data(stream)
+    with pytest.raises(AuthError):
+        drain(w.server)
+
+
+def test_large_frames_are_checked_in_place_too():
+    w = ready_pair()
+    data = bytearray(w.client.send(PutChunk(b"c" * 16, bytes(4 * IN_PLACE))))
+    data[3 * IN_PLACE] ^= 0xFF
+    events, _ = recv_into_all(w.server, bytes(data[:IN_PLACE]), IN_PLACE)
+    with pytest.raises(AuthError):
+        recv_into_all(w.server, bytes(data[IN_PLACE:]), IN_PLACE)
+
+
+def encrypted_pair(client: bool, server: bool) -> Wire:
+    w = Wire()
+    w.client = Connection(Role.CLIENT, TOKEN, encrypt=client)
+    w.server = Connection(Role.SERVER, TOKEN, encrypt=server)
+    w.handshake()
+    return w
+
+
+@pytest.mark.parametrize("client,server", [(True, False), (False, True), (True, True)])
+def test_either_side_can_ask_for_encryption(client, server):
+    w = encrypted_pair(client, server)
+    assert w.client.encrypted and w.server.encrypted
+    secret = b"MONARCH_MESH_TOKEN=" + b"s3cr3t" * 20
+    for msg in (Request("spawn", {"secrets": {"T": secret.decode()}}, id=1),
+                PutChunk(b"c" * 16, secret), PutChunk(b"c" * 16, secret * 1000),
+                Data([b"head", secret * 1000])):
+        data = w.client.send(msg)
+        assert b"s3cr3t" not in data
+        w.server.receive_data(data)
+        got = drain(w.server)[0]
+        assert got == msg
+    reply = w.server.send(Reply(1, {"echo": secret.decode()}))
+    assert b"s3cr3t" not in reply
+    w.client.receive_data(reply)
+    assert drain(w.client)[0] == Reply(1, {"echo": secret.decode()})
+
+
+def test_decrypted_data_parts_are_writable():
+    w = encrypted_pair(True, False)
+    w.server.receive_data(w.client.send(Data([b"x" * 10, bytes(2 * IN_PLACE)])))
+    got = drain(w.server)[0]
+    assert all(not part.readonly for part in got.parts)
+
+
+def test_without_encryption_payloads_are_authenticated_but_readable():
+    w = encrypted_pair(False, False)
+    assert not w.client.encrypted and not w.server.encrypted
+    assert b"plain words" in w.client.send(Request("x", {"w": "plain words"}, id=1))
+
+
+def test_a_proxy_cannot_strip_the_request_for_encryption():
+    """The client's 'encrypt' flag is inside its MAC: clearing it breaks authentication."""
+    w = Wire()
+    w.client = Connection(Role.CLIENT, TOKEN, encrypt=True)
+    w.deliver(w.server, Hello())
+    auth = bytearray(w.client.send(Auth()))
+    flag_at = HEADER.size + 4 + 32
+    assert auth[flag_at] == 1
+    auth[flag_at] = 0
+    w.server.receive_data(bytes(auth))
+    with pytest.raises(AuthError, match="wrong token"):
+        w.server.next_event()
+
+
+def test_an_unauthenticated_peer_gets_a_small_receive_buffer():
+    s = Connection(Role.SERVER, TOKEN)
+    s.send(Hello())
+    assert len(s.get_buffer()) <= 4096
+    w = ready_pair()
+    assert len(w.server.get_buffer()) >= 64 * 1024  # bulk data once authenticated
+
+
+def test_chunks_sent_outside_frames_are_sealed_one_by_one():
+    w = ready_pair()
+    assert w.client.bulk_key == w.server.bulk_key and len(w.client.bulk_key) == 32
+    assert Wire().client.bulk_key is None
+    tx, rx = ChunkSealer(w.client.bulk_key), ChunkSealer(w.server.bulk_key)
+    blob = bytes(range(256)) * 100
+    sealed = blob + tx.seal(b"i" * 16, blob)
+    assert bytes(rx.open(b"i" * 16, sealed)) == blob
+    with pytest.raises(SealError):
+        rx.open(b"j" * 16, sealed)  # the id is covered
+    bad = bytearray(sealed)
+    bad[7] ^= 1
+    with pytest.raises(SealError):
+        rx.open(b"i" * 16, bad)
+    other = ready_pair()  # another session's key
+    with pytest.raises(SealError):
+        ChunkSealer(other.server.bulk_key).open(b"i" * 16, sealed)

@@ -16,6 +16,7 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from monarch_fs.daemon.seal import ChunkSealer
 from monarch_fs.daemon import bulk, rdma
 from monarch_fs.daemon.rdma_logic import (
     HEADER_SIZE,
@@ -605,6 +606,30 @@ async def test_rdma_driver_over_fake_verbs(monkeypatch, mode, layout):
     assert fabric.ops > 25  # fragments and credits really went through the verbs calls
 
 
+async def test_rdma_chunks_that_fail_their_seal_are_refused(monkeypatch):
+    """RDMA bytes bypass the session's sealed frames, so each chunk carries a seal under the
+    session's bulk key: a chunk sealed under any other key (a forger's) is not delivered, and
+    the flush reports the failure."""
+    import fake_pyverbs
+
+    fake_pyverbs.install(monkeypatch, FAKE_DEVICES[RC], seed=5)
+    local = bulk.resolve_local("rdma")
+    tx_chan, rx_chan = await channel_pair()
+    got: list = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve_bulk, rx_chan, local, got, 0)
+        sender = await bulk.open_sender(tx_chan, RC, local, local.info())
+        with trio.fail_after(30):
+            await sender.send_chunk(cid(1), b"sealed with the session's key")
+            sender._sealer = ChunkSealer(b"f" * 32)  # what a forger without the key can do
+            await sender.send_chunk(cid(2), b"forged")
+            reply = await tx_chan.request("flush", **await sender.flush())
+        assert got == [(cid(1), b"sealed with the session's key")]
+        assert "failed authentication" in reply["error"]
+        await sender.aclose()
+        nursery.cancel_scope.cancel()
+
+
 async def test_rdma_refusals_over_fake_verbs(monkeypatch):
     """A node without RDMA refuses the bulk request; bad geometry is refused before any
     registration; the sender turns the refusal into a node error, not a crash."""
@@ -614,10 +639,10 @@ async def test_rdma_refusals_over_fake_verbs(monkeypatch):
     local = bulk.resolve_local("rdma")
     tcp_node = bulk.LocalTransport("tcp", "tcp", "--transport tcp")
     with pytest.raises(bulk.BulkRefused, match="does not offer RDMA"):
-        bulk.accept_receiver(tcp_node, {"kind": RC}, None, None)
+        bulk.accept_receiver(tcp_node, {"kind": RC}, None, None, b"k" * 32)
     with pytest.raises(BulkProtocolError, match="slots"):
         bulk.accept_receiver(local, {"kind": RC, "qp": {}, "slots": 10**6,
-                                     "slot_size": 4096}, None, None)
+                                     "slot_size": 4096}, None, None, b"k" * 32)
     tx_chan, rx_chan = await channel_pair()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(serve_bulk, rx_chan, tcp_node, [], 0)

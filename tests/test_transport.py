@@ -131,16 +131,17 @@ async def test_impostor_server_is_rejected():
         async with stream:
             await stream.send_all(Connection(Role.SERVER, b"guess").send(Hello()))
             got = b""
-            while len(got) < 5 + 68:  # the client's Auth frame
+            while len(got) < 5 + 69:  # the client's Auth frame
                 got += await stream.receive_some(100)
-            await stream.send_all(struct.pack("<IB", 34, FrameType.WELCOME) + b"\0" * 32 + b"{}")
+            welcome = b"\0" * 33 + b"{}" + b"\0" * 16  # MAC, flags, info, the frame's tag
+            await stream.send_all(struct.pack("<IB", len(welcome), FrameType.WELCOME) + welcome)
             await trio.sleep_forever()
 
     async with trio.open_nursery() as nursery:
         listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
         port = listeners[0].socket.getsockname()[1]
         nursery.start_soon(trio.serve_listeners, impostor, listeners)
-        with pytest.raises(ConnectError, match=f"127.0.0.1:{port}: server failed to prove"):
+        with pytest.raises(ConnectError, match=f"127.0.0.1:{port}: frame failed authentication"):
             await connect(f"127.0.0.1:{port}", TOKEN, timeout=5)
         nursery.cancel_scope.cancel()
 
