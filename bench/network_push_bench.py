@@ -25,6 +25,11 @@ Rules, and why:
   must have every file with the right size.
 - monarch-fs pushes PUSHES times, to a fresh cluster each time, and the median counts (single
   runs of the same 3-host push moved between 4.2 s and 7.0 s here); rsync runs once each way.
+- Every monarch-fs session is authenticated frame by frame (AES-GCM tags); it is measured two
+  ways, pushes alternating: `--encrypt off` (authenticated, readable: the figure compared with
+  rsync, which neither authenticates nor encrypts) and `--encrypt on` (also encrypted, what
+  `auto` does on links that leave the machine, as these do), so the cost of encryption is
+  read off one run.
 """
 
 from __future__ import annotations
@@ -52,9 +57,9 @@ from netns import NetCluster, NetnsUnsupported  # noqa: E402
 from push_bench import ensure_tree  # noqa: E402
 
 RSYNC_PORT = 8730
-# Cold pushes per host count, reported as their median: a 2-core VM is noisy (eight 3-host
-# pushes of the same code took 4.42-5.18 s in one A/B series).
-PUSHES = 5
+# Cold pushes per host count and encryption mode, alternating, reported as medians: a 2-core VM
+# is noisy (eight 3-host pushes of the same code took 4.42-5.18 s in one A/B series).
+PUSHES = 3
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None  # where stores and destinations go
 
 
@@ -144,11 +149,14 @@ class RsyncDaemons:
         return seconds
 
 
-def push_once(cluster: NetCluster, src: Path) -> tuple[float, dict]:
+ENCRYPT_MODES = ("off", "on")  # authenticated only; authenticated and encrypted
+
+
+def push_once(cluster: NetCluster, src: Path, encrypt: str = "off") -> tuple[float, dict]:
     """One cold push to every node of `cluster`, checked: every node serves the new version."""
     start = time.monotonic()
-    proc = cluster.run_devbox(cluster.push_argv(src, "--json", "--no-cache", "--timeout", "300"),
-                              timeout=3600)
+    proc = cluster.run_devbox(cluster.push_argv(src, "--json", "--no-cache", "--timeout", "300",
+                                                "--encrypt", encrypt), timeout=3600)
     seconds = time.monotonic() - start
     if proc.returncode != 0:
         raise BenchError(f"push to {cluster.n} nodes failed: {proc.stderr.strip()[-2000:]}")
@@ -187,25 +195,32 @@ def run_n(src: Path, n: int, rate: str, store_dir: str | None, expect: tuple[int
     once each way on the last cluster (it varies far less: 13.8-14.9 s over 9 runs to 3 hosts,
     when monarch-fs moved 4.2-7.0 s)."""
     base = Path(tempfile.mkdtemp(prefix="netpush-", dir=store_dir))
-    times = []
+    times: dict[str, list[float]] = {mode: [] for mode in ENCRYPT_MODES}
     try:
-        for i in range(pushes):
+        for i in range(pushes * len(ENCRYPT_MODES)):
+            mode = ENCRYPT_MODES[i % len(ENCRYPT_MODES)]  # alternating: a fair A/B
             # Each cluster's stores and backing files (7 GB for 8 nodes) go before the next:
             # they are on tmpfs, in RAM.
             workdir = base / f"cluster{i}"
             try:
-                with NetCluster(n, rate=rate, workdir=workdir) as cluster:
-                    seconds, pushed = push_once(cluster, src)
-                    times.append(seconds)
-                    if i == pushes - 1:
+                with NetCluster(n, rate=rate, workdir=workdir,
+                                daemon_args=["--encrypt", mode]) as cluster:
+                    seconds, got = push_once(cluster, src, mode)
+                    times[mode].append(seconds)
+                    if mode == "off":
+                        pushed = got
+                    if i == pushes * len(ENCRYPT_MODES) - 1:
                         seq_s, par_s = rsync_both_ways(cluster, src, base / "rsync", expect)
             finally:
                 shutil.rmtree(workdir, ignore_errors=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    push_s = median(times)
+    push_s, encrypted_s = median(times["off"]), median(times["on"])
     return {"nodes": n, "monarch_fs_s": round(push_s, 2),
-            "monarch_fs_runs": [round(t, 2) for t in times],
+            "monarch_fs_runs": [round(t, 2) for t in times["off"]],
+            "monarch_fs_encrypted_s": round(encrypted_s, 2),
+            "monarch_fs_encrypted_runs": [round(t, 2) for t in times["on"]],
+            "encryption_cost": round(encrypted_s / push_s - 1, 3),
             "monarch_fs_bytes_sent": pushed["bytes_sent"],
             "topology": pushed["topology"], "rsync_one_by_one_s": round(seq_s, 2),
             "rsync_all_at_once_s": round(par_s, 2),
@@ -216,15 +231,21 @@ def run_n(src: Path, n: int, rate: str, store_dir: str | None, expect: tuple[int
 def table(runs: list[dict]) -> list[str]:
     """The results as markdown table lines (x: how many times faster monarch-fs is)."""
     lines = ["| hosts | monarch-fs | sent by monarch-fs | rsync -a, one host after another | x "
-             "| rsync -a, all hosts at once | x |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| rsync -a, all hosts at once | x | monarch-fs encrypted | encryption costs |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+
+    def spread(times: list[float]) -> str:
+        return f"; {min(times):.2f}-{max(times):.2f} s" if len(times) > 1 else ""
+
     for r in runs:
-        runs = r.get("monarch_fs_runs", [])
-        spread = f"; {min(runs):.2f}-{max(runs):.2f} s" if len(runs) > 1 else ""
-        lines.append(f"| {r['nodes']} | {r['monarch_fs_s']:.2f} s ({r['topology']}{spread}) | "
+        encrypted = (f"{r['monarch_fs_encrypted_s']:.2f} s "
+                     f"({spread(r['monarch_fs_encrypted_runs'])[2:]}) | "
+                     f"{r['encryption_cost']:+.0%} |" if "encryption_cost" in r else "n/a | n/a |")
+        lines.append(f"| {r['nodes']} | {r['monarch_fs_s']:.2f} s ({r['topology']}"
+                     f"{spread(r.get('monarch_fs_runs', []))}) | "
                      f"{fmt_bytes(r['monarch_fs_bytes_sent'])} | {r['rsync_one_by_one_s']:.2f} s | "
                      f"{r['vs_rsync_one_by_one']:.2f}x | {r['rsync_all_at_once_s']:.2f} s | "
-                     f"{r['vs_rsync_all_at_once']:.2f}x |")
+                     f"{r['vs_rsync_all_at_once']:.2f}x | {encrypted}")
     return lines
 
 
