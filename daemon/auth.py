@@ -1,8 +1,11 @@
 """Cluster token files. Every node and client of a cluster shares one secret token; it is only
 ever used as an HMAC key (see protocol.py), so it never crosses the wire.
 
-An empty token (b"") means "no token": the handshake still runs, with an empty key, so a cluster
-without a token file works on a trusted network, and both sides must agree on that too.
+There is no tokenless mode: a daemon without a credential would run anything for anyone who
+can reach its port (root, for every local user, on loopback). resolve_token() is the one place
+that finds the credential, for daemons and clients alike; it raises NoToken, saying how to make
+one, when there is none. (The user identity a real cluster brings, MUNGE, is meant to be
+resolved there too, as a second kind of credential.)
 """
 
 from __future__ import annotations
@@ -17,6 +20,14 @@ HOME_ENV = "MONARCH_FS_HOME"
 
 class TokenError(Exception):
     """A token file is missing, empty or unreadable."""
+
+
+class NoToken(TokenError):
+    """No token was named and the default token file does not exist."""
+
+
+NO_TOKEN_HELP = ("pass --token-file F or set $MONARCH_FS_TOKEN_FILE; `monarch-fs token new F` "
+                 "makes one (`monarch-fs cluster up` writes {default} for a local cluster)")
 
 
 def home_dir() -> Path:
@@ -44,9 +55,10 @@ def load_token(path: str | os.PathLike[str]) -> bytes:
     return token
 
 
-def write_new_token(path: str | os.PathLike[str]) -> bytes:
-    """Write a fresh random token to `path` (mode 0600, atomically, replacing any old one) and
-    return it as load_token() will read it back."""
+def write_new_token(path: str | os.PathLike[str], *, replace: bool = True) -> bytes:
+    """Write a fresh random token to `path` (mode 0600, atomically) and return it as
+    load_token() will read it back. An existing file is replaced, or with replace=False kept
+    (TokenError): a new token locks out every daemon and client that holds the old one."""
     p = Path(path).expanduser()
     p.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     token = secrets.token_hex(32).encode()
@@ -59,7 +71,15 @@ def write_new_token(path: str | os.PathLike[str]) -> bytes:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, p)
+        if replace:
+            os.replace(tmp, p)
+        else:  # link() never overwrites: no window in which another writer's token is lost
+            try:
+                os.link(tmp, p)
+            except FileExistsError:
+                raise TokenError(f"token file {p} already exists") from None
+            finally:
+                tmp.unlink()
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -67,14 +87,19 @@ def write_new_token(path: str | os.PathLike[str]) -> bytes:
 
 
 def resolve_token(cli_value: str | None) -> bytes:
-    """The token to use: from --token-file, else $MONARCH_FS_TOKEN_FILE, else the default file
-    if it exists, else b"" (no token). A named file that cannot be read is an error."""
+    """The token to use, for a daemon or a client: from --token-file, else
+    $MONARCH_FS_TOKEN_FILE, else the default file. A named file that cannot be read is an
+    error (TokenError); no token anywhere is NoToken, whose message says how to make one."""
     if cli_value:
         return load_token(cli_value)
     env = os.environ.get(TOKEN_ENV)
     if env:
         return load_token(env)
     default = default_token_file()
-    if default.exists():
-        return load_token(default)
-    return b""
+    try:
+        os.stat(default)
+    except (FileNotFoundError, NotADirectoryError):
+        raise NoToken("no token: " + NO_TOKEN_HELP.format(default=default)) from None
+    except OSError:
+        pass  # e.g. a folder we may not search: load_token() says so
+    return load_token(default)

@@ -15,8 +15,9 @@ import trio
 from . import cluster
 from ..fs.scan import SourceChanged
 from .bulk import TRANSPORTS, resolve_local
-from .auth import TokenError, home_dir, load_token, resolve_token
+from .auth import TokenError, default_token_file, home_dir, resolve_token, write_new_token
 from .hosts import HostsError, parse_hosts
+from .limits import Limits
 from .push import Progress, PushError, fmt_bytes, push
 from .status import status
 from .transport import ENCRYPT_POLICIES
@@ -57,12 +58,16 @@ class BarProgress(Progress):
 def cmd_daemon(args: argparse.Namespace) -> int:
     from .node import NodeDaemon
 
-    token = load_token(args.token_file) if args.token_file else b""
+    token = resolve_token(args.token_file)  # no token: refuse to start (auth.NoToken)
     transport = resolve_local(args.transport)  # --transport rdma without a device: exit 1
     log.info("transport: %s (%s)", transport.kind, transport.reason)
+    limits = Limits(max_connections=args.max_connections,
+                    max_per_peer=args.max_connections_per_peer,
+                    handshake_timeout=args.handshake_timeout)
     daemon = NodeDaemon(state=args.state, mount=args.mount, listen=args.listen, token=token,
                         keep=args.keep, node_name=args.node_name, transport=transport,
-                        store_raw=not args.store_compressed, encrypt=args.encrypt)
+                        store_raw=not args.store_compressed, encrypt=args.encrypt,
+                        limits=limits)
     trio.run(lambda: daemon.run(ready_file=args.ready_file))
     return 0
 
@@ -153,6 +158,28 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_token(args: argparse.Namespace) -> int:
+    path = Path(args.path).expanduser() if args.path else default_token_file()
+    try:
+        write_new_token(path, replace=args.force)
+    except TokenError as e:
+        raise TokenError(f"{e}; --force replaces it (every daemon and client must then get "
+                         "the new one)") from None
+    print(f"wrote a new token to {path} (mode 0600): give it to every daemon and client with "
+          f"--token-file {path}")
+    return 0
+
+
+def _env_pairs(pairs: list[str]) -> dict[str, str]:
+    env = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--env {pair!r}: expected NAME=VALUE")
+        env[name] = value
+    return env
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from ..mesh.spmd import Job, run_job
 
@@ -171,7 +198,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     # once connected (spmd.choose_transports), still before anything is launched.
     local = resolve_local(args.transport, where=f"the controller {socket.gethostname()}")
     job = Job(argv, per_host=args.per_host, cwd=args.cwd, workspace=args.workspace,
-              max_restarts=args.max_restarts, transport=args.transport)
+              env=_env_pairs(args.env), max_restarts=args.max_restarts,
+              transport=args.transport)
     return trio.run(run_job, hosts, token, job, local)
 
 
@@ -192,6 +220,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--node-name", default="", help="name reported in status (default hostname)")
     d.add_argument("--transport", choices=TRANSPORTS, default="auto", help=TRANSPORT_HELP)
     d.add_argument("--encrypt", choices=ENCRYPT_POLICIES, default="auto", help=ENCRYPT_HELP)
+    d.add_argument("--max-connections", type=int, default=Limits.max_connections, metavar="N",
+                   help="open connections in all; more are refused at once "
+                        f"(default {Limits.max_connections})")
+    d.add_argument("--max-connections-per-peer", type=int, default=Limits.max_per_peer,
+                   metavar="N", help="open connections from one address; more are refused at "
+                                     f"once (default {Limits.max_per_peer})")
+    d.add_argument("--handshake-timeout", type=float, default=Limits.handshake_timeout,
+                   metavar="S", help="drop a peer that has not authenticated S seconds after "
+                                     f"connecting (default {Limits.handshake_timeout:g})")
     d.set_defaults(fn=cmd_daemon)
 
     hosts_help = "host:port,host:port or @hostfile (default $MONARCH_FS_HOSTS, then the local cluster)"
@@ -245,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--workspace", metavar="NAME",
                    help="pin the procs to the version of workspace NAME that the first host "
                         "serves now, the same on every node; {workspace} is its folder")
+    r.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="set NAME in every proc's environment (repeatable); procs start from "
+                        "a small clean environment, not the daemon's (see the README)")
     r.add_argument("--token-file", metavar="F")
     r.add_argument("--transport", choices=TRANSPORTS, default="auto",
                    help="auto (RDMA when this host and a node both have a usable device, else "
@@ -259,6 +299,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--nodes", type=int, default=3)
     c.add_argument("--dir", help="cluster folder (default ~/.monarch-fs/cluster)")
     c.set_defaults(fn=cmd_cluster)
+
+    t = sub.add_parser("token", help="make a cluster token (every daemon and client needs one)")
+    t.add_argument("action", choices=["new"])
+    t.add_argument("path", nargs="?", metavar="PATH",
+                   help="where to write it, mode 0600 (default $MONARCH_FS_HOME/cluster/token)")
+    t.add_argument("--force", action="store_true", help="replace an existing token file")
+    t.set_defaults(fn=cmd_token)
     return parser
 
 

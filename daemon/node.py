@@ -34,10 +34,12 @@ from ..fs.manifest import Manifest, ManifestError
 from ..fs.store import PACK_LIMIT, Store
 from . import bulk
 from . import protocol as p
+from .auth import NO_TOKEN_HELP, default_token_file
+from .limits import Limits, LogOnce, peer_host, serve_listeners
 from .refs import Refs, check_workspace_name
 from .procs import ProcessTable, SpawnError, free_port
 from .relay import Relay
-from .transport import Channel, ConnectionLost, accept, is_loopback, parse_addr
+from .transport import Channel, ConnectionLost, accept, parse_addr
 
 log = logging.getLogger("monarch_fs.daemon")
 
@@ -141,15 +143,17 @@ class NodeDaemon:
     def __init__(self, *, state: str | os.PathLike[str], mount: str | os.PathLike[str],
                  listen: str, token: bytes, keep: int = KEEP_VERSIONS, node_name: str = "",
                  transport: bulk.LocalTransport | None = None, store_raw: bool = True,
-                 encrypt: str = "auto"):
-        host, _ = parse_addr(listen, listen=True)
-        if not token and not is_loopback(host):
-            raise ValueError(f"refusing to listen on {listen} without a token: anyone on the "
-                             "network could push; pass --token-file")
+                 encrypt: str = "auto", limits: Limits | None = None):
+        parse_addr(listen, listen=True)
+        if not token:  # anyone who reached the port could run anything as this daemon's user
+            raise ValueError("a daemon needs a token to accept requests: "
+                             + NO_TOKEN_HELP.format(default=default_token_file()))
         self.listen = listen
         self.token = token
         # Sessions are always authenticated; encrypted under this policy (transport.encrypts).
         self.encrypt = encrypt
+        self.limits = limits or Limits()
+        self._log_once = LogOnce(log)  # refused handshakes: a line per peer per minute
         # What this node offers for chunk payloads (--transport; RDMA only if a device works).
         self.transport = transport or bulk.LocalTransport("tcp", "tcp", "not probed")
         # Chunks are kept decompressed: reads then cost a hash, not a decompression (twice the
@@ -206,7 +210,7 @@ class NodeDaemon:
                 self.fs.nursery = self._nursery = nursery
                 nursery.start_soon(self._fuse_main, nursery.cancel_scope)
                 nursery.start_soon(self._stop_on_signal, nursery.cancel_scope)
-                nursery.start_soon(trio.serve_listeners, self._serve, listeners)
+                nursery.start_soon(serve_listeners, self._serve, listeners, self.limits, log)
                 # A stat from another thread returns once the kernel finished FUSE INIT (which
                 # resets the readahead window): then the mount is ready, and tunable.
                 await trio.to_thread.run_sync(os.stat, self.mount)
@@ -255,13 +259,15 @@ class NodeDaemon:
         try:
             chan = await accept(stream, self.token, {"node": self.node_name, "addr": self.addr,
                                                      **self.transport.info()},
-                                encrypt=self.encrypt)
-        except p.AuthError as e:
-            log.warning("refused connection from %s: %s", peer, e)
-            return
-        except Exception as e:
-            log.warning("handshake with %s failed: %s", peer, e)
-            await stream.aclose()
+                                timeout=self.limits.handshake_timeout, encrypt=self.encrypt)
+        except Exception as e:  # a line per peer address per minute, however many attempts
+            if isinstance(e, trio.TooSlowError):
+                why = f"no handshake within {self.limits.handshake_timeout:g}s"
+            else:
+                why = str(e) or type(e).__name__
+            self._log_once(("handshake", peer_host(stream)), logging.WARNING,
+                           "refused connection from %s: %s", peer, why)
+            await trio.aclose_forcefully(stream)
             return
         try:
             await self._session(chan)

@@ -13,14 +13,34 @@ Which thread forks matters twice, so every proc is forked by one dedicated threa
   trio thread to answer the kernel's FUSE requests meanwhile: a deadlock.
 That thread comes from trio.lowlevel.start_thread_soon and lives as long as the daemon.
 Exits are awaited through a pidfd, as trio does.
+
+A process starts from a clean environment, not the daemon's: the daemon's holds its own
+settings (MONARCH_FS_HOME, which leads to the cluster token, MONARCH_FS_TOKEN_FILE, ...) and
+whatever the shell that started it had. What a process gets, in this order (later wins):
+- from the daemon's environment, only BASE_ENV (PATH, LANG, LANGUAGE, LC_*, TZ, TERM, TMPDIR);
+  PATH defaults to DEFAULT_PATH;
+- HOME, USER, LOGNAME and SHELL of the user the process runs as (the password database; the
+  daemon's own values where it has no entry);
+- what the spawn request's `env` sets (`run --env`, `spawn_procs(env=...)`, RANK & co.);
+- MONARCH_FS_MOUNT (this node's mount root), MONARCH_FS_WORKSPACE (the pinned version's folder,
+  with a workspace) and MONARCH_FS_SECRETS_FD (with secrets).
+
+Secrets (a proc mesh's token) never go into an environment, which any process of the same user
+can read in /proc/PID/environ for as long as the process lives (removing a variable from
+os.environ does not change that block). A spawn request carries them in `secrets` ({name:
+value}); the daemon writes them to a pipe and hands the child its read end as file descriptor
+$MONARCH_FS_SECRETS_FD; read_secrets() in the child reads them, closes it and drops the
+variable, first thing, so nothing it starts later inherits either.
 """
 
 from __future__ import annotations
 
 import ctypes
 import itertools
+import json
 import logging
 import os
+import pwd
 import signal
 import socket
 import subprocess
@@ -43,6 +63,60 @@ TAIL_LINES = 20
 _MAX_LINE = 64 * 1024
 
 Emit = Callable[[str, dict], Awaitable[None]]  # (event kind, data) to the owner
+
+BASE_ENV = ("PATH", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR")  # and LC_*, from the daemon
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+SECRETS_FD_ENV = "MONARCH_FS_SECRETS_FD"
+MAX_SECRETS = 4096  # bytes of JSON: PIPE_BUF, which any pipe takes in one write without waiting
+
+
+def base_env(uid: int | None = None) -> dict[str, str]:
+    """The environment every process starts from (see the module docstring): a few settings of
+    the daemon's, and the identity of user `uid` (default: the daemon's)."""
+    env = {k: v for k, v in os.environ.items() if k in BASE_ENV or k.startswith("LC_")}
+    env.setdefault("PATH", DEFAULT_PATH)
+    try:
+        pw = pwd.getpwuid(os.getuid() if uid is None else uid)
+    except KeyError:  # no entry (a container's arbitrary uid): what the daemon was given
+        env.update({k: os.environ[k] for k in ("HOME", "USER", "LOGNAME", "SHELL")
+                    if k in os.environ})
+    else:
+        env.update(HOME=pw.pw_dir, USER=pw.pw_name, LOGNAME=pw.pw_name,
+                   SHELL=pw.pw_shell or "/bin/sh")
+    return env
+
+
+def _secrets_pipe(secrets: dict[str, str]) -> int:
+    """A pipe holding `secrets` as JSON, its write end closed: the read end, for the child."""
+    data = json.dumps(secrets).encode()
+    if len(data) > MAX_SECRETS:
+        raise SpawnError(f"spawn: secrets take {len(data)} bytes, more than {MAX_SECRETS}")
+    r, w = os.pipe()
+    try:
+        os.write(w, data)  # at most PIPE_BUF bytes: all of it, at once
+    except BaseException:
+        os.close(r)
+        raise
+    finally:
+        os.close(w)
+    return r
+
+
+def read_secrets() -> dict[str, str]:
+    """In a spawned process: the secrets its spawn request carried ({} if none). Reads them from
+    the inherited pipe, closes it and removes MONARCH_FS_SECRETS_FD from os.environ, so call it
+    first thing: until then, a process this one starts could inherit the descriptor."""
+    fd_text = os.environ.pop(SECRETS_FD_ENV, None)
+    if fd_text is None:
+        return {}
+    fd = int(fd_text)
+    chunks = []
+    try:
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    return json.loads(b"".join(chunks))
 
 
 def _die_with_parent(parent: int) -> Callable[[], None]:
@@ -132,29 +206,42 @@ class ProcessTable:
         extra = args.get("env") or {}
         if not isinstance(extra, dict):
             raise SpawnError("spawn: env must be an object")
+        secrets = args.get("secrets") or {}
+        if not isinstance(secrets, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in secrets.items()):
+            raise SpawnError("spawn: secrets must be an object of strings")
         pins = {"workspace": pin} if pin else {}
         argv = [self.expand(a, pins) for a in argv]
-        env = dict(os.environ)
+        env = base_env()
         env.update({str(k): self.expand(str(v), pins) for k, v in extra.items()})
         env["MONARCH_FS_MOUNT"] = str(self.mount)
         if pin:
             env["MONARCH_FS_WORKSPACE"] = pin
         cwd = self.expand(str(args["cwd"]), pins) if args.get("cwd") else None
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
+        secrets_r = _secrets_pipe(secrets) if secrets else None
+        if secrets_r is not None:
+            env[SECRETS_FD_ENV] = str(secrets_r)
         try:
-            popen = await self._forker.run(lambda: subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, env=env, cwd=cwd,
-                start_new_session=True, preexec_fn=_die_with_parent(os.getpid())), shield=True)
-        except (OSError, subprocess.SubprocessError) as e:
-            os.close(out_r)
-            os.close(err_r)
-            why = e.strerror if isinstance(e, OSError) and e.strerror else e
-            where = f" in {cwd}" if cwd else ""
-            raise SpawnError(f"cannot start {argv[0]}{where}: {why}") from None
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
+            try:
+                popen = await self._forker.run(lambda: subprocess.Popen(
+                    argv, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, env=env,
+                    cwd=cwd, pass_fds=() if secrets_r is None else (secrets_r,),
+                    start_new_session=True, preexec_fn=_die_with_parent(os.getpid())),
+                    shield=True)
+            except (OSError, subprocess.SubprocessError) as e:
+                os.close(out_r)
+                os.close(err_r)
+                why = e.strerror if isinstance(e, OSError) and e.strerror else e
+                where = f" in {cwd}" if cwd else ""
+                raise SpawnError(f"cannot start {argv[0]}{where}: {why}") from None
+            finally:
+                os.close(out_w)
+                os.close(err_w)
         finally:
-            os.close(out_w)
-            os.close(err_w)
+            if secrets_r is not None:  # the child has its own copy (or never started)
+                os.close(secrets_r)
         proc = Proc(next(self._ids), _Child(popen), owner, emit)
         self.procs[proc.id] = proc
         self.nursery.start_soon(self._supervise, proc, trio.lowlevel.FdStream(out_r),

@@ -40,6 +40,8 @@ ENCRYPT_POLICIES = ("auto", "on", "off")
 RECEIVE_SIZE = 1 << 20
 CONNECT_TIMEOUT = 10.0  # seconds to reach and authenticate a peer (push and relays cap theirs here)
 _CLOSE_GRACE = 1.0  # seconds to spend telling a rejected peer why
+_REFUSE_GRACE = 0.05  # the same for a peer refused before its handshake (a fresh socket's
+# send buffer takes the frame at once; a refusal must never wait on the peer)
 
 
 class ConnectError(Exception):
@@ -317,6 +319,8 @@ async def connect(addr: str, token: bytes, *, timeout: float = CONNECT_TIMEOUT,
     except ValueError as e:
         raise ConnectError(str(e)) from None
     peer = format_addr(host, port)
+    if not token:
+        raise ConnectError(f"{peer}: no token to authenticate with")
     try:
         with trio.fail_after(timeout):
             stream = await trio.open_tcp_stream(host, port)
@@ -382,6 +386,18 @@ async def accept(
         await trio.aclose_forcefully(stream)
         raise
     return channel
+
+
+async def refuse(stream: trio.SocketStream, message: str, code: str = "busy") -> None:
+    """Tell a peer why it is not served, before any handshake (an Error frame may always be
+    sent), and close the stream; connect() on the other side raises ConnectError with it."""
+    data = Connection(Role.SERVER, b"-").send(Error(message, code=code))
+    with trio.move_on_after(_REFUSE_GRACE):
+        try:
+            await stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+    await trio.aclose_forcefully(stream)
 
 
 def describe_failure(e: BaseException, timeout: float) -> str:

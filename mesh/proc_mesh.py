@@ -1,8 +1,8 @@
 """A proc mesh: K actor-runtime processes on each host, connected back to their owner.
 
 The owner (the controller, or an actor that spawns meshes) listens on a fresh port with a fresh
-random token that only these procs receive (in their spawn environment; never the cluster
-token), launches `python -m monarch_fs.mesh.runtime` on every host through the daemons, and
+random token that only these procs receive (in their spawn request's secrets, which reach a
+proc through a pipe, never its environment; never the cluster token), launches `python -m monarch_fs.mesh.runtime` on every host through the daemons, and
 waits until every proc has connected back and authenticated. Calls then travel over those
 connections, one reader and one writer task per proc.
 
@@ -29,6 +29,7 @@ from typing import Any
 import trio
 
 from ..daemon import protocol as p
+from ..daemon.limits import Limits, serve_listeners
 from ..daemon.transport import Channel, ConnectionLost, accept, format_addr
 from . import wire
 from .actor import ActorMesh, class_ref
@@ -240,7 +241,11 @@ class MeshState:
         with trio.CancelScope() as self._scope:
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
-                await nursery.start(trio.serve_listeners, self._connection, listeners)
+                # Only these procs ever connect; the limits keep strangers cheap.
+                limits = Limits(max_connections=len(self.procs) + 64,
+                                max_per_peer=len(self.procs) + 64,
+                                handshake_timeout=HELLO_TIMEOUT)
+                await nursery.start(serve_listeners, self._connection, listeners, limits, log)
                 task_status.started()
                 await trio.sleep_forever()
 
@@ -470,11 +475,13 @@ def _spawn_specs(state: MeshState, addrs: list[str], env: dict | None, cwd: str 
         if version:
             options["version"] = version
     argv = [python or sys.executable, "-m", "monarch_fs.mesh.runtime"]
-    return [{"argv": argv, "env": {
+    # The token goes in `secrets`, which the daemon hands over through a pipe, never in an
+    # environment (/proc/PID/environ); see daemon/procs.py.
+    secrets = {"MONARCH_MESH_TOKEN": state.token.hex()}
+    return [{"argv": argv, "secrets": secrets, "env": {
         "PYTHONUNBUFFERED": "1",
         **(env or {}),
         "MONARCH_MESH_ADDR": addrs[proc.host],
-        "MONARCH_MESH_TOKEN": state.token.hex(),
         "MONARCH_MESH_NAME": state.name,
         "MONARCH_MESH_RANK": str(proc.rank),
         "MONARCH_MESH_WORLD_SIZE": str(len(state.procs)),

@@ -1,7 +1,8 @@
 """The actor runtime: what runs in every proc of a mesh (`python -m monarch_fs.mesh.runtime`).
 
-It connects back to its owner with the per-mesh token from its environment (removed from the
-environment at once, so processes it starts do not inherit it), says hello with its rank and
+It connects back to its owner with the per-mesh token from its spawn request's secrets (read
+from the pipe the daemon passes, first thing, then closed: the token is never in an environment,
+and processes it starts inherit neither the token nor the pipe), says hello with its rank and
 pid, and then serves: constructs actors, runs their endpoints, and answers. Each actor handles
 its messages one at a time, in order: async endpoints in this trio loop, sync ones on the
 actor's own thread (so they may block, keep per-thread state such as the CUDA device between
@@ -41,6 +42,7 @@ from .actor import is_endpoint
 from .errors import Failure, MeshError, SpawnError
 from .hosts import HostInfo, Launcher, OnEvent
 from ..daemon.dedicated_thread import DedicatedThread
+from ..daemon.procs import read_secrets
 from .proc_mesh import MESH_MAX_FRAME, print_output
 
 EXIT_OWNER_GONE = 3
@@ -229,9 +231,9 @@ class OwnerLauncher(Launcher):
 
 
 class Runtime:
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], secrets: dict[str, str]) -> None:
         self.addr = env["MONARCH_MESH_ADDR"]
-        self.token = bytes.fromhex(env["MONARCH_MESH_TOKEN"])
+        self.token = bytes.fromhex(secrets["MONARCH_MESH_TOKEN"])
         self.rank = int(env["MONARCH_MESH_RANK"])
         self.world_size = int(env.get("MONARCH_MESH_WORLD_SIZE", "1"))
         self.local_rank = int(env.get("MONARCH_MESH_LOCAL_RANK", "0"))
@@ -340,12 +342,16 @@ class Runtime:
 
 
 def main() -> int:
+    secrets = read_secrets()  # before anything else runs: then the pipe is closed
+    if "MONARCH_MESH_TOKEN" not in secrets:
+        print("monarch-fs runtime: no mesh token: a runtime is started by its proc mesh, "
+              "through a daemon", file=sys.stderr)
+        return 2
     env = dict(os.environ)
-    for key in ("MONARCH_MESH_TOKEN", "MONARCH_MESH_ADDR"):
-        os.environ.pop(key, None)  # children of the actors must not inherit the mesh's secret
+    os.environ.pop("MONARCH_MESH_ADDR", None)  # the actors' children are not mesh procs
     path = [e for e in env.get("MONARCH_MESH_PYTHON_PATH", "").split(os.pathsep) if e]
     sys.path[:0] = path
-    return trio.run(Runtime(env).run)
+    return trio.run(Runtime(env, secrets).run)
 
 
 if __name__ == "__main__":

@@ -132,6 +132,71 @@ def fresh_cluster(tmp_path):
         stop_cluster(c)
 
 
+@dataclass
+class Daemon:
+    """One `monarch-fs daemon` started by a test, with its own flags."""
+
+    proc: subprocess.Popen
+    dir: Path
+    addr: str
+    token_file: str
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def mnt(self) -> Path:
+        return self.dir / "mnt"
+
+    def log(self) -> str:
+        return (self.dir / "log").read_text(errors="replace")
+
+
+@pytest.fixture
+def lone_daemon(tmp_path):
+    """Start daemons on loopback with extra command-line flags; each is stopped (SIGTERM, by
+    its pid) and its mount checked gone afterwards."""
+    from monarch_fs.daemon.auth import write_new_token
+
+    started: list[Daemon] = []
+
+    def start(*flags: str, env: dict | None = None) -> Daemon:
+        d = tmp_path / f"daemon{len(started)}"
+        d.mkdir()
+        write_new_token(d / "token")
+        with open(d / "log", "ab") as logf:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "monarch_fs.daemon.cli", "daemon", "--listen",
+                 "127.0.0.1:0", "--mount", str(d / "mnt"), "--state", str(d / "state"),
+                 "--token-file", str(d / "token"), "--ready-file", str(d / "ready"),
+                 "--node-name", d.name, *flags],
+                stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})})
+        daemon = Daemon(proc, d, "", str(d / "token"))
+        started.append(daemon)
+        deadline = time.monotonic() + 30
+        while not (d / "ready").exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"daemon did not start:\n{daemon.log()}")
+            time.sleep(0.05)
+        daemon.addr = json.loads((d / "ready").read_text())["addr"]
+        return daemon
+
+    yield start
+    for daemon in started:
+        if daemon.proc.poll() is None:
+            daemon.proc.terminate()
+            try:
+                daemon.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                daemon.proc.kill()
+                daemon.proc.wait()
+        if mounted(daemon.mnt):
+            subprocess.run(["fusermount3", "-u", "-z", str(daemon.mnt)], check=False)
+            raise AssertionError(f"{daemon.mnt} was left mounted")
+
+
 def tree(root: Path) -> dict[bytes, tuple]:
     """Everything a reader can see of a tree: per path, type, mode, size, mtime, target, bytes."""
     out = {}

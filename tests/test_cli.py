@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import mfs
-from monarch_fs.daemon.auth import resolve_token, write_new_token
+from monarch_fs.daemon.auth import NoToken, resolve_token, write_new_token
 from monarch_fs.daemon.hosts import HostsError, parse_hosts
 
 
@@ -41,7 +41,8 @@ def test_no_hosts_anywhere(tmp_path, monkeypatch):
 def test_token_resolution_order(tmp_path, monkeypatch):
     monkeypatch.setenv("MONARCH_FS_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("MONARCH_FS_TOKEN_FILE", raising=False)
-    assert resolve_token(None) == b""  # no token anywhere: the loopback default
+    with pytest.raises(NoToken):  # no token anywhere: nothing to authenticate with
+        resolve_token(None)
     default = write_new_token(tmp_path / "home" / "cluster" / "token")
     assert resolve_token(None) == default
     env_token = write_new_token(tmp_path / "env-token")

@@ -555,7 +555,8 @@ def test_transport_selection_through_the_command_line(fresh_cluster, tmp_path):
     assert bad.stderr.startswith("monarch-fs: error: --transport rdma: no RDMA device on this "
                                  "host (")
     d = mfs("daemon", "--listen", "127.0.0.1:0", "--mount", str(tmp_path / "m"), "--state",
-            str(tmp_path / "s"), "--transport", "rdma", check=False, timeout=30)
+            str(tmp_path / "s"), "--token-file", c.token_file, "--transport", "rdma",
+            check=False, timeout=30)
     assert d.returncode == 1 and "Traceback" not in d.stderr
     assert d.stderr.strip().splitlines()[-1].startswith(
         "monarch-fs: error: --transport rdma: no RDMA device on this host (")

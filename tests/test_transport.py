@@ -12,6 +12,7 @@ import pytest
 import trio
 
 from monarch_fs.daemon.auth import (
+    NoToken,
     TokenError,
     default_token_file,
     load_token,
@@ -38,6 +39,7 @@ from monarch_fs.daemon.transport import (
     accept,
     connect,
     parse_addr,
+    refuse,
 )
 
 TOKEN = b"test-token"
@@ -114,13 +116,31 @@ async def test_wrong_token_then_right_token():
     assert len(server.failures) == 1 and isinstance(server.failures[0], AuthError)
 
 
-async def test_empty_token_must_match_too():
+async def test_no_token_no_connection():
+    """There is no tokenless mode: a client without a token does not even connect."""
+    server = Server()
     async with trio.open_nursery() as nursery:
-        addr = await Server(token=b"").start(nursery)
-        with pytest.raises(ConnectError, match="wrong token"):
-            await connect(addr, TOKEN)
-        async with await connect(addr, b"") as ch:
+        addr = await server.start(nursery)
+        with pytest.raises(ConnectError, match=f"^{addr}: no token to authenticate with$"):
+            await connect(addr, b"")
+        async with await connect(addr, TOKEN) as ch:
             assert ch.info["node"] == "test-node"
+        nursery.cancel_scope.cancel()
+    assert server.failures == []  # the tokenless client never reached the server
+
+
+async def test_refusal_before_the_handshake_reaches_the_client_as_its_reason():
+    async def busy(stream: trio.SocketStream) -> None:
+        await refuse(stream, "too many connections from 127.0.0.1 (64 open, the limit)")
+
+    async with trio.open_nursery() as nursery:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        nursery.start_soon(trio.serve_listeners, busy, listeners)
+        addr = f"127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+        with trio.fail_after(5):
+            with pytest.raises(ConnectError) as info:
+                await connect(addr, TOKEN)
+        assert str(info.value) == f"{addr}: too many connections from 127.0.0.1 (64 open, the limit)"
         nursery.cancel_scope.cancel()
 
 
@@ -302,6 +322,11 @@ def test_write_and_load_token(tmp_path):
     assert load_token(path) == token
     assert write_new_token(path) != token  # replaced
     assert [p.name for p in path.parent.iterdir()] == ["token"]  # no temp files left
+    kept = load_token(path)
+    with pytest.raises(TokenError, match="already exists"):
+        write_new_token(path, replace=False)
+    assert load_token(path) == kept
+    assert [p.name for p in path.parent.iterdir()] == ["token"]
 
 
 def test_load_token_errors(tmp_path):
@@ -320,7 +345,9 @@ def test_resolve_token(tmp_path, monkeypatch):
     monkeypatch.setenv("MONARCH_FS_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("MONARCH_FS_TOKEN_FILE", raising=False)
     assert default_token_file() == tmp_path / "home" / "cluster" / "token"
-    assert resolve_token(None) == b""
+    with pytest.raises(NoToken, match="^no token: pass --token-file F or set "
+                                      "\\$MONARCH_FS_TOKEN_FILE; `monarch-fs token new F`"):
+        resolve_token(None)
     default = write_new_token(default_token_file())
     assert resolve_token(None) == default
     (tmp_path / "env").write_text("from-env")
