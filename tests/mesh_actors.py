@@ -3,8 +3,10 @@ their python_path."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -106,3 +108,22 @@ class Boss(Actor):
     def __supervise__(self, failure) -> bool:  # a message like any other: runs after kill_worker
         self.seen.append(failure.describe())
         return self.handle
+
+
+# A grandchild (started by an actor, inheriting every inheritable descriptor) reports its own
+# environment block and its parent's, as any process of the same user could read them.
+_GRANDCHILD = """
+import json, os
+print(json.dumps({"environ": open("/proc/self/environ").read(),
+                  "parent": open(f"/proc/{os.getppid()}/environ").read()}))
+"""
+
+
+class EnvProbe(Actor):
+    @endpoint
+    def probe(self) -> dict:
+        raw = open("/proc/self/environ", "rb").read().decode()
+        grandchild = subprocess.run([sys.executable, "-c", _GRANDCHILD], close_fds=False,
+                                    capture_output=True, text=True, check=True).stdout
+        return {"environ": dict(kv.split("=", 1) for kv in raw.split("\0") if kv),
+                "os_environ": dict(os.environ), "grandchild": json.loads(grandchild)}

@@ -216,6 +216,31 @@ def test_tensors_round_trip(hosts, started):
         procs.stop()
 
 
+def test_no_environ_shows_the_mesh_token_to_a_proc_or_what_it_starts(hosts, started):
+    """Issue 16, finding 6: the mesh token reaches each proc through the daemon's secrets pipe,
+    so neither the proc's environment block nor that of a process its actor starts holds it
+    (nor anything of the daemon's own MONARCH_FS_* settings); the mesh works all the same."""
+    procs = hosts.spawn_procs(per_host=1, python_path=[TESTS], env={"JOB_SETTING": "on"})
+    started.add(*(pid for _, pid in procs.pids.values()))
+    token = procs._state.token.hex()
+    try:
+        results = procs.spawn("probe", "mesh_actors:EnvProbe").probe.call()
+        for _, pid in procs.pids.values():  # as root, from outside, while they run
+            raw = Path(f"/proc/{pid}/environ").read_bytes()
+            assert token.encode() not in raw and b"MONARCH_MESH_TOKEN" not in raw
+        for r in results:
+            env, gc = r["environ"], r["grandchild"]
+            assert env["JOB_SETTING"] == "on" and env["MONARCH_MESH_NAME"] == "procs"
+            assert {k for k in env if k.startswith("MONARCH_FS_")} == {
+                "MONARCH_FS_MOUNT", "MONARCH_FS_SECRETS_FD"}, sorted(env)
+            assert "MONARCH_MESH_TOKEN" not in env and token not in json.dumps(env)
+            assert "MONARCH_FS_SECRETS_FD" not in r["os_environ"]  # read, closed, dropped
+            assert token not in gc["environ"] and token not in gc["parent"]
+            assert "MONARCH_FS_SECRETS_FD" not in gc["environ"]
+    finally:
+        procs.stop()
+
+
 # ---- trio --------------------------------------------------------------------------------
 
 async def test_trio_code_uses_the_async_methods(cluster2, started):

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import os
+import pwd
 import signal
 import sys
 
+import pytest
 import trio
 import trio._core._thread_cache as thread_cache
 
-from monarch_fs.daemon.procs import ProcessTable
+from monarch_fs.daemon.procs import MAX_SECRETS, ProcessTable, SpawnError
 from procwatch import Started
 
 
@@ -76,3 +79,90 @@ async def test_exit_is_reported_even_if_an_escaped_grandchild_holds_the_pipes(tm
     grandchild = int(owner.lines("stdout")[0])
     os.kill(grandchild, signal.SIGKILL)  # it escaped the group: not ours to leave behind
     assert not started.wait_gone(5)
+
+
+# ---- issue 16, finding 6: a clean environment, and secrets that no environ shows -------------
+
+# The child reads its secrets first (as the mesh runtime does), then reports its own environment
+# block, its open descriptors, and those of a grandchild that inherits every inheritable fd.
+PROBE = """
+import json, os, subprocess, sys
+from monarch_fs.daemon.procs import read_secrets
+fd = os.environ.get("MONARCH_FS_SECRETS_FD")
+pipe = os.readlink(f"/proc/self/fd/{fd}") if fd else None
+secrets = read_secrets()
+def environ(pid="self"):
+    raw = open(f"/proc/{pid}/environ", "rb").read()
+    return dict(kv.split("=", 1) for kv in raw.decode().split("\\0") if kv)
+grandchild = subprocess.run(
+    [sys.executable, "-c", "import json, os; print(json.dumps([dict(os.environ), "
+     "open('/proc/self/environ').read(), [os.readlink(f'/proc/self/fd/{n}') "
+     "for n in os.listdir('/proc/self/fd') if os.path.exists(f'/proc/self/fd/{n}')]]))"],
+    close_fds=False, capture_output=True, text=True, check=True).stdout
+print(json.dumps({"fd": fd, "pipe": pipe, "secrets": secrets, "environ": environ(),
+                  "left": "MONARCH_FS_SECRETS_FD" in os.environ,
+                  "fd_open": fd is not None and os.path.exists(f"/proc/self/fd/{fd}"),
+                  "grandchild": json.loads(grandchild)}))
+"""
+
+
+async def _run_probe(tmp_path, args: dict) -> dict:
+    owner = Owner()
+    async with trio.open_nursery() as nursery:
+        table = ProcessTable(tmp_path, nursery)
+        await table.spawn(owner, owner.emit, {"argv": [sys.executable, "-c", PROBE], **args},
+                          None)
+        with trio.fail_after(30):
+            await owner.exited.wait()
+        await table.stop_all()
+    assert owner.events[-1][1]["code"] == 0, owner.lines("stderr")
+    return json.loads(owner.lines("stdout")[0])
+
+
+async def test_a_proc_starts_from_a_small_documented_environment(tmp_path, monkeypatch):
+    """Not the daemon's: its MONARCH_FS_* (the way to the cluster token) and anything else it
+    had stay behind; the base (PATH, locale, TZ, TERM, TMPDIR, the user's identity), what the
+    request sets, and MONARCH_FS_MOUNT are there."""
+    monkeypatch.setenv("MONARCH_FS_TOKEN_FILE", "/secret/token")
+    monkeypatch.setenv("DAEMON_ONLY", "should not leak")
+    monkeypatch.setenv("LC_ALL", "C.UTF-8")
+    monkeypatch.setenv("TZ", "UTC")
+    monkeypatch.setenv("HOME", "/not/the/users/home")
+    out = await _run_probe(tmp_path, {"env": {"JOB": "{mount}/x", "PATH": os.environ["PATH"]}})
+    env = out["environ"]
+    me = pwd.getpwuid(os.getuid())
+    assert env["LC_ALL"] == "C.UTF-8" and env["TZ"] == "UTC" and env["JOB"] == f"{tmp_path}/x"
+    assert (env["HOME"], env["USER"], env["LOGNAME"]) == (me.pw_dir, me.pw_name, me.pw_name)
+    assert env["MONARCH_FS_MOUNT"] == str(tmp_path)
+    assert "DAEMON_ONLY" not in env and "MONARCH_FS_HOME" not in env
+    assert [k for k in env if k.startswith("MONARCH_FS_")] == ["MONARCH_FS_MOUNT"]
+    allowed = {"PATH", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR", "HOME", "USER", "LOGNAME",
+               "SHELL", "JOB", "MONARCH_FS_MOUNT"}
+    assert {k for k in env if not k.startswith("LC_")} <= allowed, sorted(env)
+    assert out["fd"] is None and out["secrets"] == {}
+
+
+async def test_secrets_reach_the_proc_through_a_pipe_and_no_environ_shows_them(tmp_path):
+    secret = "s3cr3t-" + os.urandom(16).hex()
+    out = await _run_probe(tmp_path, {"secrets": {"MONARCH_MESH_TOKEN": secret, "B": "2"}})
+    assert out["secrets"] == {"MONARCH_MESH_TOKEN": secret, "B": "2"}
+    assert out["fd"] is not None and not out["fd_open"] and not out["left"]  # read and closed
+    assert secret not in json.dumps(out["environ"]) and "MONARCH_MESH_TOKEN" not in out["environ"]
+    assert out["environ"]["MONARCH_FS_SECRETS_FD"] == out["fd"]  # only a descriptor number
+    gc_env, gc_raw, gc_fds = out["grandchild"]
+    assert secret not in gc_raw and secret not in json.dumps(gc_env)
+    assert "MONARCH_FS_SECRETS_FD" not in gc_env
+    assert out["pipe"].startswith("pipe:") and out["pipe"] not in gc_fds  # nor the pipe
+
+
+async def test_bad_secrets_are_refused(tmp_path):
+    owner = Owner()
+    async with trio.open_nursery() as nursery:
+        table = ProcessTable(tmp_path, nursery)
+        for secrets, message in [({"a": 1}, "object of strings"), (["x"], "object of strings"),
+                                 ({"a": "x" * MAX_SECRETS}, "more than")]:
+            with pytest.raises(SpawnError, match=message):
+                await table.spawn(owner, owner.emit, {"argv": ["true"], "secrets": secrets},
+                                  None)
+        await table.stop_all()
+    assert owner.events == [] and table.procs == {}

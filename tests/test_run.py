@@ -189,6 +189,26 @@ def test_killed_launcher_takes_its_ranks_along(cluster2, job, started):
     assert not started.wait_gone(10), "ranks outlived the killed `monarch-fs run`"
 
 
+def test_ranks_start_from_a_clean_environment_plus_run_env(fresh_cluster, monkeypatch):
+    """Issue 16, finding 6: a rank gets none of its daemon's environment ($MONARCH_FS_HOME leads
+    to the cluster token), only the documented base, what `run` sets, and --env."""
+    monkeypatch.setenv("DAEMON_ONLY", "must not leak")
+    c = fresh_cluster(1)
+    daemon_env = Path(f"/proc/{c.pid(0)}/environ").read_bytes()
+    assert b"DAEMON_ONLY=" in daemon_env and b"MONARCH_FS_HOME=" in daemon_env  # to leak
+    show = "import json; print(json.dumps(open('/proc/self/environ').read().split('\\0')))"
+    r = run(c, "--env", "EXTRA=a=b", "--env", "EMPTY=", "--", sys.executable, "-c", show)
+    assert r.returncode == 0, r.stderr
+    env = dict(kv.split("=", 1) for kv in json.loads(by_rank(r.stdout)[0][0]) if kv)
+    assert env["EXTRA"] == "a=b" and env["EMPTY"] == "" and env["RANK"] == "0"
+    assert "DAEMON_ONLY" not in env and "MONARCH_FS_HOME" not in env
+    assert {k for k in env if k.startswith("MONARCH_FS_")} == {"MONARCH_FS_MOUNT",
+                                                               "MONARCH_FS_TRANSPORT"}
+    bad = run(c, "--env", "NOVALUE", "--", "true")
+    assert bad.returncode == 1
+    assert bad.stderr.strip() == "monarch-fs: error: --env 'NOVALUE': expected NAME=VALUE"
+
+
 # ---- torch -------------------------------------------------------------------------------
 
 TRAIN = textwrap.dedent("""
