@@ -13,7 +13,8 @@ waits for whatever frees a descriptor. So:
 - accept() failing for want of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM) is
   retried every ACCEPT_RETRY seconds, so a client is served within that once descriptors free
   up, and it is logged once per LOG_INTERVAL, with a count, not once per attempt;
-- refusals are logged the same way, once per peer address per interval.
+- refusals are logged the same way: once per interval for a full server, once per peer
+  address per interval for a peer at its own limit.
 """
 
 from __future__ import annotations
@@ -88,13 +89,15 @@ class _Open:
         self.total = 0
         self.by_peer: dict[str, int] = {}
 
-    def refusal(self, peer: str, limits: Limits) -> str | None:
-        """Why a new connection from `peer` is refused, or None."""
+    def refusal(self, peer: str, limits: Limits) -> tuple[Hashable, str] | None:
+        """(what to log it under, why) a new connection from `peer` is refused, or None. A
+        full server is one condition (many addresses may hit it), a full peer one per peer."""
         if self.total >= limits.max_connections:
-            return f"too many connections ({self.total} open, the limit)"
+            return "full", f"too many connections ({self.total} open, the limit)"
         n = self.by_peer.get(peer, 0)
         if n >= limits.max_per_peer:
-            return f"too many connections from {peer} ({n} open, the limit per address)"
+            return ("peer", peer), (f"too many connections from {peer} ({n} open, the limit "
+                                    "per address)")
         return None
 
     def add(self, peer: str) -> None:
@@ -143,9 +146,10 @@ async def _accept_loop(listener: trio.SocketListener, nursery: trio.Nursery,
                 await trio.sleep(ACCEPT_RETRY)
                 continue
             peer = peer_host(stream)
-            why = opened.refusal(peer, limits)
-            if why is not None:
-                log_once(("refused", peer), logging.WARNING, "refusing connections: %s", why)
+            refused = opened.refusal(peer, limits)
+            if refused is not None:
+                key, why = refused
+                log_once(key, logging.WARNING, "refusing connections: %s", why)
                 await refuse(stream, why)
                 continue
             opened.add(peer)
