@@ -2,8 +2,9 @@
 
 The owner (the controller, or an actor that spawns meshes) listens on a fresh port with a fresh
 random token that only these procs receive (in their spawn request's secrets, which reach a
-proc through a pipe, never its environment; never the cluster token), launches `python -m monarch_fs.mesh.runtime` on every host through the daemons, and
-waits until every proc has connected back and authenticated. Calls then travel over those
+proc through a pipe, never its environment; never the cluster token), launches
+`python -m monarch_fs.mesh.runtime` on every host through the daemons, and waits until every
+proc has connected back and authenticated. Calls then travel over those
 connections, one reader and one writer task per proc.
 
 Supervision: the daemon reports how each proc ended (exit code or signal, stderr tail). The first
