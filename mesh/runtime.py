@@ -281,7 +281,7 @@ class Runtime:
 
     async def run(self) -> int:
         try:
-            chan = await connect(self.addr, self.token)
+            chan = await connect(self.addr, self.token, encrypt="on")  # nested spawns carry secrets
         except ConnectError as e:
             print(f"monarch-fs runtime: cannot reach the controller: {e}", file=sys.stderr)
             return 2
