@@ -13,12 +13,13 @@ from pathlib import Path
 import trio
 
 from . import cluster
+from ..fs.manifest import DEFAULT_MAX_ENTRIES
 from ..fs.scan import SourceChanged
 from .bulk import TRANSPORTS, resolve_local
 from .auth import TokenError, home_dir, load_token, resolve_token
 from .hosts import HostsError, parse_hosts
 from .push import Progress, PushError, fmt_bytes, push
-from .status import status
+from .status import remove, status
 
 log = logging.getLogger("monarch_fs")
 TRANSPORT_HELP = ("how chunk payloads travel: auto (RDMA when both ends have a usable device, "
@@ -51,14 +52,15 @@ class BarProgress(Progress):
 
 
 def cmd_daemon(args: argparse.Namespace) -> int:
-    from .node import NodeDaemon
+    from .node import NodeDaemon, make_log_private
 
+    make_log_private()
     token = load_token(args.token_file) if args.token_file else b""
     transport = resolve_local(args.transport)  # --transport rdma without a device: exit 1
     log.info("transport: %s (%s)", transport.kind, transport.reason)
     daemon = NodeDaemon(state=args.state, mount=args.mount, listen=args.listen, token=token,
                         keep=args.keep, node_name=args.node_name, transport=transport,
-                        store_raw=not args.store_compressed)
+                        store_raw=not args.store_compressed, max_entries=args.max_entries)
     trio.run(lambda: daemon.run(ready_file=args.ready_file))
     return 0
 
@@ -136,6 +138,21 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0 if all(n["reachable"] for n in nodes) else 1
 
 
+def cmd_rm(args: argparse.Namespace) -> int:
+    hosts = parse_hosts(args.hosts)
+    token = resolve_token(args.token_file)
+    nodes = trio.run(remove, hosts, token, args.name)
+    if args.json:
+        print(json.dumps(nodes))
+    else:
+        for n in nodes:
+            if n["removed"]:
+                print(f"{n['host']}: removed {args.name} ({len(n['versions'])} versions)")
+            else:
+                print(f"{n['host']}: {n['error']}", file=sys.stderr)
+    return 0 if all(n["removed"] for n in nodes) else 1
+
+
 def cmd_cluster(args: argparse.Namespace) -> int:
     if args.action == "up":
         addrs = cluster.up(args.nodes, args.dir)
@@ -186,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--ready-file", help="write {addr, pid} here once mounted and listening")
     d.add_argument("--node-name", default="", help="name reported in status (default hostname)")
     d.add_argument("--transport", choices=TRANSPORTS, default="auto", help=TRANSPORT_HELP)
+    d.add_argument("--max-entries", type=int, metavar="N",
+                   default=int(os.environ.get("MONARCH_FS_MAX_ENTRIES", DEFAULT_MAX_ENTRIES)),
+                   help="refuse a snapshot of more than N files, folders and links "
+                        f"(default $MONARCH_FS_MAX_ENTRIES, else {DEFAULT_MAX_ENTRIES:,})")
     d.set_defaults(fn=cmd_daemon)
 
     hosts_help = "host:port,host:port or @hostfile (default $MONARCH_FS_HOSTS, then the local cluster)"
@@ -219,6 +240,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token-file", metavar="F")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_status)
+
+    rm = sub.add_parser("rm", help="delete a workspace on every node",
+                        description="Delete workspace NAME on every node: it leaves the mount at "
+                                    "once and its disk is given back (a file held open keeps "
+                                    "reading until closed). A node refuses while a process "
+                                    "started with --workspace NAME runs there.")
+    rm.add_argument("name", metavar="NAME")
+    rm.add_argument("--hosts", metavar="SPEC", help=hosts_help)
+    rm.add_argument("--token-file", metavar="F")
+    rm.add_argument("--json", action="store_true",
+                    help="print one list: per node host, removed, versions, error")
+    rm.set_defaults(fn=cmd_rm)
 
     r = sub.add_parser(
         "run", help="run a command on every proc of every host (SPMD, torchrun-style)",
