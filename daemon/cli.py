@@ -60,7 +60,9 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     log.info("transport: %s (%s)", transport.kind, transport.reason)
     daemon = NodeDaemon(state=args.state, mount=args.mount, listen=args.listen, token=token,
                         keep=args.keep, node_name=args.node_name, transport=transport,
-                        store_raw=not args.store_compressed, max_entries=args.max_entries)
+                        store_raw=not args.store_compressed,
+                        max_entries=args.max_entries or int(os.environ.get(
+                            "MONARCH_FS_MAX_ENTRIES", DEFAULT_MAX_ENTRIES)))
     trio.run(lambda: daemon.run(ready_file=args.ready_file))
     return 0
 
@@ -204,7 +206,6 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--node-name", default="", help="name reported in status (default hostname)")
     d.add_argument("--transport", choices=TRANSPORTS, default="auto", help=TRANSPORT_HELP)
     d.add_argument("--max-entries", type=int, metavar="N",
-                   default=int(os.environ.get("MONARCH_FS_MAX_ENTRIES", DEFAULT_MAX_ENTRIES)),
                    help="refuse a snapshot of more than N files, folders and links "
                         f"(default $MONARCH_FS_MAX_ENTRIES, else {DEFAULT_MAX_ENTRIES:,})")
     d.set_defaults(fn=cmd_daemon)

@@ -152,7 +152,11 @@ def make_private(state: Path) -> None:
     for dirpath, dirnames, filenames in os.walk(state):
         for name in list(dirnames):
             path = os.path.join(dirpath, name)
-            if os.lstat(path).st_dev != dev:  # something mounted here is not ours to change
+            try:
+                theirs = os.lstat(path).st_dev != dev  # something mounted here (maybe stale)
+            except OSError:
+                theirs = True
+            if theirs:
                 dirnames.remove(name)
             else:
                 os.chmod(path, 0o700)
