@@ -13,13 +13,14 @@ from pathlib import Path
 import trio
 
 from . import cluster
+from ..fs.manifest import DEFAULT_MAX_ENTRIES
 from ..fs.scan import SourceChanged
 from .bulk import TRANSPORTS, resolve_local
 from .auth import TokenError, default_token_file, home_dir, resolve_token, write_new_token
 from .hosts import HostsError, parse_hosts
 from .limits import Limits
 from .push import Progress, PushError, fmt_bytes, push
-from .status import status
+from .status import remove, status
 from .transport import ENCRYPT_POLICIES
 
 log = logging.getLogger("monarch_fs")
@@ -56,8 +57,9 @@ class BarProgress(Progress):
 
 
 def cmd_daemon(args: argparse.Namespace) -> int:
-    from .node import NodeDaemon
+    from .node import NodeDaemon, make_log_private
 
+    make_log_private()
     token = resolve_token(args.token_file)  # no token: refuse to start (auth.NoToken)
     transport = resolve_local(args.transport)  # --transport rdma without a device: exit 1
     log.info("transport: %s (%s)", transport.kind, transport.reason)
@@ -67,7 +69,9 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     daemon = NodeDaemon(state=args.state, mount=args.mount, listen=args.listen, token=token,
                         keep=args.keep, node_name=args.node_name, transport=transport,
                         store_raw=not args.store_compressed, encrypt=args.encrypt,
-                        limits=limits)
+                        limits=limits,
+                        max_entries=args.max_entries or int(os.environ.get(
+                            "MONARCH_FS_MAX_ENTRIES", DEFAULT_MAX_ENTRIES)))
     trio.run(lambda: daemon.run(ready_file=args.ready_file))
     return 0
 
@@ -144,6 +148,21 @@ def cmd_status(args: argparse.Namespace) -> int:
             if n.get("backing_error"):
                 print(f"{n['host']}  warning: {n['backing_error']}; read through the daemon")
     return 0 if all(n["reachable"] for n in nodes) else 1
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    hosts = parse_hosts(args.hosts)
+    token = resolve_token(args.token_file)
+    nodes = trio.run(remove, hosts, token, args.name)
+    if args.json:
+        print(json.dumps(nodes))
+    else:
+        for n in nodes:
+            if n["removed"]:
+                print(f"{n['host']}: removed {args.name} ({len(n['versions'])} versions)")
+            else:
+                print(f"{n['host']}: {n['error']}", file=sys.stderr)
+    return 0 if all(n["removed"] for n in nodes) else 1
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
@@ -229,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--handshake-timeout", type=float, default=Limits.handshake_timeout,
                    metavar="S", help="drop a peer that has not authenticated S seconds after "
                                      f"connecting (default {Limits.handshake_timeout:g})")
+    d.add_argument("--max-entries", type=int, metavar="N",
+                   help="refuse a snapshot of more than N files, folders and links "
+                        f"(default $MONARCH_FS_MAX_ENTRIES, else {DEFAULT_MAX_ENTRIES:,})")
     d.set_defaults(fn=cmd_daemon)
 
     hosts_help = "host:port,host:port or @hostfile (default $MONARCH_FS_HOSTS, then the local cluster)"
@@ -263,6 +285,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token-file", metavar="F")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_status)
+
+    rm = sub.add_parser("rm", help="delete a workspace on every node",
+                        description="Delete workspace NAME on every node: it leaves the mount at "
+                                    "once and its disk is given back (a file held open keeps "
+                                    "reading until closed). A node refuses while a process "
+                                    "started with --workspace NAME runs there.")
+    rm.add_argument("name", metavar="NAME")
+    rm.add_argument("--hosts", metavar="SPEC", help=hosts_help)
+    rm.add_argument("--token-file", metavar="F")
+    rm.add_argument("--json", action="store_true",
+                    help="print one list: per node host, removed, versions, error")
+    rm.set_defaults(fn=cmd_rm)
 
     r = sub.add_parser(
         "run", help="run a command on every proc of every host (SPMD, torchrun-style)",

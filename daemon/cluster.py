@@ -112,7 +112,9 @@ def _spawn(d: Path, i: int, listen: str = "127.0.0.1:0") -> subprocess.Popen:
     except FileExistsError:  # maybe a dead daemon's stale mount: the new daemon clears it
         pass
     (nd / "ready").unlink(missing_ok=True)
-    with open(nd / "log", "ab") as logf:
+    # The log names every process the daemon starts, argv included: only for this user.
+    with os.fdopen(os.open(nd / "log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600),
+                   "ab") as logf:
         proc = subprocess.Popen(
             [sys.executable, "-m", "monarch_fs.daemon.cli", "daemon",
              "--listen", listen, "--mount", str(nd / "mnt"), "--state", str(nd / "state"),

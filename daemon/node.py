@@ -5,7 +5,14 @@ A push is staged, then published in two phases: chunks land in the store as they
 visible in the mount); `prepare` checks that the manifest and every chunk it names are present,
 writes the backing files passthrough reads large files from (fs/backing.py), and makes the store
 durable; `commit` switches the workspace and returns once the kernel has dropped every changed
-entry. A failed or abandoned push leaves the last good version serving; what it sent is reused.
+entry. A failed or abandoned push leaves the last good version serving; what it sent is reused,
+except after this node failed to store a chunk (a full disk): then the open pack is cut back to
+its last durable record, so the space comes back at once.
+
+Everything under the state folder, and the log, is private to the daemon's user: the store and
+the backing files hold every pushed file's bytes whatever its mode, and the log names every
+process the daemon starts, argv included. Only the mount (with `default_permissions`, so each
+file's own mode rules) shows content to other users.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -30,8 +38,8 @@ from ..fs.backing import key as backing_key
 from ..fs.backing import wanted as backing_wanted
 from ..fs.chunk import CorruptChunk
 from ..fs.fuse_ops import SnapshotFS, mount_options, set_readahead
-from ..fs.manifest import Manifest, ManifestError
-from ..fs.store import PACK_LIMIT, Store
+from ..fs.manifest import DEFAULT_MAX_ENTRIES, Manifest, ManifestError, TooManyEntries
+from ..fs.store import PACK_LIMIT, Store, private_dir
 from . import bulk
 from . import protocol as p
 from .auth import NO_TOKEN_HELP, default_token_file
@@ -52,6 +60,10 @@ class RequestError(Exception):
     """A request was refused; the message goes back to the client as is."""
 
 
+class StoreFailed(RequestError):
+    """A chunk could not be written to the store (a full disk, say)."""
+
+
 class _Writes:
     """The store writes one connection has in flight, and the errors they met.
 
@@ -68,6 +80,7 @@ class _Writes:
         self.put = put
         self.pending = 0
         self.errors: list[str] = []
+        self.store_failed = False  # a write failed: what this push stored is given back
         self._batch: list[p.PutChunk] = []
         self._batch_bytes = 0
         self._idle = trio.Event()
@@ -87,20 +100,22 @@ class _Writes:
         self._idle = trio.Event() if self.pending == 1 else self._idle
         nursery.start_soon(self._run, token, batch)
 
-    def _put_all(self, batch: list[p.PutChunk]) -> tuple[int, list[str]]:
-        stored, errors = 0, []
+    def _put_all(self, batch: list[p.PutChunk]) -> tuple[int, list[str], bool]:
+        stored, errors, store_failed = 0, [], False
         for msg in batch:
             try:
                 stored += self.put(msg)
             except RequestError as e:
                 errors.append(str(e))
-        return stored, errors
+                store_failed |= isinstance(e, StoreFailed)
+        return stored, errors, store_failed
 
     async def _run(self, token: object, batch: list[p.PutChunk]) -> None:
         try:
-            stored, errors = await trio.to_thread.run_sync(self._put_all, batch)
+            stored, errors, store_failed = await trio.to_thread.run_sync(self._put_all, batch)
             self.counters["chunks_stored"] += stored
             self.errors += errors
+            self.store_failed |= store_failed
         finally:
             self.limiter.release_on_behalf_of(token)
             self.pending -= 1
@@ -117,6 +132,40 @@ class _Writes:
         if self.errors:
             more = f" (and {len(self.errors) - 1} more)" if len(self.errors) > 1 else ""
             raise RequestError(self.errors[0] + more)
+
+
+def make_private(state: Path) -> None:
+    """Make a state folder and everything in it private to this user (folders 0700, files
+    without group or other bits), whatever the umask was and whatever an older version left
+    (it made packs and refs.json 0644 in 0755 folders, backing files 0444). Files are created
+    private from then on; this tightens what already exists, at start."""
+    private_dir(state)
+    dev = state.stat().st_dev
+    for dirpath, dirnames, filenames in os.walk(state):
+        for name in list(dirnames):
+            path = os.path.join(dirpath, name)
+            try:
+                theirs = os.lstat(path).st_dev != dev  # something mounted here (maybe stale)
+            except OSError:
+                theirs = True
+            if theirs:
+                dirnames.remove(name)
+            else:
+                os.chmod(path, 0o700)
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_mode & 0o077:
+                os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
+
+
+def make_log_private() -> None:
+    """The log names every process the daemon starts, argv included: when stderr is a file
+    this user owns (the local cluster's node-I/log, a `2>>` redirect), only this user may read
+    it. A journal or a terminal is left alone."""
+    st = os.fstat(2)
+    if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o077:
+        os.fchmod(2, stat.S_IMODE(st.st_mode) & 0o700)
 
 
 def clear_stale_mount(mountpoint: Path) -> None:
@@ -143,7 +192,8 @@ class NodeDaemon:
     def __init__(self, *, state: str | os.PathLike[str], mount: str | os.PathLike[str],
                  listen: str, token: bytes, keep: int = KEEP_VERSIONS, node_name: str = "",
                  transport: bulk.LocalTransport | None = None, store_raw: bool = True,
-                 encrypt: str = "auto", limits: Limits | None = None):
+                 encrypt: str = "auto", limits: Limits | None = None,
+                 max_entries: int = DEFAULT_MAX_ENTRIES):
         parse_addr(listen, listen=True)
         if not token:  # anyone who reached the port could run anything as this daemon's user
             raise ValueError("a daemon needs a token to accept requests: "
@@ -160,9 +210,10 @@ class NodeDaemon:
         # disk for text-like content). --store-compressed trades read speed for disk.
         self.store_raw = store_raw
         self.keep = keep
+        self.max_entries = max_entries  # a larger manifest is refused at prepare
         self.state = Path(state)
         self.mount = Path(mount)
-        self.state.mkdir(parents=True, exist_ok=True)
+        make_private(self.state)
         # MONARCH_FS_PACK_MIB: pack file size. A pack is deleted once nothing in it is used,
         # so smaller packs give space back sooner, for more files.
         pack_mib = int(os.environ.get("MONARCH_FS_PACK_MIB", PACK_LIMIT >> 20))
@@ -170,6 +221,9 @@ class NodeDaemon:
         self.refs = Refs(self.state / "refs.json")
         self.backing = BackingFiles(self.state / "backing")
         self.fs = SnapshotFS(self.store.get, self.backing, self.store.get_if_cached)
+        # The kernel let go of a file no served version has (after `rm`, or a dropped version
+        # a reader held): its chunks may go now.
+        self.fs.on_orphan_forgotten = self._start_collect
         self.node_name = node_name or socket.gethostname()
         self.addr = listen  # the bound address, once listening
         self._manifests: dict[bytes, Manifest] = {}
@@ -179,7 +233,11 @@ class NodeDaemon:
         self.backing_error: str | None = None  # why a file of the latest version has none
         self._nursery: trio.Nursery | None = None  # background work: backing files
         self._publish_lock = trio.Lock()
-        self._gc_lock = trio.Lock()  # a collect, and the answers to "which chunks do you lack"
+        # A collect, the answers to "which chunks do you lack", a prepare's check that it has
+        # every chunk, durably, and a cut back of the open pack (which only drops what is not
+        # durable): none of them runs during another.
+        self._gc_lock = trio.Lock()
+        self._collect_queued = False  # a collect is started and waits for the lock
         self._negotiating = 0  # sessions told what this node has, and not committed since
         self.procs: ProcessTable | None = None
         self._write_limiter = trio.CapacityLimiter(4)
@@ -258,6 +316,7 @@ class NodeDaemon:
             peer = "?"
         try:
             chan = await accept(stream, self.token, {"node": self.node_name, "addr": self.addr,
+                                                     "max_entries": self.max_entries,
                                                      **self.transport.info()},
                                 timeout=self.limits.handshake_timeout, encrypt=self.encrypt)
         except Exception as e:  # a line per peer address per minute, however many attempts
@@ -342,6 +401,7 @@ class NodeDaemon:
                             bulk_error = await bulk_rx.wait_delivered(
                                 int(msg.args.get("bulk_chunks", 0)))
                         await writes.idle(nursery)
+                        await self._cut_back_after_failure(writes)
                         failed = await relay.flush() if relay is not None else {}
                         if writes.errors:
                             failed[""] = writes.errors[0]  # "" is this node, as its parent names it
@@ -374,6 +434,9 @@ class NodeDaemon:
                 if bulk_rx is not None:
                     await bulk_rx.aclose()
                 await self.procs.kill_owned_by(chan)  # the controller went away
+                if writes.store_failed:  # and did not flush: its writes may still run
+                    await writes.idle(nursery)
+                    await self._cut_back_after_failure(writes)
                 nursery.cancel_scope.cancel()
 
     async def _proc_request(self, chan: Channel, msg: p.Request) -> dict:
@@ -397,7 +460,7 @@ class NodeDaemon:
         async def emit(kind: str, data: dict) -> None:
             await chan.send(p.Event(kind, data))
 
-        return await self.procs.spawn(chan, emit, args, pin)
+        return await self.procs.spawn(chan, emit, args, pin, workspace=name if pin else "")
 
     def _put(self, msg: p.PutChunk) -> bool:
         try:
@@ -405,13 +468,36 @@ class NodeDaemon:
         except CorruptChunk as e:
             raise RequestError(f"rejected {e}") from None
         except OSError as e:
-            raise RequestError(f"cannot store chunk {msg.cid.hex()}: {e.strerror or e}") from None
+            raise StoreFailed(f"cannot store chunk {msg.cid.hex()}: {e.strerror or e}") from None
+
+    async def _cut_back_after_failure(self, writes: _Writes) -> None:
+        """After this session failed to store a chunk: cut the open pack back to its last
+        durable record, so the chunks this failed push did store give their space back now
+        (Store.cut_back). A push that fails for another reason keeps them, for the next."""
+        if not writes.store_failed:
+            return
+        writes.store_failed = False
+        async with self._gc_lock:
+            try:
+                freed = await trio.to_thread.run_sync(self.store.cut_back)
+            except OSError as e:
+                log.warning("cutting back the open pack after a failed write: %s", e)
+                return
+        if freed:
+            log.info("a write failed: gave back the %d bytes the push had stored since the "
+                     "last durable record", freed)
 
     # ---- requests -------------------------------------------------------------------------
 
     async def _handle(self, op: str, args: dict) -> dict:
         if op == "status":
             return await self.status()
+        if op == "remove":
+            name = args.get("name")
+            if not isinstance(name, str):
+                raise RequestError("remove: a workspace name is required")
+            check_workspace_name(name)
+            return await self._remove(name)
         if op in ("prepare", "commit"):
             name, version = args.get("name"), args.get("version")
             if not isinstance(name, str) or not isinstance(version, str):
@@ -427,9 +513,14 @@ class NodeDaemon:
         raise RequestError(f"unknown request {op!r}")
 
     def _manifest(self, version: bytes) -> Manifest:
+        """A version's manifest, decoded once. One with more than max_entries entries is
+        refused from its header (TooManyEntries), unless it was published before the limit
+        was lowered: a prepare that refused it, and every collect after, decode nothing."""
         m = self._manifests.get(version)
         if m is None:
-            m = Manifest.decode(self.store.get(version))
+            published = any(version in vs for vs in self.refs.workspaces.values())
+            m = Manifest.decode(self.store.get(version),
+                                max_entries=None if published else self.max_entries)
             if self._manifests:  # share memory with the version loaded last
                 m.share_entries(next(reversed(self._manifests.values())))
             self._manifests[version] = m
@@ -442,15 +533,23 @@ class NodeDaemon:
             raise RequestError(f"version {version.hex()[:12]}: manifest not received") from None
         except CorruptChunk as e:
             raise RequestError(f"version {version.hex()[:12]}: {e}") from None
+        except TooManyEntries as e:
+            raise RequestError(
+                f"version {version.hex()[:12]}: the manifest has {e.count:,} entries, more than "
+                f"this node accepts ({e.limit:,}: its --max-entries or MONARCH_FS_MAX_ENTRIES)"
+            ) from None
         missing = self.store.missing(manifest.chunk_ids())
         if missing:
             raise RequestError(f"version {version.hex()[:12]}: {len(missing)} chunks missing")
 
     async def _make_ready(self, name: str, version: bytes) -> None:
-        """Everything a publish of `version` needs: every chunk, durable in the store."""
+        """Everything a publish of `version` needs: every chunk, durable in the store. Checked
+        and synced under the collect lock: a cut back in between could drop a chunk found
+        present but not yet durable."""
         self._pinned[name] = version
-        await trio.to_thread.run_sync(self._check_complete, version)
-        await trio.to_thread.run_sync(self.store.sync)
+        async with self._gc_lock:
+            await trio.to_thread.run_sync(self._check_complete, version)
+            await trio.to_thread.run_sync(self.store.sync)
 
     async def _write_backing(self, manifest: Manifest, *,
                              task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -504,9 +603,11 @@ class NodeDaemon:
         self._start_collect()
 
     def _start_collect(self) -> None:
-        """After a commit or a released claim: once no push is in flight, the chunks the last
-        ones left unused can go."""
-        if self._negotiating == 0 and self._nursery is not None:
+        """After a commit, a released claim, a removal or a forgotten file: once no push is in
+        flight, the chunks the last ones left unused can go. One collect waiting for the lock
+        does for every request made meanwhile (the kernel forgets files in many batches)."""
+        if self._negotiating == 0 and self._nursery is not None and not self._collect_queued:
+            self._collect_queued = True
             self._nursery.start_soon(self._collect)
 
     async def _collect(self) -> None:
@@ -515,6 +616,7 @@ class NodeDaemon:
         mostly such chunks (Store.collect). Skipped while another push has been told what this
         node has (those chunks must stay): its commit collects."""
         async with self._gc_lock:
+            self._collect_queued = False
             if self._negotiating:
                 return
             retained = {v for vs in self.refs.workspaces.values() for v in vs}
@@ -568,12 +670,47 @@ class NodeDaemon:
             self._prepared.discard((name, version))
             if self._pinned.get(name) == version:
                 del self._pinned[name]
-            self._manifests = {v: m for v, m in self._manifests.items()
-                               if v in self._pinned.values()
-                               or any(v in vs for vs in self.refs.workspaces.values())}
+            self._drop_manifests()
             await self._prune_backing()
         log.info("published %s = %s", name, version.hex())
         return {"version": version.hex(), "previous": previous.hex() if previous else None}
+
+    def _drop_manifests(self) -> None:
+        """Forget the decoded manifests no retained or in-flight version uses."""
+        self._manifests = {v: m for v, m in self._manifests.items()
+                           if v in self._pinned.values()
+                           or any(v in vs for vs in self.refs.workspaces.values())}
+
+    async def _remove(self, name: str) -> dict:
+        """Delete a workspace (`monarch-fs rm`): the mount drops it at once, kernel entries
+        included; its manifests leave memory, its backing files go, and a collect gives back
+        its chunks (the open pack is sealed first, so that a collect may reach those in it).
+        A file a reader holds open keeps reading until closed, as for dropped versions.
+
+        Refused while a process this daemon started with `--workspace NAME` runs: it runs
+        from MOUNT/.versions/NAME/VERSION, which would vanish under it."""
+        async with self._publish_lock:
+            versions = self.refs.workspaces.get(name)
+            if not versions:
+                raise RequestError(f"no workspace {name!r} on this node")
+            users = self.procs.pinned_to(name) if self.procs is not None else []
+            if users:
+                pids = ", ".join(str(pid) for pid in users[:5])
+                raise RequestError(
+                    f"workspace {name!r} is in use by {len(users)} "
+                    f"process{'es' if len(users) > 1 else ''} started with --workspace (pid "
+                    f"{pids}{', ...' if len(users) > 5 else ''}); stop them, then remove it")
+            self.refs.remove(name)
+            await self.fs.remove_workspace(name)
+            self._drop_manifests()
+            await self._prune_backing()
+        try:
+            await trio.to_thread.run_sync(self.store.seal)
+        except OSError as e:  # a full disk: what the open pack holds waits for a later seal
+            log.warning("sealing the open pack after removing %s: %s", name, e)
+        self._start_collect()
+        log.info("removed workspace %s (%d versions)", name, len(versions))
+        return {"versions": [v.hex() for v in versions]}
 
     async def status(self) -> dict:
         objects, size = await trio.to_thread.run_sync(self.store.usage)

@@ -177,6 +177,7 @@ class Proc:
     process: _Child
     owner: object
     emit: Emit
+    workspace: str = ""  # the workspace it was pinned to (--workspace), if any
     stderr_tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
 
     def signal_group(self, sig: int) -> None:
@@ -199,7 +200,8 @@ class ProcessTable:
         return text.replace("{mount}", str(self.mount)).replace(
             "{workspace}", pins.get("workspace", "{workspace}"))
 
-    async def spawn(self, owner: object, emit: Emit, args: dict, pin: str | None) -> dict:
+    async def spawn(self, owner: object, emit: Emit, args: dict, pin: str | None,
+                    workspace: str = "") -> dict:
         argv = args.get("argv")
         if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
             raise SpawnError("spawn: argv must be a non-empty list of strings")
@@ -242,7 +244,7 @@ class ProcessTable:
         finally:
             if secrets_r is not None:  # the child has its own copy (or never started)
                 os.close(secrets_r)
-        proc = Proc(next(self._ids), _Child(popen), owner, emit)
+        proc = Proc(next(self._ids), _Child(popen), owner, emit, workspace=workspace)
         self.procs[proc.id] = proc
         self.nursery.start_soon(self._supervise, proc, trio.lowlevel.FdStream(out_r),
                                 trio.lowlevel.FdStream(err_r))
@@ -306,6 +308,10 @@ class ProcessTable:
             await proc.emit(kind, data)
         except Exception:
             pass  # the owner is gone; kill_owned_by() stops its processes
+
+    def pinned_to(self, workspace: str) -> list[int]:
+        """The pids of the running processes pinned to `workspace`."""
+        return [p.process.pid for p in self.procs.values() if p.workspace == workspace]
 
     def kill(self, owner: object, proc_id: int, sig: int = signal.SIGTERM) -> None:
         proc = self.procs.get(proc_id)

@@ -215,6 +215,16 @@ class _Push:
                     node.fail(str(e))
         bulk.log_choices({n.addr: n.transport for n in self.healthy}, self.requested)
 
+    def check_limits(self) -> None:
+        """Fail the nodes that would refuse this snapshot for its size (each tells its limit
+        when it connects), before anything is sent to them."""
+        entries = len(self.snap.manifest)
+        for node in self.healthy:
+            limit = node.chan.info.get("max_entries")
+            if isinstance(limit, int) and entries > limit:
+                node.fail(f"the snapshot has {entries:,} entries, more than this node accepts "
+                          f"({limit:,}: its --max-entries or MONARCH_FS_MAX_ENTRIES)")
+
     async def negotiate(self) -> None:
         async def ask(node: _Node) -> None:
             node.missing = set(await node.chan.query_missing(self.ids + [self.version]))
@@ -401,6 +411,8 @@ async def push(
     try:
         await job.connect()
         job.check("connecting")
+        job.check_limits()
+        job.check("checking the snapshot's size")
         await job.negotiate()
         job.check("negotiating")
         used = await job.broadcast(topology_kind, fanout)

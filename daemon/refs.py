@@ -1,7 +1,7 @@
 """Which versions each workspace serves, persisted so a restarted daemon serves them at once.
 
 The file is replaced atomically (write, fsync, rename, fsync the folder): after a crash it holds
-either the old or the new list, never half of one.
+either the old or the new list, never half of one. It is private to the daemon's user (0600).
 """
 
 from __future__ import annotations
@@ -34,10 +34,21 @@ class Refs:
         self._save()
         return self.workspaces[name]
 
+    def remove(self, name: str) -> list[bytes]:
+        """Forget workspace `name`, persisted; returns the versions it had. If saving fails,
+        the list in memory is left as it was."""
+        versions = self.workspaces.pop(name)
+        try:
+            self._save()
+        except BaseException:
+            self.workspaces[name] = versions
+            raise
+        return versions
+
     def _save(self) -> None:
         data = {"workspaces": {n: [v.hex() for v in vs] for n, vs in self.workspaces.items()}}
         tmp = self.path.with_suffix(".tmp")
-        with open(tmp, "w") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             json.dump(data, f, indent=1)
             f.flush()
             os.fsync(f.fileno())

@@ -23,6 +23,9 @@ the disk to take every large file): they are flushed when the daemon stops, whic
 them, deletes them all and writes them again from the store; until then the daemon serves those
 files itself. Files below MIN_SIZE stay in the chunk store only: for them a FUSE read
 is one request, and a second copy on disk buys nothing.
+
+Like the store, the folder is private to the daemon's user (0700, files 0400): a backing file is
+the content of a pushed file whatever its mode, and the mount is the only way others read it.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import xxhash
 
 from .chunk import CorruptChunk
 from .manifest import Entry, Kind
-from .store import Store, fsync_dir
+from .store import PRIVATE_FILE, Store, fsync_dir, private_dir
 
 MIN_SIZE = 256 * 1024
 _TMP = ".tmp"
@@ -68,7 +71,7 @@ class _Copy:
 class BackingFiles:
     def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        private_dir(self.root)
         marker = self.root / _CLEAN
         self.trusted = marker.exists()  # else: whatever is here may not have reached the disk
         for p in self.root.iterdir():
@@ -158,8 +161,11 @@ class BackingFiles:
             finally:
                 os.close(fd)
         self._unflushed.clear()
-        with open(self.root / _CLEAN, "wb") as f:
-            os.fsync(f.fileno())
+        fd = os.open(self.root / _CLEAN, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         fsync_dir(self.root)
 
     def _files(self) -> list[Path]:
@@ -202,7 +208,7 @@ class BackingFiles:
         fd, name = tempfile.mkstemp(prefix=final.name + ".", suffix=_TMP, dir=self.root)
         tmp = Path(name)
         try:
-            os.fchmod(fd, 0o444)
+            os.fchmod(fd, 0o400)  # read-only, and private
             for cid in entry.chunks:
                 checkpoint()
                 if not store.copy_raw(cid, fd):

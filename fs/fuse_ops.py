@@ -157,6 +157,9 @@ class SnapshotFS(pyfuse3.Operations):
         self.uid = os.getuid()
         self.gid = os.getgid()
         self.mounted = False
+        # Called when the kernel forgets a file that no served version has any more (removed
+        # or dropped while a reader held it): held_chunks() no longer counts its chunks.
+        self.on_orphan_forgotten: Callable[[], None] | None = None
         self.no_open = False  # files: decided at FUSE INIT
         self.no_opendir = False
         self.passthrough = False
@@ -295,20 +298,15 @@ class SnapshotFS(pyfuse3.Operations):
         # listings itself under no-open).
         inval_dirs: set[int] = {pyfuse3.ROOT_INODE}
 
-        def known_ino(key: bytes) -> int | None:
-            """The inode for key, if the kernel knows it (else it has nothing cached to drop)."""
-            ino = self._inos.get(key)
-            return ino if ino is not None and self._nodes[ino].lookups else None
-
         # Names that appear or go away: a new workspace (the kernel may hold a negative entry
         # for it), and retained versions added or dropped.
         if not old:
             inval_entries.append((pyfuse3.ROOT_INODE, name.encode()))
-            versions_dir = known_ino(b"versions")
+            versions_dir = self._known_ino(b"versions")
             if versions_dir is not None:
                 inval_entries.append((versions_dir, name.encode()))
                 inval_dirs.add(versions_dir)
-        wsv = known_ino(b"wsv\0" + name.encode())
+        wsv = self._known_ino(b"wsv\0" + name.encode())
         if wsv is not None:
             inval_dirs.add(wsv)
             before, after = {t.version for t in old}, {t.version for t in trees}
@@ -318,16 +316,41 @@ class SnapshotFS(pyfuse3.Operations):
         # directories whose attributes did (a directory keeps its inode across versions).
         for a, b in changed:
             if a is not None and b is not None and a.kind == b.kind == DIR:
-                dir_ino = known_ino(_dir_key(name, None, b.path))
+                dir_ino = self._known_ino(_dir_key(name, None, b.path))
                 if dir_ino is not None:
                     self._nodes[dir_ino].entry = b
                     inval_dirs.add(dir_ino)
             elif (a or b).path:
-                parent = known_ino(_dir_key(name, None, (a or b).parent))
+                parent = self._known_ino(_dir_key(name, None, (a or b).parent))
                 if parent is not None:
                     inval_entries.append((parent, (a or b).name))
                     inval_dirs.add(parent)
         await trio.to_thread.run_sync(self._invalidate, inval_entries, sorted(inval_dirs))
+
+    def _known_ino(self, key: bytes) -> int | None:
+        """The inode for key, if the kernel knows it (else it has nothing cached to drop)."""
+        ino = self._inos.get(key)
+        return ino if ino is not None and self._nodes[ino].lookups else None
+
+    async def remove_workspace(self, name: str) -> None:
+        """Stop serving workspace `name`: MOUNT/NAME and .versions/NAME leave the mount at
+        once (the kernel drops its entries for them, and with them the names below). A file a
+        reader holds open keeps its node, and reads, until the kernel forgets it."""
+        if self.workspaces.pop(name, None) is None:
+            return
+        for key in [k for k in self._listings if k[0] == name]:
+            self._listed -= len(self._listings.pop(key))
+        if not self.mounted:
+            return
+        entries, dirs = [(pyfuse3.ROOT_INODE, name.encode())], [pyfuse3.ROOT_INODE]
+        versions_dir = self._known_ino(b"versions")
+        if versions_dir is not None:
+            entries.append((versions_dir, name.encode()))
+            dirs.append(versions_dir)
+        wsv = self._known_ino(b"wsv\0" + name.encode())
+        if wsv is not None:
+            dirs.append(wsv)
+        await trio.to_thread.run_sync(self._invalidate, entries, dirs)
 
     @staticmethod
     def _invalidate(entries: list[tuple[int, bytes]], dirs: list[int]) -> None:
@@ -427,6 +450,7 @@ class SnapshotFS(pyfuse3.Operations):
 
     async def forget(self, inode_list):
         self.ops["forget"] += 1
+        orphans = False
         for ino, n in inode_list:
             node = self._nodes.get(ino)
             if node is None:
@@ -437,6 +461,9 @@ class SnapshotFS(pyfuse3.Operations):
             del self._nodes[ino]
             if self._inos.get(node.key) == ino:
                 del self._inos[node.key]
+            orphans = orphans or bool(node.entry.chunks) and self._tree(node) is None
+        if orphans and self.on_orphan_forgotten is not None:
+            self.on_orphan_forgotten()
 
     async def getattr(self, inode, ctx=None):
         self.ops["getattr"] += 1
@@ -588,6 +615,13 @@ class SnapshotFS(pyfuse3.Operations):
                 passthrough.close_backing(backing_id)
             except OSError as e:
                 log.warning("closing backing id %d: %s", backing_id, e)
+        if not node.opens and self._tree(node) is None:
+            # The last open of a file no served version has (removed, or dropped while it was
+            # open): drop the kernel's entry, else it stays cached, the kernel never forgets
+            # the file, and its chunks are kept until memory runs short.
+            parent = self._known_ino(_dir_key(node.ws, node.view, node.entry.parent))
+            if parent is not None:
+                pyfuse3.invalidate_entry_async(parent, node.entry.name, ignore_enoent=True)
 
     async def statfs(self, ctx):
         self.ops["statfs"] += 1
@@ -659,7 +693,10 @@ def set_readahead(mountpoint: str, kb: int = 4096) -> bool:
 
 def mount_options() -> set[str]:
     opts = set(pyfuse3.default_options)
-    opts |= {"ro", "fsname=monarch-fs", "subtype=monarch-fs", "nosuid", "nodev"}
+    # default_permissions (pyfuse3's default, kept explicit): the kernel applies each file's
+    # own mode and owner, so a file pushed 0600 is only for the daemon's user.
+    opts |= {"default_permissions", "ro", "fsname=monarch-fs", "subtype=monarch-fs", "nosuid",
+             "nodev"}
     if os.getuid() == 0:
         opts.add("allow_other")  # every user on the node reads the snapshot
     return opts

@@ -16,7 +16,12 @@ from dataclasses import dataclass
 from .chunk import CHUNK_SIZE, ID_SIZE, MAX_CHUNK_SIZE, chunk_id
 
 MAGIC = b"MFSM\x01"
-MAX_ENTRIES = 10_000_000
+MAX_ENTRIES = 10_000_000  # what the format allows
+# What a node accepts by default (its --max-entries, $MONARCH_FS_MAX_ENTRIES). A decoded entry
+# costs a node about 450 bytes per version it serves (455 MB for a million, twice that once
+# listed): 500,000 is 20 times a torch venv (23k entries) and 5 times the 100k-file tree `make
+# bench` serves in 145 MB, and keeps a version at the limit near 230 MB.
+DEFAULT_MAX_ENTRIES = 500_000
 MAX_NAME = 255
 MAX_PATH = 4096
 _HEAD = struct.Struct("<5sII")  # magic, chunk size, entry count
@@ -29,6 +34,15 @@ class ManifestError(ValueError):
 
 class UnsafePath(ManifestError):
     """An entry's path could escape the mount (absolute, `..`, `/` or NUL inside a name)."""
+
+
+class TooManyEntries(ManifestError):
+    """A manifest has more entries than the reader accepts (checked before any is decoded)."""
+
+    def __init__(self, count: int, limit: int):
+        super().__init__(f"manifest has {count:,} entries, more than the limit of {limit:,}")
+        self.count = count
+        self.limit = limit
 
 
 class Kind(enum.IntEnum):
@@ -132,14 +146,18 @@ class Manifest:
         return b"".join(out)
 
     @classmethod
-    def decode(cls, data: bytes | memoryview) -> Manifest:
-        """Parse and validate; every length is checked against what is left before it is used."""
+    def decode(cls, data: bytes | memoryview, max_entries: int | None = None) -> Manifest:
+        """Parse and validate; every length is checked against what is left before it is used.
+        A manifest of more than `max_entries` entries (default: what the format allows) is
+        refused from its header: decoding costs ~450 bytes of memory per entry."""
         view = memoryview(data)
         if len(view) < _HEAD.size:
             raise ManifestError("manifest truncated")
         magic, chunk_size, count = _HEAD.unpack_from(view)
         if magic != MAGIC:
             raise ManifestError("not a monarch-fs manifest (bad magic)")
+        if max_entries is not None and count > max_entries:
+            raise TooManyEntries(count, max_entries)
         if count > MAX_ENTRIES or count * _ENTRY.size > len(view):
             raise ManifestError(f"manifest claims {count} entries, more than it holds")
         pos = _HEAD.size

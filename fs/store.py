@@ -14,7 +14,11 @@ open pack and made durable; packs are never rewritten in place, so a crash mid-c
 nothing live. After a crash, packs without an index are scanned and a torn record at the end is
 cut off, so a partial object is never visible. Every blob is verified against its id before it is
 appended and whenever it is read: a damaged record is an error, never wrong bytes. Durability is
-batched: `sync()` flushes the open pack once before a version is published.
+batched: `sync()` flushes the open pack once before a version is published, and `cut_back()`
+gives back what was appended since (the chunks of a push that failed on a full disk).
+
+The store holds the bytes of every pushed file whatever its mode, so its folders are 0700 and
+its files 0600, whatever the umask: the mount is the only way other users read content.
 """
 
 from __future__ import annotations
@@ -59,6 +63,16 @@ def _unloc(loc: int) -> tuple[int, int, int]:
     return loc >> _PACK_SHIFT, (loc >> 32) & ((1 << 40) - 1), loc & 0xFFFFFFFF
 
 
+PRIVATE_FILE = 0o600
+
+
+def private_dir(path: Path) -> None:
+    """Create a folder only its owner may enter (0700), or make an existing one so (an older
+    version made them 0755)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+
+
 def fsync_dir(path: Path) -> None:
     """Make the names in a folder durable (files created or renamed in it)."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -76,9 +90,10 @@ class Store:
     def __init__(self, root: str | os.PathLike[str], pack_limit: int = PACK_LIMIT):
         self.root = Path(root)
         self.packs = self.root / "packs"
-        self.packs.mkdir(parents=True, exist_ok=True)
+        private_dir(self.root)
+        private_dir(self.packs)
         self.pack_limit = pack_limit
-        self._lockfd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        self._lockfd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT, PRIVATE_FILE)
         try:
             fcntl.flock(self._lockfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -139,23 +154,43 @@ class Store:
 
     def _open_pack(self, n: int) -> None:
         self._cur = n
-        self._fd = os.open(self._pack_path(n), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._fd = os.open(self._pack_path(n), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                           PRIVATE_FILE)
         self._size = os.fstat(self._fd).st_size
+        self._durable = self._size  # what cut_back() keeps: found on disk, or synced since
         self._records: list[bytes] = []  # the current pack's _IDX records, in append order
 
     def _seal(self) -> None:
-        """Make the full pack durable and write its index, then start the next one."""
+        """Make the full pack durable and write its index, then start the next one. If the
+        index cannot be written (a full disk), the pack stays open and the error propagates:
+        the next append tries again."""
         os.fsync(self._fd)
-        os.close(self._fd)
+        self._durable = self._size
         n = self._cur
-        records = b"".join(self._records)
         tmp = self._idx_path(n).with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(records)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, self._idx_path(n))
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE)
+            try:
+                data = memoryview(b"".join(self._records))
+                while data:
+                    data = data[os.write(fd, data):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, self._idx_path(n))
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(self._fd)
         self._open_pack(n + 1)
+
+    def seal(self) -> None:
+        """Seal the open pack now, if it holds anything, so that a collect may delete or
+        compact it: `collect` never touches the open pack (after `monarch-fs rm`, it may hold
+        nothing but the removed workspace)."""
+        with self._lock:
+            if self._size:
+                self._seal()
 
     # ---- objects ------------------------------------------------------------------------
 
@@ -304,7 +339,31 @@ class Store:
         files, or the other nodes' stores of a local cluster)."""
         with self._lock:
             os.fdatasync(self._fd)
+            self._durable = self._size
         fsync_dir(self.packs)
+
+    def cut_back(self) -> int:
+        """Drop the records appended to the open pack since it was last made durable (`sync`,
+        or sealing the pack before), and give their space back at once; returns the bytes
+        freed. A push that fails on a full disk leaves the chunks it did store there, where no
+        collect reaches them: the disk stayed full. No published or prepared version loses
+        anything (each was made durable first); the dropped objects leave the index, so
+        `missing` reports them and a later push sends them again."""
+        with self._lock:
+            cut = self._durable
+            if self._size <= cut:
+                return 0
+            os.ftruncate(self._fd, cut)
+            n, kept = self._cur, []
+            for record in self._records:
+                cid, off, length = _IDX.unpack(record)
+                if off < cut:
+                    kept.append(record)
+                elif self._index.get(cid) == _loc(n, off, length):
+                    del self._index[cid]
+            self._records = kept
+            freed, self._size = self._size - cut, cut
+        return freed
 
     def collect(self, live: Callable[[], Iterable[Iterable[bytes]]]) -> tuple[int, int]:
         """Free the space of objects outside `live()`; (packs deleted, bytes freed).

@@ -50,6 +50,14 @@ def umount_tmpfs(path: Path, timeout: float = 10) -> None:
         time.sleep(0.1)
 
 
+def wait_for(cond, timeout: float, what: str) -> None:
+    """Poll `cond` until it holds; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
 def mounted(path: Path) -> bool:
     target = os.fsencode(os.path.abspath(path))
     with open("/proc/self/mountinfo", "rb") as f:

@@ -34,7 +34,7 @@ def test_backing_file_holds_the_content(tmp_path, raw):
     b.write(e, store)
     assert b.ready(e) == b.path(e) and b.path(e).read_bytes() == data
     assert b.missing([e]) == [] and b.usage() == (1, len(data))
-    assert b.path(e).stat().st_mode & 0o777 == 0o444
+    assert b.path(e).stat().st_mode & 0o777 == 0o400  # read-only, private
 
 
 def test_damaged_chunk_leaves_no_backing_file(tmp_path):

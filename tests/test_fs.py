@@ -237,6 +237,29 @@ def test_store_survives_reopen_and_sealing(tmp_path):
     assert again.get(chunk_id(b"after reopen")) == b"after reopen"
 
 
+def test_cut_back_drops_what_was_appended_since_the_store_was_last_durable(tmp_path):
+    """What a failed push stored after the last sync goes, index entries included, and its
+    space comes back; what a sync or a seal made durable (a prepared version) stays."""
+    s = Store(tmp_path / "store", pack_limit=64 * 1024)
+    sealed = [s.put(os.urandom(20_000)) for _ in range(4)]  # the fourth seals pack 1
+    assert s.cut_back() == 0  # a fresh pack: nothing to give back
+    synced = s.put(os.urandom(20_000))
+    s.sync()
+    pack = max((tmp_path / "store" / "packs").glob("*.pack"))
+    size = pack.stat().st_size
+    late = [os.urandom(20_000), os.urandom(10_000)]
+    ids = [s.put(d) for d in late]
+    grown = pack.stat().st_size
+    assert s.cut_back() == grown - size > 30_000
+    assert pack.stat().st_size == size
+    assert s.missing(sealed + [synced] + ids) == ids
+    assert s.put(late[1]) == ids[1]  # sent again by a later push
+    s.close()
+    again = Store(tmp_path / "store", pack_limit=64 * 1024)
+    assert again.missing(sealed + [synced] + ids) == ids[:1]
+    assert again.get(ids[1]) == late[1]
+
+
 def test_collect_deletes_the_sealed_packs_with_nothing_live(tmp_path):
     """Packs are deleted whole, only when no object in them is live; the open pack is never
     touched; a collected object is missing (a push sends it again) and can be stored again."""

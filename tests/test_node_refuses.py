@@ -3,18 +3,24 @@ Each gets a clear error, and the node keeps serving its last good version."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import trio
 
-from conftest import mfs, start_cluster, stop_cluster, umount_tmpfs
+from conftest import Cluster, start_cluster, stop_cluster, tree, umount_tmpfs
 from monarch_fs.daemon import protocol as p
 from monarch_fs.daemon.auth import load_token
 from monarch_fs.daemon.transport import RemoteError, connect
 from monarch_fs.fs import chunk
-from monarch_fs.fs.manifest import Entry, Kind, Manifest
+from monarch_fs.fs.manifest import _ENTRY, _HEAD, MAGIC, Entry, Kind, Manifest
+
+MiB = 1 << 20
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +38,15 @@ def serving_good(c) -> bool:
     return (c.mnt(0) / "ws" / "f").read_text() == "good"
 
 
-async def send_manifest(c, manifest: Manifest, blobs: dict[bytes, bytes]) -> None:
-    """Stage chunks and a manifest by hand, then ask the node to prepare and commit it."""
+async def send_manifest(c, manifest: Manifest | bytes, blobs: dict[bytes, bytes]) -> None:
+    """Stage chunks and a manifest (or its encoding) by hand, then ask the node to prepare and
+    commit it."""
     chan = await connect(c.hosts[0], load_token(c.token_file))
     async with chan:
         for cid, blob in blobs.items():
             await chan.send(p.PutChunk(cid, blob))
-        data = manifest.encode()  # encode() does not validate: this is a hostile client
+        # encode() does not validate: this is a hostile client
+        data = manifest if isinstance(manifest, bytes) else manifest.encode()
         await chan.send(p.PutChunk(chunk.chunk_id(data), chunk.encode(data)))
         args = {"name": "ws", "version": chunk.chunk_id(data).hex()}
         try:
@@ -97,26 +105,116 @@ async def test_garbage_frames_do_not_hurt_the_daemon(node):
     assert node.status()[0]["reachable"]
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs to fill needs root")
-def test_full_disk_fails_cleanly(tmp_path):
+def flat_manifest(files: int) -> bytes:
+    """The encoding of a root folder holding `files` empty files, built without Entry objects
+    (a million of them would cost this process what the node is meant to be spared)."""
+    names = [b"f%07d" % i for i in range(files)]  # zero-padded: already in canonical order
+    file_head = _ENTRY.pack(Kind.FILE, 0o644, 0, 0, 8, 0, 0)
+    return b"".join([_HEAD.pack(MAGIC, chunk.CHUNK_SIZE, files + 1),
+                     _ENTRY.pack(Kind.DIR, 0o755, 0, 0, 0, 0, 0),
+                     *(file_head + name for name in names)])
+
+
+def peak_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:"))
+
+
+async def test_a_manifest_over_the_entry_limit_is_refused_before_it_is_decoded(node):
+    """Finding 9: a manifest of a million entries was accepted and kept 455 MB of the node's
+    memory. A node accepts 500,000 by default, and checks the count the manifest's header
+    gives before it decodes a single entry."""
+    data = flat_manifest(999_999)  # a million entries with the root
+    pid = node.pid(0)
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")  # reset the peak RSS
+    base = peak_rss(pid)
+    with pytest.raises(RemoteError, match=r"has 1,000,000 entries, more than this node accepts "
+                                          r"\(500,000: its --max-entries"):
+        await send_manifest(node, data, {})
+    # The manifest's bytes (40 MB here) passed through; its million entries were never built.
+    assert peak_rss(pid) - base < 200 * MiB
+    assert serving_good(node)
+
+
+def test_the_entry_limit_is_a_setting_and_push_checks_it_first(fresh_cluster, tmp_path,
+                                                               monkeypatch):
+    """A node tells a client its limit when it connects: a push of a larger snapshot is refused
+    naming each node before any chunk is sent."""
+    monkeypatch.setenv("MONARCH_FS_MAX_ENTRIES", "50")
+    c = fresh_cluster(2)
+    src = tmp_path / "ws"
+    src.mkdir()
+    for i in range(60):
+        (src / f"f{i}").write_text(str(i))
+    out = c.push(src, check=False)
+    assert out.returncode == 1
+    assert "nothing was published" in out.stderr
+    for h in c.hosts:
+        assert (f"{h}: the snapshot has 61 entries, more than this node accepts (50: its "
+                "--max-entries or MONARCH_FS_MAX_ENTRIES)") in out.stderr
+    assert [(n["workspaces"], n["bytes_received"]) for n in c.status()] == [({}, 0)] * 2
+    assert not (c.mnt(0) / "ws").exists()
+    for i in range(20):
+        (src / f"f{i}").unlink()
+    c.push(src)  # 41 entries
+    assert tree(c.mnt(1) / "ws") == tree(src)
+
+
+@contextlib.contextmanager
+def small_state(tmp_path: Path, size: str) -> Iterator[tuple[Cluster, Path]]:
+    """A one-node cluster whose state folder is a tmpfs of `size`: a push can fill it."""
     state = tmp_path / "cluster" / "node-0" / "state"
     state.mkdir(parents=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(state)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(state)],
+                   check=True)
     try:
         c = start_cluster(tmp_path / "cluster", 1)
         try:
-            src = tmp_path / "ws"
-            src.mkdir()
-            (src / "f").write_text("good")
-            c.push(src)
-            (src / "big").write_bytes(os.urandom(6 * 1024 * 1024))
-            out = c.push(src, check=False)
-            assert out.returncode != 0
-            assert c.hosts[0] in out.stderr and "No space left on device" in out.stderr
-            assert "nothing was published" in out.stderr
-            assert (c.mnt(0) / "ws" / "f").read_text() == "good"
-            assert not (c.mnt(0) / "ws" / "big").exists()
+            yield c, state
         finally:
             stop_cluster(c)
     finally:
         umount_tmpfs(state)
+
+
+@needs_root
+def test_full_disk_fails_cleanly(tmp_path):
+    with small_state(tmp_path, "3m") as (c, state):
+        src = tmp_path / "ws"
+        src.mkdir()
+        (src / "f").write_text("good")
+        c.push(src)
+        (src / "big").write_bytes(os.urandom(6 * 1024 * 1024))
+        out = c.push(src, check=False)
+        assert out.returncode != 0
+        assert c.hosts[0] in out.stderr and "No space left on device" in out.stderr
+        assert "nothing was published" in out.stderr
+        assert (c.mnt(0) / "ws" / "f").read_text() == "good"
+        assert not (c.mnt(0) / "ws" / "big").exists()
+
+
+@needs_root
+def test_a_push_that_fills_the_disk_gives_its_space_back(tmp_path):
+    """Finding 10: the chunks a push stored before the disk filled stayed in the open pack,
+    which a collect never rewrites, so the disk stayed full and the next push failed too. The
+    open pack is cut back to its last durable record when the push fails."""
+    with small_state(tmp_path, "4m") as (c, state):
+        src = tmp_path / "ws"
+        src.mkdir()
+        (src / "f").write_text("good")
+        c.push(src)
+        pack = max((state / "store" / "packs").glob("*.pack"))
+        size, free = pack.stat().st_size, os.statvfs(state).f_bavail
+        # 4 MiB and 2 MiB chunks: the first cannot fit, the second can (and did stay).
+        (src / "big").write_bytes(os.urandom(6 * MiB))
+        out = c.push(src, check=False)
+        assert out.returncode == 1 and "No space left on device" in out.stderr
+        assert pack.stat().st_size == size
+        assert os.statvfs(state).f_bavail == free
+        # 2.4 MiB fits in what came back (not in what was left without it).
+        (src / "big").unlink()
+        for i in range(12):
+            (src / f"m{i}.py").write_bytes(os.urandom(200 * 1024))
+        c.push(src)
+        assert tree(c.mnt(0) / "ws") == tree(src)
