@@ -133,6 +133,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                   + (f" (writing {n['backing_writing']} more)" if n.get("backing_writing") else ""))
             if n.get("backing_error"):
                 print(f"{n['host']}  warning: {n['backing_error']}; read through the daemon")
+            for problem in n.get("problems", []):
+                print(f"{n['host']}  problem: {problem}")
     return 0 if all(n["reachable"] for n in nodes) else 1
 
 

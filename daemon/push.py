@@ -381,7 +381,15 @@ async def push(
     `cache_dir`, the scan keeps a cache of the folder there, so unchanged files are not read."""
     t0 = time.monotonic()
     progress = progress or Progress()
-    name = name or os.path.basename(os.path.abspath(src))
+    if not name:
+        folder = os.path.abspath(src)
+        name = os.path.basename(folder)
+        try:
+            check_workspace_name(name)
+        except ValueError as e:
+            shown = os.fsencode(folder).decode("utf-8", "backslashreplace")
+            raise ValueError(f"the folder {shown} cannot name a workspace ({e}); pass --name "
+                             "NAME to push it under another name") from None
     check_workspace_name(name)
     if topology_kind not in topology.KINDS:
         raise ValueError(f"unknown topology {topology_kind!r}: use one of {topology.KINDS}")
