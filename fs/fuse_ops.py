@@ -550,14 +550,39 @@ class SnapshotFS(pyfuse3.Operations):
 
     async def readdir(self, fh, start_id, token):
         self.ops["readdir"] += 1
-        listing = self._listing(self._node(fh))  # a handle is the directory's inode
+        node = self._node(fh)  # a handle is the directory's inode
+        listing = self._listing(node)
         attr = self._blank_attr()  # one object for every entry: readdir_reply copies it out
-        for i in range(start_id, len(listing)):
-            name, node = listing[i]
-            ino, live = self._ino(node)
-            if not pyfuse3.readdir_reply(token, name, self._set_attr(attr, ino, live), i + 1):
+        # "." and "..", as a local disk lists them. They also keep the kernel's cached copy of
+        # a listing from being empty: the kernel answers an empty cached listing without looking
+        # for its pages, so invalidating them (set_workspace) would not drop it, and a folder
+        # listed while empty stayed empty after a publish added names to it (unless its mtime
+        # changed). The kernel takes no lookup for these two.
+        for i in range(start_id, 2):
+            ino = fh if i == 0 else self._parent_ino(node, fh)
+            if not pyfuse3.readdir_reply(token, b"." if i == 0 else b"..",
+                                         self._set_attr(attr, ino, node), i + 1):
+                return
+        for i in range(max(start_id - 2, 0), len(listing)):
+            name, child = listing[i]
+            ino, live = self._ino(child)
+            if not pyfuse3.readdir_reply(token, name, self._set_attr(attr, ino, live), i + 3):
                 return
             live.lookups += 1
+
+    def _parent_ino(self, node: Node, ino: int) -> int:
+        """The inode of a directory's parent, for its ".." entry (its own, `ino`, if the parent
+        is not in the table: the kernel holds a directory's parent while it holds the
+        directory, so that is only the root)."""
+        if node.special in ("root", "versions") or (node.view is None and not node.entry.path):
+            return pyfuse3.ROOT_INODE  # the mount root, and the current view of a workspace
+        if node.special == "wsv":
+            key = b"versions"
+        elif not node.entry.path:  # MOUNT/.versions/NAME/VERSION
+            key = b"wsv\0" + node.ws
+        else:
+            key = _dir_key(node.ws, node.view, node.entry.parent)
+        return self._inos.get(key, ino)
 
     async def releasedir(self, fh):
         self.ops["releasedir"] += 1
