@@ -17,7 +17,7 @@ from ..fs.scan import SourceChanged
 from .bulk import TRANSPORTS, resolve_local
 from .auth import TokenError, home_dir, load_token, resolve_token
 from .hosts import HostsError, parse_hosts
-from .push import Progress, PushError, fmt_bytes, push
+from .push import Progress, PushError, fmt_bytes, push, workspace_name
 from .status import status
 
 log = logging.getLogger("monarch_fs")
@@ -82,6 +82,8 @@ def cmd_push(args: argparse.Namespace) -> int:
 
     if args.watch:
         from .watch import watch
+
+        workspace_name(args.src, args.name)  # a name no node would take: say so once, not per change
 
         return trio.run(lambda: watch(args.src, run, excludes=args.exclude,
                                       ignore=[cache_dir] if cache_dir else [],

@@ -171,9 +171,10 @@ class NodeDaemon:
         pack_mib = int(os.environ.get("MONARCH_FS_PACK_MIB", PACK_LIMIT >> 20))
         self.store = Store(self.state / "store", pack_limit=max(1, pack_mib) << 20)
         self.refs = Refs(self.state / "refs.json")
-        # What could not be loaded at start (refs, packs, manifests): logged, shown by
-        # `status`, and the rest served.
+        # What could not be loaded at start: logged, shown by `status`, and the rest served.
+        # A workspace's own problems go once it is published again.
         self.problems: list[str] = [*self.store.problems, *self.refs.problems]
+        self.workspace_problems: dict[str, list[str]] = {}
         self.backing = BackingFiles(self.state / "backing")
         self.fs = SnapshotFS(self.store.get, self.backing, self.store.get_if_cached)
         self.node_name = node_name or socket.gethostname()
@@ -200,7 +201,7 @@ class NodeDaemon:
                   task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled, SIGTERM or SIGINT; always unmounts on the way out."""
         await self._load_workspaces()
-        for problem in self.problems:
+        for problem in self._problems():
             log.error("%s", problem)
         clear_stale_mount(self.mount)
         self.mount.mkdir(parents=True, exist_ok=True)
@@ -250,18 +251,20 @@ class NodeDaemon:
         stale content nobody is told about) but kept in refs.json (Refs.hold); an older version
         that does not load is dropped. Each is a problem in `status`."""
         for name, versions in list(self.refs.workspaces.items()):
-            loaded = []
+            loaded, problems = [], []
             for v in versions:
                 try:
                     loaded.append((v, self._manifest(v)))
                 except (KeyError, CorruptChunk, ManifestError, OSError) as e:
                     why = "manifest not in the store" if isinstance(e, KeyError) else str(e)
                     if v == versions[0]:
-                        self.problems.append(f"workspace {name!r} not served: its current "
-                                             f"version {v.hex()[:12]} does not load: {why}")
+                        problems.append(f"workspace {name!r} not served: its current version "
+                                        f"{v.hex()[:12]} does not load: {why}")
                         break
-                    self.problems.append(f"workspace {name!r}: older version {v.hex()[:12]} "
-                                         f"dropped: {why}")
+                    problems.append(f"workspace {name!r}: older version {v.hex()[:12]} "
+                                    f"dropped: {why}")
+            if problems:
+                self.workspace_problems[name] = problems
             if not loaded:
                 self.refs.hold(name)
                 continue
@@ -612,6 +615,7 @@ class NodeDaemon:
                 raise RequestError(f"cannot save {self.refs.path}: {e.strerror or e}; "
                                    f"{name!r} stays at its last version") from None
             await self.fs.switch(staged)
+            self.workspace_problems.pop(name, None)
             self._prepared.discard((name, version))
             if self._pinned.get(name) == version:
                 del self._pinned[name]
@@ -642,5 +646,8 @@ class NodeDaemon:
             "backing_error": self.backing_error,
             **self.counters,
             "workspaces": {n: [v.hex() for v in vs] for n, vs in self.refs.workspaces.items()},
-            "problems": self.problems,
+            "problems": self._problems(),
         }
+
+    def _problems(self) -> list[str]:
+        return [*self.problems, *(p for ps in self.workspace_problems.values() for p in ps)]

@@ -164,8 +164,9 @@ def _guarded(op: str, fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaita
     daemon and every workspace it serves. One line is logged per failure, with the operation
     and the inode (the traceback only at debug level): a bad entry that every `ls` trips over
     must not flood the log. A forget gets no reply, so there is nothing to answer: its error is
-    only logged. Costs one coroutine frame per request (measured: no difference on a warm read
-    loop through the mount, see the README)."""
+    only logged. It costs one coroutine frame per request: 0.26 us on a 2.0 us `read` handler
+    called in-process, lost in the 45-65 us of a FUSE round trip (O_DIRECT 4 KiB reads through
+    a mount: fastest of 9 runs 45.6 us guarded, 45.5 us not; medians within the noise)."""
     no_reply = op == "forget"
 
     @functools.wraps(fn)

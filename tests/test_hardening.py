@@ -97,6 +97,9 @@ def test_a_non_utf8_folder_is_refused_by_the_client_naming_it(fresh_cluster, tmp
     assert "caf\\xe9" in out.stderr and "not UTF-8" in out.stderr and "--name" in out.stderr
     assert "Traceback" not in out.stderr
     assert set(saved_refs(c)) == {"good"}
+    watching = mfs("push", str(bad), "--watch", "--hosts", c.hostfile, "--token-file",
+                   c.token_file, check=False, timeout=60)  # once, not at every change
+    assert watching.returncode == 1 and "--name" in watching.stderr
     # with --name it goes through, and every file name inside may still be any bytes
     (bad / os.fsdecode(b"\xff\xfe")).write_text("bytes name")
     c.push(bad, "--name", "cafe")
@@ -323,6 +326,8 @@ def test_a_workspace_whose_manifest_is_missing_is_held_and_the_rest_served(fresh
     assert saved_refs(c)["b"] == ["ab" * 16]  # held, not forgotten
     c.push(tmp_path / "b")
     assert (c.mnt(0) / "b" / "f").read_text() == "b"
+    problems = "\n".join(c.status()[0]["problems"])  # b's is gone, the pack's stays
+    assert "workspace 'b'" not in problems and "00000099.pack cannot be read" in problems
     assert set(saved_refs(c)) == {"a", "b", "c"} and saved_refs(c)["b"] != ["ab" * 16]
 
 
