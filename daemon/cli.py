@@ -19,7 +19,7 @@ from .bulk import TRANSPORTS, resolve_local
 from .auth import TokenError, default_token_file, home_dir, resolve_token, write_new_token
 from .hosts import HostsError, parse_hosts
 from .limits import Limits
-from .push import Progress, PushError, fmt_bytes, push
+from .push import Progress, PushError, fmt_bytes, push, workspace_name
 from .status import remove, status
 from .transport import ENCRYPT_POLICIES
 
@@ -97,6 +97,8 @@ def cmd_push(args: argparse.Namespace) -> int:
     if args.watch:
         from .watch import watch
 
+        workspace_name(args.src, args.name)  # a name no node would take: say so once, not per change
+
         return trio.run(lambda: watch(args.src, run, excludes=args.exclude,
                                       ignore=[cache_dir] if cache_dir else [],
                                       json_lines=args.json))
@@ -147,6 +149,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                   + (f" (writing {n['backing_writing']} more)" if n.get("backing_writing") else ""))
             if n.get("backing_error"):
                 print(f"{n['host']}  warning: {n['backing_error']}; read through the daemon")
+            for problem in n.get("problems", []):
+                print(f"{n['host']}  problem: {problem}")
     return 0 if all(n["reachable"] for n in nodes) else 1
 
 

@@ -219,6 +219,10 @@ class NodeDaemon:
         pack_mib = int(os.environ.get("MONARCH_FS_PACK_MIB", PACK_LIMIT >> 20))
         self.store = Store(self.state / "store", pack_limit=max(1, pack_mib) << 20)
         self.refs = Refs(self.state / "refs.json")
+        # What could not be loaded at start: logged, shown by `status`, and the rest served.
+        # A workspace's own problems go once it is published again.
+        self.problems: list[str] = [*self.store.problems, *self.refs.problems]
+        self.workspace_problems: dict[str, list[str]] = {}
         self.backing = BackingFiles(self.state / "backing")
         self.fs = SnapshotFS(self.store.get, self.backing, self.store.get_if_cached)
         # The kernel let go of a file no served version has (after `rm`, or a dropped version
@@ -251,8 +255,9 @@ class NodeDaemon:
     async def run(self, *, ready_file: str | None = None,
                   task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled, SIGTERM or SIGINT; always unmounts on the way out."""
-        for name, versions in self.refs.workspaces.items():
-            await self.fs.set_workspace(name, [(v, self._manifest(v)) for v in versions])
+        await self._load_workspaces()
+        for problem in self._problems():
+            log.error("%s", problem)
         clear_stale_mount(self.mount)
         self.mount.mkdir(parents=True, exist_ok=True)
         host, port = parse_addr(self.listen, listen=True)
@@ -294,6 +299,32 @@ class NodeDaemon:
                 self.backing.close()
             except OSError as e:  # they will be written again at the next start
                 log.warning("flushing backing files: %s", e)
+
+    async def _load_workspaces(self) -> None:
+        """Serve the saved workspaces, each version whose manifest loads. A workspace whose
+        current version does not load is not served at all (an older one in its place would be
+        stale content nobody is told about) but kept in refs.json (Refs.hold); an older version
+        that does not load is dropped. Each is a problem in `status`."""
+        for name, versions in list(self.refs.workspaces.items()):
+            loaded, problems = [], []
+            for v in versions:
+                try:
+                    loaded.append((v, self._manifest(v)))
+                except (KeyError, CorruptChunk, ManifestError, OSError) as e:
+                    why = "manifest not in the store" if isinstance(e, KeyError) else str(e)
+                    if v == versions[0]:
+                        problems.append(f"workspace {name!r} not served: its current version "
+                                        f"{v.hex()[:12]} does not load: {why}")
+                        break
+                    problems.append(f"workspace {name!r}: older version {v.hex()[:12]} "
+                                    f"dropped: {why}")
+            if problems:
+                self.workspace_problems[name] = problems
+            if not loaded:
+                self.refs.hold(name)
+                continue
+            self.refs.workspaces[name] = [v for v, _ in loaded]
+            await self.fs.set_workspace(name.encode(), loaded)
 
     async def _fuse_main(self, scope: trio.CancelScope) -> None:
         await pyfuse3.main()
@@ -531,7 +562,7 @@ class NodeDaemon:
             manifest = self._manifest(version)
         except KeyError:
             raise RequestError(f"version {version.hex()[:12]}: manifest not received") from None
-        except CorruptChunk as e:
+        except (CorruptChunk, ManifestError) as e:
             raise RequestError(f"version {version.hex()[:12]}: {e}") from None
         except TooManyEntries as e:
             raise RequestError(
@@ -543,13 +574,22 @@ class NodeDaemon:
             raise RequestError(f"version {version.hex()[:12]}: {len(missing)} chunks missing")
 
     async def _make_ready(self, name: str, version: bytes) -> None:
-        """Everything a publish of `version` needs: every chunk, durable in the store. Checked
-        and synced under the collect lock: a cut back in between could drop a chunk found
-        present but not yet durable."""
+        """Everything a publish of `version` needs: every chunk, durable in the store. The
+        version is pinned (kept from collection) meanwhile, and stays pinned if it is ready.
+        Checked and synced under the collect lock: a cut back in between could drop a chunk
+        found present but not yet durable."""
+        before = self._pinned.get(name)
         self._pinned[name] = version
-        async with self._gc_lock:
-            await trio.to_thread.run_sync(self._check_complete, version)
-            await trio.to_thread.run_sync(self.store.sync)
+        try:
+            async with self._gc_lock:
+                await trio.to_thread.run_sync(self._check_complete, version)
+                await trio.to_thread.run_sync(self.store.sync)
+        except BaseException:
+            if before is None:
+                self._pinned.pop(name, None)
+            else:
+                self._pinned[name] = before
+            raise
 
     async def _write_backing(self, manifest: Manifest, *,
                              task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -619,6 +659,10 @@ class NodeDaemon:
             self._collect_queued = False
             if self._negotiating:
                 return
+            if self.refs.held:  # what their versions use is unknown (`status` says why)
+                log.warning("not collecting: workspaces not loaded at start: %s",
+                            ", ".join(map(repr, self.refs.held)))
+                return
             retained = {v for vs in self.refs.workspaces.values() for v in vs}
             versions = retained | set(self._pinned.values())
             manifests = []
@@ -657,6 +701,12 @@ class NodeDaemon:
         if (name, version) not in self._prepared:
             await self._make_ready(name, version)
         async with self._publish_lock:
+            # Everything that can fail comes before the refs are saved, and nothing changes
+            # before the save: a commit that fails leaves no trace in memory, on disk, or in
+            # the mount (issue 16, finding 5). Backing files are only a cache of the store.
+            versions = self.refs.next_versions(name, version, self.keep)
+            staged = await self.fs.stage(name.encode(),
+                                         [(v, self._manifest(v)) for v in versions])
             if self.fs.passthrough and self._nursery is not None:
                 # Backing files are a cache of the store (fs/backing.py), written in the
                 # background from the commit on: not at prepare, where the copies slowed the
@@ -665,8 +715,13 @@ class NodeDaemon:
                 # so an open of a new file waits for its copy rather than missing passthrough.
                 await self._nursery.start(self._write_backing, self._manifest(version))
             previous = self.refs.workspaces.get(name, [None])[0]
-            versions = self.refs.publish(name, version, self.keep)
-            await self.fs.set_workspace(name, [(v, self._manifest(v)) for v in versions])
+            try:
+                self.refs.publish(name, versions)
+            except OSError as e:
+                raise RequestError(f"cannot save {self.refs.path}: {e.strerror or e}; "
+                                   f"{name!r} stays at its last version") from None
+            await self.fs.switch(staged)
+            self.workspace_problems.pop(name, None)
             self._prepared.discard((name, version))
             if self._pinned.get(name) == version:
                 del self._pinned[name]
@@ -701,7 +756,7 @@ class NodeDaemon:
                     f"process{'es' if len(users) > 1 else ''} started with --workspace (pid "
                     f"{pids}{', ...' if len(users) > 5 else ''}); stop them, then remove it")
             self.refs.remove(name)
-            await self.fs.remove_workspace(name)
+            await self.fs.remove_workspace(name.encode())
             self._drop_manifests()
             await self._prune_backing()
         try:
@@ -732,4 +787,8 @@ class NodeDaemon:
             "backing_error": self.backing_error,
             **self.counters,
             "workspaces": {n: [v.hex() for v in vs] for n, vs in self.refs.workspaces.items()},
+            "problems": self._problems(),
         }
+
+    def _problems(self) -> list[str]:
+        return [*self.problems, *(p for ps in self.workspace_problems.values() for p in ps)]

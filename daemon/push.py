@@ -373,6 +373,23 @@ class _Push:
             await bulk.close_peer(node.bulk, node.chan)
 
 
+def workspace_name(src: str | os.PathLike[str], name: str | None) -> str:
+    """The workspace `src` is pushed as: `name`, else the folder's own name. ValueError, naming
+    the folder and pointing at --name, when that cannot be a workspace name (check_workspace_name
+    says why; a folder named in Latin-1 once took down every node it reached)."""
+    if name:
+        check_workspace_name(name)
+        return name
+    folder = os.path.abspath(src)
+    try:
+        check_workspace_name(os.path.basename(folder))
+    except ValueError as e:
+        shown = os.fsencode(folder).decode("utf-8", "backslashreplace")
+        raise ValueError(f"the folder {shown} cannot name a workspace ({e}); pass --name NAME "
+                         "to push it under another name") from None
+    return os.path.basename(folder)
+
+
 async def push(
     src: str | os.PathLike[str],
     hosts: Sequence[str],
@@ -394,8 +411,7 @@ async def push(
     `encrypt` is the policy for the sessions with the nodes (transport.encrypts)."""
     t0 = time.monotonic()
     progress = progress or Progress()
-    name = name or os.path.basename(os.path.abspath(src))
-    check_workspace_name(name)
+    name = workspace_name(src, name)
     if topology_kind not in topology.KINDS:
         raise ValueError(f"unknown topology {topology_kind!r}: use one of {topology.KINDS}")
 

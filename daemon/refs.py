@@ -1,18 +1,40 @@
 """Which versions each workspace serves, persisted so a restarted daemon serves them at once.
 
 The file is replaced atomically (write, fsync, rename, fsync the folder): after a crash it holds
-either the old or the new list, never half of one. It is private to the daemon's user (0600).
+either the old or the new list, never half of one. A publish saves first and changes the list in
+memory only once the save succeeded, so a failed save (a full disk) leaves no trace: what
+`status` reports, what the mount serves and what a restart serves stay the last good list. It
+is private to the daemon's user (0600).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
+
+from ..fs.store import fsync_dir
 
 
 def check_workspace_name(name: str) -> None:
-    raw = name.encode("utf-8", "surrogateescape")
+    """Refuse a name that could not work everywhere a workspace name goes.
+
+    Workspace names must be UTF-8; the names of files inside a snapshot stay arbitrary bytes.
+    A workspace name travels as a JSON string (requests, `status --json`, `push --json`,
+    refs.json), is expanded into the argv, environment and working folder of spawned processes
+    (`{workspace}`), and is listed in `user.monarch.workspaces`. JSON has no bytes: a non-UTF-8
+    name could only travel as lone surrogate escapes, which are not Unicode and which other
+    JSON readers refuse. File names come from whatever a package installed, so they must stay
+    bytes; a workspace name is the user's choice (`push --name`), so refusing costs one flag.
+    Both sides check: the client before it scans, every node at prepare and commit, before any
+    state changes (a name that slipped through once took every node it reached down, again at
+    every restart).
+    """
+    try:
+        raw = name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"invalid workspace name {ascii(name)}: not UTF-8") from None
     if not raw or len(raw) > 255 or b"/" in raw or b"\0" in raw or raw.startswith(b"."):
         raise ValueError(f"invalid workspace name {name!r}: must be a plain name, not starting "
                          "with '.', with no '/' or NUL, at most 255 bytes")
@@ -20,41 +42,99 @@ def check_workspace_name(name: str) -> None:
 
 class Refs:
     def __init__(self, path: str | os.PathLike[str]):
+        """Load the saved list. What cannot be loaded (a damaged file, a bad name or version)
+        is left out and described in `problems`, never fatal: the rest is served. A file that
+        cannot be parsed at all is renamed aside, so the next save does not destroy it."""
         self.path = Path(path)
         self.workspaces: dict[str, list[bytes]] = {}  # name -> versions, current first
-        if self.path.exists():
-            data = json.loads(self.path.read_text())
-            self.workspaces = {name: [bytes.fromhex(v) for v in versions]
-                               for name, versions in data["workspaces"].items()}
+        # Workspaces the daemon could not serve at start (see `hold`): kept in the file until
+        # that name is published again, so a fault that is fixed loses nothing.
+        self.held: dict[str, list[bytes]] = {}
+        self.problems: list[str] = []
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return
+        except (OSError, UnicodeDecodeError) as e:
+            self._set_aside(f"cannot be read ({e})")
+            return
+        try:
+            data = json.loads(text)
+            saved = data["workspaces"]
+            if not isinstance(saved, dict):
+                raise TypeError("'workspaces' is not an object")
+        except (ValueError, KeyError, TypeError) as e:
+            self._set_aside(f"is damaged ({type(e).__name__}: {e})")
+            return
+        for name, versions in saved.items():
+            try:
+                check_workspace_name(name)
+                if not isinstance(versions, list) or not versions:
+                    raise ValueError("no list of versions")
+                self.workspaces[name] = [bytes.fromhex(v) for v in versions]
+            except (ValueError, TypeError) as e:
+                self.problems.append(f"{self.path}: workspace {ascii(name)} not served: {e}")
 
-    def publish(self, name: str, version: bytes, keep: int) -> list[bytes]:
-        """Make `version` current, keep the `keep` newest, persist; returns the new list."""
-        versions = [version] + [v for v in self.workspaces.get(name, []) if v != version]
-        self.workspaces[name] = versions[:keep]
-        self._save()
-        return self.workspaces[name]
+    def _set_aside(self, why: str) -> None:
+        aside = self.path.with_name(f"{self.path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
+        try:
+            os.rename(self.path, aside)
+            kept = f"kept as {aside.name}"
+        except OSError as e:
+            kept = f"and could not be set aside: {e}"
+        self.problems.append(f"{self.path} {why}; no workspace served from it, {kept}")
+
+    def hold(self, name: str) -> None:
+        """Stop serving `name` (its current version cannot be loaded) but keep it on disk."""
+        self.held[name] = self.workspaces.pop(name)
+
+    def next_versions(self, name: str, version: bytes, keep: int) -> list[bytes]:
+        """What `name` serves once `version` is published: it first, the `keep` newest."""
+        return ([version] + [v for v in self.workspaces.get(name, []) if v != version])[:keep]
+
+    def publish(self, name: str, versions: list[bytes]) -> None:
+        """Save `versions` for `name`, then take them in memory. Raises OSError, changing
+        nothing, if the save fails."""
+        new = {**self.workspaces, name: versions}
+        held = {n: vs for n, vs in self.held.items() if n != name}
+        self._save({**held, **new})
+        self.workspaces, self.held = new, held
 
     def remove(self, name: str) -> list[bytes]:
-        """Forget workspace `name`, persisted; returns the versions it had. If saving fails,
-        the list in memory is left as it was."""
-        versions = self.workspaces.pop(name)
-        try:
-            self._save()
-        except BaseException:
-            self.workspaces[name] = versions
-            raise
+        """Forget workspace `name`, persisted; returns the versions it had. Raises KeyError for
+        a name it does not serve, OSError (changing nothing) if the save fails."""
+        versions = self.workspaces[name]
+        rest = {n: vs for n, vs in self.workspaces.items() if n != name}
+        self._save({**self.held, **rest})
+        self.workspaces = rest
         return versions
 
-    def _save(self) -> None:
-        data = {"workspaces": {n: [v.hex() for v in vs] for n, vs in self.workspaces.items()}}
-        tmp = self.path.with_suffix(".tmp")
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            json.dump(data, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, self.path)
-        fd = os.open(self.path.parent, os.O_RDONLY)
+    def _save(self, workspaces: dict[str, list[bytes]]) -> None:
+        self._write(workspaces)
         try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            fsync_dir(self.path.parent)
+        except OSError:
+            # The new list is in place but may not survive a crash: put the old one back (best
+            # effort), so the disk does not keep a commit that reported failure.
+            try:
+                self._write({**self.held, **self.workspaces})
+            except OSError:
+                pass
+            raise
+
+    def _write(self, workspaces: dict[str, list[bytes]]) -> None:
+        """Replace the file by one holding `workspaces`; on failure the old file stays."""
+        data = {"workspaces": {n: [v.hex() for v in vs] for n, vs in workspaces.items()}}
+        tmp = self.path.with_suffix(".tmp")
+        try:
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+                json.dump(data, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(tmp, self.path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise

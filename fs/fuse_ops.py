@@ -34,13 +34,16 @@ old one open keeps reading the old content).
 from __future__ import annotations
 
 import errno
+import functools
+import inspect
 import logging
 import os
 import stat
 import struct
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pyfuse3
 import trio
@@ -72,6 +75,16 @@ _TYPE = {DIR: stat.S_IFDIR, FILE: stat.S_IFREG, SYMLINK: stat.S_IFLNK}
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC | os.O_CREAT
 
 
+@dataclass(slots=True)
+class Staged:
+    """A workspace switch prepared by SnapshotFS.stage, applied by SnapshotFS.switch."""
+
+    name: bytes
+    old: list[Tree]  # what was served when it was staged
+    trees: list[Tree]
+    changed: list[tuple[Entry | None, Entry | None]]
+
+
 class Tree:
     """A snapshot indexed for lookups: entries by path and sorted child names by directory."""
 
@@ -99,7 +112,7 @@ class Node:
 
     key: bytes  # what it is (a digest, see _dir_key and _obj_key): equal keys, same inode
     entry: Entry
-    ws: str | None = None
+    ws: bytes | None = None
     view: bytes | None = None
     special: str | None = None  # "root", "versions" or "wsv" for the synthetic directories
     lookups: int = 0  # how many times the kernel was handed this inode and has not forgotten
@@ -127,18 +140,65 @@ def _child(path: bytes, name: bytes) -> bytes:
 _OBJ = struct.Struct("<BIQqII")  # kind, mode, size, mtime_ns, chunk size, path length
 
 
-def _dir_key(ws: str, view: bytes | None, path: bytes) -> bytes:
+def _dir_key(ws: bytes, view: bytes | None, path: bytes) -> bytes:
     """A directory keeps its inode across versions of the current view (keyed by path)."""
-    return xxhash.xxh3_128_digest(b"".join((b"D", ws.encode(), b"\0", view or b"", b"\0", path)))
+    return xxhash.xxh3_128_digest(b"".join((b"D", ws, b"\0", view or b"", b"\0", path)))
 
 
-def _obj_key(ws: str, e: Entry, chunk_size: int) -> bytes:
+def _obj_key(ws: bytes, e: Entry, chunk_size: int) -> bytes:
     """A file or symlink is keyed by everything a reader sees of it."""
     head = _OBJ.pack(e.kind, e.mode, e.size, e.mtime_ns, chunk_size, len(e.path))
-    return xxhash.xxh3_128_digest(b"".join((b"O", ws.encode(), b"\0", head, e.path, e.target,
+    return xxhash.xxh3_128_digest(b"".join((b"O", ws, b"\0", head, e.path, e.target,
                                             *e.chunks)))
 
 
+# The request handlers pyfuse3 may call: the coroutines of its Operations class.
+_HANDLERS = frozenset(name for name, fn in vars(pyfuse3.Operations).items()
+                      if inspect.iscoroutinefunction(fn))
+
+
+def _guarded(op: str, fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """`fn`, answering EIO instead of raising anything but FUSEError.
+
+    pyfuse3 lets any other exception out of a handler end `pyfuse3.main()`, and with it the
+    daemon and every workspace it serves. One line is logged per failure, with the operation
+    and the inode (the traceback only at debug level): a bad entry that every `ls` trips over
+    must not flood the log. A forget gets no reply, so there is nothing to answer: its error is
+    only logged. It costs one coroutine frame per request: 0.26 us on a 2.0 us `read` handler
+    called in-process, lost in the 45-65 us of a FUSE round trip (O_DIRECT 4 KiB reads through
+    a mount: fastest of 9 runs 45.6 us guarded, 45.5 us not; medians within the noise)."""
+    no_reply = op == "forget"
+
+    @functools.wraps(fn)
+    async def handler(self: SnapshotFS, *args: Any) -> Any:
+        try:
+            return await fn(self, *args)
+        except pyfuse3.FUSEError:
+            if no_reply:
+                return None
+            raise
+        except Exception as e:
+            self.ops["failed"] += 1
+            ino = args[0] if args and isinstance(args[0], int) else "-"
+            log.error("FUSE %s on inode %s failed (answered EIO): %s: %s", op, ino,
+                      type(e).__name__, e)
+            log.debug("FUSE %s on inode %s", op, ino, exc_info=True)
+            if no_reply:
+                return None
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return handler
+
+
+def _guard_handlers(cls: type[pyfuse3.Operations]) -> type[pyfuse3.Operations]:
+    """Wrap every request handler `cls` defines with _guarded: the one place where no FUSE
+    request can take the daemon down."""
+    for name in sorted(_HANDLERS & vars(cls).keys()):
+        setattr(cls, name, _guarded(name, vars(cls)[name]))
+    return cls
+
+
+@_guard_handlers
 class SnapshotFS(pyfuse3.Operations):
     def __init__(self, load_chunk: Callable[[bytes], bytes | memoryview],
                  backing: BackingFiles | None = None,
@@ -146,7 +206,9 @@ class SnapshotFS(pyfuse3.Operations):
         super().__init__()
         self.backing = backing
         self.chunks = ChunkCache(load_chunk, CHUNK_CACHE_BYTES, load_cached)
-        self.workspaces: dict[str, list[Tree]] = {}  # name -> [current, older...]
+        # name -> [current, older...]. Names are bytes, as every name the kernel hands over or
+        # is handed: no FUSE request ever encodes or decodes one (which could fail).
+        self.workspaces: dict[bytes, list[Tree]] = {}
         self.mtime_ns = 0
         self._nodes: dict[int, Node] = {}
         self._inos: dict[bytes, int] = {}
@@ -197,13 +259,13 @@ class SnapshotFS(pyfuse3.Operations):
         live.lookups += 1
         return self._attr(ino, live)
 
-    def _entry_node(self, ws: str, view: bytes | None, entry: Entry, chunk_size: int) -> Node:
+    def _entry_node(self, ws: bytes, view: bytes | None, entry: Entry, chunk_size: int) -> Node:
         if entry.kind == DIR:
             return Node(_dir_key(ws, view, entry.path), entry, ws, view)
         return Node(_obj_key(ws, entry, chunk_size), entry, ws, view, chunk_size=chunk_size)
 
     def _tree(self, node: Node) -> Tree | None:
-        trees = self.workspaces.get(node.ws or "")
+        trees = self.workspaces.get(node.ws or b"")
         if not trees:
             return None
         if node.view is None:
@@ -254,11 +316,10 @@ class SnapshotFS(pyfuse3.Operations):
             out = [(VERSIONS, Node(b"versions", self._synthetic(), special="versions"))]
             for ws in names:
                 tree = self.workspaces[ws][0]
-                out.append((ws.encode(), self._entry_node(ws, None, tree.entries[b""], 0)))
+                out.append((ws, self._entry_node(ws, None, tree.entries[b""], 0)))
             return out
         if node.special == "versions":
-            return [(ws.encode(),
-                     Node(b"wsv\0" + ws.encode(), self._synthetic(), ws=ws, special="wsv"))
+            return [(ws, Node(b"wsv\0" + ws, self._synthetic(), ws=ws, special="wsv"))
                     for ws in sorted(self.workspaces)]
         if node.special == "wsv":
             return [(t.hex.encode(), self._entry_node(node.ws, t.version, t.entries[b""], 0))
@@ -283,13 +344,26 @@ class SnapshotFS(pyfuse3.Operations):
 
     # ---- publishing -----------------------------------------------------------------------
 
-    async def set_workspace(self, name: str, versions: list[tuple[bytes, Manifest]]) -> None:
-        """Serve `versions` (current first) for workspace `name`, invalidating what changed."""
+    async def stage(self, name: bytes, versions: list[tuple[bytes, Manifest]]) -> Staged:
+        """Index `versions` (current first) for workspace `name` and find what changed: all
+        the work of a switch that can fail, done before the switch is decided (a commit saves
+        its refs in between). Nothing is served from it until `switch`."""
         old = self.workspaces.get(name, [])
         known = {t.version: t for t in old}
         trees = [known.get(v) or await trio.to_thread.run_sync(Tree, v, m) for v, m in versions]
         changed = await trio.to_thread.run_sync(_changes, old[0], trees[0]) if old else []
-        self.workspaces[name] = trees
+        return Staged(name, old, trees, changed)
+
+    async def set_workspace(self, name: bytes, versions: list[tuple[bytes, Manifest]]) -> None:
+        """Serve `versions` (current first) for workspace `name`, invalidating what changed."""
+        await self.switch(await self.stage(name, versions))
+
+    async def switch(self, staged: Staged) -> None:
+        """Serve what `stage` prepared, then drop the kernel entries that changed. The switch
+        itself is plain assignments, so it cannot fail half-way; a failed invalidation is logged
+        (it would only keep a stale cache entry)."""
+        name, old, trees, changed = staged.name, staged.old, staged.trees, staged.changed
+        self.workspaces[name] = trees  # callers serialize stage..switch (the publish lock)
         self.mtime_ns = max(self.mtime_ns, trees[0].entries[b""].mtime_ns)
         if not self.mounted:
             return
@@ -301,12 +375,12 @@ class SnapshotFS(pyfuse3.Operations):
         # Names that appear or go away: a new workspace (the kernel may hold a negative entry
         # for it), and retained versions added or dropped.
         if not old:
-            inval_entries.append((pyfuse3.ROOT_INODE, name.encode()))
+            inval_entries.append((pyfuse3.ROOT_INODE, name))
             versions_dir = self._known_ino(b"versions")
             if versions_dir is not None:
-                inval_entries.append((versions_dir, name.encode()))
+                inval_entries.append((versions_dir, name))
                 inval_dirs.add(versions_dir)
-        wsv = self._known_ino(b"wsv\0" + name.encode())
+        wsv = self._known_ino(b"wsv\0" + name)
         if wsv is not None:
             inval_dirs.add(wsv)
             before, after = {t.version for t in old}, {t.version for t in trees}
@@ -332,7 +406,7 @@ class SnapshotFS(pyfuse3.Operations):
         ino = self._inos.get(key)
         return ino if ino is not None and self._nodes[ino].lookups else None
 
-    async def remove_workspace(self, name: str) -> None:
+    async def remove_workspace(self, name: bytes) -> None:
         """Stop serving workspace `name`: MOUNT/NAME and .versions/NAME leave the mount at
         once (the kernel drops its entries for them, and with them the names below). A file a
         reader holds open keeps its node, and reads, until the kernel forgets it."""
@@ -342,12 +416,12 @@ class SnapshotFS(pyfuse3.Operations):
             self._listed -= len(self._listings.pop(key))
         if not self.mounted:
             return
-        entries, dirs = [(pyfuse3.ROOT_INODE, name.encode())], [pyfuse3.ROOT_INODE]
+        entries, dirs = [(pyfuse3.ROOT_INODE, name)], [pyfuse3.ROOT_INODE]
         versions_dir = self._known_ino(b"versions")
         if versions_dir is not None:
-            entries.append((versions_dir, name.encode()))
+            entries.append((versions_dir, name))
             dirs.append(versions_dir)
-        wsv = self._known_ino(b"wsv\0" + name.encode())
+        wsv = self._known_ino(b"wsv\0" + name)
         if wsv is not None:
             dirs.append(wsv)
         await trio.to_thread.run_sync(self._invalidate, entries, dirs)
@@ -504,14 +578,39 @@ class SnapshotFS(pyfuse3.Operations):
 
     async def readdir(self, fh, start_id, token):
         self.ops["readdir"] += 1
-        listing = self._listing(self._node(fh))  # a handle is the directory's inode
+        node = self._node(fh)  # a handle is the directory's inode
+        listing = self._listing(node)
         attr = self._blank_attr()  # one object for every entry: readdir_reply copies it out
-        for i in range(start_id, len(listing)):
-            name, node = listing[i]
-            ino, live = self._ino(node)
-            if not pyfuse3.readdir_reply(token, name, self._set_attr(attr, ino, live), i + 1):
+        # "." and "..", as a local disk lists them. They also keep the kernel's cached copy of
+        # a listing from being empty: the kernel answers an empty cached listing without looking
+        # for its pages, so invalidating them (set_workspace) would not drop it, and a folder
+        # listed while empty stayed empty after a publish added names to it (unless its mtime
+        # changed). The kernel takes no lookup for these two.
+        for i in range(start_id, 2):
+            ino = fh if i == 0 else self._parent_ino(node, fh)
+            if not pyfuse3.readdir_reply(token, b"." if i == 0 else b"..",
+                                         self._set_attr(attr, ino, node), i + 1):
+                return
+        for i in range(max(start_id - 2, 0), len(listing)):
+            name, child = listing[i]
+            ino, live = self._ino(child)
+            if not pyfuse3.readdir_reply(token, name, self._set_attr(attr, ino, live), i + 3):
                 return
             live.lookups += 1
+
+    def _parent_ino(self, node: Node, ino: int) -> int:
+        """The inode of a directory's parent, for its ".." entry (its own, `ino`, if the parent
+        is not in the table: the kernel holds a directory's parent while it holds the
+        directory, so that is only the root)."""
+        if node.special in ("root", "versions") or (node.view is None and not node.entry.path):
+            return pyfuse3.ROOT_INODE  # the mount root, and the current view of a workspace
+        if node.special == "wsv":
+            key = b"versions"
+        elif not node.entry.path:  # MOUNT/.versions/NAME/VERSION
+            key = b"wsv\0" + node.ws
+        else:
+            key = _dir_key(node.ws, node.view, node.entry.parent)
+        return self._inos.get(key, ino)
 
     async def releasedir(self, fh):
         self.ops["releasedir"] += 1
@@ -594,6 +693,12 @@ class SnapshotFS(pyfuse3.Operations):
             except Exception as e:  # missing or corrupt object: an I/O error, never wrong bytes
                 log.error("reading %r: %s", entry.path, e)
                 raise pyfuse3.FUSEError(errno.EIO) from None
+            if len(data) != min(chunk_size, entry.size - i * chunk_size):
+                # A manifest whose size disagrees with its chunks (only a hand-made one can):
+                # an error, never a short file that the kernel would take for a truncation.
+                log.error("reading %r: chunk %d holds %d bytes, the manifest says otherwise",
+                          entry.path, i, len(data))
+                raise pyfuse3.FUSEError(errno.EIO)
             piece = memoryview(data)[within:within + end - off]
             parts.append(piece)
             off += len(piece)
@@ -638,8 +743,8 @@ class SnapshotFS(pyfuse3.Operations):
     async def _xattrs(self, node: Node) -> dict[bytes, bytes]:
         out: dict[bytes, bytes] = {}
         if node.special == "root":
-            out[b"user.monarch.workspaces"] = " ".join(
-                f"{ws}={t[0].hex}" for ws, t in sorted(self.workspaces.items())).encode()
+            out[b"user.monarch.workspaces"] = b" ".join(
+                ws + b"=" + t[0].hex.encode() for ws, t in sorted(self.workspaces.items()))
             out[b"user.monarch.cache_hits"] = str(self.chunks.hits).encode()
             out[b"user.monarch.cache_misses"] = str(self.chunks.misses).encode()
             out[b"user.monarch.cache_nowait"] = str(self.chunks.nowait).encode()
@@ -651,7 +756,7 @@ class SnapshotFS(pyfuse3.Operations):
             return out
         tree = self._tree(node) if node.ws else None
         if tree is not None:
-            out[b"user.monarch.workspace"] = node.ws.encode()
+            out[b"user.monarch.workspace"] = node.ws
             out[b"user.monarch.version"] = tree.hex.encode()
         if node.entry.kind == FILE:
             out[b"user.monarch.chunks"] = " ".join(c.hex() for c in node.entry.chunks).encode()

@@ -24,6 +24,12 @@ MAX_ENTRIES = 10_000_000  # what the format allows
 DEFAULT_MAX_ENTRIES = 500_000
 MAX_NAME = 255
 MAX_PATH = 4096
+# What the kernel takes (validate() holds every entry to it, so no FUSE reply can overflow):
+# st_size is a signed 64-bit off_t, times are signed 64-bit nanoseconds (st_mtime_ns), and
+# readlink answers at most PATH_MAX - 1 bytes (the kernel's buffer keeps one for the NUL).
+MAX_FILE_SIZE = 2**63 - 1
+MTIME_RANGE = range(-(2**63), 2**63)
+MAX_TARGET = 4095
 _HEAD = struct.Struct("<5sII")  # magic, chunk size, entry count
 _ENTRY = struct.Struct("<BIQqHHI")  # kind, mode, size, mtime_ns, path len, target len, chunks
 
@@ -76,6 +82,7 @@ class Entry:
 
 
 _KINDS = {k.value: k for k in Kind}
+_TYPES = frozenset(Kind)
 
 
 def sort_key(path: bytes) -> tuple[bytes, ...]:
@@ -103,6 +110,35 @@ def check_path(path: bytes) -> None:
             raise UnsafePath(f"unsafe path {path!r}: name longer than {MAX_NAME} bytes")
 
 
+def _check_fields(e: Entry, chunk_size: int) -> None:
+    """Raise, saying what is wrong, unless an entry's own fields are each within what the
+    kernel accepts and consistent with its kind. (Chunk ids are ID_SIZE bytes by decoding.)"""
+    if e.kind not in _TYPES:
+        raise ManifestError(f"entry {e.path!r}: unknown kind {e.kind!r}")
+    if not 0 <= e.mode <= 0o7777:
+        raise ManifestError(f"entry {e.path!r}: bad mode {e.mode:o} (permission bits only)")
+    if e.mtime_ns not in MTIME_RANGE:
+        raise ManifestError(f"entry {e.path!r}: mtime {e.mtime_ns} ns out of the signed 64-bit range")
+    if e.kind == Kind.FILE:
+        if not 0 <= e.size <= MAX_FILE_SIZE:
+            raise ManifestError(f"entry {e.path!r}: size {e.size} out of range (0 to 2^63-1)")
+        if len(e.chunks) != -(-e.size // chunk_size):
+            raise ManifestError(f"entry {e.path!r}: {len(e.chunks)} chunks for {e.size} bytes")
+    elif e.chunks:
+        raise ManifestError(f"entry {e.path!r}: only files have chunks")
+    if e.kind == Kind.SYMLINK:
+        if not e.target or b"\0" in e.target or len(e.target) > MAX_TARGET:
+            raise ManifestError(f"symlink {e.path!r}: bad target (empty, NUL inside, or longer "
+                                f"than {MAX_TARGET} bytes)")
+        if e.size != len(e.target):
+            raise ManifestError(f"symlink {e.path!r}: size {e.size} is not the length of its "
+                                f"target ({len(e.target)})")
+    elif e.target:
+        raise ManifestError(f"entry {e.path!r}: only symlinks have targets")
+    if e.kind == Kind.DIR and e.size != 0:
+        raise ManifestError(f"directory {e.path!r}: size {e.size}, must be 0")
+
+
 class Manifest:
     def __init__(self, entries: Iterable[Entry], chunk_size: int = CHUNK_SIZE):
         self.chunk_size = chunk_size
@@ -110,30 +146,32 @@ class Manifest:
         self._by_path: dict[bytes, Entry] | None = None
 
     def validate(self) -> None:
+        """Refuse anything the mount could not serve as is: every field is held to what the
+        kernel accepts, so a FUSE reply never has to convert a value that does not fit (a
+        directory of size 2^64-1 once took the daemon down at the first `ls`)."""
         if not (64 * 1024 <= self.chunk_size <= MAX_CHUNK_SIZE):
             raise ManifestError(f"chunk size {self.chunk_size} out of range")
         if not self.entries or self.entries[0].path != b"" or self.entries[0].kind != Kind.DIR:
             raise ManifestError("manifest has no root directory")
         seen: dict[bytes, Kind] = {}
+        cs, mtimes, DIR, FILE, SYMLINK = self.chunk_size, MTIME_RANGE, Kind.DIR, Kind.FILE, Kind.SYMLINK
         for e in self.entries:
             check_path(e.path)
             if e.path in seen:
                 raise ManifestError(f"duplicate entry {e.path!r}")
-            if e.path and seen.get(e.parent) != Kind.DIR:
+            if e.path and seen.get(e.parent) != DIR:
                 raise ManifestError(f"entry {e.path!r} has no parent directory")
-            if e.mode & ~0o7777:
-                raise ManifestError(f"entry {e.path!r}: bad mode {e.mode:o}")
-            if e.kind == Kind.FILE:
-                if len(e.chunks) != -(-e.size // self.chunk_size):
-                    raise ManifestError(f"entry {e.path!r}: {len(e.chunks)} chunks for {e.size} bytes")
-            elif e.chunks:
-                raise ManifestError(f"entry {e.path!r}: only files have chunks")
-            if e.kind == Kind.SYMLINK:
-                if not e.target or b"\0" in e.target or len(e.target) > MAX_PATH:
-                    raise ManifestError(f"symlink {e.path!r}: bad target")
-            elif e.target:
-                raise ManifestError(f"entry {e.path!r}: only symlinks have targets")
-            seen[e.path] = e.kind
+            kind, size, target = e.kind, e.size, e.target
+            # The common case in one expression (a daemon checks every entry of every
+            # manifest); _check_fields says what is wrong.
+            if not (0 <= e.mode <= 0o7777 and e.mtime_ns in mtimes and (
+                    (kind is FILE and not target and 0 <= size <= MAX_FILE_SIZE
+                     and len(e.chunks) == -(-size // cs))
+                    or (kind is DIR and not size and not target and not e.chunks)
+                    or (kind is SYMLINK and not e.chunks and size == len(target)
+                        and 0 < size <= MAX_TARGET and b"\0" not in target))):
+                _check_fields(e, cs)
+            seen[e.path] = kind
 
     def encode(self) -> bytes:
         out = [_HEAD.pack(MAGIC, self.chunk_size, len(self.entries))]

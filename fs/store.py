@@ -103,13 +103,30 @@ class Store:
         self._readers: dict[int, int] = {}
         self._retired: list[int] = []  # readers of deleted packs, closed at the next collect
         self._lock = threading.Lock()
-        numbers = sorted(int(p.stem) for p in self.packs.glob("*.pack"))
+        # Packs that could not be read at start: reported, never written to or collected (what
+        # they hold may come back once the fault is fixed); their objects count as missing.
+        self.problems: list[str] = []
+        self._unreadable: set[int] = set()
+        numbers = []
+        for p in self.packs.glob("*.pack"):
+            if p.stem.isdigit():
+                numbers.append(int(p.stem))
+            else:
+                self.problems.append(f"{p}: not a pack name; ignored")
+        numbers.sort()
         for n in numbers:
-            if not self._load_index(n):
-                self._scan(n)
-        # Append to the last pack unless it is sealed (has an index) or full.
+            try:
+                if not self._load_index(n):
+                    self._scan(n)
+            except OSError as e:
+                self.problems.append(f"pack {self._pack_path(n)} cannot be read, its objects are "
+                                     f"missing: {e.strerror or e}")
+                self._unreadable.add(n)
+                for cid in [c for c, loc in self._index.items() if loc >> _PACK_SHIFT == n]:
+                    del self._index[cid]  # those an index listed before the failure
+        # Append to the last pack unless it is sealed (has an index), full or unreadable.
         last = numbers[-1] if numbers else 0
-        if not last or self._idx_path(last).exists():
+        if not last or last in self._unreadable or self._idx_path(last).exists():
             self._open_pack(last + 1)
         else:  # reopened: the records _scan found go into its index when it is sealed
             self._open_pack(last)
@@ -389,11 +406,12 @@ class Store:
         self._retired.clear()
         most: dict[int, int] = {}  # pack -> the most bytes of live records one group has there
         with self._lock:
-            sizes = {int(p.stem): p.stat().st_size for p in self.packs.glob("*.pack")}
+            sizes = {int(p.stem): p.stat().st_size for p in self.packs.glob("*.pack")
+                     if p.stem.isdigit()}
             for group in live():
                 for n, used in self._bytes_by_pack(group).items():
                     most[n] = max(most.get(n, 0), used)
-            sealed = set(sizes) - {self._cur}
+            sealed = set(sizes) - {self._cur} - self._unreadable
         doomed = sealed - set(most)
         maybe = {n for n in sealed & set(most) if most[n] < COMPACT_BELOW * sizes[n]}
         freed = self._delete(doomed, sizes)

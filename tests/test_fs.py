@@ -803,6 +803,33 @@ def test_other_malformed_entries_are_refused():
             Manifest.decode(raw_manifest([ROOT, (b"x", kind, 0o644, 0, 0, b"", ())]))
 
 
+def test_fields_past_what_the_kernel_takes_are_refused():
+    """Issue 16, finding 4: a directory of size 2^64-1 passed, and the first `ls` of it raised
+    OverflowError inside a FUSE handler. Every field is now held to the kernel's limits."""
+    _bad([ROOT, (b"d", Kind.DIR, 0o755, 2**64 - 1, 0, b"", ())])
+    _bad([ROOT, (b"d", Kind.DIR, 0o755, 4096, 0, b"", ())])  # a directory's size is 0
+    _bad([ROOT, (b"l", Kind.SYMLINK, 0o777, 2**64 - 1, 0, b"t", ())])
+    _bad([ROOT, (b"l", Kind.SYMLINK, 0o777, 2, 0, b"t", ())])  # size = the target's length
+    _bad([ROOT, (b"l", Kind.SYMLINK, 0o777, 4096, 0, b"t" * 4096, ())])  # readlink: < PATH_MAX
+    _bad([ROOT, (b"f", Kind.FILE, 0o644, 2**64 - 1, 0, b"", (cid(1),))])
+    _bad([ROOT, (b"f", Kind.FILE, 2**32 - 1, 0, 0, b"", ())])
+    for bad in (Entry(b"f", Kind.FILE, 0o644, 0, 2**63), Entry(b"f", Kind.FILE, 0o644, 0, -(2**63) - 1),
+                Entry(b"f", Kind.FILE, -1, 0, 0), Entry(b"f", Kind.FILE, 0o644, -1, 0)):
+        with pytest.raises(ManifestError, match="b'f'"):  # not encodable: validate() only
+            Manifest([Entry(b"", Kind.DIR, 0o755, 0, 0), bad]).validate()
+    with pytest.raises(ManifestError, match=r"directory b'd': size 18446744073709551615"):
+        Manifest.decode(raw_manifest([ROOT, (b"d", Kind.DIR, 0o755, 2**64 - 1, 0, b"", ())]))
+
+
+def test_fields_at_the_kernel_limits_are_accepted():
+    m = Manifest.decode(raw_manifest([
+        (b"", Kind.DIR, 0o7777, 0, -(2**63), b"", ()),
+        (b"l", Kind.SYMLINK, 0, 4095, 2**63 - 1, b"t" * 4095, ()),
+        (b"n" * MAX_NAME, Kind.FILE, 0o7777, SMALL + 1, 0, b"", (cid(1), cid(2))),
+    ], SMALL))
+    assert [e.size for e in m] == [0, 4095, SMALL + 1]
+
+
 def test_every_truncation_and_any_trailing_bytes_are_refused():
     data = sample_manifest().encode()
     for n in range(len(data)):
