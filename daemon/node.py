@@ -562,13 +562,13 @@ class NodeDaemon:
             manifest = self._manifest(version)
         except KeyError:
             raise RequestError(f"version {version.hex()[:12]}: manifest not received") from None
-        except (CorruptChunk, ManifestError) as e:
-            raise RequestError(f"version {version.hex()[:12]}: {e}") from None
-        except TooManyEntries as e:
+        except TooManyEntries as e:  # a ManifestError: first
             raise RequestError(
                 f"version {version.hex()[:12]}: the manifest has {e.count:,} entries, more than "
                 f"this node accepts ({e.limit:,}: its --max-entries or MONARCH_FS_MAX_ENTRIES)"
             ) from None
+        except (CorruptChunk, ManifestError) as e:
+            raise RequestError(f"version {version.hex()[:12]}: {e}") from None
         missing = self.store.missing(manifest.chunk_ids())
         if missing:
             raise RequestError(f"version {version.hex()[:12]}: {len(missing)} chunks missing")

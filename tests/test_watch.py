@@ -15,6 +15,7 @@ from pathlib import Path
 
 from conftest import Cluster, tree
 from monarch_fs.daemon import cluster as cluster_mod
+from monarch_fs.daemon.auth import write_new_token
 
 
 class Watcher:
@@ -188,8 +189,10 @@ def test_ctrl_c_during_a_push_cancels_it_and_exits_130(tmp_path):
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)
+    token = tmp_path / "token"
+    write_new_token(token)
     try:
-        w = Watcher(src, f"127.0.0.1:{silent.getsockname()[1]}", None, tmp_path / "home",
+        w = Watcher(src, f"127.0.0.1:{silent.getsockname()[1]}", str(token), tmp_path / "home",
                     "--timeout", "60")
         try:
             w.stderr(wait_for="watching")
