@@ -2,9 +2,9 @@
 
 Through FUSE, every page of a file is filled by a request to this daemon and cached in 4 KiB
 pages: a cold 1 GiB read runs at half the speed of local disk, and warm reads and mmaps (a
-loader mapping `libtorch_cpu.so`) pay the small pages. With passthrough (Linux 6.9+, libfuse
-3.16+) an open file is bound to a file on local disk, and the kernel reads and maps it directly:
-local-disk speed, cold and warm, and no request at all after the open.
+loader mapping `libtorch_cpu.so`) pay the small pages. With passthrough (Linux 6.9+; see
+fs/passthrough.py) an open file is bound to a file on local disk, and the kernel reads and maps
+it directly: local-disk speed, cold and warm, and no request at all after the open.
 
 A backing file is the plain content of one file, named by the digest of its chunk ids, so every
 version and workspace holding the same content shares one. It is copied from the chunk store
