@@ -14,6 +14,8 @@ import os
 import time
 from pathlib import Path
 
+import trio
+
 from ..fs.store import fsync_dir
 
 
@@ -41,6 +43,10 @@ def check_workspace_name(name: str) -> None:
 
 
 class Refs:
+    """The workspaces a node serves, as saved in refs.json (see the module docstring): kept
+    apart from the mount so a restart serves the same versions, and so a failed save changes
+    nothing anywhere."""
+
     def __init__(self, path: str | os.PathLike[str]):
         """Load the saved list. What cannot be loaded (a damaged file, a bad name or version)
         is left out and described in `problems`, never fatal: the rest is served. A file that
@@ -92,22 +98,30 @@ class Refs:
         """What `name` serves once `version` is published: it first, the `keep` newest."""
         return ([version] + [v for v in self.workspaces.get(name, []) if v != version])[:keep]
 
-    def publish(self, name: str, versions: list[bytes]) -> None:
+    async def publish(self, name: str, versions: list[bytes]) -> None:
         """Save `versions` for `name`, then take them in memory. Raises OSError, changing
         nothing, if the save fails."""
         new = {**self.workspaces, name: versions}
         held = {n: vs for n, vs in self.held.items() if n != name}
-        self._save({**held, **new})
-        self.workspaces, self.held = new, held
+        with trio.CancelScope(shield=True):  # memory follows the disk, even when cancelled
+            await self._save_in_thread({**held, **new})
+            self.workspaces, self.held = new, held
 
-    def remove(self, name: str) -> list[bytes]:
+    async def remove(self, name: str) -> list[bytes]:
         """Forget workspace `name`, persisted; returns the versions it had. Raises KeyError for
         a name it does not serve, OSError (changing nothing) if the save fails."""
         versions = self.workspaces[name]
         rest = {n: vs for n, vs in self.workspaces.items() if n != name}
-        self._save({**self.held, **rest})
-        self.workspaces = rest
+        with trio.CancelScope(shield=True):
+            await self._save_in_thread({**self.held, **rest})
+            self.workspaces = rest
         return versions
+
+    async def _save_in_thread(self, workspaces: dict[str, list[bytes]]) -> None:
+        """The save fsyncs the file and its folder: off the trio thread, which also answers
+        FUSE requests. The callers (a commit, a removal) hold the daemon's publish lock, so
+        nothing changes this object meanwhile; memory is changed back on the trio thread."""
+        await trio.to_thread.run_sync(self._save, workspaces)
 
     def _save(self, workspaces: dict[str, list[bytes]]) -> None:
         self._write(workspaces)

@@ -45,6 +45,11 @@ class _Child:
 
 
 class Relay:
+    """One node's hop of a broadcast, for one session (see the module docstring): its links to
+    its children, what each child's subtree lacks, and a queue per child. A child that fails is
+    recorded in `failures` and skipped from then on, never fatal to the hop: the push reports
+    it by address and the rest of the tree carries on."""
+
     def __init__(self, token: bytes, children: Sequence[dict], timeout: float,
                  nursery: trio.Nursery, counters: dict[str, int],
                  local: bulk.LocalTransport | None = None, encrypt: str = "auto"):

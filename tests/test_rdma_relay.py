@@ -5,16 +5,15 @@ Why not real daemon processes: the fake fabric is in-process memory (its memory 
 bytearrays, its queue pairs live in a dict), so every end of every queue pair must live in this
 one process; and one process can serve only one FUSE mount (pyfuse3's state is global), so three
 `NodeDaemon.run()`s cannot share it. The highest level that is possible is what runs here: three
-real `NodeDaemon` objects (their real connection handler `_serve`/`_session`, store, refs,
-relay.py and bulk.py), each served on its own loopback TCP listener, driven by the real push
-client (`push()`), with pyverbs replaced by the fake. Only `NodeDaemon.run()` is left out (the
-FUSE mount, signal handling, the ready file). Control messages go over real TCP; chunk payloads go
-through the fake fabric on every hop, which the test checks rather than assumes.
+real `NodeService`s (the whole node but its mount: sessions, store, refs, publisher, process
+table, relay.py and bulk.py), each served by `NodeService.serve` on its own loopback TCP
+listener, driven by the real push client (`push()`), with pyverbs replaced by the fake. Only
+`NodeDaemon` is left out (the FUSE mount, signal handling, the ready file). Control messages go
+over real TCP; chunk payloads go through the fake fabric on every hop, which the test checks
+rather than assumes.
 """
-
 from __future__ import annotations
 
-import functools
 import random
 import re
 from contextlib import asynccontextmanager
@@ -25,10 +24,9 @@ import trio
 
 from monarch_fs.daemon import bulk, rdma
 from monarch_fs.daemon import rdma_logic
-from monarch_fs.daemon.node import NodeDaemon
-from monarch_fs.daemon.procs import ProcessTable
 from monarch_fs.daemon.push import PushError, push
 from monarch_fs.daemon.rdma_logic import RC, SRD
+from monarch_fs.daemon.service import NodeService, open_listeners
 from monarch_fs.fs import chunk
 from monarch_fs.mesh.loop import service_nursery
 
@@ -41,18 +39,16 @@ FAKE_DEVICES = {RC: [dict(name="rxe0", link="eth")],
 
 @asynccontextmanager
 async def serving(tmp_path: Path, n: int, local: bulk.LocalTransport):
-    """n NodeDaemons in this process, each answering on 127.0.0.1:<a free port>; all stopped
+    """n NodeServices in this process, each answering on 127.0.0.1:<a free port>; all stopped
     (every session closed, every RDMA channel released) when the block ends."""
     async with service_nursery() as nursery:  # the servers end with the block
         nodes = []
         for i in range(n):
-            d = NodeDaemon(state=tmp_path / f"node-{i}" / "state",
-                           mount=tmp_path / f"node-{i}" / "mnt", listen="127.0.0.1:0",
-                           token=TOKEN, node_name=f"node-{i}", transport=local)
-            d.procs = ProcessTable(d.mount, nursery)  # run() would; no process is spawned here
-            listeners = await nursery.start(
-                functools.partial(trio.serve_tcp, d._serve, 0, host="127.0.0.1"))
-            d.addr = f"127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+            d = NodeService(state=tmp_path / f"node-{i}" / "state",
+                            mount=tmp_path / f"node-{i}" / "mnt", token=TOKEN,
+                            node_name=f"node-{i}", transport=local)
+            listeners, _ = await open_listeners("127.0.0.1:0")
+            await nursery.start(d.serve, listeners)
             nodes.append(d)
         yield nodes
 

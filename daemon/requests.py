@@ -1,0 +1,211 @@
+"""The requests a node answers, one small dataclass each, built from the wire's Request.
+
+The wire stays `protocol.Request(op, args, id)` (push, relay and mesh clients send it as
+before); this module is where each op's arguments are named, typed and checked, once, before a
+handler sees them. `parse` raises RequestError (or ValueError, from the checks it shares with
+refs.py) with a message that goes back to the client as is. session.py dispatches through one
+table from op to (request class, handler).
+
+A request whose `after_chunks` is true is answered only once every chunk the client sent
+before it is stored, and is refused if one of them could not be (a corrupt or unstorable
+chunk): the requests that read or change what the node serves must see the whole push.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from .refs import check_workspace_name
+
+
+class RequestError(Exception):
+    """A request was refused; the message goes back to the client as is."""
+
+
+def _version(op: str, value: object) -> bytes:
+    if not isinstance(value, str):
+        raise RequestError(f"{op}: name and version are required")
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        raise RequestError(f"{op}: bad version {value!r}") from None
+
+
+def _int(op: str, args: dict, key: str, default: int) -> int:
+    value = args.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise RequestError(f"{op}: {key} must be an integer, not {value!r}")
+    try:
+        return int(value)
+    except ValueError:
+        raise RequestError(f"{op}: {key} must be an integer, not {value!r}") from None
+
+
+@dataclass(frozen=True)
+class Status:
+    """What this node serves and holds (`monarch-fs status`). No arguments."""
+
+    op: ClassVar[str] = "status"
+    after_chunks: ClassVar[bool] = True
+
+    @classmethod
+    def parse(cls, args: dict) -> Status:
+        return cls()
+
+
+@dataclass(frozen=True)
+class Prepare:
+    """Phase one of a publish: check that `version`'s manifest and every chunk it names are
+    here, make them durable, and keep them from collection until the commit."""
+
+    op: ClassVar[str] = "prepare"
+    after_chunks: ClassVar[bool] = True
+    name: str  # the workspace, UTF-8 (refs.check_workspace_name)
+    version: bytes  # the manifest's chunk id
+
+    @classmethod
+    def parse(cls, args: dict) -> Prepare:
+        name, version = args.get("name"), args.get("version")
+        if not isinstance(name, str) or not isinstance(version, str):
+            raise RequestError(f"{cls.op}: name and version are required")
+        check_workspace_name(name)
+        return cls(name, _version(cls.op, version))
+
+
+@dataclass(frozen=True)
+class Commit(Prepare):
+    """Phase two: switch workspace `name` to `version` (preparing it first if that was not
+    asked for); answered once the kernel dropped every changed entry."""
+
+    op: ClassVar[str] = "commit"
+
+
+@dataclass(frozen=True)
+class Remove:
+    """Delete workspace `name` and every version of it (`monarch-fs rm`)."""
+
+    op: ClassVar[str] = "remove"
+    after_chunks: ClassVar[bool] = True
+    name: str
+
+    @classmethod
+    def parse(cls, args: dict) -> Remove:
+        name = args.get("name")
+        if not isinstance(name, str):
+            raise RequestError("remove: a workspace name is required")
+        check_workspace_name(name)
+        return cls(name)
+
+
+@dataclass(frozen=True)
+class Relay:
+    """Make this session a hop of a broadcast: connect to `children` (each
+    {"addr": "host:port", "children": [...]}, opening its own subtree) and forward to them
+    the chunks their subtrees lack. `timeout` is the seconds to wait on one hop."""
+
+    op: ClassVar[str] = "relay"
+    after_chunks: ClassVar[bool] = False
+    children: list[dict] = field(default_factory=list)
+    timeout: float = 60.0
+
+    @classmethod
+    def parse(cls, args: dict) -> Relay:
+        children = args.get("children", [])
+        if not isinstance(children, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("addr"), str)
+                and isinstance(c.get("children", []), list) for c in children):
+            raise RequestError("relay: children must be a list of {addr, children}")
+        timeout = args.get("timeout", 60)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+            raise RequestError(f"relay: timeout must be a number of seconds, not {timeout!r}")
+        return cls(children, float(timeout))
+
+
+@dataclass(frozen=True)
+class Flush:
+    """Wait until every chunk sent so far is stored here and forwarded below; answers the
+    failures seen anywhere in the subtree as {addr: cause} ("" is this node). `bulk_chunks`
+    is how many chunks the RDMA channel must have delivered first (RDMA chunks are not
+    ordered with the control channel's frames)."""
+
+    op: ClassVar[str] = "flush"
+    after_chunks: ClassVar[bool] = False  # it waits for the writes itself, and reports them
+    bulk_chunks: int = 0
+
+    @classmethod
+    def parse(cls, args: dict) -> Flush:
+        return cls(_int(cls.op, args, "bulk_chunks", 0))
+
+
+@dataclass(frozen=True)
+class Bulk:
+    """Open an RDMA channel for this session's chunk payloads (control stays on TCP).
+    `kind` is the queue pair type; `setup` is the whole request, which the transport reads
+    (bulk.accept_receiver: device kind, the sender's queue pair)."""
+
+    op: ClassVar[str] = "bulk"
+    after_chunks: ClassVar[bool] = False
+    kind: str
+    setup: dict
+
+    @classmethod
+    def parse(cls, args: dict) -> Bulk:
+        kind = args.get("kind")
+        if not isinstance(kind, str):
+            raise RequestError(f"bulk: kind must be a string, not {kind!r}")
+        return cls(kind, args)
+
+
+@dataclass(frozen=True)
+class Spawn:
+    """Start a process owned by this connection; its output and exit come back as Events.
+    `spec` holds argv, env, secrets and cwd, which the process table checks
+    (procs.ProcessTable.spawn); with `workspace`, the process runs from that workspace's
+    `version` (default: the current one), which stays served while it runs."""
+
+    op: ClassVar[str] = "spawn"
+    after_chunks: ClassVar[bool] = False
+    spec: dict
+    workspace: str = ""
+    version: bytes | None = None
+
+    @classmethod
+    def parse(cls, args: dict) -> Spawn:
+        workspace = args.get("workspace") or ""
+        version = args.get("version") or None
+        if not isinstance(workspace, str):
+            raise RequestError(f"spawn: workspace must be a string, not {workspace!r}")
+        if version is not None and not isinstance(version, str):
+            raise RequestError(f"spawn: version must be a string, not {version!r}")
+        return cls(args, workspace, bytes.fromhex(version) if version else None)
+
+
+@dataclass(frozen=True)
+class Kill:
+    """Send `signal` to the process group of process `proc`, which this connection started."""
+
+    op: ClassVar[str] = "kill"
+    after_chunks: ClassVar[bool] = False
+    proc: int
+    signal: int = signal.SIGTERM
+
+    @classmethod
+    def parse(cls, args: dict) -> Kill:
+        return cls(_int(cls.op, args, "proc", 0), _int(cls.op, args, "signal", signal.SIGTERM))
+
+
+@dataclass(frozen=True)
+class FreePort:
+    """A TCP port free on this node now (MASTER_PORT for an SPMD job whose rank 0 runs here)."""
+
+    op: ClassVar[str] = "free_port"
+    after_chunks: ClassVar[bool] = False
+
+    @classmethod
+    def parse(cls, args: dict) -> FreePort:
+        return cls()
+
+
+NodeRequest = Status | Prepare | Commit | Remove | Relay | Flush | Bulk | Spawn | Kill | FreePort

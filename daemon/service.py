@@ -1,0 +1,188 @@
+"""The node service: everything a node answers over the protocol, with or without a mount.
+
+Everything under the state folder is private to the daemon's user: the store and the backing
+files hold every pushed file's bytes whatever its mode. Only the mount (with
+`default_permissions`, so each file's own mode rules) shows content to other users.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import stat
+import time
+from pathlib import Path
+
+import trio
+
+from ..fs.backing import BackingFiles
+from ..fs.fuse_ops import SnapshotFS
+from ..fs.manifest import DEFAULT_MAX_ENTRIES
+from ..fs.store import PACK_LIMIT, Store, private_dir
+from . import bulk
+from .auth import NO_TOKEN_HELP, default_token_file
+from .limits import Limits, LogOnce, peer_host, serve_listeners
+from .procs import ProcessTable
+from .publisher import KEEP_VERSIONS, Publisher
+from .refs import Refs
+from .session import Session
+from .transport import accept, parse_addr
+
+log = logging.getLogger("monarch_fs.daemon")
+
+
+def make_private(state: Path) -> None:
+    """Make a state folder and everything in it private to this user (folders 0700, files
+    without group or other bits), whatever the umask was and whatever an older version left
+    (it made packs and refs.json 0644 in 0755 folders, backing files 0444). Files are created
+    private from then on; this tightens what already exists, at start."""
+    private_dir(state)
+    dev = state.stat().st_dev
+    for dirpath, dirnames, filenames in os.walk(state):
+        for name in list(dirnames):
+            path = os.path.join(dirpath, name)
+            try:
+                theirs = os.lstat(path).st_dev != dev  # something mounted here (maybe stale)
+            except OSError:
+                theirs = True
+            if theirs:
+                dirnames.remove(name)
+            else:
+                os.chmod(path, 0o700)
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_mode & 0o077:
+                os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
+
+
+async def open_listeners(listen: str) -> tuple[list[trio.SocketListener], str]:
+    """Listen on `listen` ("host:port"; port 0 picks one); returns the listeners and the
+    address they are bound to, as clients dial it."""
+    host, port = parse_addr(listen, listen=True)
+    listeners = await trio.open_tcp_listeners(port, host=host)
+    return listeners, _dial_addr(host, listeners[0].socket.getsockname()[1])
+
+
+def _dial_addr(host: str, port: int) -> str:
+    return f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+
+
+class NodeService:
+    """A node's store, refs, publisher and process table, and the authenticated sessions that
+    drive them: the whole node except the FUSE mount.
+
+    Apart from the mount so that it can be built and served in a test (S3QL builds its
+    Operations the same way): `fs` is the snapshot view it publishes to, left unmounted here;
+    NodeDaemon mounts it. `serve` answers connections until cancelled."""
+
+    def __init__(self, *, state: str | os.PathLike[str], mount: str | os.PathLike[str],
+                 token: bytes, keep: int = KEEP_VERSIONS, node_name: str = "",
+                 addr: str = "", transport: bulk.LocalTransport | None = None,
+                 store_raw: bool = True, encrypt: str = "auto", limits: Limits | None = None,
+                 max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+        if not token:  # anyone who reached the port could run anything as this daemon's user
+            raise ValueError("a daemon needs a token to accept requests: "
+                             + NO_TOKEN_HELP.format(default=default_token_file()))
+        self.token = token
+        # Sessions are always authenticated; encrypted under this policy (transport.encrypts).
+        self.encrypt = encrypt
+        self.limits = limits or Limits()
+        self._log_once = LogOnce(log)  # refused handshakes: a line per peer per minute
+        # What this node offers for chunk payloads (--transport; RDMA only if a device works).
+        self.transport = transport or bulk.LocalTransport("tcp", "tcp", "not probed")
+        # Chunks are kept decompressed: reads then cost a hash, not a decompression (twice the
+        # disk for text-like content). --store-compressed trades read speed for disk.
+        self.store_raw = store_raw
+        self.max_entries = max_entries
+        self.state = Path(state)
+        self.mount = Path(mount)  # where processes find the workspaces ({mount})
+        make_private(self.state)
+        # MONARCH_FS_PACK_MIB: pack file size. A pack is deleted once nothing in it is used,
+        # so smaller packs give space back sooner, for more files.
+        pack_mib = int(os.environ.get("MONARCH_FS_PACK_MIB", PACK_LIMIT >> 20))
+        self.store = Store(self.state / "store", pack_limit=max(1, pack_mib) << 20)
+        self.backing = BackingFiles(self.state / "backing")
+        self.fs = SnapshotFS(self.store.get, self.backing, self.store.get_if_cached)
+        self.node_name = node_name or socket.gethostname()
+        self.addr = addr  # the bound address, once listening
+        self.started = time.time()
+        # What crossed this node since it started: a push's edges carry only what is lacking.
+        self.counters = {"chunks_received": 0, "bytes_received": 0, "chunks_stored": 0,
+                         "chunks_forwarded": 0, "packs_collected": 0, "bytes_collected": 0}
+        self.refs = Refs(self.state / "refs.json")
+        self.publisher = Publisher(self.store, self.refs, self.backing, self.fs, keep=keep,
+                                   max_entries=max_entries, counters=self.counters)
+        self.procs: ProcessTable | None = None  # while serving
+        self.write_limiter = trio.CapacityLimiter(4)  # store write batches in flight, in all
+
+    async def serve(self, listeners: list[trio.SocketListener], *,
+                    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+        """Answer connections on `listeners` until cancelled, then stop every process this
+        node started. Started (with the bound address) once connections are accepted."""
+        if not self.addr:
+            self.addr = _dial_addr(*listeners[0].socket.getsockname()[:2])
+        try:
+            async with trio.open_nursery() as nursery:
+                self.procs = ProcessTable(self.mount, nursery)
+                self.publisher.nursery = nursery
+                await nursery.start(serve_listeners, self._handle, listeners, self.limits, log)
+                task_status.started(self.addr)
+        finally:
+            if self.procs is not None:
+                await self.procs.stop_all()  # no process outlives its daemon
+            self.publisher.nursery = None
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        """One connection: the handshake (with the connection limits' timeout), then a
+        Session. A broken client must never take the daemon down."""
+        try:
+            peer = "%s:%d" % stream.socket.getpeername()[:2]
+        except OSError:
+            peer = "?"
+        try:
+            chan = await accept(stream, self.token, {"node": self.node_name, "addr": self.addr,
+                                                     "max_entries": self.max_entries,
+                                                     **self.transport.info()},
+                                timeout=self.limits.handshake_timeout, encrypt=self.encrypt)
+        except Exception as e:  # a line per peer address per minute, however many attempts
+            if isinstance(e, trio.TooSlowError):
+                why = f"no handshake within {self.limits.handshake_timeout:g}s"
+            else:
+                why = str(e) or type(e).__name__
+            self._log_once(("handshake", peer_host(stream)), logging.WARNING,
+                           "refused connection from %s: %s", peer, why)
+            await trio.aclose_forcefully(stream)
+            return
+        try:
+            await Session.serve(self, chan)
+        except Exception as e:
+            log.warning("connection from %s ended: %s", peer, e)
+        finally:
+            await chan.aclose()
+
+    async def status(self) -> dict:
+        """What `monarch-fs status` shows for this node."""
+        objects, size = await trio.to_thread.run_sync(self.store.usage)
+        backing = await trio.to_thread.run_sync(self.backing.usage)
+        return {
+            "node": self.node_name,
+            "addr": self.addr,
+            "mount": str(self.mount),
+            **self.transport.info(),
+            "pid": os.getpid(),
+            "uptime": round(time.time() - self.started, 1),
+            "store_objects": objects,
+            "store_bytes": size,
+            "fuse": self.fs.open_mode,
+            "backing_files": backing[0],
+            "backing_bytes": backing[1],
+            "backing_writing": self.backing.writing,
+            "backing_waits": self.backing.waits,
+            "backing_error": self.publisher.backing_error,
+            **self.counters,
+            "workspaces": {n: [v.hex() for v in vs] for n, vs in self.refs.workspaces.items()},
+            "problems": self.publisher.all_problems(),
+        }
+

@@ -1,0 +1,231 @@
+"""One authenticated connection to a node: its receive loop, its chunk writes, the relay or
+RDMA channel it set up, and the dispatch of its requests.
+
+Every request goes through one table, ROUTES (op -> request class and handler); the request
+classes (requests.py) say what each op carries. A refusal (RequestError, ValueError,
+ManifestError, SpawnError) goes back as an Error frame with code "refused" and its message as
+is; anything else is logged with its traceback and answered "internal". Either way the session
+goes on: one bad request never ends a connection, and a broken connection never takes the
+daemon down.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from ..fs.manifest import ManifestError
+from . import bulk
+from . import protocol as p
+from .procs import SpawnError, free_port
+from .relay import Relay
+from .requests import (Bulk, Commit, Flush, FreePort, Kill, NodeRequest, Prepare, Remove,
+                       RequestError, Spawn, Status)
+from .requests import Relay as RelayRequest
+from .transport import Channel, ConnectionLost
+from .writes import ChunkWrites
+
+if TYPE_CHECKING:
+    from .service import NodeService
+
+log = logging.getLogger("monarch_fs.daemon")
+
+REFUSED = (RequestError, ValueError, ManifestError, SpawnError)
+
+
+class Session:
+    """The state one connection builds up, living exactly as long as it: the chunks it has in
+    flight to the store, what this node lacks (once asked), its claim on the store (no
+    collect between "what do you lack" and the commit), the relay to the children below it
+    and the RDMA channel its client opened. Processes it started are stopped when it ends."""
+
+    def __init__(self, service: NodeService, chan: Channel, nursery: trio.Nursery) -> None:
+        self.service = service
+        self.publisher = service.publisher
+        self.chan = chan
+        self.nursery = nursery  # this connection's writes, relay senders and RDMA receiver
+        self.counters = service.counters
+        self.writes = ChunkWrites(service.store, raw=service.store_raw,
+                                  counters=service.counters, limiter=service.write_limiter)
+        self.relay: Relay | None = None
+        self.own_missing: set[bytes] | None = None  # what this node lacks, once asked
+        self.claimed = False  # told what this node has: no collect until commit
+        self.bulk_rx: bulk.BulkReceiver | None = None  # an RDMA channel the client opened
+
+    @classmethod
+    async def serve(cls, service: NodeService, chan: Channel) -> None:
+        """Answer `chan` until the peer goes away or breaks the protocol."""
+        async with trio.open_nursery() as nursery:
+            session = cls(service, chan, nursery)
+            try:
+                await session._receive_loop()
+            finally:
+                await session._close()
+                nursery.cancel_scope.cancel()
+
+    async def _receive_loop(self) -> None:
+        while True:
+            try:
+                msg = await self.chan.receive()
+            except ConnectionLost:
+                return  # the peer went away: the normal end of a session
+            except Exception as e:  # a broken or forged frame ends this session only
+                log.warning("session with %s ended: %s", self.chan.peer, e)
+                return
+            if isinstance(msg, p.PutChunk):
+                await self.on_chunk(msg.cid, msg.blob)
+            elif isinstance(msg, p.QueryMissing):
+                await self._query_missing(msg.ids)
+            elif isinstance(msg, p.Request):
+                await self._dispatch(msg)
+
+    async def _close(self) -> None:
+        if self.claimed:
+            self.publisher.release_claim()
+        if self.relay is not None:
+            await self.relay.aclose()
+        if self.bulk_rx is not None:
+            await self.bulk_rx.aclose()
+        await self.service.procs.kill_owned_by(self.chan)  # the controller went away
+        if self.writes.store_failed:  # and did not flush: its writes may still run
+            await self.writes.idle(self.nursery)
+            await self._cut_back_after_failure()
+
+    # ---- chunks ---------------------------------------------------------------------------
+
+    async def on_chunk(self, cid: bytes, blob: bytes | memoryview) -> None:
+        """A chunk arrived (a PutChunk frame or over RDMA): forward it to the children whose
+        subtrees lack it, and store it if this node lacks it."""
+        self.counters["chunks_received"] += 1
+        self.counters["bytes_received"] += len(blob)
+        if self.relay is not None:
+            await self.relay.forward(cid, blob)
+        if self.own_missing is None or cid in self.own_missing:
+            await self.writes.start(self.nursery, p.PutChunk(cid, blob))
+
+    async def _query_missing(self, ids: list[bytes]) -> None:
+        own = await self.publisher.missing(ids)
+        if not self.claimed:
+            self.claimed = True
+            self.publisher.claim()
+        self.own_missing = set(own)
+        below = await self.relay.query(ids) if self.relay is not None else set()
+        await self.chan.send(p.MissingIds([i for i in ids if i in self.own_missing
+                                           or i in below]))
+
+    async def _cut_back_after_failure(self) -> None:
+        """After this session failed to store a chunk, give back what it stored (see
+        Publisher.cut_back); once per failure."""
+        if self.writes.store_failed:
+            self.writes.store_failed = False
+            await self.publisher.cut_back()
+
+    # ---- requests -------------------------------------------------------------------------
+
+    async def _dispatch(self, msg: p.Request) -> None:
+        route = ROUTES.get(msg.op)
+        try:
+            if route is None or route[0].after_chunks:
+                await self.writes.idle(self.nursery)  # a request sees every chunk before it
+                self.writes.raise_first()
+            if route is None:
+                raise RequestError(f"unknown request {msg.op!r}")
+            kind, handler = route
+            value = await handler(self, kind.parse(msg.args))
+        except REFUSED as e:
+            await self.chan.send(p.Error(str(e), code="refused", id=msg.id))
+        except Exception as e:
+            log.exception("request %s failed", msg.op)
+            await self.chan.send(p.Error(f"internal error: {e!r}", code="internal", id=msg.id))
+        else:
+            await self.chan.send(p.Reply(msg.id, value))
+
+    async def _status(self, req: Status) -> dict:
+        return await self.service.status()
+
+    async def _prepare(self, req: Prepare) -> dict:
+        return await self.publisher.prepare(req.name, req.version)
+
+    async def _commit(self, req: Commit) -> dict:
+        value = await self.publisher.commit(req.name, req.version)
+        if self.claimed:  # what it has is now retained
+            self.claimed = False
+            self.publisher.release_claim()
+        else:
+            self.publisher.start_collect()
+        return value
+
+    async def _remove(self, req: Remove) -> dict:
+        return await self.publisher.remove(req.name, self.service.procs.pinned_to)
+
+    async def _relay(self, req: RelayRequest) -> dict:
+        s = self.service
+        self.relay = Relay(s.token, req.children, req.timeout, self.nursery, self.counters,
+                           s.transport, s.encrypt)
+        return {"failed": await self.relay.open()}
+
+    async def _flush(self, req: Flush) -> dict:
+        bulk_error = None  # RDMA chunks are not ordered with this request
+        if self.bulk_rx is not None:
+            bulk_error = await self.bulk_rx.wait_delivered(req.bulk_chunks)
+        await self.writes.idle(self.nursery)
+        await self._cut_back_after_failure()
+        failed = await self.relay.flush() if self.relay is not None else {}
+        if self.writes.errors:
+            failed[""] = self.writes.errors[0]  # "" is this node, as its parent names it
+        if bulk_error:
+            failed[""] = f"rdma: {bulk_error}"
+        return {"failed": failed}
+
+    async def _bulk(self, req: Bulk) -> dict:
+        try:  # an RDMA channel for chunk payloads; control stays here
+            self.bulk_rx, value = bulk.accept_receiver(self.service.transport, req.setup,
+                                                       self.on_chunk, self.nursery,
+                                                       self.chan.conn.bulk_key)
+        except Exception as e:
+            raise RequestError(f"bulk: {e}") from None
+        return value
+
+    async def _spawn(self, req: Spawn) -> dict:
+        pin = None
+        if req.workspace:
+            try:
+                version = self.publisher.served_version(req.workspace, req.version)
+            except LookupError as e:
+                raise SpawnError(str(e)) from None
+            pin = str(self.service.mount / ".versions" / req.workspace / version.hex())
+
+        async def emit(kind: str, data: dict) -> None:
+            await self.chan.send(p.Event(kind, data))
+
+        return await self.service.procs.spawn(self.chan, emit, req.spec, pin,
+                                              workspace=req.workspace if pin else "")
+
+    async def _kill(self, req: Kill) -> dict:
+        self.service.procs.kill(self.chan, req.proc, req.signal)
+        return {}
+
+    async def _free_port(self, req: FreePort) -> dict:
+        return {"port": free_port()}
+
+
+Handler = Callable[[Session, Any], Awaitable[dict]]
+
+# The one dispatch table: every op a node answers, its request class and its handler.
+ROUTES: dict[str, tuple[type[NodeRequest], Handler]] = {
+    kind.op: (kind, handler) for kind, handler in [
+        (Status, Session._status),
+        (Prepare, Session._prepare),
+        (Commit, Session._commit),
+        (Remove, Session._remove),
+        (RelayRequest, Session._relay),
+        (Flush, Session._flush),
+        (Bulk, Session._bulk),
+        (Spawn, Session._spawn),
+        (Kill, Session._kill),
+        (FreePort, Session._free_port),
+    ]
+}

@@ -1,0 +1,97 @@
+"""Chunk writes of one connection: verified and stored in batches on worker threads."""
+
+from __future__ import annotations
+
+import trio
+
+from ..fs.chunk import CorruptChunk
+from ..fs.store import Store
+from . import protocol as p
+from .requests import RequestError
+
+WRITE_BATCH_BYTES = 4 << 20
+WRITE_BATCH_CHUNKS = 256
+
+
+class StoreFailed(RequestError):
+    """A chunk could not be written to the store (a full disk, say)."""
+
+
+class ChunkWrites:
+    """The store writes one connection has in flight, and the errors they met.
+
+    Chunks are verified and written in batches on worker threads: for a tree of small files a
+    thread hop per chunk costs more than the write. A batch goes out when it holds
+    WRITE_BATCH_BYTES or WRITE_BATCH_CHUNKS, or when the connection waits for `idle`; the
+    daemon-wide limiter bounds the batches in flight, which bounds memory and pushes back on
+    the sender."""
+
+    def __init__(self, store: Store, *, raw: bool, counters: dict[str, int],
+                 limiter: trio.CapacityLimiter) -> None:
+        self.store = store
+        self.raw = raw  # keep chunks decompressed (NodeService.store_raw)
+        self.counters = counters
+        self.limiter = limiter
+        self.pending = 0
+        self.errors: list[str] = []
+        self.store_failed = False  # a write failed: what this push stored is given back
+        self._batch: list[p.PutChunk] = []
+        self._batch_bytes = 0
+        self._idle = trio.Event()
+        self._idle.set()
+
+    async def start(self, nursery: trio.Nursery, msg: p.PutChunk) -> None:
+        self._batch.append(msg)
+        self._batch_bytes += len(msg.blob)
+        if self._batch_bytes >= WRITE_BATCH_BYTES or len(self._batch) >= WRITE_BATCH_CHUNKS:
+            await self._launch(nursery)
+
+    async def _launch(self, nursery: trio.Nursery) -> None:
+        batch, self._batch, self._batch_bytes = self._batch, [], 0
+        token = object()
+        await self.limiter.acquire_on_behalf_of(token)
+        self.pending += 1
+        self._idle = trio.Event() if self.pending == 1 else self._idle
+        nursery.start_soon(self._run, token, batch)
+
+    def _put(self, msg: p.PutChunk) -> bool:
+        try:
+            return self.store.put_blob(msg.cid, msg.blob, raw=self.raw)
+        except CorruptChunk as e:
+            raise RequestError(f"rejected {e}") from None
+        except OSError as e:
+            raise StoreFailed(f"cannot store chunk {msg.cid.hex()}: {e.strerror or e}") from None
+
+    def _put_all(self, batch: list[p.PutChunk]) -> tuple[int, list[str], bool]:
+        stored, errors, store_failed = 0, [], False
+        for msg in batch:
+            try:
+                stored += self._put(msg)
+            except RequestError as e:
+                errors.append(str(e))
+                store_failed |= isinstance(e, StoreFailed)
+        return stored, errors, store_failed
+
+    async def _run(self, token: object, batch: list[p.PutChunk]) -> None:
+        try:
+            stored, errors, store_failed = await trio.to_thread.run_sync(self._put_all, batch)
+            self.counters["chunks_stored"] += stored
+            self.errors += errors
+            self.store_failed |= store_failed
+        finally:
+            self.limiter.release_on_behalf_of(token)
+            self.pending -= 1
+            if self.pending == 0:
+                self._idle.set()
+
+    async def idle(self, nursery: trio.Nursery) -> None:
+        """Wait until every chunk received so far is stored (or has failed)."""
+        if self._batch:
+            await self._launch(nursery)
+        await self._idle.wait()
+
+    def raise_first(self) -> None:
+        """Refuse the request at hand if a chunk of this connection could not be stored."""
+        if self.errors:
+            more = f" (and {len(self.errors) - 1} more)" if len(self.errors) > 1 else ""
+            raise RequestError(self.errors[0] + more)

@@ -1,0 +1,213 @@
+"""The node service without a mount (daemon/service.py, session.py, publisher.py, requests.py):
+real NodeServices on loopback listeners in this process, driven by the real push client and
+the real protocol. No FUSE: the snapshot view each service publishes to stays unmounted, so
+these tests need no root and no /dev/fuse, and what they check is what a mounted daemon does
+(its own tests, test_sync.py and the rest, drive it through the command line)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import trio
+
+from monarch_fs.daemon import protocol as p
+from monarch_fs.daemon.push import push
+from monarch_fs.daemon.requests import (Bulk, Commit, Flush, FreePort, Kill, Prepare, Relay,
+                                        Remove, RequestError, Spawn, Status)
+from monarch_fs.daemon.service import NodeService, open_listeners
+from monarch_fs.daemon.session import ROUTES
+from monarch_fs.daemon.transport import RemoteError, connect
+from monarch_fs.fs import chunk
+from monarch_fs.fs.manifest import Entry, Kind, Manifest
+from monarch_fs.mesh.loop import service_nursery
+
+TOKEN = b"service-test-token-0123456789abc"
+
+
+@asynccontextmanager
+async def serving(tmp_path: Path, n: int = 1):
+    """n NodeServices answering on 127.0.0.1:<a free port>, stopped when the block ends."""
+    async with service_nursery() as nursery:
+        nodes = []
+        for i in range(n):
+            node = NodeService(state=tmp_path / f"node-{i}" / "state",
+                               mount=tmp_path / f"node-{i}" / "mnt", token=TOKEN,
+                               node_name=f"node-{i}")
+            await node.publisher.load()
+            listeners, _ = await open_listeners("127.0.0.1:0")
+            await nursery.start(node.serve, listeners)
+            nodes.append(node)
+        yield nodes
+
+
+def write_tree(root: Path, files: dict[str, bytes]) -> None:
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+
+
+def served_bytes(node: NodeService, workspace: bytes, path: bytes) -> bytes:
+    """A file of the current version as the (unmounted) view would serve it: its entry's
+    chunks, read back from the store."""
+    entry = node.fs.workspaces[workspace][0].entries[path]
+    return b"".join(bytes(node.store.get(c)) for c in entry.chunks)
+
+
+async def test_a_push_through_the_real_client_is_published_without_a_mount(tmp_path):
+    """push() along a chain of two services: both hold every chunk, publish the version in
+    their refs (saved) and their view, and report it in status; a second push keeps the
+    first version as the previous one."""
+    src = tmp_path / "app"
+    files = {"a.txt": b"hello", "sub/b.bin": bytes(range(256)) * 300, "empty": b""}
+    write_tree(src, files)
+    async with serving(tmp_path, 2) as nodes:
+        with trio.fail_after(30):
+            first = await push(src, [n.addr for n in nodes], TOKEN, topology_kind="chain",
+                               transport="tcp")
+        assert first.nodes == 2 and first.topology == "chain"
+        assert nodes[0].counters["chunks_forwarded"] > 0  # the relay really ran
+        (src / "a.txt").write_bytes(b"hello again")
+        with trio.fail_after(30):
+            second = await push(src, [n.addr for n in nodes], TOKEN, topology_kind="chain",
+                               transport="tcp")
+        for node in nodes:
+            chan = await connect(node.addr, TOKEN)
+            async with chan:
+                status = await chan.request("status")
+            assert status["node"] == node.node_name and status["addr"] == node.addr
+            assert status["fuse"] == "not mounted"
+            assert status["workspaces"] == {"app": [second.version, first.version]}
+            assert status["problems"] == []
+            saved = json.loads((node.state / "refs.json").read_text())
+            assert saved == {"workspaces": {"app": [second.version, first.version]}}
+            assert served_bytes(node, b"app", b"a.txt") == b"hello again"
+            assert served_bytes(node, b"app", b"sub/b.bin") == files["sub/b.bin"]
+            assert served_bytes(node, b"app", b"empty") == b""
+            versions = [t.hex for t in node.fs.workspaces[b"app"]]
+            assert versions == [second.version, first.version]
+
+
+def manifest_of(data: bytes) -> tuple[Manifest, dict[bytes, bytes]]:
+    cid = chunk.chunk_id(data)
+    m = Manifest([Entry(b"", Kind.DIR, 0o755, 0, 0),
+                  Entry(b"f", Kind.FILE, 0o644, len(data), 0, chunks=(cid,))])
+    return m, {cid: chunk.encode(data)}
+
+
+async def send_version(chan, data: bytes) -> str:
+    """Stage a one-file version by hand (its chunk and its manifest); returns its id."""
+    m, blobs = manifest_of(data)
+    encoded = m.encode()
+    for cid, blob in {**blobs, chunk.chunk_id(encoded): chunk.encode(encoded)}.items():
+        await chan.send(p.PutChunk(cid, blob))
+    return chunk.chunk_id(encoded).hex()
+
+
+async def test_prepare_commit_and_remove_over_the_protocol(tmp_path):
+    async with serving(tmp_path) as [node]:
+        chan = await connect(node.addr, TOKEN)
+        async with chan:
+            v1 = await send_version(chan, b"one")
+            assert await chan.request("prepare", name="ws", version=v1) == {"prepared": v1}
+            assert await chan.request("commit", name="ws", version=v1) == {
+                "version": v1, "previous": None}
+            v2 = await send_version(chan, b"two")  # a commit without a prepare prepares
+            assert await chan.request("commit", name="ws", version=v2) == {
+                "version": v2, "previous": v1}
+            assert served_bytes(node, b"ws", b"f") == b"two"
+            assert node.refs.workspaces == {"ws": [bytes.fromhex(v2), bytes.fromhex(v1)]}
+            assert await chan.request("remove", name="ws") == {"versions": [v2, v1]}
+            assert (await chan.request("status"))["workspaces"] == {}
+            assert node.fs.workspaces == {}
+            assert json.loads((node.state / "refs.json").read_text()) == {"workspaces": {}}
+
+
+async def test_a_process_runs_and_reports_without_a_mount(tmp_path):
+    async with serving(tmp_path) as [node]:
+        chan = await connect(node.addr, TOKEN)
+        async with chan:
+            port = (await chan.request("free_port"))["port"]
+            assert 0 < port < 65536
+            started = await chan.request("spawn", argv=[sys.executable, "-c", "print('hi')"])
+            assert started["proc"] >= 1
+            events = list(chan.events)
+            with trio.fail_after(30):
+                while not any(e.kind == "exit" for e in events):
+                    events.append(await chan.receive())
+            lines = [line for e in events if e.kind == "output" for line in e.data["lines"]]
+            assert lines == ["hi"]
+            [exit_event] = [e for e in events if e.kind == "exit"]
+            assert exit_event.data["proc"] == started["proc"]
+
+
+@pytest.mark.parametrize("op, args, message", [
+    ("prepare", {"name": "ws"}, "prepare: name and version are required"),
+    ("commit", {"name": "ws", "version": "xyz"}, "commit: bad version 'xyz'"),
+    ("prepare", {"name": ".hidden", "version": "00"}, "invalid workspace name '.hidden'"),
+    ("prepare", {"name": "ws", "version": "ab" * 16}, "manifest not received"),
+    ("remove", {}, "remove: a workspace name is required"),
+    ("remove", {"name": "nope"}, "no workspace 'nope' on this node"),
+    ("nope", {}, "unknown request 'nope'"),
+    ("kill", {"proc": "x"}, "kill: proc must be an integer, not 'x'"),
+    ("kill", {"proc": 5}, "no process 5 of this connection is running"),
+    ("spawn", {"argv": ["true"], "workspace": "nope"},
+     "no workspace 'nope' on this node; push it first"),
+    ("spawn", {"argv": []}, "spawn: argv must be a non-empty list of strings"),
+    ("relay", {"children": [{"port": 1}]}, "relay: children must be a list of {addr, children}"),
+    ("bulk", {"kind": "rc"}, "bulk: this node does not offer RDMA"),
+    ("flush", {"bulk_chunks": [1]}, "flush: bulk_chunks must be an integer, not [1]"),
+])
+async def test_bad_requests_are_refused_clearly_and_the_session_goes_on(tmp_path, op, args,
+                                                                         message):
+    async with serving(tmp_path) as [node]:
+        chan = await connect(node.addr, TOKEN)
+        async with chan:
+            with pytest.raises(RemoteError) as e:
+                await chan.request(op, **args)
+            assert e.value.code == "refused"
+            assert message in e.value.message, e.value.message
+            assert (await chan.request("status"))["node"] == "node-0"
+
+
+async def test_a_corrupt_chunk_refuses_the_requests_after_it(tmp_path):
+    """A request sees every chunk sent before it: a chunk that does not match its id refuses
+    the prepare (and status) that follow, and is not stored; flush reports it as this node's."""
+    async with serving(tmp_path) as [node]:
+        chan = await connect(node.addr, TOKEN)
+        async with chan:
+            cid = chunk.chunk_id(b"real")
+            await chan.send(p.PutChunk(cid, chunk.encode(b"fake")))
+            for op, args in [("prepare", {"name": "ws", "version": "ab" * 16}),
+                             ("status", {})]:
+                with pytest.raises(RemoteError, match="does not match its id"):
+                    await chan.request(op, **args)
+            failed = (await chan.request("flush"))["failed"]
+            assert list(failed) == [""] and "does not match its id" in failed[""]
+        assert node.store.missing([cid]) == [cid]
+
+
+def test_every_op_has_one_route_and_parses_its_arguments():
+    assert set(ROUTES) == {"status", "prepare", "commit", "remove", "relay", "flush", "bulk",
+                           "spawn", "kill", "free_port"}
+    version = "ab" * 16
+    assert Prepare.parse({"name": "ws", "version": version}) == Prepare(
+        "ws", bytes.fromhex(version))
+    assert Commit.parse({"name": "ws", "version": version}).op == "commit"
+    assert Remove.parse({"name": "ws"}) == Remove("ws")
+    assert Status.parse({}) == Status() and FreePort.parse({}) == FreePort()
+    assert Relay.parse({}) == Relay([], 60.0)
+    assert Relay.parse({"children": [{"addr": "h:1"}], "timeout": 5}).timeout == 5.0
+    assert Flush.parse({}) == Flush(0) and Flush.parse({"bulk_chunks": 3}) == Flush(3)
+    assert Kill.parse({"proc": 2}) == Kill(2, 15)
+    assert Bulk.parse({"kind": "rc", "qp": {}}).setup == {"kind": "rc", "qp": {}}
+    spawn = Spawn.parse({"argv": ["x"], "workspace": "ws", "version": version})
+    assert (spawn.workspace, spawn.version) == ("ws", bytes.fromhex(version))
+    assert Spawn.parse({"argv": ["x"]}).version is None
+    for kind, args in [(Prepare, {"name": 1, "version": version}), (Relay, {"timeout": "x"}),
+                       (Bulk, {}), (Kill, {"proc": None}), (Spawn, {"workspace": 3})]:
+        with pytest.raises((RequestError, ValueError)):
+            kind.parse(args)
