@@ -193,7 +193,7 @@ def chain_case(args: argparse.Namespace) -> list[dict]:
                     cluster.down(d / "cluster")
                     shutil.rmtree(d / "cluster", ignore_errors=True)  # empty stores every run
                     hosts = cluster.up(args.nodes, d / "cluster")
-                    cmd = [sys.executable, "-m", "monarch_fs.daemon.cli", "push", str(src),
+                    cmd = [sys.executable, "-m", "monarch_fs.cli", "push", str(src),
                            "--hosts", ",".join(hosts), "--token-file",
                            str(d / "cluster" / "token"), "--topology", "chain", "--json",
                            "--no-cache", "--transport", transport]

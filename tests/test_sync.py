@@ -277,7 +277,7 @@ def test_restarted_daemon_serves_last_version_without_push(fresh_cluster, tmp_pa
     # Start a daemon on the same state: it serves v2 at once.
     nd = c.dir / "node-0"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "monarch_fs.daemon.cli", "daemon", "--listen", "127.0.0.1:0",
+        [sys.executable, "-m", "monarch_fs.cli", "daemon", "--listen", "127.0.0.1:0",
          "--mount", str(nd / "mnt"), "--state", str(nd / "state"),
          "--token-file", c.token_file, "--ready-file", str(nd / "ready2")],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
