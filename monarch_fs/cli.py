@@ -18,6 +18,7 @@ import trio
 from .daemon import cluster
 from .fs.manifest import DEFAULT_MAX_ENTRIES
 from .fs.scan import SourceChanged
+from .settings import settings
 from .daemon.bulk import TRANSPORTS, resolve_local
 from .daemon.auth import TokenError, default_token_file, home_dir, resolve_token, write_new_token
 from .daemon.hosts import HostsError, parse_hosts
@@ -73,8 +74,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
                         keep=args.keep, node_name=args.node_name, transport=transport,
                         store_raw=not args.store_compressed, encrypt=args.encrypt,
                         limits=limits,
-                        max_entries=args.max_entries or int(os.environ.get(
-                            "MONARCH_FS_MAX_ENTRIES", DEFAULT_MAX_ENTRIES)))
+                        max_entries=args.max_entries or settings.max_entries)
     trio.run(lambda: daemon.run(ready_file=args.ready_file))
     return 0
 
