@@ -25,7 +25,8 @@ with its last process), then deletes the bridge, the veths and the namespaces: a
 raised. Every wait is bounded.
 
 This module is a helper, not a test file: `from netns import NetCluster` from tests (pytest puts
-tests/ on sys.path), or insert tests/ into sys.path from a bench script.
+tests/ on sys.path), `from tests.netns import NetCluster` from bench/ (run as `python -m bench.X`
+from the repository root, which puts the root on sys.path).
 """
 
 from __future__ import annotations
