@@ -16,16 +16,16 @@ from pathlib import Path
 import trio
 
 from .daemon import cluster
-from .fs.manifest import DEFAULT_MAX_ENTRIES
-from .fs.scan import SourceChanged
-from .settings import settings
-from .daemon.bulk import TRANSPORTS, resolve_local
 from .daemon.auth import TokenError, default_token_file, home_dir, resolve_token, write_new_token
+from .daemon.bulk import TRANSPORTS, resolve_local
 from .daemon.hosts import HostsError, parse_hosts
 from .daemon.limits import Limits
 from .daemon.push import Progress, PushError, fmt_bytes, push, workspace_name
 from .daemon.status import remove, status
 from .daemon.transport import ENCRYPT_POLICIES
+from .fs.manifest import DEFAULT_MAX_ENTRIES
+from .fs.scan import SourceChanged
+from .settings import settings
 
 log = logging.getLogger("monarch_fs")
 TRANSPORT_HELP = ("how chunk payloads travel: auto (RDMA when both ends have a usable device, "
