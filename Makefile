@@ -55,9 +55,9 @@ demo: $(STAMP)
 # BENCH_ARGS=--quick for a 1-2 minute smoke run. FANOUT=1 adds the fan-out
 # benchmark (network namespaces, root; several more minutes, so not in the default budget).
 bench: $(STAMP)
-	$(PY) bench/run_all.py $(BENCH_ARGS)
+	$(PY) -m bench.run_all $(BENCH_ARGS)
 	@if [ -n "$(FANOUT)" ]; then \
-	  if [ "$$(id -u)" = 0 ]; then $(PY) bench/fanout_bench.py; \
+	  if [ "$$(id -u)" = 0 ]; then $(PY) -m bench.fanout_bench; \
 	  else echo "fanout_bench: skipped (network namespaces need root)"; fi; \
 	fi
 

@@ -2,8 +2,8 @@
 through the real CLI, dropping the page cache, timing and medians, the daemon's own figures
 (counters on the mount, peak RSS, CPU time) and the facts of the machine a run came from.
 
-The modules in bench/ are scripts, not a package: each puts this folder on sys.path (running
-`python bench/x.py` does that by itself) and imports `common`.
+bench/ is a package: run a module from the repository root as `python -m bench.NAME` (which
+also makes the network-namespace harness importable as `tests.netns`).
 """
 
 from __future__ import annotations

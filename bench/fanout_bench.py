@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Fan-out benchmark: one push to N real hosts (network namespaces), star vs chain vs tree.
 
-    .venv/bin/python bench/fanout_bench.py                      # 500 MB, N = 1,2,4,8, 200mbit
-    .venv/bin/python bench/fanout_bench.py --payload-mb 50 --nodes 1,4 --topologies chain
+    .venv/bin/python -m bench.fanout_bench                      # 500 MB, N = 1,2,4,8, 200mbit
+    .venv/bin/python -m bench.fanout_bench --payload-mb 50 --nodes 1,4 --topologies chain
 
 Every node is a real daemon in its own network and mount namespace (tests/netns.py), joined to
 the dev box by a switch whose every link is limited to --rate in each direction. That makes the
@@ -49,13 +49,10 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))  # the namespace harness lives with the tests
-sys.path.insert(0, str(REPO / "bench"))
+from tests.netns import NetCluster, NetnsUnsupported, rate_bytes_per_second
 
-import fanout_model as model  # noqa: E402
-from common import CLK_TCK, MiB, BenchError  # noqa: E402
-from netns import NetCluster, NetnsUnsupported, rate_bytes_per_second  # noqa: E402
+from . import fanout_model as model
+from .common import CLK_TCK, REPO, BenchError, MiB
 
 FILE_BYTES = 64 * MiB  # payload file size: 16 chunks each
 WORKSPACE = "payload"

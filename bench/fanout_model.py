@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """How long a push takes to reach N nodes, from the link bandwidth, not from a run.
 
-    .venv/bin/python bench/fanout_model.py                       # 1..1024 nodes, defaults
-    .venv/bin/python bench/fanout_model.py --nodes 8,1024 --rate 10gbit --payload-mb 5000
-    .venv/bin/python bench/fanout_model.py --check bench/results/fanout-DATE.json
+    .venv/bin/python -m bench.fanout_model                       # 1..1024 nodes, defaults
+    .venv/bin/python -m bench.fanout_model --nodes 8,1024 --rate 10gbit --payload-mb 5000
+    .venv/bin/python -m bench.fanout_model --check bench/results/fanout-DATE.json
 
 The model
 ---------
@@ -70,10 +70,8 @@ import json
 import statistics
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # tc rate units
-from netns import rate_bytes_per_second  # noqa: E402
+from tests.netns import rate_bytes_per_second  # tc's rate units
 
 MiB = 1024 * 1024
 CHUNK = 4 * MiB  # fs/chunk.py CHUNK_SIZE

@@ -2,7 +2,7 @@
 """`import torch` from a pushed virtualenv: the mount of a 1-node local cluster vs the same
 venv on local disk, first import after the publish (cold) and warm.
 
-    .venv/bin/python bench/import_bench.py [--module torch] [--cold-runs 3] [--warm-runs 5]
+    .venv/bin/python -m bench.import_bench [--module torch] [--cold-runs 3] [--warm-runs 5]
 
 The venv is the project's own (.venv: torch 2.13 CPU and the test dependencies, ~960 MB, ~23k
 files), staged once into the cache folder: copied without its __pycache__ folders (the test
@@ -40,9 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import (run_in_work, DEFAULT_CACHE, REPO, BenchError, LocalCluster, Observed,  # noqa: E402
+from .common import (run_in_work, DEFAULT_CACHE, REPO, BenchError, LocalCluster, Observed,
                     PageCache, fmt_bytes, log, own_disk_kib, rounds,
                     run, summary)
 

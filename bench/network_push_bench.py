@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Cold push over a network: `monarch-fs push` to N hosts vs `rsync -a` to each of them.
 
-    .venv/bin/python bench/network_push_bench.py                    # 512 MB tree, N=3, 1gbit
-    .venv/bin/python bench/network_push_bench.py --nodes 1,3 --rate 400mbit --size-mb 256
+    .venv/bin/python -m bench.network_push_bench                    # 512 MB tree, N=3, 1gbit
+    .venv/bin/python -m bench.network_push_bench --nodes 1,3 --rate 400mbit --size-mb 256
 
 push_bench.py compares against rsync into local folders, which costs rsync no network at all.
 What a user actually does is rsync from the dev box to every node, over links. This benchmark
@@ -47,14 +47,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))  # the namespace harness lives with the tests
-sys.path.insert(0, str(REPO / "bench"))
+from tests.netns import NetCluster, NetnsUnsupported
 
-from common import (DEFAULT_CACHE, RESULTS, BenchError, fmt_bytes, log,  # noqa: E402
-                    machine_facts, median)
-from netns import NetCluster, NetnsUnsupported  # noqa: E402
-from push_bench import ensure_tree  # noqa: E402
+from .common import (DEFAULT_CACHE, RESULTS, BenchError, fmt_bytes, log, machine_facts, median)
+from .push_bench import ensure_tree
 
 RSYNC_PORT = 8730
 # Cold pushes per host count and encryption mode, alternating, reported as medians: a 2-core VM

@@ -2,8 +2,8 @@
 """Push benchmark: how long `monarch-fs push` takes to put a Python-environment-like tree on N
 nodes, next to what people do today (rsync, tar | zstd | tar), in the same run on the same disk.
 
-    .venv/bin/python bench/push_bench.py [--size-mb 1024] [--nodes 3] [--out bench/results]
-    .venv/bin/python bench/push_bench.py --clean      # remove the cached generated trees
+    .venv/bin/python -m bench.push_bench [--size-mb 1024] [--nodes 3] [--out bench/results]
+    .venv/bin/python -m bench.push_bench --clean      # remove the cached generated trees
 
 `make bench` runs it through bench/run_all.py (`measure()`, 512 MB by default there).
 
@@ -48,9 +48,10 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from common import (DEFAULT_CACHE, MiB, BenchError, PageCache,  # noqa: E402
-                    fmt_bytes, last_json, machine_facts, mfs_cli, remove_work, run, sync)
 from monarch_fs.daemon import cluster
+
+from .common import (DEFAULT_CACHE, MiB, BenchError, PageCache,
+                     fmt_bytes, last_json, machine_facts, mfs_cli, remove_work, run, sync)
 
 GENERATOR_VERSION = 1
 SMALL_FRACTION = 0.25

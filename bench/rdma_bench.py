@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """RDMA-vs-TCP throughput of chunk transfer, for RDMA hosts (it runs the TCP half anywhere).
 
-    .venv/bin/python bench/rdma_bench.py                       # both cases, on this host
-    .venv/bin/python bench/rdma_bench.py --size-mb 1024 --json bench/results/rdma.json
+    .venv/bin/python -m bench.rdma_bench                       # both cases, on this host
+    .venv/bin/python -m bench.rdma_bench --size-mb 1024 --json bench/results/rdma.json
     # across two hosts: on B               on A
-    .venv/bin/python bench/rdma_bench.py --serve 0.0.0.0:7100 --token-file T
-    .venv/bin/python bench/rdma_bench.py --peer B:7100 --token-file T --case pair
+    .venv/bin/python -m bench.rdma_bench --serve 0.0.0.0:7100 --token-file T
+    .venv/bin/python -m bench.rdma_bench --peer B:7100 --token-file T --case pair
 
 Two cases:
 
@@ -193,7 +193,7 @@ def chain_case(args: argparse.Namespace) -> list[dict]:
                     cluster.down(d / "cluster")
                     shutil.rmtree(d / "cluster", ignore_errors=True)  # empty stores every run
                     hosts = cluster.up(args.nodes, d / "cluster")
-                    cmd = [sys.executable, "-m", "monarch_fs.daemon.cli", "push", str(src),
+                    cmd = [sys.executable, "-m", "monarch_fs.cli", "push", str(src),
                            "--hosts", ",".join(hosts), "--token-file",
                            str(d / "cluster" / "token"), "--topology", "chain", "--json",
                            "--no-cache", "--transport", transport]

@@ -2,7 +2,7 @@
 """Sequential read of one large file: the mount of a 1-node local cluster vs the same file on
 local disk, with the page cache dropped (cold) and warm.
 
-    .venv/bin/python bench/read_bench.py [--size-mb 1024] [--cold-runs 3] [--warm-runs 5]
+    .venv/bin/python -m bench.read_bench [--size-mb 1024] [--cold-runs 3] [--warm-runs 5]
 
 The file stands for a large shared library (libtorch_cpu.so is ~400 MB): every 1 MiB block is
 fresh seeded random bytes (random.Random(0), so no two chunks deduplicate), three blocks in four
@@ -30,11 +30,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import xxhash
 
-import xxhash  # noqa: E402
-
-from common import (run_in_work, DEFAULT_CACHE, MiB, BenchError, LocalCluster, Observed,  # noqa: E402
+from .common import (run_in_work, DEFAULT_CACHE, MiB, BenchError, LocalCluster, Observed,
                     PageCache, log, own_disk_kib, rounds,
                     summary)
 

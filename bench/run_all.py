@@ -2,9 +2,9 @@
 """The benchmark suite behind `make bench`: monarch-fs next to what users would do instead, in
 the same run on the same machine, as ratios.
 
-    .venv/bin/python bench/run_all.py             # the full suite (under 10 minutes on 2 cores)
-    .venv/bin/python bench/run_all.py --quick     # a smoke run of every workload (~1-2 minutes)
-    .venv/bin/python bench/run_all.py --only read,tree
+    .venv/bin/python -m bench.run_all             # the full suite (under 10 minutes on 2 cores)
+    .venv/bin/python -m bench.run_all --quick     # a smoke run of every workload (~1-2 minutes)
+    .venv/bin/python -m bench.run_all --only read,tree
 
 Workloads, one module each (each also runs on its own; see its docstring for the rules):
 
@@ -40,16 +40,11 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tests.netns import NetnsUnsupported
 
-import import_bench  # noqa: E402
-import network_push_bench  # noqa: E402
-import push_bench  # noqa: E402
-import read_bench  # noqa: E402
-import tree_bench  # noqa: E402
-from common import (DEFAULT_CACHE, REPO, RESULTS, CpuMeter, PageCache,  # noqa: E402
-                    fmt_bytes, loadavg, log, machine_facts, remove_work)
-from netns import NetnsUnsupported  # noqa: E402  (network_push_bench put tests/ on the path)
+from . import import_bench, network_push_bench, push_bench, read_bench, tree_bench
+from .common import (DEFAULT_CACHE, REPO, RESULTS, CpuMeter, PageCache,
+                     fmt_bytes, loadavg, log, machine_facts, remove_work)
 
 WORKLOADS = ("push", "read", "import", "tree", "netpush")
 README_BEGIN = "<!-- bench:begin (bench/run_all.py rewrites this section) -->"

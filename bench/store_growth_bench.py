@@ -2,7 +2,7 @@
 """How much disk a node's chunk store takes after many pushes of small edits, next to what the
 versions it keeps need.
 
-    .venv/bin/python bench/store_growth_bench.py [--pushes 16] [--files 256] [--edit 25]
+    .venv/bin/python -m bench.store_growth_bench [--pushes 16] [--files 256] [--edit 25]
 
 A tree of `files` random 256 KiB files (incompressible, so stored bytes are file bytes) is pushed
 to a 1-node local cluster `pushes` times, `edit` files rewritten before each push, with 16 MiB
@@ -23,9 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import LocalCluster, fmt_bytes, log, run  # noqa: E402
+from .common import LocalCluster, fmt_bytes, log, run
 
 FILE_SIZE = 256 * 1024
 KEEP = 3  # versions a node keeps (daemon default)

@@ -3,7 +3,7 @@
 1-node local cluster vs the same tree on local disk, cold and warm; and the node daemon's peak
 memory while it serves that snapshot.
 
-    .venv/bin/python bench/tree_bench.py [--files 100000] [--cold-runs 3] [--warm-runs 5]
+    .venv/bin/python -m bench.tree_bench [--files 100000] [--cold-runs 3] [--warm-runs 5]
 
 The tree is generated once into the cache folder, deterministically (random.Random(0)): 100
 files per folder in folders three levels deep (10 x 10 x 10 for 100k files), like an unpacked
@@ -32,9 +32,7 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import (run_in_work, DEFAULT_CACHE, BenchError, LocalCluster, Observed, PageCache,  # noqa: E402
+from .common import (run_in_work, DEFAULT_CACHE, BenchError, LocalCluster, Observed, PageCache,
                     log, own_disk_kib, rounds, run, summary)
 
 GENERATOR_VERSION = 1

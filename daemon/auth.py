@@ -14,8 +14,7 @@ import os
 import secrets
 from pathlib import Path
 
-TOKEN_ENV = "MONARCH_FS_TOKEN_FILE"
-HOME_ENV = "MONARCH_FS_HOME"
+from ..settings import settings
 
 
 class TokenError(Exception):
@@ -32,7 +31,7 @@ NO_TOKEN_HELP = ("pass --token-file F or set $MONARCH_FS_TOKEN_FILE; `monarch-fs
 
 def home_dir() -> Path:
     """$MONARCH_FS_HOME, else ~/.monarch-fs: the local cluster, its token, the scan caches."""
-    return Path(os.environ.get(HOME_ENV, "~/.monarch-fs")).expanduser()
+    return settings.home
 
 
 def default_token_file() -> Path:
@@ -92,9 +91,8 @@ def resolve_token(cli_value: str | None) -> bytes:
     error (TokenError); no token anywhere is NoToken, whose message says how to make one."""
     if cli_value:
         return load_token(cli_value)
-    env = os.environ.get(TOKEN_ENV)
-    if env:
-        return load_token(env)
+    if settings.token_file:
+        return load_token(settings.token_file)
     default = default_token_file()
     try:
         os.stat(default)

@@ -116,7 +116,7 @@ def _spawn(d: Path, i: int, listen: str = "127.0.0.1:0") -> subprocess.Popen:
     with os.fdopen(os.open(nd / "log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600),
                    "ab") as logf:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "monarch_fs.daemon.cli", "daemon",
+            [sys.executable, "-m", "monarch_fs.cli", "daemon",
              "--listen", listen, "--mount", str(nd / "mnt"), "--state", str(nd / "state"),
              "--token-file", str(d / "token"), "--ready-file", str(nd / "ready"),
              "--node-name", f"node-{i}"],

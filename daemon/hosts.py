@@ -3,9 +3,9 @@ $MONARCH_FS_HOSTS; with none of them, the local cluster that `monarch-fs cluster
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from ..settings import settings
 from .cluster import default_cluster_dir
 from .transport import parse_addr
 
@@ -20,7 +20,7 @@ def default_hosts_file() -> Path:
 
 def parse_hosts(spec: str | None) -> list[str]:
     if not spec:
-        spec = os.environ.get("MONARCH_FS_HOSTS")
+        spec = settings.hosts
     if not spec:
         default = default_hosts_file()
         if not default.exists():

@@ -14,25 +14,24 @@ on the trio loop with a short backoff (rdma_logic.Backoff). A completion channel
 `trio.lowlevel.wait_readable()` its fd instead, but pyverbs' CompChannel does not expose the fd
 (rdma-core 44 through 59), and a thread blocked in `get_cq_event()` cannot be cancelled.
 
-Environment (all optional): MONARCH_FS_RDMA_DEVICE (device name), MONARCH_FS_RDMA_GID_INDEX,
-MONARCH_FS_RDMA_SLOTS, MONARCH_FS_RDMA_SLOT_SIZE (ring geometry a sender proposes).
+Environment (all optional, see monarch_fs/settings.py): MONARCH_FS_RDMA_DEVICE (device name),
+MONARCH_FS_RDMA_GID_INDEX, MONARCH_FS_RDMA_SLOTS, MONARCH_FS_RDMA_SLOT_SIZE (ring geometry a
+sender proposes).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import random
 import socket
 from typing import Any
 
 import trio
 
+from ..settings import settings
 from .bulk import BulkError, BulkReceiver, BulkSender, Deliver
 from .seal import ChunkSealer, SealError
 from .rdma_logic import (
-    DEFAULT_SLOT_SIZE,
-    DEFAULT_SLOTS,
     HEADER_SIZE,
     MSG_SIZE,
     RC,
@@ -178,7 +177,7 @@ def _probe() -> tuple[list[dict], str]:
     devices, why = _device_list()
     if not devices:
         return [], why
-    wanted = os.environ.get("MONARCH_FS_RDMA_DEVICE")
+    wanted = settings.rdma_device
     out = []
     for dev in devices:
         name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
@@ -239,16 +238,14 @@ def _efa_rdma_read(name: str) -> bool:
 
 
 def _geometry() -> tuple[int, int]:
-    slots = int(os.environ.get("MONARCH_FS_RDMA_SLOTS", DEFAULT_SLOTS))
-    size = int(os.environ.get("MONARCH_FS_RDMA_SLOT_SIZE", DEFAULT_SLOT_SIZE))
+    slots, size = settings.rdma_slots, settings.rdma_slot_size
     check_geometry(slots, size)
     return slots, size
 
 
 def _pick_gid(ctx: Any, port: int, kind: str) -> int:
-    env = os.environ.get("MONARCH_FS_RDMA_GID_INDEX")
-    if env is not None:
-        return int(env)
+    if (index := settings.rdma_gid_index) is not None:
+        return index
     if kind != "roce":
         return 0
     E = enums()

@@ -19,7 +19,8 @@ import trio
 from ..fs.backing import BackingFiles
 from ..fs.fuse_ops import SnapshotFS
 from ..fs.manifest import DEFAULT_MAX_ENTRIES
-from ..fs.store import PACK_LIMIT, Store, private_dir
+from ..fs.store import Store, private_dir
+from ..settings import settings
 from . import bulk
 from .auth import NO_TOKEN_HELP, default_token_file
 from .limits import Limits, LogOnce, peer_host, serve_listeners
@@ -99,10 +100,9 @@ class NodeService:
         self.state = Path(state)
         self.mount = Path(mount)  # where processes find the workspaces ({mount})
         make_private(self.state)
-        # MONARCH_FS_PACK_MIB: pack file size. A pack is deleted once nothing in it is used,
-        # so smaller packs give space back sooner, for more files.
-        pack_mib = int(os.environ.get("MONARCH_FS_PACK_MIB", PACK_LIMIT >> 20))
-        self.store = Store(self.state / "store", pack_limit=max(1, pack_mib) << 20)
+        # A pack is deleted once nothing in it is used, so smaller packs
+        # (MONARCH_FS_PACK_MIB) give space back sooner, for more files.
+        self.store = Store(self.state / "store", pack_limit=settings.pack_limit)
         self.backing = BackingFiles(self.state / "backing")
         self.fs = SnapshotFS(self.store.get, self.backing, self.store.get_if_cached)
         self.node_name = node_name or socket.gethostname()

@@ -49,6 +49,7 @@ import pyfuse3
 import trio
 import xxhash
 
+from ..settings import settings
 from . import passthrough
 from .backing import BackingFiles
 from .backing import wanted as backing_wanted
@@ -61,13 +62,9 @@ VERSIONS = b".versions"
 PREFETCH_CHUNKS = 2
 CHUNK_CACHE_BYTES = 128 << 20  # decoded chunks kept for the read path
 LISTING_CACHE_ENTRIES = 10_000
-# No-open needs the patched pyfuse3, and a kernel that supports it (checked at INIT, see init()).
-# MONARCH_FS_NO_OPEN=0 keeps the open round trips (what a stock pyfuse3 does), to compare or debug.
-NO_OPEN = (getattr(pyfuse3, "FH_ZERO_IS_INODE", False)
-           and os.environ.get("MONARCH_FS_NO_OPEN", "1") != "0")
-# Passthrough needs the patched pyfuse3, root and a kernel that offers it (checked at INIT);
-# MONARCH_FS_PASSTHROUGH=0 serves every file through the daemon (no-open), to compare or debug.
-PASSTHROUGH = os.environ.get("MONARCH_FS_PASSTHROUGH", "1") != "0"
+# No-open needs the patched pyfuse3 (this), and a kernel that supports it (checked at INIT, see
+# init()); settings.no_open (MONARCH_FS_NO_OPEN=0) keeps the open round trips, to compare or debug.
+NO_OPEN_BUILT = bool(getattr(pyfuse3, "FH_ZERO_IS_INODE", False))
 TIMEOUT = 24 * 3600.0  # entries are invalidated explicitly; the timeout is only a backstop
 # Enum members as plain names: `Kind.DIR` is a descriptor lookup, and listings test it per entry.
 DIR, FILE, SYMLINK = Kind.DIR, Kind.FILE, Kind.SYMLINK
@@ -451,7 +448,7 @@ class SnapshotFS(pyfuse3.Operations):
             return "no backing files"
         if not passthrough.built_in():
             return "pyfuse3 without fs/pyfuse3.patch"
-        if not PASSTHROUGH:
+        if not settings.passthrough:
             return "MONARCH_FS_PASSTHROUGH=0"
         if os.geteuid() != 0:
             return "passthrough needs root"
@@ -462,7 +459,8 @@ class SnapshotFS(pyfuse3.Operations):
         (Linux 5.1+); an older kernel would fail every `ls` with ENOSYS. Passthrough is asked
         for here, and confirmed by check_passthrough() once INIT is answered."""
         self.passthrough = passthrough.asked()
-        self.no_opendir = NO_OPEN and getattr(pyfuse3, "NO_OPEN_SUPPORTED", False)
+        self.no_opendir = (NO_OPEN_BUILT and settings.no_open
+                           and getattr(pyfuse3, "NO_OPEN_SUPPORTED", False))
         self._set_open_mode(self.passthrough_unavailable() or passthrough.negotiated()[1])
 
     def _set_open_mode(self, why_not: str) -> None:
@@ -471,9 +469,9 @@ class SnapshotFS(pyfuse3.Operations):
             self.open_mode = "passthrough"
         elif self.no_open:
             self.open_mode = f"no-open (no passthrough: {why_not})"
-        elif not getattr(pyfuse3, "FH_ZERO_IS_INODE", False):
+        elif not NO_OPEN_BUILT:
             self.open_mode = "open per file (pyfuse3 without fs/pyfuse3.patch)"
-        elif not NO_OPEN:
+        elif not settings.no_open:
             self.open_mode = "open per file (MONARCH_FS_NO_OPEN=0)"
         else:
             self.open_mode = "open per file (the kernel has no FUSE no-open support)"

@@ -27,7 +27,7 @@ def _private_home(tmp_path_factory, monkeypatch):
 def mfs(*args: str, env: dict | None = None, check: bool = True, timeout: float = 120,
         input: str | None = None) -> subprocess.CompletedProcess:
     """Run the `monarch-fs` command line in a child process."""
-    proc = subprocess.run([sys.executable, "-m", "monarch_fs.daemon.cli", *args],
+    proc = subprocess.run([sys.executable, "-m", "monarch_fs.cli", *args],
                           capture_output=True, text=True, env={**os.environ, **(env or {})},
                           timeout=timeout, input=input)
     if check and proc.returncode != 0:
@@ -175,7 +175,7 @@ def lone_daemon(tmp_path):
         write_new_token(d / "token")
         with open(d / "log", "ab") as logf:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "monarch_fs.daemon.cli", "daemon", "--listen",
+                [sys.executable, "-m", "monarch_fs.cli", "daemon", "--listen",
                  "127.0.0.1:0", "--mount", str(d / "mnt"), "--state", str(d / "state"),
                  "--token-file", str(d / "token"), "--ready-file", str(d / "ready"),
                  "--node-name", d.name, *flags],

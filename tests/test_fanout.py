@@ -33,7 +33,7 @@ def stats(c: Cluster) -> list[dict]:
 
 def start_push(c: Cluster, src: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "monarch_fs.daemon.cli", "push", str(src), "--hosts",
+        [sys.executable, "-m", "monarch_fs.cli", "push", str(src), "--hosts",
          c.hostfile, "--token-file", c.token_file, "--json", *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -112,7 +112,7 @@ def test_rm_is_refused_while_a_process_is_pinned_to_the_workspace(fresh_cluster,
     c.push(src)
     marker = tmp_path / "started"
     run = subprocess.Popen(
-        [sys.executable, "-m", "monarch_fs.daemon.cli", "run", "--hosts", c.hostfile,
+        [sys.executable, "-m", "monarch_fs.cli", "run", "--hosts", c.hostfile,
          "--token-file", c.token_file, "--workspace", "job", "--",
          "sh", "-c", f"touch {marker}; exec sleep 60"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -210,7 +210,7 @@ def test_warm_reads_and_listings_cost_no_requests(fresh_cluster, tmp_path, monke
     file is a terminal (the kernel forwards every ioctl); with passthrough each open is a
     request too."""
     from monarch_fs.fs import fuse_ops
-    assert fuse_ops.NO_OPEN, "pyfuse3 is not the patched build (make builds it)"
+    assert fuse_ops.NO_OPEN_BUILT, "pyfuse3 is not the patched build (make builds it)"
     if mode == "no-open":
         monkeypatch.setenv("MONARCH_FS_PASSTHROUGH", "0")
     elif os.geteuid() != 0:
@@ -277,7 +277,7 @@ def test_restarted_daemon_serves_last_version_without_push(fresh_cluster, tmp_pa
     # Start a daemon on the same state: it serves v2 at once.
     nd = c.dir / "node-0"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "monarch_fs.daemon.cli", "daemon", "--listen", "127.0.0.1:0",
+        [sys.executable, "-m", "monarch_fs.cli", "daemon", "--listen", "127.0.0.1:0",
          "--mount", str(nd / "mnt"), "--state", str(nd / "state"),
          "--token-file", c.token_file, "--ready-file", str(nd / "ready2")],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

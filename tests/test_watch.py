@@ -22,7 +22,7 @@ class Watcher:
     """A `monarch-fs push --watch` child process; its output lines are read as they come."""
 
     def __init__(self, src: Path, hosts: str, token_file: str | None, home: Path, *args: str):
-        cmd = [sys.executable, "-m", "monarch_fs.daemon.cli", "push", str(src), "--watch",
+        cmd = [sys.executable, "-m", "monarch_fs.cli", "push", str(src), "--watch",
                "--hosts", hosts, *args]
         if token_file:
             cmd += ["--token-file", token_file]

@@ -1,4 +1,7 @@
-"""The `monarch-fs` command: a thin dispatcher over the daemon, push, status and cluster code."""
+"""The `monarch-fs` command: a thin dispatcher over the daemon, push, status, run and cluster code."""
+
+# It sits at the package top, not in daemon/, because it is the one module that sees all three
+# layers (`run` drives the mesh): fs/, daemon/ and mesh/ only ever import downward.
 
 from __future__ import annotations
 
@@ -12,16 +15,17 @@ from pathlib import Path
 
 import trio
 
-from . import cluster
-from ..fs.manifest import DEFAULT_MAX_ENTRIES
-from ..fs.scan import SourceChanged
-from .bulk import TRANSPORTS, resolve_local
-from .auth import TokenError, default_token_file, home_dir, resolve_token, write_new_token
-from .hosts import HostsError, parse_hosts
-from .limits import Limits
-from .push import Progress, PushError, fmt_bytes, push, workspace_name
-from .status import remove, status
-from .transport import ENCRYPT_POLICIES
+from .daemon import cluster
+from .daemon.auth import TokenError, default_token_file, home_dir, resolve_token, write_new_token
+from .daemon.bulk import TRANSPORTS, resolve_local
+from .daemon.hosts import HostsError, parse_hosts
+from .daemon.limits import Limits
+from .daemon.push import Progress, PushError, fmt_bytes, push, workspace_name
+from .daemon.status import remove, status
+from .daemon.transport import ENCRYPT_POLICIES
+from .fs.manifest import DEFAULT_MAX_ENTRIES
+from .fs.scan import SourceChanged
+from .settings import settings
 
 log = logging.getLogger("monarch_fs")
 TRANSPORT_HELP = ("how chunk payloads travel: auto (RDMA when both ends have a usable device, "
@@ -57,7 +61,7 @@ class BarProgress(Progress):
 
 
 def cmd_daemon(args: argparse.Namespace) -> int:
-    from .node import NodeDaemon, make_log_private
+    from .daemon.node import NodeDaemon, make_log_private
 
     make_log_private()
     token = resolve_token(args.token_file)  # no token: refuse to start (auth.NoToken)
@@ -70,8 +74,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
                         keep=args.keep, node_name=args.node_name, transport=transport,
                         store_raw=not args.store_compressed, encrypt=args.encrypt,
                         limits=limits,
-                        max_entries=args.max_entries or int(os.environ.get(
-                            "MONARCH_FS_MAX_ENTRIES", DEFAULT_MAX_ENTRIES)))
+                        max_entries=args.max_entries or settings.max_entries)
     trio.run(lambda: daemon.run(ready_file=args.ready_file))
     return 0
 
@@ -95,7 +98,7 @@ def cmd_push(args: argparse.Namespace) -> int:
             encrypt=args.encrypt)
 
     if args.watch:
-        from .watch import watch
+        from .daemon.watch import watch
 
         workspace_name(args.src, args.name)  # a name no node would take: say so once, not per change
 
@@ -204,7 +207,7 @@ def _env_pairs(pairs: list[str]) -> dict[str, str]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from ..mesh.spmd import Job, run_job
+    from .mesh.spmd import Job, run_job
 
     argv = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not argv:

@@ -1,0 +1,125 @@
+"""Every MONARCH_FS_* setting the environment can give, read in this one place.
+
+`settings` reads `os.environ` each time a field is used, never at import time: a variable set
+after import (a test's monkeypatch, a child's environment) is what counts, and a malformed value
+fails where it is used, naming the variable, not whatever happens to import this module first.
+A variable set to the empty string counts as unset. The README's "Environment" table lists the
+same variables; keep the two together.
+
+It sits at the package top so every layer can import it (fs/ must not import daemon/ or mesh/).
+Variables the code only *gives* to child processes (MONARCH_FS_MOUNT, MONARCH_FS_WORKSPACE,
+MONARCH_FS_SECRETS_FD, MONARCH_FS_TRANSPORT, MONARCH_MESH_*) are part of the process protocol,
+not settings: daemon/procs.py, mesh/proc_mesh.py and mesh/runtime.py own them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+
+class Settings:
+    """The environment's settings, one typed property per variable; defaults live with the code
+    they configure and are imported from there when a field is read."""
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        self._environ = os.environ if environ is None else environ
+
+    def _str(self, name: str) -> str | None:
+        return self._environ.get(name) or None
+
+    def _int(self, name: str, default: int) -> int:
+        raw = self._str(name)
+        if raw is None:
+            return default
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"${name}={raw!r}: expected an integer") from None
+
+    def _switch(self, name: str) -> bool:
+        """On unless set to "0": the switches exist to turn a default off, to compare or debug."""
+        return self._str(name) != "0"
+
+    # ---- clients and daemons ------------------------------------------------------------------
+
+    @property
+    def home(self) -> Path:
+        """MONARCH_FS_HOME (~/.monarch-fs): the local cluster (`cluster/`: its token, hosts
+        file and nodes) and push's scan caches (`scan-cache/`)."""
+        return Path(self._str("MONARCH_FS_HOME") or "~/.monarch-fs").expanduser()
+
+    @property
+    def token_file(self) -> str | None:
+        """MONARCH_FS_TOKEN_FILE: the cluster token when no --token-file is given; without
+        either, HOME/cluster/token."""
+        return self._str("MONARCH_FS_TOKEN_FILE")
+
+    @property
+    def hosts(self) -> str | None:
+        """MONARCH_FS_HOSTS: `host:port,...` or `@hostfile` when no --hosts is given; without
+        either, the local cluster's hosts file."""
+        return self._str("MONARCH_FS_HOSTS")
+
+    # ---- the daemon ---------------------------------------------------------------------------
+
+    @property
+    def max_entries(self) -> int:
+        """MONARCH_FS_MAX_ENTRIES (500,000): the largest snapshot, in entries, a daemon accepts
+        when no --max-entries is given."""
+        from .fs.manifest import DEFAULT_MAX_ENTRIES
+
+        return self._int("MONARCH_FS_MAX_ENTRIES", DEFAULT_MAX_ENTRIES)
+
+    @property
+    def pack_limit(self) -> int:
+        """MONARCH_FS_PACK_MIB (256), in bytes (at least 1 MiB): the size of a store's pack
+        files. A pack is deleted once nothing in it is used, so smaller packs give space back
+        sooner, in more files."""
+        from .fs.store import PACK_LIMIT
+
+        return max(1, self._int("MONARCH_FS_PACK_MIB", PACK_LIMIT >> 20)) << 20
+
+    @property
+    def no_open(self) -> bool:
+        """MONARCH_FS_NO_OPEN (on): "0" answers open and opendir as a stock pyfuse3 does, one
+        round trip each, instead of ENOSYS (FUSE no-open)."""
+        return self._switch("MONARCH_FS_NO_OPEN")
+
+    @property
+    def passthrough(self) -> bool:
+        """MONARCH_FS_PASSTHROUGH (on): "0" serves every file through the daemon instead of
+        binding large ones to backing files the kernel reads directly."""
+        return self._switch("MONARCH_FS_PASSTHROUGH")
+
+    # ---- RDMA (daemons and push) --------------------------------------------------------------
+
+    @property
+    def rdma_device(self) -> str | None:
+        """MONARCH_FS_RDMA_DEVICE: use only the RDMA device of this name (default: any)."""
+        return self._str("MONARCH_FS_RDMA_DEVICE")
+
+    @property
+    def rdma_gid_index(self) -> int | None:
+        """MONARCH_FS_RDMA_GID_INDEX: the GID table entry to use (default: 0, or the best RoCE
+        v2 entry on RoCE)."""
+        raw = self._str("MONARCH_FS_RDMA_GID_INDEX")
+        return None if raw is None else self._int("MONARCH_FS_RDMA_GID_INDEX", 0)
+
+    @property
+    def rdma_slots(self) -> int:
+        """MONARCH_FS_RDMA_SLOTS (16): buffers in the ring a sender proposes."""
+        from .daemon.rdma_logic import DEFAULT_SLOTS
+
+        return self._int("MONARCH_FS_RDMA_SLOTS", DEFAULT_SLOTS)
+
+    @property
+    def rdma_slot_size(self) -> int:
+        """MONARCH_FS_RDMA_SLOT_SIZE (1 MiB), in bytes: the size of each of those buffers."""
+        from .daemon.rdma_logic import DEFAULT_SLOT_SIZE
+
+        return self._int("MONARCH_FS_RDMA_SLOT_SIZE", DEFAULT_SLOT_SIZE)
+
+
+settings = Settings()
