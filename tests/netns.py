@@ -43,6 +43,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from helpers import CLI_MODULE
+
 SUBNET = "10.77.0"
 DEVBOX_ADDR = f"{SUBNET}.2"
 FIRST_NODE_HOST = 10  # node I is SUBNET.(10 + I)
@@ -225,7 +227,7 @@ class NetCluster:
 
     def push_argv(self, src: str | os.PathLike[str], *args: str) -> list[str]:
         """The `monarch-fs push` command line for this cluster (hosts and token filled in)."""
-        return [sys.executable, "-m", "monarch_fs.daemon.cli", "push", str(src), "--hosts",
+        return [sys.executable, "-m", CLI_MODULE, "push", str(src), "--hosts",
                 ",".join(self.hosts), "--token-file", self.token_file, *args]
 
     def run_on_node(self, i: int, argv: list[str], *, timeout: float = 120, check: bool = False,
@@ -375,7 +377,7 @@ class NetCluster:
                 node.proc = subprocess.Popen(
                     ["ip", "netns", "exec", node.netns,
                      "unshare", "--mount", "--propagation", "private",
-                     sys.executable, "-m", "monarch_fs.daemon.cli", "daemon",
+                     sys.executable, "-m", CLI_MODULE, "daemon",
                      "--listen", node.host, "--mount", self.mount,
                      "--state", str(node.dir / "state"), "--token-file", self.token_file,
                      "--ready-file", str(node.dir / "ready"), "--node-name", f"node-{node.index}",

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import mfs
+from helpers import mfs
 from monarch_fs.daemon.auth import NoToken, resolve_token, write_new_token
 from monarch_fs.daemon.hosts import HostsError, parse_hosts
 

@@ -9,18 +9,11 @@ import time
 
 import pytest
 
-from conftest import tree
+from helpers import tree, wait_for
 
 MiB = 1 << 20
 FILES = 12
 SIZE = 200 * 1024  # below the backing-file size: these files are read through the store
-
-
-def wait_for(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def fill(src) -> dict[str, bytes]:

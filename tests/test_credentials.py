@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import mfs, mounted
+from helpers import CLI_MODULE, mfs, mounted
 from monarch_fs.daemon.auth import load_token
 from monarch_fs.daemon.node import NodeDaemon
 
@@ -60,7 +60,7 @@ def test_token_new_makes_a_token_a_daemon_and_clients_use(tmp_path, monkeypatch)
     ready = tmp_path / "ready"
     with open(tmp_path / "log", "wb") as log:
         daemon = subprocess.Popen(
-            [sys.executable, "-m", "monarch_fs.daemon.cli", "daemon", "--listen", "127.0.0.1:0",
+            [sys.executable, "-m", CLI_MODULE, "daemon", "--listen", "127.0.0.1:0",
              "--mount", str(tmp_path / "m"), "--state", str(tmp_path / "s"),
              "--ready-file", str(ready)], stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -88,7 +88,7 @@ def _as_nobody(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
            "MONARCH_FS_HOME": "/nonexistent/monarch-fs"}
     return subprocess.run(
         ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable,
-         "-m", "monarch_fs.daemon.cli", *args], capture_output=True, text=True, env=env,
+         "-m", CLI_MODULE, *args], capture_output=True, text=True, env=env,
         cwd="/", timeout=timeout)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Cluster, mfs, tree
+from helpers import CLI_MODULE, Cluster, mfs, tree, wait_for
 from monarch_fs.daemon import cluster as cluster_mod
 from monarch_fs.fs.chunk import CorruptChunk
 from monarch_fs.fs.store import Store
@@ -33,7 +33,7 @@ def stats(c: Cluster) -> list[dict]:
 
 def start_push(c: Cluster, src: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "monarch_fs.daemon.cli", "push", str(src), "--hosts",
+        [sys.executable, "-m", CLI_MODULE, "push", str(src), "--hosts",
          c.hostfile, "--token-file", c.token_file, "--json", *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -42,13 +42,6 @@ def kill_mid_push(pid: int) -> None:
     """Freeze the node first, so the push cannot finish before it dies, then kill it."""
     os.kill(pid, signal.SIGSTOP)
     os.kill(pid, signal.SIGKILL)
-
-
-def wait_for(cond, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
 
 
 def big_tree(root: Path, mb: int) -> None:
@@ -124,7 +117,8 @@ def push_under_way(c: Cluster, tmp_path: Path, mb: int, node: int, arrived: int,
     big_tree(src, mb)
     before = objects(c, node)
     push = start_push(c, src, *args)
-    wait_for(lambda: objects(c, node) > before + arrived, what=f"node-{node} to receive chunks")
+    wait_for(lambda: objects(c, node) > before + arrived, what=f"node-{node} to receive chunks",
+             interval=0.005)
     return src, push
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from conftest import mounted
+from helpers import mounted
 from monarch_fs.daemon.protocol import Data
 from monarch_fs.mesh import (ActorError, HostMesh, MeshError, SpawnError, SupervisionError,
                              ValueMesh)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from conftest import Cluster, start_cluster, stop_cluster, tree, umount_tmpfs
+from helpers import Cluster, start_cluster, stop_cluster, tree, umount_tmpfs
 from monarch_fs.daemon import protocol as p
 from monarch_fs.daemon.auth import load_token
 from monarch_fs.daemon.transport import RemoteError, connect

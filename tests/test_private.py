@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import mfs, start_cluster, stop_cluster, wait_for
+from helpers import mfs, start_cluster, stop_cluster, wait_for
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("setpriv"),

@@ -525,7 +525,7 @@ async def test_tcp_bulk_channel_delivers_in_order_and_flush_counts():
 def test_transport_selection_through_the_command_line(fresh_cluster, tmp_path):
     """On a host without RDMA: `auto` falls back to TCP and says why (daemon log, status, push
     JSON); `--transport rdma` is a one-line error with exit 1 on daemon and push."""
-    from conftest import mfs
+    from helpers import mfs
 
     if host_has_rdma():
         pytest.skip("this host has an RDMA device: the fallback cannot be observed here")

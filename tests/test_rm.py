@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import mfs, tree, wait_for
+from helpers import CLI_MODULE, mfs, tree, wait_for
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -112,7 +112,7 @@ def test_rm_is_refused_while_a_process_is_pinned_to_the_workspace(fresh_cluster,
     c.push(src)
     marker = tmp_path / "started"
     run = subprocess.Popen(
-        [sys.executable, "-m", "monarch_fs.daemon.cli", "run", "--hosts", c.hostfile,
+        [sys.executable, "-m", CLI_MODULE, "run", "--hosts", c.hostfile,
          "--token-file", c.token_file, "--workspace", "job", "--",
          "sh", "-c", f"touch {marker}; exec sleep 60"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

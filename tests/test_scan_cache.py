@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import mfs, tree
+from helpers import mfs, tree
 from monarch_fs.fs.chunk import CHUNK_SIZE, chunk_id
 from monarch_fs.fs.manifest import Kind
 from monarch_fs.fs.scan import SourceChanged, scan

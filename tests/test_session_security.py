@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from conftest import mfs
+from helpers import mfs
 
 _HEADER = struct.Struct("<IB")
 WELCOME, REQUEST = 3, 5

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import mfs, mounted, tree
+from helpers import CLI_MODULE, mfs, mount_ops, mounted, tree
 
 
 def make_every_kind(root: Path) -> None:
@@ -159,9 +159,9 @@ def test_xattrs_name_version_and_chunks(cluster3, tmp_path):
     # the root tells what the node serves and how busy it has been
     root = cluster3.mnt(0)
     assert f"xa={result['version']}" in os.getxattr(root, "user.monarch.workspaces").decode()
-    before = dict(kv.split("=") for kv in os.getxattr(root, "user.monarch.ops").decode().split())
+    before = mount_ops(root)
     f.read_bytes()
-    after = dict(kv.split("=") for kv in os.getxattr(root, "user.monarch.ops").decode().split())
+    after = mount_ops(root)
     assert int(after["getxattr"]) > int(before["getxattr"])
     assert int(after["read"]) == int(before.get("read", 0)) + 1
     # Python's open() asks whether a file is a terminal: a request the daemon refuses as a
@@ -171,7 +171,7 @@ def test_xattrs_name_version_and_chunks(cluster3, tmp_path):
         with pytest.raises(OSError) as e:
             fcntl.ioctl(fh, termios.TCGETS, bytes(64))
         assert e.value.errno == errno.ENOTTY
-    ops = dict(kv.split("=") for kv in os.getxattr(root, "user.monarch.ops").decode().split())
+    ops = mount_ops(root)
     assert int(ops["ioctl"]) >= int(after.get("ioctl", 0)) + 3  # open()'s own, isatty, TCGETS
 
 
@@ -191,8 +191,7 @@ def test_with_open_round_trips_files_and_listings_still_follow_each_version(
     mnt = c.mnt(0) / "stock"
     assert tree(mnt) == tree(src)
     root = c.mnt(0)
-    opens = lambda: int(dict(kv.split("=") for kv in os.getxattr(root, "user.monarch.ops")
-                             .decode().split()).get("open", 0))
+    opens = lambda: mount_ops(root).get("open", 0)
     before = opens()
     assert (mnt / "d" / "a").read_text() == "a1"
     assert opens() == before + 1
@@ -225,8 +224,7 @@ def test_warm_reads_and_listings_cost_no_requests(fresh_cluster, tmp_path, monke
     root, pkg = c.mnt(0), c.mnt(0) / "warm" / "pkg"
 
     def ops() -> dict[str, int]:
-        raw = os.getxattr(root, "user.monarch.ops").decode().split()
-        return {k: int(v) for k, v in (kv.split("=") for kv in raw)}
+        return mount_ops(root)
 
     def walk() -> dict[str, bytes]:
         return {name: (pkg / name).read_bytes() for name in os.listdir(pkg)}
@@ -277,7 +275,7 @@ def test_restarted_daemon_serves_last_version_without_push(fresh_cluster, tmp_pa
     # Start a daemon on the same state: it serves v2 at once.
     nd = c.dir / "node-0"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "monarch_fs.daemon.cli", "daemon", "--listen", "127.0.0.1:0",
+        [sys.executable, "-m", CLI_MODULE, "daemon", "--listen", "127.0.0.1:0",
          "--mount", str(nd / "mnt"), "--state", str(nd / "state"),
          "--token-file", c.token_file, "--ready-file", str(nd / "ready2")],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

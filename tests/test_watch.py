@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from conftest import Cluster, tree
+from helpers import CLI_MODULE, Cluster, tree, wait_for
 from monarch_fs.daemon import cluster as cluster_mod
 from monarch_fs.daemon.auth import write_new_token
 
@@ -22,7 +22,7 @@ class Watcher:
     """A `monarch-fs push --watch` child process; its output lines are read as they come."""
 
     def __init__(self, src: Path, hosts: str, token_file: str | None, home: Path, *args: str):
-        cmd = [sys.executable, "-m", "monarch_fs.daemon.cli", "push", str(src), "--watch",
+        cmd = [sys.executable, "-m", CLI_MODULE, "push", str(src), "--watch",
                "--hosts", hosts, *args]
         if token_file:
             cmd += ["--token-file", token_file]
@@ -78,15 +78,6 @@ class Watcher:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-
-
-def wait_for(cond, timeout: float, what: str) -> float:
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
-    return time.monotonic() - t0
 
 
 def reads(path: Path) -> bytes | None:
