@@ -11,6 +11,8 @@ import pytest
 
 from helpers import tree, wait_for
 
+pytestmark = pytest.mark.mount
+
 MiB = 1 << 20
 FILES = 12
 SIZE = 200 * 1024  # below the backing-file size: these files are read through the store

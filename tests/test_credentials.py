@@ -43,6 +43,7 @@ def test_a_daemon_without_a_token_does_not_start(tmp_path, monkeypatch, listen):
         NodeDaemon(state=tmp_path / "s", mount=tmp_path / "m", listen=listen, token=b"")
 
 
+@pytest.mark.mount
 def test_token_new_makes_a_token_a_daemon_and_clients_use(tmp_path, monkeypatch):
     """`monarch-fs token new PATH`: 0600, never silently replaced; a daemon started with it (by
     $MONARCH_FS_TOKEN_FILE) serves clients holding it."""
@@ -92,6 +93,8 @@ def _as_nobody(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         cwd="/", timeout=timeout)
 
 
+@pytest.mark.mount
+@pytest.mark.root
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
                     reason="needs root and setpriv to act as another local user")
 def test_another_local_user_cannot_run_commands_through_the_daemon(fresh_cluster, tmp_path):

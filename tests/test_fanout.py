@@ -51,6 +51,7 @@ def big_tree(root: Path, mb: int) -> None:
         (root / f"blob{i}.bin").write_bytes(os.urandom(16 * MiB))
 
 
+@pytest.mark.mount
 @pytest.mark.parametrize("topology, fanout", [("chain", 2), ("tree", 2)])
 def test_relay_delivers_identical_bytes(fresh_cluster, tmp_path, topology, fanout):
     c = fresh_cluster(5)
@@ -76,6 +77,7 @@ def test_relay_delivers_identical_bytes(fresh_cluster, tmp_path, topology, fanou
         assert forwarded[2:] == [0, 0, 0]
 
 
+@pytest.mark.mount
 def test_nodes_at_different_versions_receive_only_what_they_lack(fresh_cluster, tmp_path):
     c = fresh_cluster(4)
     src = tmp_path / "mixed"
@@ -128,6 +130,7 @@ def _on_v1_everywhere(c: Cluster, nodes=None) -> None:
         assert not (c.mnt(i) / "ws" / "blob0.bin").exists()
 
 
+@pytest.mark.mount
 def test_node_killed_mid_push_fails_and_publishes_nothing(fresh_cluster, tmp_path):
     c = fresh_cluster(4)
     src, push = push_under_way(c, tmp_path, 128, 1, 2 * MiB, "--topology", "chain", "--timeout", "10")
@@ -138,6 +141,7 @@ def test_node_killed_mid_push_fails_and_publishes_nothing(fresh_cluster, tmp_pat
     _on_v1_everywhere(c, [0, 2, 3])
 
 
+@pytest.mark.mount
 def test_allow_partial_routes_around_a_dead_node(fresh_cluster, tmp_path):
     c = fresh_cluster(4)
     src, push = push_under_way(c, tmp_path, 128, 1, 2 * MiB, "--topology", "chain", "--timeout", "10", "--allow-partial")
@@ -151,6 +155,7 @@ def test_allow_partial_routes_around_a_dead_node(fresh_cluster, tmp_path):
         assert tree(c.mnt(i) / "ws") == expected
 
 
+@pytest.mark.mount
 def test_stalled_node_is_detected_by_timeout(fresh_cluster, tmp_path):
     c = fresh_cluster(3)
     src, push = push_under_way(c, tmp_path, 64, 1, 1 * MiB, "--topology", "chain", "--timeout", "3")
@@ -166,6 +171,7 @@ def test_stalled_node_is_detected_by_timeout(fresh_cluster, tmp_path):
     _on_v1_everywhere(c)
 
 
+@pytest.mark.mount
 def test_devbox_killed_mid_push_then_next_push_reuses_what_arrived(fresh_cluster, tmp_path):
     c = fresh_cluster(2)
     src, push = push_under_way(c, tmp_path, 96, 1, 3 * MiB, "--topology", "chain")
@@ -179,6 +185,7 @@ def test_devbox_killed_mid_push_then_next_push_reuses_what_arrived(fresh_cluster
         assert tree(mnt / "ws") == expected
 
 
+@pytest.mark.mount
 def test_daemon_sigkilled_mid_push_restarts_on_last_good_version(fresh_cluster, tmp_path):
     c = fresh_cluster(2)
     src, push = push_under_way(c, tmp_path, 96, 0, 2 * MiB, "--topology", "chain")

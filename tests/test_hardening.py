@@ -29,6 +29,8 @@ from monarch_fs.daemon.transport import RemoteError, connect
 from monarch_fs.fs import chunk
 from monarch_fs.fs.manifest import Entry, Kind, Manifest
 
+pytestmark = pytest.mark.mount
+
 
 def alive(c, i: int = 0) -> bool:
     """The node's daemon runs (a daemon that died is a zombie child here: not alive)."""

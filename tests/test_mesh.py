@@ -88,6 +88,7 @@ def test_wire_refuses_headers_that_are_not_messages():
 
 # ---- calls ---------------------------------------------------------------------------------
 
+@pytest.mark.mount
 def test_call_call_one_broadcast_and_slice_by_rank(procs):
     counters = procs.spawn("counter", "mesh_actors:Counter", 10)
     assert procs.sizes == {"host": 2, "proc": 2} and counters.ranks == [0, 1, 2, 3]
@@ -119,6 +120,7 @@ def test_call_call_one_broadcast_and_slice_by_rank(procs):
         counters.slice(host=2)
 
 
+@pytest.mark.mount
 def test_only_endpoints_are_callable(procs):
     from mesh_actors import Counter
 
@@ -130,6 +132,7 @@ def test_only_endpoints_are_callable(procs):
         untyped.not_an_endpoint.call()
 
 
+@pytest.mark.mount
 def test_endpoint_exception_names_actor_rank_host_and_remote_traceback(procs):
     counters = procs.spawn("counter", "mesh_actors:Counter", 0)
     with pytest.raises(ActorError) as info:
@@ -145,6 +148,7 @@ def test_endpoint_exception_names_actor_rank_host_and_remote_traceback(procs):
     assert counters.fail_on.call(-1) == [0, 1, 2, 3]  # the actors live on
 
 
+@pytest.mark.mount
 def test_constructor_failure_is_reported_by_rank(procs):
     with pytest.raises(ActorError, match=r"bad.__init__ raised on rank 1 .*cannot start on rank"):
         procs.spawn("bad", "mesh_actors:BadInit")
@@ -152,6 +156,7 @@ def test_constructor_failure_is_reported_by_rank(procs):
         procs.spawn("missing", "no_such_module:Thing")
 
 
+@pytest.mark.mount
 def test_sigkilled_proc_fails_pending_and_later_calls_at_once(procs, started):
     victims = procs.spawn("victim", "mesh_actors:Victim")
     pids = victims.pid.call()
@@ -176,6 +181,7 @@ def test_sigkilled_proc_fails_pending_and_later_calls_at_once(procs, started):
     assert again.value.failure.describe() == f.describe()
 
 
+@pytest.mark.mount
 def test_proc_that_exits_during_a_call_reports_its_exit_code(hosts, started):
     procs = hosts.spawn_procs(per_host=1, python_path=[TESTS])
     started.add(*(pid for _, pid in procs.pids.values()))
@@ -197,6 +203,7 @@ class SystemExitOnUnpickle:
         return os._exit, (self.code,)
 
 
+@pytest.mark.mount
 def test_tensors_round_trip(hosts, started):
     import torch
 
@@ -216,6 +223,7 @@ def test_tensors_round_trip(hosts, started):
         procs.stop()
 
 
+@pytest.mark.mount
 def test_no_environ_shows_the_mesh_token_to_a_proc_or_what_it_starts(hosts, started):
     """Issue 16, finding 6: the mesh token reaches each proc through the daemon's secrets pipe,
     so neither the proc's environment block nor that of a process its actor starts holds it
@@ -243,6 +251,7 @@ def test_no_environ_shows_the_mesh_token_to_a_proc_or_what_it_starts(hosts, star
 
 # ---- trio --------------------------------------------------------------------------------
 
+@pytest.mark.mount
 async def test_trio_code_uses_the_async_methods(cluster2, started):
     async with HostMesh.open(cluster2.hostfile, token_file=cluster2.token_file) as hosts:
         procs = await hosts.spawn_procs_async(per_host=1, python_path=[TESTS])
@@ -263,6 +272,7 @@ async def test_trio_code_uses_the_async_methods(cluster2, started):
 
 # ---- launching -----------------------------------------------------------------------------
 
+@pytest.mark.mount
 def test_spawn_failures_name_the_host_and_cause(hosts, started):
     with pytest.raises(SpawnError, match="cannot start /no/such/python"):
         hosts.spawn_procs(per_host=1, python="/no/such/python")
@@ -273,6 +283,7 @@ def test_spawn_failures_name_the_host_and_cause(hosts, started):
         hosts.spawn_procs(per_host=1, python="/bin/false")
 
 
+@pytest.mark.mount
 def test_actor_classes_from_pushed_code_at_a_pinned_version(cluster2, hosts, started, tmp_path):
     app = tmp_path / "app"
     app.mkdir()
@@ -304,6 +315,7 @@ def test_actor_classes_from_pushed_code_at_a_pinned_version(cluster2, hosts, sta
 
 # ---- supervision of meshes that actors own -----------------------------------------------
 
+@pytest.mark.mount
 @pytest.mark.parametrize("handle", [True, False])
 def test_actor_supervises_the_mesh_it_owns(hosts, started, handle):
     procs = hosts.spawn_procs(per_host=1, python_path=[TESTS], name="bosses")
@@ -360,6 +372,7 @@ def _controller(tmp_path: Path, make: str, mode: str, started: Started):
     return proc, info
 
 
+@pytest.mark.mount
 def test_killed_controller_takes_its_procs_along(cluster2, tmp_path, started):
     make = f"HostMesh.connect({cluster2.hostfile!r}, token_file={cluster2.token_file!r})"
     proc, info = _controller(tmp_path, make, "sleep", started)
@@ -369,6 +382,7 @@ def test_killed_controller_takes_its_procs_along(cluster2, tmp_path, started):
     assert len(cluster2.status()) == 2  # the daemons themselves are fine
 
 
+@pytest.mark.mount
 @pytest.mark.parametrize("mode", ["sleep", "exit"])
 def test_local_cluster_lives_as_long_as_its_script(tmp_path, started, mode):
     proc, info = _controller(tmp_path, "HostMesh.local(2)", mode, started)
@@ -385,6 +399,7 @@ def test_local_cluster_lives_as_long_as_its_script(tmp_path, started, mode):
     assert not d.exists()
 
 
+@pytest.mark.mount
 def test_closed_host_mesh_refuses_work(cluster2, started):
     hosts = HostMesh.connect(cluster2.hostfile, token_file=cluster2.token_file)
     procs = hosts.spawn_procs(per_host=1, python_path=[TESTS])
@@ -397,6 +412,7 @@ def test_closed_host_mesh_refuses_work(cluster2, started):
         counters.incr.call()
 
 
+@pytest.mark.mount
 def test_stopped_daemon_fails_the_mesh_and_takes_its_procs(fresh_cluster, started):
     cluster = fresh_cluster(2)
     with HostMesh.connect(cluster.hostfile, token_file=cluster.token_file) as hosts:

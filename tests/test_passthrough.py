@@ -16,7 +16,8 @@ from helpers import mount_ops, wait_for
 from monarch_fs.daemon import cluster as cluster_mod
 from monarch_fs.fs.backing import MIN_SIZE
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="FUSE passthrough needs root")
+pytestmark = [pytest.mark.mount, pytest.mark.root,
+              pytest.mark.skipif(os.geteuid() != 0, reason="FUSE passthrough needs root")]
 
 MiB = 1 << 20
 

@@ -522,6 +522,7 @@ async def test_tcp_bulk_channel_delivers_in_order_and_flush_counts():
 # ---- selection end to end: real daemons, the real command line -------------------------------------
 
 
+@pytest.mark.mount
 def test_transport_selection_through_the_command_line(fresh_cluster, tmp_path):
     """On a host without RDMA: `auto` falls back to TCP and says why (daemon log, status, push
     JSON); `--transport rdma` is a one-line error with exit 1 on daemon and push."""

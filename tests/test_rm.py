@@ -14,6 +14,8 @@ import pytest
 
 from helpers import CLI_MODULE, mfs, tree, wait_for
 
+pytestmark = pytest.mark.mount
+
 KiB, MiB = 1 << 10, 1 << 20
 
 

@@ -22,6 +22,8 @@ from helpers import CLI_MODULE, mfs
 from procwatch import Started
 from rdma_helpers import host_has_rdma  # noqa: F401 (the skipif condition below names it)
 
+pytestmark = pytest.mark.mount
+
 
 @pytest.fixture
 def started():

@@ -345,6 +345,7 @@ def test_least_recently_used_cache_files_are_pruned(tmp_path):
 # Through the command line and a cluster
 
 
+@pytest.mark.mount
 def test_push_through_the_command_line(cluster3, tmp_path, opens):
     """The CLI keeps the cache in $MONARCH_FS_HOME/scan-cache; --no-cache neither reads nor
     writes it; a re-push opens no source file (seen by inotify, from outside the push

@@ -13,6 +13,8 @@ import trio
 
 from helpers import mfs
 
+pytestmark = pytest.mark.mount
+
 _HEADER = struct.Struct("<IB")
 WELCOME, REQUEST = 3, 5
 

@@ -13,6 +13,8 @@ import pytest
 
 from helpers import mount_ops, tree
 
+pytestmark = pytest.mark.mount
+
 STOCK = Path(__file__).resolve().parent.parent / ".venv" / "stock-pyfuse3"
 
 

@@ -17,6 +17,8 @@ import pytest
 
 from helpers import CLI_MODULE, mfs, mount_ops, mounted, tree
 
+pytestmark = pytest.mark.mount
+
 
 def make_every_kind(root: Path) -> None:
     """A tree with every kind of entry a pushed folder can hold."""
@@ -201,7 +203,7 @@ def test_with_open_round_trips_files_and_listings_still_follow_each_version(
     assert tree(mnt) == tree(src)
 
 
-@pytest.mark.parametrize("mode", ["no-open", "passthrough"])
+@pytest.mark.parametrize("mode", ["no-open", pytest.param("passthrough", marks=pytest.mark.root)])
 def test_warm_reads_and_listings_cost_no_requests(fresh_cluster, tmp_path, monkeypatch, mode):
     """Once read, a file's pages and a directory's listing stay in the kernel: reading and
     listing again sends the daemon no read and no readdir. With no-open (the patched pyfuse3

@@ -91,6 +91,7 @@ def watcher(c: Cluster, src: Path, tmp_path: Path, *args: str) -> Watcher:
     return Watcher(src, c.hostfile, c.token_file, tmp_path / "home", "--json", *args)
 
 
+@pytest.mark.mount
 def test_watch_pushes_each_edit_to_every_node(fresh_cluster, tmp_path):
     c = fresh_cluster(2)
     src = tmp_path / "app"
@@ -144,6 +145,7 @@ def test_watch_pushes_each_edit_to_every_node(fresh_cluster, tmp_path):
         assert tree(m / "app") == expected
 
 
+@pytest.mark.mount
 def test_watch_survives_a_failed_push(fresh_cluster, tmp_path):
     c = fresh_cluster(2)
     src = tmp_path / "ws"
