@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from helpers import mounted
+from helpers import mounted, wait_for
 from monarch_fs.daemon.protocol import Data
 from monarch_fs.mesh import (ActorError, HostMesh, MeshError, SpawnError, SupervisionError,
                              ValueMesh)
@@ -393,10 +393,7 @@ def test_local_cluster_lives_as_long_as_its_script(tmp_path, started, mode):
     assert proc.wait(30) == (-signal.SIGKILL if mode == "sleep" else 0)
     assert not started.wait_gone(20), "processes of the script outlived it"
     assert not d.exists() or not any(mounted(d / f"node-{i}" / "mnt") for i in range(2))
-    deadline = time.monotonic() + 10
-    while d.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not d.exists()
+    wait_for(lambda: not d.exists(), 10, f"{d} to be removed")
 
 
 @pytest.mark.mount

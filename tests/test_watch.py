@@ -31,8 +31,10 @@ class Watcher:
         self.out: queue.Queue[str] = queue.Queue()
         self.err: queue.Queue[str] = queue.Queue()
         self.err_lines: list[str] = []
-        for stream, q in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
-            threading.Thread(target=self._pump, args=(stream, q), daemon=True).start()
+        self.pumps = [threading.Thread(target=self._pump, args=(stream, q), daemon=True)
+                      for stream, q in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        for t in self.pumps:
+            t.start()
 
     @staticmethod
     def _pump(stream, q: queue.Queue) -> None:
@@ -56,6 +58,17 @@ class Watcher:
             return
         raise AssertionError(f"unexpected push: {extra}")
 
+    def pushes_for(self, seconds: float) -> list[dict]:
+        """Every push reported within the next `seconds`."""
+        deadline = time.monotonic() + seconds
+        out = []
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                out.append(json.loads(self.out.get(timeout=left)))
+            except queue.Empty:
+                break
+        return out
+
     def stderr(self, wait_for: str | None = None, timeout: float = 20) -> list[str]:
         deadline = time.monotonic() + timeout
         while True:
@@ -72,7 +85,8 @@ class Watcher:
         try:
             return self.proc.wait(timeout=20)
         finally:
-            time.sleep(0.1)  # let the pumps drain
+            for t in self.pumps:  # they end at the pipes' end: everything printed is queued
+                t.join(timeout=10)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -118,9 +132,9 @@ def test_watch_pushes_each_edit_to_every_node(fresh_cluster, tmp_path):
         wait_for(lambda: all(reads(m / "app" / "gen" / "m29.py") == b"N = 29\n"
                              for m in c.mounts()), 10, "the burst on every node")
         burst = [w.push()]
-        time.sleep(1.5)
-        while not w.out.empty():
+        while burst[-1]["files"] != 32:  # pushed as it came, until a push holds all of it
             burst.append(w.push())
+        burst += w.pushes_for(1.5)  # a late push of it would come within the debounce (1 s)
         # (Files created in a new folder before inotify watches it are not reported one by
         # one; the folder's creation is, and the scan that follows finds them all.)
         assert 1 <= len(burst) <= 3 and burst[-1]["files"] == 32
@@ -189,12 +203,16 @@ def test_ctrl_c_during_a_push_cancels_it_and_exits_130(tmp_path):
                     "--timeout", "60")
         try:
             w.stderr(wait_for="watching")
-            time.sleep(0.5)  # the push is now waiting for the handshake
-            t0 = time.monotonic()
-            assert w.stop() == 130
-            assert time.monotonic() - t0 < 5
-            assert "cancelled" in w.stderr()[-1]
-            assert not any("Traceback" in ln for ln in w.stderr())
+            silent.settimeout(20)
+            conn, _ = silent.accept()  # the push connected: it now waits for the handshake
+            try:
+                t0 = time.monotonic()
+                assert w.stop() == 130
+                assert time.monotonic() - t0 < 5  # at once: what Ctrl-C must do
+                assert "cancelled" in w.stderr()[-1]
+                assert not any("Traceback" in ln for ln in w.stderr())
+            finally:
+                conn.close()
         finally:
             w.kill()
     finally:
