@@ -31,6 +31,13 @@ def _private_home(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("MONARCH_FS_HOME", str(tmp_path_factory.mktemp("home")))
 
 
+@pytest.fixture
+def small_packs(monkeypatch):
+    """Daemons started in the test cut their store into 1 MiB packs (collection and
+    compaction then happen at test sizes)."""
+    monkeypatch.setenv("MONARCH_FS_PACK_MIB", "1")
+
+
 @pytest.fixture(scope="module")
 def cluster2(tmp_path_factory):
     c = start_cluster(tmp_path_factory.mktemp("cluster"), 2)

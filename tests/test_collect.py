@@ -25,11 +25,6 @@ def fill(src) -> dict[str, bytes]:
     return data
 
 
-@pytest.fixture
-def small_packs(monkeypatch):
-    monkeypatch.setenv("MONARCH_FS_PACK_MIB", "1")
-
-
 def test_packs_of_dropped_versions_are_collected_but_not_an_open_file(small_packs,
                                                                        fresh_cluster, tmp_path):
     c = fresh_cluster(1)

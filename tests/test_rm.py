@@ -19,11 +19,6 @@ pytestmark = pytest.mark.mount
 KiB, MiB = 1 << 10, 1 << 20
 
 
-@pytest.fixture
-def small_packs(monkeypatch):
-    monkeypatch.setenv("MONARCH_FS_PACK_MIB", "1")
-
-
 def rm(c, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     return mfs("rm", *args, "--hosts", c.hostfile, "--token-file", c.token_file, check=check)
 

@@ -16,13 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from helpers import mfs, tree, wait_for
+from helpers import SMALL, mfs, tree, wait_for
 from monarch_fs.fs.chunk import CHUNK_SIZE, chunk_id
 from monarch_fs.fs.manifest import Kind
 from monarch_fs.fs.scan import SourceChanged, scan
 from monarch_fs.fs.scan_cache import RACY_NS, ScanCache, _prune, cache_file, stat_key
 
-SMALL = 64 * 1024  # the smallest chunk size a manifest allows
 RACY = 50_000_000  # 50 ms: tests wait this long after writing instead of the default 2 s
 
 IN_OPEN = 0x20
