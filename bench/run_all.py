@@ -47,8 +47,19 @@ import network_push_bench  # noqa: E402
 import push_bench  # noqa: E402
 import read_bench  # noqa: E402
 import tree_bench  # noqa: E402
-from common import (DEFAULT_CACHE, REPO, RESULTS, CpuMeter, PageCache,  # noqa: E402
-                    fmt_bytes, loadavg, log, machine_facts, remove_work)
+
+from common import (  # noqa: E402
+    DEFAULT_CACHE,
+    REPO,
+    RESULTS,
+    CpuMeter,
+    PageCache,
+    fmt_bytes,
+    loadavg,
+    log,
+    machine_facts,
+    remove_work,
+)
 from netns import NetnsUnsupported  # noqa: E402  (network_push_bench put tests/ on the path)
 
 WORKLOADS = ("push", "read", "import", "tree", "netpush")

@@ -34,8 +34,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (run_in_work, DEFAULT_CACHE, BenchError, LocalCluster, Observed, PageCache,  # noqa: E402
-                    log, own_disk_kib, rounds, run, summary)
+from common import (  # noqa: E402
+    DEFAULT_CACHE,
+    BenchError,
+    LocalCluster,
+    Observed,
+    PageCache,
+    log,
+    own_disk_kib,
+    rounds,
+    run,
+    run_in_work,
+    summary,
+)
 
 GENERATOR_VERSION = 1
 PER_DIR = 100
@@ -159,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warm-runs", type=int, default=5)
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     args = parser.parse_args(argv)
-    return run_in_work(args.cache, lambda work: measure(work, args.cache, args.files, args.cold_runs, args.warm_runs))
+    return run_in_work(args.cache, lambda work: measure(work, args.cache, args.files,
+                                                        args.cold_runs, args.warm_runs))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ pushes fill several."""
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 

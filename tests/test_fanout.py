@@ -133,7 +133,8 @@ def _on_v1_everywhere(c: Cluster, nodes=None) -> None:
 @pytest.mark.mount
 def test_node_killed_mid_push_fails_and_publishes_nothing(fresh_cluster, tmp_path):
     c = fresh_cluster(4)
-    src, push = push_under_way(c, tmp_path, 128, 1, 2 * MiB, "--topology", "chain", "--timeout", "10")
+    src, push = push_under_way(c, tmp_path, 128, 1, 2 * MiB, "--topology", "chain",
+                               "--timeout", "10")
     kill_mid_push(c.pid(1))
     _, err = push.communicate(timeout=60)
     assert push.returncode == 1
@@ -144,7 +145,8 @@ def test_node_killed_mid_push_fails_and_publishes_nothing(fresh_cluster, tmp_pat
 @pytest.mark.mount
 def test_allow_partial_routes_around_a_dead_node(fresh_cluster, tmp_path):
     c = fresh_cluster(4)
-    src, push = push_under_way(c, tmp_path, 128, 1, 2 * MiB, "--topology", "chain", "--timeout", "10", "--allow-partial")
+    src, push = push_under_way(c, tmp_path, 128, 1, 2 * MiB, "--topology", "chain",
+                               "--timeout", "10", "--allow-partial")
     kill_mid_push(c.pid(1))
     out, err = push.communicate(timeout=60)
     assert push.returncode == 0, err

@@ -252,7 +252,8 @@ def test_fields_past_what_the_kernel_takes_are_refused():
     _bad([ROOT, (b"l", Kind.SYMLINK, 0o777, 4096, 0, b"t" * 4096, ())])  # readlink: < PATH_MAX
     _bad([ROOT, (b"f", Kind.FILE, 0o644, 2**64 - 1, 0, b"", (cid(1),))])
     _bad([ROOT, (b"f", Kind.FILE, 2**32 - 1, 0, 0, b"", ())])
-    for bad in (Entry(b"f", Kind.FILE, 0o644, 0, 2**63), Entry(b"f", Kind.FILE, 0o644, 0, -(2**63) - 1),
+    for bad in (Entry(b"f", Kind.FILE, 0o644, 0, 2**63),
+                Entry(b"f", Kind.FILE, 0o644, 0, -(2**63) - 1),
                 Entry(b"f", Kind.FILE, -1, 0, 0), Entry(b"f", Kind.FILE, 0o644, -1, 0)):
         with pytest.raises(ManifestError, match="b'f'"):  # not encodable: validate() only
             Manifest([Entry(b"", Kind.DIR, 0o755, 0, 0), bad]).validate()
@@ -314,7 +315,8 @@ cases = {
     "64K path and target": HEAD.pack(MAGIC, CS, 1)
                            + ENTRY.pack(Kind.DIR, 0o755, 0, 0, 65535, 65535, 0) + bytes(64),
     "1000 entries of 4G chunks": HEAD.pack(MAGIC, CS, 1000)
-                                 + ENTRY.pack(Kind.FILE, 0o644, 2**64 - 1, 0, 0, 0, 2**32 - 1) * 1000,
+                                 + ENTRY.pack(Kind.FILE, 0o644, 2**64 - 1, 0, 0, 0,
+                                              2**32 - 1) * 1000,
 }
 for name, data in cases.items():
     tracemalloc.start()

@@ -19,9 +19,15 @@ import trio
 
 from helpers import mounted, wait_for
 from monarch_fs.daemon.protocol import Data
-from monarch_fs.mesh import (ActorError, HostMesh, MeshError, SpawnError, SupervisionError,
-                             ValueMesh)
-from monarch_fs.mesh import wire
+from monarch_fs.mesh import (
+    ActorError,
+    HostMesh,
+    MeshError,
+    SpawnError,
+    SupervisionError,
+    ValueMesh,
+    wire,
+)
 from procwatch import Started
 
 TESTS = str(Path(__file__).parent)
@@ -126,7 +132,7 @@ def test_only_endpoints_are_callable(procs):
 
     counters = procs.spawn("c", Counter, 0)
     with pytest.raises(AttributeError, match="not an @endpoint"):
-        counters.not_an_endpoint
+        counters.not_an_endpoint  # noqa: B018 (the lookup is what raises)
     untyped = procs.spawn("c2", "mesh_actors:Counter", 0)
     with pytest.raises(ActorError, match="not_an_endpoint is not an @endpoint"):
         untyped.not_an_endpoint.call()
@@ -422,5 +428,6 @@ def test_stopped_daemon_fails_the_mesh_and_takes_its_procs(fresh_cluster, starte
         with pytest.raises(SupervisionError) as info:
             victims.nap.call(60)
         assert info.value.failure.rank == 1 and "node-1" in info.value.failure.host
-        assert on_node_1.pids and not on_node_1.wait_gone(10)  # before the controller closes anything
+        # before the controller closes anything
+        assert on_node_1.pids and not on_node_1.wait_gone(10)
     assert not started.wait_gone(10)

@@ -8,7 +8,6 @@ import mmap
 import os
 import re
 import signal
-import time
 
 import pytest
 

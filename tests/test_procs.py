@@ -38,7 +38,8 @@ async def test_output_then_exit_with_stderr_tail(tmp_path):
     owner = Owner()
     async with trio.open_nursery() as nursery:
         table = ProcessTable(tmp_path, nursery)
-        code = "import sys; print('out 1'); print('err 1', file=sys.stderr); print('no newline', end=''); sys.exit(4)"
+        code = ("import sys; print('out 1'); print('err 1', file=sys.stderr); "
+                "print('no newline', end=''); sys.exit(4)")
         await table.spawn(owner, owner.emit, {"argv": [sys.executable, "-c", code],
                                               "env": {"WHERE": "{mount}"}}, None)
         with trio.fail_after(10):

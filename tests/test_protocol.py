@@ -457,7 +457,8 @@ def test_version_mismatch(ftype):
     if ftype is FrameType.AUTH:
         conn.send(Hello())
     conn.receive_data(frame(ftype, payload))
-    with pytest.raises(ProtocolError, match=f"version {PROTOCOL_VERSION + 1}, we speak {PROTOCOL_VERSION}"):
+    with pytest.raises(ProtocolError,
+                       match=f"version {PROTOCOL_VERSION + 1}, we speak {PROTOCOL_VERSION}"):
         conn.next_event()
 
 

@@ -23,8 +23,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from monarch_fs.daemon import bulk, rdma
-from monarch_fs.daemon import rdma_logic
+from monarch_fs.daemon import bulk, rdma, rdma_logic
 from monarch_fs.daemon.node import NodeDaemon
 from monarch_fs.daemon.procs import ProcessTable
 from monarch_fs.daemon.push import PushError, push

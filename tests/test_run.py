@@ -41,7 +41,8 @@ JOB = textwrap.dedent("""
         f.write(str(os.getpid()))
     os.rename(f"{out}/{rank}.tmp", f"{out}/{rank}.pid")
     def everyone_started():
-        while len([n for n in os.listdir(out) if n.endswith(".pid")]) < int(os.environ["WORLD_SIZE"]):
+        world = int(os.environ["WORLD_SIZE"])
+        while len([n for n in os.listdir(out) if n.endswith(".pid")]) < world:
             time.sleep(0.02)
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
             "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "MONARCH_FS_MOUNT",

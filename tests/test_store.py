@@ -91,7 +91,8 @@ def test_collect_deletes_the_sealed_packs_with_nothing_live(tmp_path):
     """Packs are deleted whole, only when no object in them is live; the open pack is never
     touched; a collected object is missing (a push sends it again) and can be stored again."""
     s = Store(tmp_path / "store", pack_limit=64 * 1024)
-    old = [s.put(os.urandom(40_000)) for _ in range(6)]  # 3 sealed packs of 2 objects (64 KiB packs)
+    # 3 sealed packs of 2 objects (64 KiB packs)
+    old = [s.put(os.urandom(40_000)) for _ in range(6)]
     keep = [s.put(os.urandom(40_000)) for _ in range(2)]  # a 4th sealed pack
     shared = s.put(os.urandom(40_000))  # in the 5th pack, with a dead neighbour
     neighbour = s.put(os.urandom(40_000))
@@ -105,7 +106,8 @@ def test_collect_deletes_the_sealed_packs_with_nothing_live(tmp_path):
     assert s.missing(old + keep + [shared, neighbour, recent]) == old
     assert len(list(packs.glob("*.pack"))) == len(before) - 3
     assert {p.stem for p in packs.glob("*.idx")} <= {p.stem for p in packs.glob("*.pack")}
-    assert s.get(neighbour) and s.get(recent)  # a live neighbour keeps its pack; the open pack stays
+    # a live neighbour keeps its pack; the open pack stays
+    assert s.get(neighbour) and s.get(recent)
     data = os.urandom(40_000)
     again = s.put(data)  # stored anew
     s.close()

@@ -60,7 +60,8 @@ def test_every_entry_kind_identical_on_every_node(cluster3, tmp_path):
     assert result["files"] == 11  # a hard link counts as a file with identical content
     assert (cluster3.mnt(0) / "kinds" / ".." / ".versions" / "kinds" / result["version"]).is_dir()
     # symlinks are served verbatim, never followed by the daemon
-    assert os.readlink(cluster3.mnt(1) / "kinds" / "pkg" / "escaping-link") == "../../outside/escape"
+    link = cluster3.mnt(1) / "kinds" / "pkg" / "escaping-link"
+    assert os.readlink(link) == "../../outside/escape"
     ran = subprocess.run([cluster3.mnt(2) / "kinds" / "run.sh"], capture_output=True, text=True)
     assert ran.stdout == "ran\n"
 
@@ -193,7 +194,10 @@ def test_with_open_round_trips_files_and_listings_still_follow_each_version(
     mnt = c.mnt(0) / "stock"
     assert tree(mnt) == tree(src)
     root = c.mnt(0)
-    opens = lambda: mount_ops(root).get("open", 0)
+
+    def opens() -> int:
+        return mount_ops(root).get("open", 0)
+
     before = opens()
     assert (mnt / "d" / "a").read_text() == "a1"
     assert opens() == before + 1
@@ -365,7 +369,8 @@ def test_virtualenv_runs_from_every_mount(cluster3, tmp_path):
     # Install a small package into the venv, the way pip lays it out.
     pkg = tmp_path / "hello_pkg"
     (pkg / "hello_mfs").mkdir(parents=True)
-    (pkg / "hello_mfs" / "__init__.py").write_text("def greet():\n    return 'hello from the mount'\n")
+    (pkg / "hello_mfs" / "__init__.py").write_text(
+        "def greet():\n    return 'hello from the mount'\n")
     (pkg / "pyproject.toml").write_text(
         '[build-system]\nrequires=["setuptools"]\nbuild-backend="setuptools.build_meta"\n'
         '[project]\nname="hello-mfs"\nversion="1.0"\n')

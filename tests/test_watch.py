@@ -13,6 +13,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from helpers import CLI_MODULE, Cluster, tree, wait_for
 from monarch_fs.daemon import cluster as cluster_mod
 from monarch_fs.daemon.auth import write_new_token
