@@ -381,6 +381,7 @@ def manifests(draw) -> Manifest:
     return Manifest([entries[i] for i in order], chunk_size)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(manifests())
 def test_fuzz_valid_manifests_round_trip(m):
@@ -437,6 +438,7 @@ def _mutate(data: bytes, ops) -> bytes:
     return bytes(b)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(manifests(), st.lists(_mutation, min_size=1, max_size=4))
 def test_fuzz_decode_of_mutated_encodings_raises_only_manifest_error(m, ops):

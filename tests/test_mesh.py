@@ -58,6 +58,7 @@ def procs(hosts, started):
 
 # ---- messages ----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_wire_keeps_buffers_out_of_band_aligned_and_views_on_receipt():
     import torch
 

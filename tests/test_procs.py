@@ -74,6 +74,7 @@ async def test_procs_outlive_idle_worker_threads(tmp_path, monkeypatch):
     assert not started.alive()
 
 
+@pytest.mark.slow
 async def test_exit_is_reported_even_if_an_escaped_grandchild_holds_the_pipes(tmp_path):
     owner, started = Owner(), Started()
     script = "setsid sh -c 'echo $$; exec sleep 30' & sleep 0.2; exit 5"  # leaves its group

@@ -322,6 +322,7 @@ class SimFabric:
 blob_lists = st.lists(st.binary(min_size=0, max_size=3 * MIN_SLOT_SIZE), min_size=1, max_size=12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [RC, SRD])
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(slots=st.integers(1, 5), blobs=blob_lists, rnd=st.randoms(use_true_random=False),

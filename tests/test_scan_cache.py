@@ -263,6 +263,7 @@ async def test_a_cache_of_another_chunk_size_is_not_used(src, tmp_path, opens):
     assert snap.manifest.encode() == (await scan(src, chunk_size=2 * SMALL)).manifest.encode()
 
 
+@pytest.mark.slow
 async def test_racily_clean_files_are_hashed_again(src, tmp_path, opens):
     """With the default window (2 s): a file changed just before the scan is not cached, since
     a second write within its timestamp granularity could leave the key as it is. It is read

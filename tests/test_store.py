@@ -419,6 +419,7 @@ def test_a_chunk_read_from_disk_brings_the_next_part_of_its_pack_into_memory(tmp
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data, codec", [(os.urandom(300), RAW),
                                          (b"hello world " * 500 + b"tail", ZSTD)],
                          ids=["raw", "zstd"])
