@@ -15,10 +15,20 @@ PYFUSE3_VERSION := 3.5.0
 PYFUSE3_SHA256 := 88399a9494b88603230bba300f4ba9ad63fece5ed514ca3633d555a0c6a42b24
 APT_PACKAGES := fuse3 libfuse3-dev pkg-config rsync zstd iproute2
 
-.PHONY: test demo bench system-deps clean
+.PHONY: test test-fast lint demo bench system-deps clean
 
+# Everything: lint, then every test (real daemons, FUSE mounts, namespaces as root).
 test: $(STAMP) $(STOCK_PYFUSE3)/.built
+	$(VENV)/bin/ruff check
 	$(PY) -m pytest -q
+
+# The pure part: no mount, no network namespace, nothing slow (see the markers in pyproject.toml).
+test-fast: $(STAMP)
+	$(VENV)/bin/ruff check
+	$(PY) -m pytest -q -m "not mount and not netns and not slow"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check
 
 # The main job end to end on a local 3-node cluster: push, check every node, edit, push again,
 # then a supervised SPMD job (2 nodes x 2 procs) running from a pushed workspace.

@@ -177,7 +177,7 @@ class Sampler:
         """A coarse copy of the samples for the JSON report (MB received per node)."""
         out, next_t = [], 0.0
         base = self.samples[0][1] if self.samples else []
-        for t, rx, tx in self.samples:
+        for t, rx, _tx in self.samples:
             if t >= next_t:
                 out.append({"t": round(t, 2),
                             "rx_mb": [round((r - b) / 1e6, 1) for r, b in zip(rx, base)]})
@@ -363,7 +363,8 @@ def markdown(report: dict) -> str:
         "daemons + the push client + the kernel's softirq time (veth, bridge, tbf); others: "
         "what the rest of the machine used meanwhile.",
         "",
-        f"**Goals (stated for N = 8) at N = {g['nodes']}:** chain egress/payload {g['chain_egress_ratio']} "
+        f"**Goals (stated for N = 8) at N = {g['nodes']}:** chain egress/payload "
+        f"{g['chain_egress_ratio']} "
         f"(goal <= {GOALS['chain_egress_ratio_n8']}: "
         f"{'met' if g.get('chain_egress_goal_met') else 'NOT met'}); star "
         f"{g['star_egress_ratio']}; tree {g['tree_egress_ratio']}; chain time N={g['nodes']} / "

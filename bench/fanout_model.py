@@ -215,7 +215,8 @@ def check(results: dict, latency: float | None = None, out=sys.stdout) -> list[d
     t0 = fit_t0(runs, link, fanout)
     kappa, kappa_c = fit_kappa(runs)
     cores = cfg.get("cores", 2)
-    print(f"model: B = {link.bandwidth / 1e6:.1f} MB/s goodput, L = {link.latency * 1e3:.1f} ms/hop, "
+    print(f"model: B = {link.bandwidth / 1e6:.1f} MB/s goodput, "
+          f"L = {link.latency * 1e3:.1f} ms/hop, "
           f"c = {link.chunk / MiB:g} MiB, T0 = {t0:.2f} s (fitted on N=1); CPU: kappa = "
           f"{kappa * 1e9:.2f} ns per node-byte, kappa_c = {kappa_c * 1e9:.2f} ns per "
           f"dev-box byte, on {cores} cores less what others used", file=out)

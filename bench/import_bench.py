@@ -23,8 +23,9 @@ Cold: the page cache (and dentries, inodes) dropped before each run; the first m
 right after the publish, before every later one the daemon is restarted on its store so its
 decoded-chunk cache is empty too. Warm: one untimed import on each side, then the median of the
 runs. Mount and local runs alternate; a warm run during which the machine read from disk
-(someone else dropped the page cache) is run again (common.rounds). The daemon's request counters, chunk-cache hits and misses
-and CPU time are recorded for the cold and the warm mount runs.
+(someone else dropped the page cache) is run again (common.rounds). The daemon's request
+counters, chunk-cache hits and misses and CPU time are recorded for the cold and the warm mount
+runs.
 """
 
 from __future__ import annotations
@@ -34,15 +35,27 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-from .common import (run_in_work, DEFAULT_CACHE, REPO, BenchError, LocalCluster, Observed,
-                    PageCache, fmt_bytes, log, own_disk_kib, rounds,
-                    run, summary)
+from .common import (
+    DEFAULT_CACHE,
+    REPO,
+    BenchError,
+    LocalCluster,
+    Observed,
+    PageCache,
+    fmt_bytes,
+    log,
+    own_disk_kib,
+    rounds,
+    run,
+    run_in_work,
+    summary,
+)
 
 STAGE_VERSION = 1
 NAME = "venv"
@@ -224,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warm-runs", type=int, default=5)
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     args = parser.parse_args(argv)
-    return run_in_work(args.cache, lambda work: measure(work, args.cache, args.module, args.cold_runs, args.warm_runs, tuple(args.exclude)))
+    return run_in_work(args.cache, lambda work: measure(
+        work, args.cache, args.module, args.cold_runs, args.warm_runs, tuple(args.exclude)))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 """Actor-mesh benchmark on a local 2-node cluster: how long it takes to get 8 procs (2 nodes x 4)
 and an actor on each, and what one endpoint call costs, round trip.
 
-    .venv/bin/python -m bench.mesh_bench [--nodes 2] [--per-host 4] [--calls 2000] [--out bench/results]
+    .venv/bin/python -m bench.mesh_bench [--nodes 2] [--per-host 4] [--calls 2000]
+                                         [--out bench/results]
 
 What is measured, and why:
 

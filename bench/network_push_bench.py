@@ -49,7 +49,7 @@ from pathlib import Path
 
 from tests.netns import NetCluster, NetnsUnsupported
 
-from .common import (DEFAULT_CACHE, RESULTS, BenchError, fmt_bytes, log, machine_facts, median)
+from .common import DEFAULT_CACHE, RESULTS, BenchError, fmt_bytes, log, machine_facts, median
 from .push_bench import ensure_tree
 
 RSYNC_PORT = 8730
@@ -271,7 +271,8 @@ def measure(size_mb: int, nodes: list[int], rate: str = "1gbit", store_dir: str 
         log(f"  N={n} ...", end="")
         runs.append(run_n(src, n, rate, store_dir, expect))
         r = runs[-1]
-        log(f" monarch-fs {r['monarch_fs_s']:.2f}s (runs {r['monarch_fs_runs']}), rsync one by one {r['rsync_one_by_one_s']:.2f}s "
+        log(f" monarch-fs {r['monarch_fs_s']:.2f}s (runs {r['monarch_fs_runs']}), "
+            f"rsync one by one {r['rsync_one_by_one_s']:.2f}s "
             f"({r['vs_rsync_one_by_one']:.2f}x), all at once {r['rsync_all_at_once_s']:.2f}s "
             f"({r['vs_rsync_all_at_once']:.2f}x)")
     f = machine_facts()

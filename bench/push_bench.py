@@ -24,8 +24,8 @@ Fairness rules, and why:
   warm cache would hide the disk); warm cases run with whatever the previous case left behind.
 - `sync` runs (untimed) before every measured run, so one tool's dirty pages are never flushed on
   another tool's clock: monarch-fs flushes its chunk store (fdatasync) before it publishes,
-  rsync and tar never flush. The time a `sync` takes right after each rsync/tar run is recorded too, as the price of
-  the durability monarch-fs pays and they do not.
+  rsync and tar never flush. The time a `sync` takes right after each rsync/tar run is recorded
+  too, as the price of the durability monarch-fs pays and they do not.
 
 The tree is generated once, deterministically (random.Random(0)), into a cache folder and reused:
 ~25% of the bytes are thousands of small pseudo-source files (compress like code, ~2.7x with
@@ -50,8 +50,19 @@ from pathlib import Path
 
 from monarch_fs.daemon import cluster
 
-from .common import (DEFAULT_CACHE, MiB, BenchError, PageCache,
-                     fmt_bytes, last_json, machine_facts, mfs_cli, remove_work, run, sync)
+from .common import (
+    DEFAULT_CACHE,
+    BenchError,
+    MiB,
+    PageCache,
+    fmt_bytes,
+    last_json,
+    machine_facts,
+    mfs_cli,
+    remove_work,
+    run,
+    sync,
+)
 
 GENERATOR_VERSION = 1
 SMALL_FRACTION = 0.25
@@ -120,7 +131,8 @@ def _line_pool(rng: random.Random) -> list[str]:
         k = rng.randint(2, 9)
         words = rng.choices(WORDS, k=k)
         seps = rng.choices(SEPARATORS, k=k - 1) + [""]
-        return "    " * rng.choice((0, 1, 1, 2, 2, 2, 3)) + "".join(map(str.__add__, words, seps)) + "\n"
+        indent = "    " * rng.choice((0, 1, 1, 2, 2, 2, 3))
+        return indent + "".join(map(str.__add__, words, seps)) + "\n"
 
     return [line() for _ in range(LINE_POOL)]
 
@@ -383,7 +395,8 @@ def verify_edit(tree: Path, info: TreeInfo, mounts: list[Path]) -> str:
 
 # ---- report -------------------------------------------------------------------------------
 
-CASES = (("cold", "cold"), ("nochange", "re-push, no change"), ("edit", "re-push, 1 small file edited"))
+CASES = (("cold", "cold"), ("nochange", "re-push, no change"),
+         ("edit", "re-push, 1 small file edited"))
 
 
 def markdown(report: dict) -> str:
@@ -432,14 +445,16 @@ def markdown(report: dict) -> str:
         f"included); the push itself reported {internal}.",
         f"monarch-fs makes the stores durable (syncfs) before publishing; rsync and tar do not. "
         f"A `sync` right after each of their runs (not counted above) took: {flush}.",
-        f"Correctness: cold push: {report['verify']['cold']}; edit push: {report['verify']['edit']}.",
+        f"Correctness: cold push: {report['verify']['cold']}; "
+        f"edit push: {report['verify']['edit']}.",
     ]
     return "\n".join(lines) + "\n"
 
 
 # ---- the run ------------------------------------------------------------------------------
 
-def benchmark(tree: Path, info: TreeInfo, nodes: int, work: Path) -> tuple[list[Measurement], dict, PageCache]:
+def benchmark(tree: Path, info: TreeInfo, nodes: int, work: Path
+              ) -> tuple[list[Measurement], dict, PageCache]:
     """Every tool, every case, in an order that gives each cold run a dropped cache."""
     cli = mfs_cli()
     cache = PageCache()
@@ -471,7 +486,8 @@ def benchmark(tree: Path, info: TreeInfo, nodes: int, work: Path) -> tuple[list[
         edit_file(tree, info)
         try:
             step("monarch-fs edit", mfs.push, tree, "edit")
-            verify["edit"] = verify_edit(tree, info, [mfs.mount(i, tree.name) for i in range(nodes)])
+            mounts = [mfs.mount(i, tree.name) for i in range(nodes)]
+            verify["edit"] = verify_edit(tree, info, mounts)
             step("rsync edit", rsync.copy, tree, "edit")
             step("tar|zstd edit", tar.copy, tree, "edit")
         finally:

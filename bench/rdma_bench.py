@@ -39,8 +39,8 @@ from pathlib import Path
 import trio
 
 from monarch_fs.daemon import bulk
-from monarch_fs.daemon.auth import load_token, write_new_token
 from monarch_fs.daemon import protocol as p
+from monarch_fs.daemon.auth import load_token, write_new_token
 from monarch_fs.daemon.transport import ConnectionLost, accept, connect, parse_addr
 
 MiB = 1 << 20
@@ -52,7 +52,7 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-# ---- the receiving end (--serve) -------------------------------------------------------------------
+# ---- the receiving end (--serve) -----------------------------------------------------------------
 
 
 async def serve(listen: str, token: bytes, once: bool) -> None:
@@ -106,7 +106,7 @@ async def serve(listen: str, token: bytes, once: bool) -> None:
         nursery.start_soon(trio.serve_listeners, handler, listeners)
 
 
-# ---- the sending end -------------------------------------------------------------------------------
+# ---- the sending end -----------------------------------------------------------------------------
 
 
 async def send_run(peer: str, token: bytes, kind: str, local: bulk.LocalTransport,
@@ -169,7 +169,7 @@ def pair_case(args: argparse.Namespace, token: bytes, token_file: str) -> list[d
     return rows
 
 
-# ---- the 4-node chain (real daemons, real push) ------------------------------------------------------
+# ---- the 4-node chain (real daemons, real push) --------------------------------------------------
 
 
 def chain_case(args: argparse.Namespace) -> list[dict]:
@@ -189,7 +189,7 @@ def chain_case(args: argparse.Namespace) -> list[dict]:
         env = {**os.environ, "MONARCH_FS_HOME": str(d / "home")}
         try:
             for transport in ("tcp", "rdma"):
-                for rep in range(args.repeat):
+                for _ in range(args.repeat):
                     cluster.down(d / "cluster")
                     shutil.rmtree(d / "cluster", ignore_errors=True)  # empty stores every run
                     hosts = cluster.up(args.nodes, d / "cluster")

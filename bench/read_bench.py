@@ -13,9 +13,9 @@ Reads are dd-like: one 1 MiB `readinto` after another into the same buffer, unbu
 this process (the daemon serving the mount is another process). Cold runs drop the page cache
 (and dentries, inodes) before each read; warm runs read once untimed, then take the median.
 Mount and local runs alternate; a warm run during which the machine read from disk (someone else
-dropped the page cache) is run again (common.rounds). Before every cold mount run but the first (which comes right after
-the publish) the daemon is restarted on its store, else its decoded-chunk cache would serve
-what the previous run read. The daemon's counters (FUSE requests by type, chunk-cache hits
+dropped the page cache) is run again (common.rounds). Before every cold mount run but the first
+(which comes right after the publish) the daemon is restarted on its store, else its
+decoded-chunk cache would serve what the previous run read. The daemon's counters (FUSE requests by type, chunk-cache hits
 and misses) and its CPU time are recorded for the cold and the warm mount runs, and the bytes
 read through the mount are checked against the local file.
 """
@@ -32,9 +32,19 @@ from pathlib import Path
 
 import xxhash
 
-from .common import (run_in_work, DEFAULT_CACHE, MiB, BenchError, LocalCluster, Observed,
-                    PageCache, log, own_disk_kib, rounds,
-                    summary)
+from .common import (
+    DEFAULT_CACHE,
+    BenchError,
+    LocalCluster,
+    MiB,
+    Observed,
+    PageCache,
+    log,
+    own_disk_kib,
+    rounds,
+    run_in_work,
+    summary,
+)
 
 GENERATOR_VERSION = 1
 BLOCK = MiB
@@ -160,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warm-runs", type=int, default=5)
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     args = parser.parse_args(argv)
-    return run_in_work(args.cache, lambda work: measure(work, args.cache, args.size_mb, args.cold_runs, args.warm_runs))
+    return run_in_work(args.cache, lambda work: measure(
+        work, args.cache, args.size_mb, args.cold_runs, args.warm_runs))
 
 
 if __name__ == "__main__":

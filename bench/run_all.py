@@ -43,8 +43,18 @@ from pathlib import Path
 from tests.netns import NetnsUnsupported
 
 from . import import_bench, network_push_bench, push_bench, read_bench, tree_bench
-from .common import (DEFAULT_CACHE, REPO, RESULTS, CpuMeter, PageCache,
-                     fmt_bytes, loadavg, log, machine_facts, remove_work)
+from .common import (
+    DEFAULT_CACHE,
+    REPO,
+    RESULTS,
+    CpuMeter,
+    PageCache,
+    fmt_bytes,
+    loadavg,
+    log,
+    machine_facts,
+    remove_work,
+)
 
 WORKLOADS = ("push", "read", "import", "tree", "netpush")
 README_BEGIN = "<!-- bench:begin (bench/run_all.py rewrites this section) -->"

@@ -32,8 +32,19 @@ import shutil
 import sys
 from pathlib import Path
 
-from .common import (run_in_work, DEFAULT_CACHE, BenchError, LocalCluster, Observed, PageCache,
-                    log, own_disk_kib, rounds, run, summary)
+from .common import (
+    DEFAULT_CACHE,
+    BenchError,
+    LocalCluster,
+    Observed,
+    PageCache,
+    log,
+    own_disk_kib,
+    rounds,
+    run,
+    run_in_work,
+    summary,
+)
 
 GENERATOR_VERSION = 1
 PER_DIR = 100
@@ -157,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warm-runs", type=int, default=5)
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     args = parser.parse_args(argv)
-    return run_in_work(args.cache, lambda work: measure(work, args.cache, args.files, args.cold_runs, args.warm_runs))
+    return run_in_work(args.cache, lambda work: measure(
+        work, args.cache, args.files, args.cold_runs, args.warm_runs))
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ class BulkSender(abc.ABC):
         """Wait until every chunk given to send_chunk() has left this host's buffers; returns
         the arguments the control channel's "flush" request must carry."""
 
-    async def aclose(self) -> None:
+    async def aclose(self) -> None:  # noqa: B027 (optional: a no-op unless overridden)
         """Release the transport's resources (never the control channel: its owner closes it)."""
 
     def describe(self) -> dict:
@@ -131,7 +131,7 @@ class BulkReceiver(abc.ABC):
             await self._changed.wait()
         return self.error if self.chunks_delivered < count else None
 
-    async def aclose(self) -> None:
+    async def aclose(self) -> None:  # noqa: B027 (optional: a no-op unless overridden)
         pass
 
     def describe(self) -> dict:

@@ -12,8 +12,10 @@ recv_into (the asyncio BufferedProtocol pattern); its payload arrives as a view 
 Handshake (mutual HMAC challenge-response; the token never crosses the wire):
 
     server -> Hello(version, server_nonce)
-    client -> Auth(version, client_nonce, encrypt?, HMAC(token, "monarch-fs client" + sn + cn + encrypt?))
-    server -> Welcome(HMAC(token, "monarch-fs server" + cn + sn + encrypted), encrypted, info)   [sealed]
+    client -> Auth(version, client_nonce, encrypt?,
+                   HMAC(token, "monarch-fs client" + sn + cn + encrypt?))
+    server -> Welcome(HMAC(token, "monarch-fs server" + cn + sn + encrypted), encrypted,
+                      info)   [sealed]
 
 From the Welcome on, every frame in either direction is sealed (seal.py): a GCM tag under a
 key derived from the token and both nonces, one key per direction, the frame's sequence number
@@ -42,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .seal import TAG_SIZE, Opener, SealError, Sealer, derive_keys
+from .seal import TAG_SIZE, Opener, Sealer, SealError, derive_keys
 
 PROTOCOL_VERSION = 2
 MAX_FRAME = 80 * 1024 * 1024

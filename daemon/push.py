@@ -23,12 +23,17 @@ from ..fs import chunk
 from ..fs.manifest import Kind
 from ..fs.scan import Snapshot, SourceChanged, scan
 from ..fs.scan_cache import ScanCache
-from . import bulk
+from . import bulk, topology
 from . import protocol as p
-from . import topology
 from .refs import check_workspace_name
-from .transport import (CONNECT_TIMEOUT, Channel, ConnectError, RemoteError, connect,
-                        describe_failure)
+from .transport import (
+    CONNECT_TIMEOUT,
+    Channel,
+    ConnectError,
+    RemoteError,
+    connect,
+    describe_failure,
+)
 
 STALL_TIMEOUT = 60.0  # no progress on one node for this long fails that node
 _QUEUE = 4  # batches buffered per root
@@ -144,8 +149,8 @@ class _Node:
             self.error = e if isinstance(e, str) else describe_failure(e, timeout)
 
 
-_NODE_ERRORS = (OSError, bulk.BulkError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
-                RemoteError, ConnectError, p.ProtocolError, EOFError)
+_NODE_ERRORS = (OSError, bulk.BulkError, trio.TooSlowError, trio.BrokenResourceError,
+                trio.ClosedResourceError, RemoteError, ConnectError, p.ProtocolError, EOFError)
 
 
 async def _each(nodes: Sequence[_Node], fn: Callable, timeout: float | None = None,
@@ -344,7 +349,9 @@ class _Push:
                 nursery.start_soon(sender, r)
         if local_error:
             e = local_error[0]
-            raise e if isinstance(e, SourceChanged) else SourceChanged(describe_failure(e, self.timeout))
+            if isinstance(e, SourceChanged):
+                raise e
+            raise SourceChanged(describe_failure(e, self.timeout))
 
         async def flush(root: _Node) -> None:
             extra = await root.bulk.flush()  # RDMA: the node waits for that many chunks

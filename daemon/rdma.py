@@ -30,7 +30,6 @@ import trio
 
 from ..settings import settings
 from .bulk import BulkError, BulkReceiver, BulkSender, Deliver
-from .seal import ChunkSealer, SealError
 from .rdma_logic import (
     HEADER_SIZE,
     MSG_SIZE,
@@ -52,6 +51,7 @@ from .rdma_logic import (
     decode_credit,
     encode_credit,
 )
+from .seal import ChunkSealer, SealError
 
 log = logging.getLogger("monarch_fs.rdma")
 
@@ -62,7 +62,7 @@ _NO_PYVERBS = "pyverbs not installed"
 _NO_DEVICES = "ibv_get_device_list is empty"
 
 
-# ---- pyverbs, imported lazily, either API ---------------------------------------------------------
+# ---- pyverbs, imported lazily, either API --------------------------------------------------------
 
 
 class Enums:
@@ -343,7 +343,7 @@ class Endpoint:
 
     def connect(self, peer: dict) -> None:
         """Move our QP to RTS towards `peer` (its info())."""
-        from pyverbs.addr import AH, AHAttr, GID, GlobalRoute
+        from pyverbs.addr import AH, GID, AHAttr, GlobalRoute
         from pyverbs.qp import QPAttr
 
         E = enums()
@@ -499,7 +499,7 @@ class Endpoint:
             ctx.close()  # pyverbs closes the AH, QP, MRs, CQ and PD that hang off it first
 
 
-# ---- the bulk channels ------------------------------------------------------------------------------
+# ---- the bulk channels ---------------------------------------------------------------------------
 
 
 class RdmaSender(BulkSender):

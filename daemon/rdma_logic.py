@@ -81,7 +81,8 @@ class Fragment:
         if magic != _MAGIC:
             raise BulkProtocolError("fragment header has a bad magic number")
         if length > payload_limit:
-            raise BulkProtocolError(f"fragment of {length} bytes exceeds the slot ({payload_limit})")
+            raise BulkProtocolError(
+                f"fragment of {length} bytes exceeds the slot ({payload_limit})")
         if total > MAX_FRAME or offset + length > total or (length == 0 and total != 0):
             raise BulkProtocolError(
                 f"fragment {fseq}: offset {offset} + length {length} does not fit a blob of "

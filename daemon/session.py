@@ -22,8 +22,19 @@ from . import bulk
 from . import protocol as p
 from .procs import SpawnError, free_port
 from .relay import Relay
-from .requests import (Bulk, Commit, Flush, FreePort, Kill, NodeRequest, Prepare, Remove,
-                       RequestError, Spawn, Status)
+from .requests import (
+    Bulk,
+    Commit,
+    Flush,
+    FreePort,
+    Kill,
+    NodeRequest,
+    Prepare,
+    Remove,
+    RequestError,
+    Spawn,
+    Status,
+)
 from .requests import Relay as RelayRequest
 from .transport import Channel, ConnectionLost
 from .writes import ChunkWrites

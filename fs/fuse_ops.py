@@ -14,10 +14,11 @@ A handle is the inode number. With the patched pyfuse3 the Makefile builds (`fs/
 against the system's libfuse 3), files are served one of two ways, decided once FUSE INIT is
 answered (check_passthrough):
 
-- passthrough (root, Linux 6.9+, and a backing id from the kernel): a file of backing.MIN_SIZE or more is bound at open to its
-  backing file on local disk (fs/backing.py), and the kernel reads and maps it directly, at
-  local-disk speed and in large folios. Every open is then a round trip (the kernel has no
-  passthrough without open), so smaller files are opened with `keep_cache` and read through here.
+- passthrough (root, Linux 6.9+, and a backing id from the kernel): a file of
+  backing.MIN_SIZE or more is bound at open to its backing file on local disk (fs/backing.py),
+  and the kernel reads and maps it directly, at local-disk speed and in large folios. Every
+  open is then a round trip (the kernel has no passthrough without open), so smaller files
+  are opened with `keep_cache` and read through here.
 - no-open (otherwise): `open` answers ENOSYS, so the kernel stops sending open and release at
   all and keeps file pages in its own cache; reads come with handle 0, which the patch turns
   into the inode.
@@ -750,7 +751,8 @@ class SnapshotFS(pyfuse3.Operations):
             ops = self.ops.copy()
             if hasattr(pyfuse3, "ioctls"):  # refused inside the patched pyfuse3, never seen here
                 ops["ioctl"] = pyfuse3.ioctls()
-            out[b"user.monarch.ops"] = " ".join(f"{k}={v}" for k, v in sorted(ops.items()) if v).encode()
+            out[b"user.monarch.ops"] = " ".join(
+                f"{k}={v}" for k, v in sorted(ops.items()) if v).encode()
             return out
         tree = self._tree(node) if node.ws else None
         if tree is not None:

@@ -118,7 +118,8 @@ def _check_fields(e: Entry, chunk_size: int) -> None:
     if not 0 <= e.mode <= 0o7777:
         raise ManifestError(f"entry {e.path!r}: bad mode {e.mode:o} (permission bits only)")
     if e.mtime_ns not in MTIME_RANGE:
-        raise ManifestError(f"entry {e.path!r}: mtime {e.mtime_ns} ns out of the signed 64-bit range")
+        raise ManifestError(
+            f"entry {e.path!r}: mtime {e.mtime_ns} ns out of the signed 64-bit range")
     if e.kind == Kind.FILE:
         if not 0 <= e.size <= MAX_FILE_SIZE:
             raise ManifestError(f"entry {e.path!r}: size {e.size} out of range (0 to 2^63-1)")
@@ -154,7 +155,8 @@ class Manifest:
         if not self.entries or self.entries[0].path != b"" or self.entries[0].kind != Kind.DIR:
             raise ManifestError("manifest has no root directory")
         seen: dict[bytes, Kind] = {}
-        cs, mtimes, DIR, FILE, SYMLINK = self.chunk_size, MTIME_RANGE, Kind.DIR, Kind.FILE, Kind.SYMLINK
+        cs, mtimes = self.chunk_size, MTIME_RANGE
+        DIR, FILE, SYMLINK = Kind.DIR, Kind.FILE, Kind.SYMLINK
         for e in self.entries:
             check_path(e.path)
             if e.path in seen:

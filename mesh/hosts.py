@@ -22,8 +22,14 @@ from dataclasses import dataclass
 import trio
 
 from ..daemon import protocol as p
-from ..daemon.transport import Channel, ConnectError, ConnectionLost, RemoteError, connect
-from ..daemon.transport import parse_addr
+from ..daemon.transport import (
+    Channel,
+    ConnectError,
+    ConnectionLost,
+    RemoteError,
+    connect,
+    parse_addr,
+)
 from .errors import MeshError, SpawnError
 from .loop import service_nursery
 

@@ -36,13 +36,13 @@ from typing import Any
 import trio
 
 from ..daemon import protocol as p
+from ..daemon.dedicated_thread import DedicatedThread
+from ..daemon.procs import read_secrets
 from ..daemon.transport import ConnectError, ConnectionLost, connect
 from . import wire
 from .actor import is_endpoint
 from .errors import Failure, MeshError, SpawnError
 from .hosts import HostInfo, Launcher, OnEvent
-from ..daemon.dedicated_thread import DedicatedThread
-from ..daemon.procs import read_secrets
 from .proc_mesh import MESH_MAX_FRAME, print_output
 
 EXIT_OWNER_GONE = 3

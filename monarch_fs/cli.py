@@ -1,4 +1,5 @@
-"""The `monarch-fs` command: a thin dispatcher over the daemon, push, status, run and cluster code."""
+"""The `monarch-fs` command: a thin dispatcher over the daemon, push, status, run and cluster
+code."""
 
 # It sits at the package top, not in daemon/, because it is the one module that sees all three
 # layers (`run` drives the mesh): fs/, daemon/ and mesh/ only ever import downward.
@@ -100,7 +101,7 @@ def cmd_push(args: argparse.Namespace) -> int:
     if args.watch:
         from .daemon.watch import watch
 
-        workspace_name(args.src, args.name)  # a name no node would take: say so once, not per change
+        workspace_name(args.src, args.name)  # a name no node takes: say so once, not per change
 
         return trio.run(lambda: watch(args.src, run, excludes=args.exclude,
                                       ignore=[cache_dir] if cache_dir else [],
@@ -142,8 +143,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             if not n["reachable"]:
                 print(f"{n['host']}  UNREACHABLE  {n['error']}")
                 continue
-            ws = ", ".join(f"{name}={vs[0][:12]}" + (f" (+{len(vs) - 1} older)" if len(vs) > 1 else "")
-                           for name, vs in sorted(n["workspaces"].items())) or "no workspaces"
+            ws = ", ".join(
+                f"{name}={vs[0][:12]}" + (f" (+{len(vs) - 1} older)" if len(vs) > 1 else "")
+                for name, vs in sorted(n["workspaces"].items())) or "no workspaces"
             print(f"{n['host']}  {n['node']}  {ws}  store {fmt_bytes(n['store_bytes'])}"
                   f" in {n['store_objects']} objects  transport {n.get('transport', 'tcp')}"
                   f"  fuse {n.get('fuse', '?')}"
@@ -260,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default $MONARCH_FS_MAX_ENTRIES, else {DEFAULT_MAX_ENTRIES:,})")
     d.set_defaults(fn=cmd_daemon)
 
-    hosts_help = "host:port,host:port or @hostfile (default $MONARCH_FS_HOSTS, then the local cluster)"
+    hosts_help = ("host:port,host:port or @hostfile (default $MONARCH_FS_HOSTS, then the local "
+                  "cluster)")
     p = sub.add_parser("push", help="push a folder to every node and publish it")
     p.add_argument("src", metavar="SRC")
     p.add_argument("--hosts", metavar="SPEC", help=hosts_help)

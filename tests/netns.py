@@ -25,8 +25,7 @@ with its last process), then deletes the bridge, the veths and the namespaces: a
 raised. Every wait is bounded.
 
 This module is a helper, not a test file: `from netns import NetCluster` from tests (pytest puts
-tests/ on sys.path), `from tests.netns import NetCluster` from bench/ (run as `python -m bench.X`
-from the repository root, which puts the root on sys.path).
+tests/ on sys.path), or insert tests/ into sys.path from a bench script.
 """
 
 from __future__ import annotations
@@ -43,6 +42,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from helpers import CLI_MODULE
 
 SUBNET = "10.77.0"
 DEVBOX_ADDR = f"{SUBNET}.2"
@@ -226,7 +227,7 @@ class NetCluster:
 
     def push_argv(self, src: str | os.PathLike[str], *args: str) -> list[str]:
         """The `monarch-fs push` command line for this cluster (hosts and token filled in)."""
-        return [sys.executable, "-m", "monarch_fs.cli", "push", str(src), "--hosts",
+        return [sys.executable, "-m", CLI_MODULE, "push", str(src), "--hosts",
                 ",".join(self.hosts), "--token-file", self.token_file, *args]
 
     def run_on_node(self, i: int, argv: list[str], *, timeout: float = 120, check: bool = False,
@@ -376,7 +377,7 @@ class NetCluster:
                 node.proc = subprocess.Popen(
                     ["ip", "netns", "exec", node.netns,
                      "unshare", "--mount", "--propagation", "private",
-                     sys.executable, "-m", "monarch_fs.cli", "daemon",
+                     sys.executable, "-m", CLI_MODULE, "daemon",
                      "--listen", node.host, "--mount", self.mount,
                      "--state", str(node.dir / "state"), "--token-file", self.token_file,
                      "--ready-file", str(node.dir / "ready"), "--node-name", f"node-{node.index}",

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import mfs
+from helpers import mfs
 from monarch_fs.daemon.auth import NoToken, resolve_token, write_new_token
 from monarch_fs.daemon.hosts import HostsError, parse_hosts
 
@@ -53,6 +53,7 @@ def test_token_resolution_order(tmp_path, monkeypatch):
     assert (tmp_path / "flag-token").stat().st_mode & 0o777 == 0o600
 
 
+@pytest.mark.mount
 def test_push_json_has_the_documented_fields(cluster3, tmp_path):
     src = tmp_path / "fields"
     src.mkdir()
@@ -65,6 +66,7 @@ def test_push_json_has_the_documented_fields(cluster3, tmp_path):
     assert out["chunks_sent"] == 6  # two new chunks to each of three nodes
 
 
+@pytest.mark.mount
 def test_push_of_missing_folder_is_one_clear_line(cluster3, tmp_path):
     out = mfs("push", str(tmp_path / "nope"), "--hosts", cluster3.hostfile,
               "--token-file", cluster3.token_file, check=False)
@@ -73,6 +75,7 @@ def test_push_of_missing_folder_is_one_clear_line(cluster3, tmp_path):
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.mount
 def test_status_names_unreachable_node(cluster3):
     out = mfs("status", "--hosts", ",".join(cluster3.hosts + ["127.0.0.1:1"]),
               "--token-file", cluster3.token_file, check=False)

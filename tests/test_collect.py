@@ -5,22 +5,16 @@ pushes fill several."""
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
-from conftest import tree
+from helpers import tree, wait_for
+
+pytestmark = pytest.mark.mount
 
 MiB = 1 << 20
 FILES = 12
 SIZE = 200 * 1024  # below the backing-file size: these files are read through the store
-
-
-def wait_for(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def fill(src) -> dict[str, bytes]:
@@ -28,11 +22,6 @@ def fill(src) -> dict[str, bytes]:
     for name, content in data.items():
         (src / name).write_bytes(content)
     return data
-
-
-@pytest.fixture
-def small_packs(monkeypatch):
-    monkeypatch.setenv("MONARCH_FS_PACK_MIB", "1")
 
 
 def test_packs_of_dropped_versions_are_collected_but_not_an_open_file(small_packs,

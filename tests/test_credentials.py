@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import mfs, mounted
+from helpers import CLI_MODULE, mfs, mounted
 from monarch_fs.daemon.auth import load_token
 from monarch_fs.daemon.node import NodeDaemon
 
@@ -43,6 +43,7 @@ def test_a_daemon_without_a_token_does_not_start(tmp_path, monkeypatch, listen):
         NodeDaemon(state=tmp_path / "s", mount=tmp_path / "m", listen=listen, token=b"")
 
 
+@pytest.mark.mount
 def test_token_new_makes_a_token_a_daemon_and_clients_use(tmp_path, monkeypatch):
     """`monarch-fs token new PATH`: 0600, never silently replaced; a daemon started with it (by
     $MONARCH_FS_TOKEN_FILE) serves clients holding it."""
@@ -60,7 +61,7 @@ def test_token_new_makes_a_token_a_daemon_and_clients_use(tmp_path, monkeypatch)
     ready = tmp_path / "ready"
     with open(tmp_path / "log", "wb") as log:
         daemon = subprocess.Popen(
-            [sys.executable, "-m", "monarch_fs.cli", "daemon", "--listen", "127.0.0.1:0",
+            [sys.executable, "-m", CLI_MODULE, "daemon", "--listen", "127.0.0.1:0",
              "--mount", str(tmp_path / "m"), "--state", str(tmp_path / "s"),
              "--ready-file", str(ready)], stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -88,10 +89,12 @@ def _as_nobody(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
            "MONARCH_FS_HOME": "/nonexistent/monarch-fs"}
     return subprocess.run(
         ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable,
-         "-m", "monarch_fs.cli", *args], capture_output=True, text=True, env=env,
+         "-m", CLI_MODULE, *args], capture_output=True, text=True, env=env,
         cwd="/", timeout=timeout)
 
 
+@pytest.mark.mount
+@pytest.mark.root
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
                     reason="needs root and setpriv to act as another local user")
 def test_another_local_user_cannot_run_commands_through_the_daemon(fresh_cluster, tmp_path):

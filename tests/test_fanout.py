@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Cluster, mfs, tree
+from helpers import CLI_MODULE, Cluster, mfs, tree, wait_for
 from monarch_fs.daemon import cluster as cluster_mod
 from monarch_fs.fs.chunk import CorruptChunk
 from monarch_fs.fs.store import Store
@@ -33,7 +33,7 @@ def stats(c: Cluster) -> list[dict]:
 
 def start_push(c: Cluster, src: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "monarch_fs.cli", "push", str(src), "--hosts",
+        [sys.executable, "-m", CLI_MODULE, "push", str(src), "--hosts",
          c.hostfile, "--token-file", c.token_file, "--json", *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -44,13 +44,6 @@ def kill_mid_push(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
-def wait_for(cond, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
-
-
 def big_tree(root: Path, mb: int) -> None:
     root.mkdir(parents=True, exist_ok=True)
     (root / "small.txt").write_text("v2\n")
@@ -58,6 +51,7 @@ def big_tree(root: Path, mb: int) -> None:
         (root / f"blob{i}.bin").write_bytes(os.urandom(16 * MiB))
 
 
+@pytest.mark.mount
 @pytest.mark.parametrize("topology, fanout", [("chain", 2), ("tree", 2)])
 def test_relay_delivers_identical_bytes(fresh_cluster, tmp_path, topology, fanout):
     c = fresh_cluster(5)
@@ -83,6 +77,7 @@ def test_relay_delivers_identical_bytes(fresh_cluster, tmp_path, topology, fanou
         assert forwarded[2:] == [0, 0, 0]
 
 
+@pytest.mark.mount
 def test_nodes_at_different_versions_receive_only_what_they_lack(fresh_cluster, tmp_path):
     c = fresh_cluster(4)
     src = tmp_path / "mixed"
@@ -124,7 +119,8 @@ def push_under_way(c: Cluster, tmp_path: Path, mb: int, node: int, arrived: int,
     big_tree(src, mb)
     before = objects(c, node)
     push = start_push(c, src, *args)
-    wait_for(lambda: objects(c, node) > before + arrived, what=f"node-{node} to receive chunks")
+    wait_for(lambda: objects(c, node) > before + arrived, what=f"node-{node} to receive chunks",
+             interval=0.005)
     return src, push
 
 
@@ -134,9 +130,11 @@ def _on_v1_everywhere(c: Cluster, nodes=None) -> None:
         assert not (c.mnt(i) / "ws" / "blob0.bin").exists()
 
 
+@pytest.mark.mount
 def test_node_killed_mid_push_fails_and_publishes_nothing(fresh_cluster, tmp_path):
     c = fresh_cluster(4)
-    src, push = push_under_way(c, tmp_path, 128, 1, 2 * MiB, "--topology", "chain", "--timeout", "10")
+    src, push = push_under_way(c, tmp_path, 128, 1, 2 * MiB, "--topology", "chain",
+                               "--timeout", "10")
     kill_mid_push(c.pid(1))
     _, err = push.communicate(timeout=60)
     assert push.returncode == 1
@@ -144,9 +142,11 @@ def test_node_killed_mid_push_fails_and_publishes_nothing(fresh_cluster, tmp_pat
     _on_v1_everywhere(c, [0, 2, 3])
 
 
+@pytest.mark.mount
 def test_allow_partial_routes_around_a_dead_node(fresh_cluster, tmp_path):
     c = fresh_cluster(4)
-    src, push = push_under_way(c, tmp_path, 128, 1, 2 * MiB, "--topology", "chain", "--timeout", "10", "--allow-partial")
+    src, push = push_under_way(c, tmp_path, 128, 1, 2 * MiB, "--topology", "chain",
+                               "--timeout", "10", "--allow-partial")
     kill_mid_push(c.pid(1))
     out, err = push.communicate(timeout=60)
     assert push.returncode == 0, err
@@ -157,6 +157,7 @@ def test_allow_partial_routes_around_a_dead_node(fresh_cluster, tmp_path):
         assert tree(c.mnt(i) / "ws") == expected
 
 
+@pytest.mark.mount
 def test_stalled_node_is_detected_by_timeout(fresh_cluster, tmp_path):
     c = fresh_cluster(3)
     src, push = push_under_way(c, tmp_path, 64, 1, 1 * MiB, "--topology", "chain", "--timeout", "3")
@@ -172,6 +173,7 @@ def test_stalled_node_is_detected_by_timeout(fresh_cluster, tmp_path):
     _on_v1_everywhere(c)
 
 
+@pytest.mark.mount
 def test_devbox_killed_mid_push_then_next_push_reuses_what_arrived(fresh_cluster, tmp_path):
     c = fresh_cluster(2)
     src, push = push_under_way(c, tmp_path, 96, 1, 3 * MiB, "--topology", "chain")
@@ -185,6 +187,7 @@ def test_devbox_killed_mid_push_then_next_push_reuses_what_arrived(fresh_cluster
         assert tree(mnt / "ws") == expected
 
 
+@pytest.mark.mount
 def test_daemon_sigkilled_mid_push_restarts_on_last_good_version(fresh_cluster, tmp_path):
     c = fresh_cluster(2)
     src, push = push_under_way(c, tmp_path, 96, 0, 2 * MiB, "--topology", "chain")

@@ -13,7 +13,6 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ import trio
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from conftest import mfs, mounted, start_cluster, stop_cluster
+from helpers import mfs, mount_ops, mounted, start_cluster, stop_cluster, wait_for
 from monarch_fs.daemon import cluster as cluster_mod
 from monarch_fs.daemon import protocol as p
 from monarch_fs.daemon.auth import load_token
@@ -29,12 +28,7 @@ from monarch_fs.daemon.transport import RemoteError, connect
 from monarch_fs.fs import chunk
 from monarch_fs.fs.manifest import Entry, Kind, Manifest
 
-
-def wait_for(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+pytestmark = pytest.mark.mount
 
 
 def alive(c, i: int = 0) -> bool:
@@ -258,8 +252,7 @@ def test_an_exception_in_a_fuse_handler_answers_eio_and_the_mount_stays(tmp_path
         assert (mnt / "good" / "f").read_bytes() == b"hello"
         assert sorted(os.listdir(mnt)) == [".versions", "bad", "good"]
         assert child.poll() is None
-        ops = os.getxattr(mnt, "user.monarch.ops").decode()
-        assert "failed=2" in ops.split()
+        assert mount_ops(mnt).get("failed") == 2
     finally:
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
@@ -550,5 +543,5 @@ def test_fuzz_random_manifests_and_names_never_take_the_daemon_down(hyp_node, dr
         assert node_status(c)["workspaces"][name][0] == reply["version"]
     assert alive(c)
     assert (c.mnt(0) / "keep" / "f").read_text() == "keep"
-    ops = os.getxattr(c.mnt(0), "user.monarch.ops").decode().split()
-    assert not [o for o in ops if o.startswith("failed=")], ops
+    ops = mount_ops(c.mnt(0))
+    assert "failed" not in ops, ops

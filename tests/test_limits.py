@@ -118,6 +118,7 @@ def test_log_once_says_a_condition_once_per_key_per_interval(caplog):
                                "refusing 10.0.0.1 (99 more times in the last 61s)"]
 
 
+@pytest.mark.mount
 async def test_connections_beyond_the_limits_are_refused_at_once_saying_why(lone_daemon):
     d = lone_daemon("--max-connections", "120", "--max-connections-per-peer", "100",
                     "--handshake-timeout", "60")
@@ -151,6 +152,7 @@ async def test_connections_beyond_the_limits_are_refused_at_once_saying_why(lone
     assert "Traceback" not in log
 
 
+@pytest.mark.mount
 async def test_a_peer_that_says_nothing_is_dropped_after_the_handshake_timeout(lone_daemon):
     d = lone_daemon("--handshake-timeout", "1")
     with flood(d.addr, 5, "127.0.0.2") as socks:
@@ -166,6 +168,7 @@ async def test_a_peer_that_says_nothing_is_dropped_after_the_handshake_timeout(l
     assert d.log().count("no handshake within 1s") == 1, log  # five drops, one line
 
 
+@pytest.mark.mount
 async def test_an_idle_unauthenticated_connection_costs_less_than_32_kib(lone_daemon):
     """262 KiB each before protocol.py kept its receive buffer small until the peer has
     authenticated (1,000 idle connections took 262 MB)."""
@@ -186,6 +189,7 @@ async def test_an_idle_unauthenticated_connection_costs_less_than_32_kib(lone_da
     assert per < 32, f"{per:.1f} KiB per idle unauthenticated connection"
 
 
+@pytest.mark.mount
 async def test_running_out_of_descriptors_costs_one_log_line_and_clients_are_served_once_they_free(
         lone_daemon, tmp_path):
     d = lone_daemon("--handshake-timeout", "60")

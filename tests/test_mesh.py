@@ -17,11 +17,17 @@ from pathlib import Path
 import pytest
 import trio
 
-from conftest import mounted
+from helpers import mounted, wait_for
 from monarch_fs.daemon.protocol import Data
-from monarch_fs.mesh import (ActorError, HostMesh, MeshError, SpawnError, SupervisionError,
-                             ValueMesh)
-from monarch_fs.mesh import wire
+from monarch_fs.mesh import (
+    ActorError,
+    HostMesh,
+    MeshError,
+    SpawnError,
+    SupervisionError,
+    ValueMesh,
+    wire,
+)
 from procwatch import Started
 
 TESTS = str(Path(__file__).parent)
@@ -52,6 +58,7 @@ def procs(hosts, started):
 
 # ---- messages ----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_wire_keeps_buffers_out_of_band_aligned_and_views_on_receipt():
     import torch
 
@@ -88,6 +95,7 @@ def test_wire_refuses_headers_that_are_not_messages():
 
 # ---- calls ---------------------------------------------------------------------------------
 
+@pytest.mark.mount
 def test_call_call_one_broadcast_and_slice_by_rank(procs):
     counters = procs.spawn("counter", "mesh_actors:Counter", 10)
     assert procs.sizes == {"host": 2, "proc": 2} and counters.ranks == [0, 1, 2, 3]
@@ -119,17 +127,19 @@ def test_call_call_one_broadcast_and_slice_by_rank(procs):
         counters.slice(host=2)
 
 
+@pytest.mark.mount
 def test_only_endpoints_are_callable(procs):
     from mesh_actors import Counter
 
     counters = procs.spawn("c", Counter, 0)
     with pytest.raises(AttributeError, match="not an @endpoint"):
-        counters.not_an_endpoint
+        counters.not_an_endpoint  # noqa: B018 (the lookup is what raises)
     untyped = procs.spawn("c2", "mesh_actors:Counter", 0)
     with pytest.raises(ActorError, match="not_an_endpoint is not an @endpoint"):
         untyped.not_an_endpoint.call()
 
 
+@pytest.mark.mount
 def test_endpoint_exception_names_actor_rank_host_and_remote_traceback(procs):
     counters = procs.spawn("counter", "mesh_actors:Counter", 0)
     with pytest.raises(ActorError) as info:
@@ -145,6 +155,7 @@ def test_endpoint_exception_names_actor_rank_host_and_remote_traceback(procs):
     assert counters.fail_on.call(-1) == [0, 1, 2, 3]  # the actors live on
 
 
+@pytest.mark.mount
 def test_constructor_failure_is_reported_by_rank(procs):
     with pytest.raises(ActorError, match=r"bad.__init__ raised on rank 1 .*cannot start on rank"):
         procs.spawn("bad", "mesh_actors:BadInit")
@@ -152,6 +163,7 @@ def test_constructor_failure_is_reported_by_rank(procs):
         procs.spawn("missing", "no_such_module:Thing")
 
 
+@pytest.mark.mount
 def test_sigkilled_proc_fails_pending_and_later_calls_at_once(procs, started):
     victims = procs.spawn("victim", "mesh_actors:Victim")
     pids = victims.pid.call()
@@ -176,6 +188,7 @@ def test_sigkilled_proc_fails_pending_and_later_calls_at_once(procs, started):
     assert again.value.failure.describe() == f.describe()
 
 
+@pytest.mark.mount
 def test_proc_that_exits_during_a_call_reports_its_exit_code(hosts, started):
     procs = hosts.spawn_procs(per_host=1, python_path=[TESTS])
     started.add(*(pid for _, pid in procs.pids.values()))
@@ -197,6 +210,7 @@ class SystemExitOnUnpickle:
         return os._exit, (self.code,)
 
 
+@pytest.mark.mount
 def test_tensors_round_trip(hosts, started):
     import torch
 
@@ -216,6 +230,7 @@ def test_tensors_round_trip(hosts, started):
         procs.stop()
 
 
+@pytest.mark.mount
 def test_no_environ_shows_the_mesh_token_to_a_proc_or_what_it_starts(hosts, started):
     """Issue 16, finding 6: the mesh token reaches each proc through the daemon's secrets pipe,
     so neither the proc's environment block nor that of a process its actor starts holds it
@@ -243,6 +258,7 @@ def test_no_environ_shows_the_mesh_token_to_a_proc_or_what_it_starts(hosts, star
 
 # ---- trio --------------------------------------------------------------------------------
 
+@pytest.mark.mount
 async def test_trio_code_uses_the_async_methods(cluster2, started):
     async with HostMesh.open(cluster2.hostfile, token_file=cluster2.token_file) as hosts:
         procs = await hosts.spawn_procs_async(per_host=1, python_path=[TESTS])
@@ -263,6 +279,7 @@ async def test_trio_code_uses_the_async_methods(cluster2, started):
 
 # ---- launching -----------------------------------------------------------------------------
 
+@pytest.mark.mount
 def test_spawn_failures_name_the_host_and_cause(hosts, started):
     with pytest.raises(SpawnError, match="cannot start /no/such/python"):
         hosts.spawn_procs(per_host=1, python="/no/such/python")
@@ -273,6 +290,7 @@ def test_spawn_failures_name_the_host_and_cause(hosts, started):
         hosts.spawn_procs(per_host=1, python="/bin/false")
 
 
+@pytest.mark.mount
 def test_actor_classes_from_pushed_code_at_a_pinned_version(cluster2, hosts, started, tmp_path):
     app = tmp_path / "app"
     app.mkdir()
@@ -304,6 +322,7 @@ def test_actor_classes_from_pushed_code_at_a_pinned_version(cluster2, hosts, sta
 
 # ---- supervision of meshes that actors own -----------------------------------------------
 
+@pytest.mark.mount
 @pytest.mark.parametrize("handle", [True, False])
 def test_actor_supervises_the_mesh_it_owns(hosts, started, handle):
     procs = hosts.spawn_procs(per_host=1, python_path=[TESTS], name="bosses")
@@ -360,6 +379,7 @@ def _controller(tmp_path: Path, make: str, mode: str, started: Started):
     return proc, info
 
 
+@pytest.mark.mount
 def test_killed_controller_takes_its_procs_along(cluster2, tmp_path, started):
     make = f"HostMesh.connect({cluster2.hostfile!r}, token_file={cluster2.token_file!r})"
     proc, info = _controller(tmp_path, make, "sleep", started)
@@ -369,6 +389,7 @@ def test_killed_controller_takes_its_procs_along(cluster2, tmp_path, started):
     assert len(cluster2.status()) == 2  # the daemons themselves are fine
 
 
+@pytest.mark.mount
 @pytest.mark.parametrize("mode", ["sleep", "exit"])
 def test_local_cluster_lives_as_long_as_its_script(tmp_path, started, mode):
     proc, info = _controller(tmp_path, "HostMesh.local(2)", mode, started)
@@ -379,12 +400,10 @@ def test_local_cluster_lives_as_long_as_its_script(tmp_path, started, mode):
     assert proc.wait(30) == (-signal.SIGKILL if mode == "sleep" else 0)
     assert not started.wait_gone(20), "processes of the script outlived it"
     assert not d.exists() or not any(mounted(d / f"node-{i}" / "mnt") for i in range(2))
-    deadline = time.monotonic() + 10
-    while d.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not d.exists()
+    wait_for(lambda: not d.exists(), 10, f"{d} to be removed")
 
 
+@pytest.mark.mount
 def test_closed_host_mesh_refuses_work(cluster2, started):
     hosts = HostMesh.connect(cluster2.hostfile, token_file=cluster2.token_file)
     procs = hosts.spawn_procs(per_host=1, python_path=[TESTS])
@@ -397,6 +416,7 @@ def test_closed_host_mesh_refuses_work(cluster2, started):
         counters.incr.call()
 
 
+@pytest.mark.mount
 def test_stopped_daemon_fails_the_mesh_and_takes_its_procs(fresh_cluster, started):
     cluster = fresh_cluster(2)
     with HostMesh.connect(cluster.hostfile, token_file=cluster.token_file) as hosts:
@@ -409,5 +429,6 @@ def test_stopped_daemon_fails_the_mesh_and_takes_its_procs(fresh_cluster, starte
         with pytest.raises(SupervisionError) as info:
             victims.nap.call(60)
         assert info.value.failure.rank == 1 and "node-1" in info.value.failure.host
-        assert on_node_1.pids and not on_node_1.wait_gone(10)  # before the controller closes anything
+        # before the controller closes anything
+        assert on_node_1.pids and not on_node_1.wait_gone(10)
     assert not started.wait_gone(10)

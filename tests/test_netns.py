@@ -21,8 +21,9 @@ MiB = 1024 * 1024
 NODES = 4
 RATE = "1gbit"  # generous: the test checks bytes, not speed, and must stay well under a minute
 
-pytestmark = pytest.mark.skipif(unsupported_reason() is not None,
-                                reason=unsupported_reason() or "")
+pytestmark = [pytest.mark.netns, pytest.mark.mount, pytest.mark.root,
+              pytest.mark.skipif(unsupported_reason() is not None,
+                                 reason=unsupported_reason() or "")]
 
 # Runs on a node (inside its namespaces): {relative path: [kind, mode, sha256 or link target]}
 # for everything under the workspace, read through that node's own /mnt/monarch-fs.

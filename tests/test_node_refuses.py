@@ -12,12 +12,14 @@ from pathlib import Path
 import pytest
 import trio
 
-from conftest import Cluster, start_cluster, stop_cluster, tree, umount_tmpfs
+from helpers import Cluster, start_cluster, stop_cluster, tree, umount_tmpfs
 from monarch_fs.daemon import protocol as p
 from monarch_fs.daemon.auth import load_token
 from monarch_fs.daemon.transport import RemoteError, connect
 from monarch_fs.fs import chunk
 from monarch_fs.fs.manifest import _ENTRY, _HEAD, MAGIC, Entry, Kind, Manifest
+
+pytestmark = pytest.mark.mount
 
 MiB = 1 << 20
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
@@ -178,6 +180,7 @@ def small_state(tmp_path: Path, size: str) -> Iterator[tuple[Cluster, Path]]:
         umount_tmpfs(state)
 
 
+@pytest.mark.root
 @needs_root
 def test_full_disk_fails_cleanly(tmp_path):
     with small_state(tmp_path, "3m") as (c, state):
@@ -194,6 +197,7 @@ def test_full_disk_fails_cleanly(tmp_path):
         assert not (c.mnt(0) / "ws" / "big").exists()
 
 
+@pytest.mark.root
 @needs_root
 def test_a_push_that_fills_the_disk_gives_its_space_back(tmp_path):
     """Finding 10: the chunks a push stored before the disk filled stayed in the open pack,

@@ -8,21 +8,17 @@ import mmap
 import os
 import re
 import signal
-import time
 
 import pytest
 
+from helpers import mount_ops, wait_for
 from monarch_fs.daemon import cluster as cluster_mod
 from monarch_fs.fs.backing import MIN_SIZE
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="FUSE passthrough needs root")
+pytestmark = [pytest.mark.mount, pytest.mark.root,
+              pytest.mark.skipif(os.geteuid() != 0, reason="FUSE passthrough needs root")]
 
 MiB = 1 << 20
-
-
-def ops(root) -> dict[str, int]:
-    raw = os.getxattr(root, "user.monarch.ops").decode().split()
-    return {k: int(v) for k, v in (kv.split("=") for kv in raw)}
 
 
 def passthrough_opens(root) -> int:
@@ -31,13 +27,6 @@ def passthrough_opens(root) -> int:
 
 def backing_dir(c, i: int = 0):
     return c.dir / f"node-{i}" / "state" / "backing"
-
-
-def wait_for(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def written(c) -> None:
@@ -97,19 +86,19 @@ def test_large_files_are_read_and_mapped_without_requests(one_node, tmp_path):
     backing = os.getxattr(mnt / "big.so", "user.monarch.backing").decode()
     assert backing.startswith(str(backing_dir(c))) and open(backing, "rb").read() == big
     assert "user.monarch.backing" not in os.listxattr(mnt / "small.py")
-    before, opened = ops(root), passthrough_opens(root)
+    before, opened = mount_ops(root), passthrough_opens(root)
     assert (mnt / "big.so").read_bytes() == big
     assert (mnt / "edge").read_bytes() == (src / "edge").read_bytes()
     with open(mnt / "big.so", "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
         assert m[:4096] == big[:4096] and m[-5000:] == big[-5000:]
         assert m[5 * MiB:5 * MiB + 77] == big[5 * MiB:5 * MiB + 77]
-    after = ops(root)
+    after = mount_ops(root)
     assert after.get("read", 0) == before.get("read", 0), "passthrough reads reached the daemon"
     assert passthrough_opens(root) == opened + 3
 
     # A small file is read through the daemon (one request), and its open is not passthrough.
     assert (mnt / "small.py").read_text() == "x = 1\n"
-    assert ops(root).get("read", 0) == after.get("read", 0) + 1
+    assert mount_ops(root).get("read", 0) == after.get("read", 0) + 1
     assert passthrough_opens(root) == opened + 3
 
 
@@ -147,12 +136,12 @@ def test_missing_backing_file_is_served_by_the_daemon_then_written_again(one_nod
     os.unlink(backing_dir(c) / name)
 
     root = c.mnt(0)
-    before, opened = ops(root), passthrough_opens(root)
+    before, opened = mount_ops(root), passthrough_opens(root)
     with open(root / "ws" / "model.bin", "rb") as f:
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # no page cache left over
         assert f.read() == data
     assert passthrough_opens(root) == opened
-    assert ops(root).get("read", 0) > before.get("read", 0)
+    assert mount_ops(root).get("read", 0) > before.get("read", 0)
 
     os.kill(c.pid(0), signal.SIGTERM)
     wait_for(lambda: not cluster_mod.running_node(c.dir, 0), 20, "node-0 to stop")
@@ -186,7 +175,7 @@ def test_full_disk_while_writing_backing_files_serves_from_the_store(tmp_path):
     through the daemon (correct, only slower), no partial file behind, and `status` says why."""
     import subprocess
 
-    from conftest import mfs, start_cluster, stop_cluster, umount_tmpfs
+    from helpers import mfs, start_cluster, stop_cluster, umount_tmpfs
 
     node = tmp_path / "cluster" / "node-0"
     backing = node / "state" / "backing"
@@ -208,10 +197,10 @@ def test_full_disk_while_writing_backing_files_serves_from_the_store(tmp_path):
             assert "backing file of big" in out.stdout, out.stdout
             assert os.listdir(backing) == []  # no partial file left behind
             root = c.mnt(0)
-            opened, before = passthrough_opens(root), ops(root)
+            opened, before = passthrough_opens(root), mount_ops(root)
             assert (root / "ws" / "big").read_bytes() == big
             assert passthrough_opens(root) == opened
-            assert ops(root).get("read", 0) > before.get("read", 0)
+            assert mount_ops(root).get("read", 0) > before.get("read", 0)
 
             # A later version whose files fit gets its backing files, and the warning goes.
             (src / "big").write_bytes(os.urandom(MIN_SIZE))
@@ -239,11 +228,11 @@ def test_an_open_right_after_publish_waits_for_its_backing_file(one_node, tmp_pa
         (src / name).write_bytes(data)
     c.push(src)
     root = c.mnt(0)
-    opened, before = passthrough_opens(root), ops(root)
+    opened, before = passthrough_opens(root), mount_ops(root)
     with open(root / "ws" / "lib7.so", "rb") as f:  # the last one copied
         assert f.read() == files["lib7.so"]
     assert passthrough_opens(root) == opened + 1
-    assert ops(root).get("read", 0) == before.get("read", 0), "reads reached the daemon"
+    assert mount_ops(root).get("read", 0) == before.get("read", 0), "reads reached the daemon"
     written(c)
     assert c.status()[0]["backing_files"] == 8
 
@@ -265,7 +254,7 @@ def test_concurrent_first_opens_share_one_backing_file(one_node, tmp_path):
     with ThreadPoolExecutor(8) as pool:
         assert all(r == data for r in pool.map(read, range(32)))
     assert passthrough_opens(c.mnt(0)) == opened + 32
-    assert ops(c.mnt(0)).get("read", 0) == 0
+    assert mount_ops(c.mnt(0)).get("read", 0) == 0
 
 
 def test_a_broken_backing_folder_is_reported_not_fatal(one_node, tmp_path):

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import mfs, start_cluster, stop_cluster, wait_for
+from helpers import mfs, start_cluster, stop_cluster, wait_for
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.mount, pytest.mark.root, pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("setpriv"),
-    reason="reading as another user needs root and setpriv")
+    reason="reading as another user needs root and setpriv")]
 
 NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "/usr/bin/python3"]
 # Run as nobody: try to list each folder and read each file; print what happened to each.

@@ -7,6 +7,7 @@ import os
 import pwd
 import signal
 import sys
+import threading
 
 import pytest
 import trio
@@ -37,7 +38,8 @@ async def test_output_then_exit_with_stderr_tail(tmp_path):
     owner = Owner()
     async with trio.open_nursery() as nursery:
         table = ProcessTable(tmp_path, nursery)
-        code = "import sys; print('out 1'); print('err 1', file=sys.stderr); print('no newline', end=''); sys.exit(4)"
+        code = ("import sys; print('out 1'); print('err 1', file=sys.stderr); "
+                "print('no newline', end=''); sys.exit(4)")
         await table.spawn(owner, owner.emit, {"argv": [sys.executable, "-c", code],
                                               "env": {"WHERE": "{mount}"}}, None)
         with trio.fail_after(10):
@@ -57,14 +59,22 @@ async def test_procs_outlive_idle_worker_threads(tmp_path, monkeypatch):
         table = ProcessTable(tmp_path, nursery)
         reply = await table.spawn(owner, owner.emit, {"argv": ["sleep", "30"]}, None)
         started.add(reply["pid"])
-        await trio.to_thread.run_sync(lambda: None)  # a worker thread, which then idles out
-        await trio.sleep(1.0)
+        # a worker thread, which then idles out
+        worker = await trio.to_thread.run_sync(threading.current_thread)
+        with trio.fail_after(10):
+            while worker.is_alive():
+                await trio.sleep(0.01)
+        # The thread has retired (the OS thread ends just after): a death signal bound to it
+        # would end the proc now, and its exit would be reported within this window.
+        with trio.move_on_after(0.5):
+            await owner.exited.wait()
         assert started.alive() == [reply["pid"]] and not owner.exited.is_set()
         await table.stop_all()
     assert owner.events[-1][1]["signal"] == "SIGTERM"
     assert not started.alive()
 
 
+@pytest.mark.slow
 async def test_exit_is_reported_even_if_an_escaped_grandchild_holds_the_pipes(tmp_path):
     owner, started = Owner(), Started()
     script = "setsid sh -c 'echo $$; exec sleep 30' & sleep 0.2; exit 5"  # leaves its group

@@ -457,7 +457,8 @@ def test_version_mismatch(ftype):
     if ftype is FrameType.AUTH:
         conn.send(Hello())
     conn.receive_data(frame(ftype, payload))
-    with pytest.raises(ProtocolError, match=f"version {PROTOCOL_VERSION + 1}, we speak {PROTOCOL_VERSION}"):
+    with pytest.raises(ProtocolError,
+                       match=f"version {PROTOCOL_VERSION + 1}, we speak {PROTOCOL_VERSION}"):
         conn.next_event()
 
 
@@ -604,6 +605,7 @@ def feed(conn: Connection, frames: list[bytes], eof: bool, step: int) -> None:
         assert conn.state is State.CLOSED
 
 
+@pytest.mark.slow
 @FUZZ
 @given(_streams)
 def test_fuzz_server_in_handshake(stream):
@@ -613,6 +615,7 @@ def test_fuzz_server_in_handshake(stream):
     assert s.state is not State.READY  # nobody guesses the MAC
 
 
+@pytest.mark.slow
 @FUZZ
 @given(_streams)
 def test_fuzz_client_in_handshake(stream):
@@ -621,6 +624,7 @@ def test_fuzz_client_in_handshake(stream):
     assert c.state is not State.READY
 
 
+@pytest.mark.slow
 @FUZZ
 @given(_streams, st.sampled_from(["client", "server"]))
 def test_fuzz_ready_connection(stream, side):

@@ -78,10 +78,11 @@ async def test_loopback_channel_moves_chunks_intact_and_in_order(slots, slow, mo
         assert got == [(i.to_bytes(16, "little"), b) for i, b in enumerate(blobs)]
 
 
+@pytest.mark.mount
 def test_push_to_daemons_over_rdma(fresh_cluster, tmp_path):
     """Real daemons (default --transport auto, so they offer RDMA here) and a real push with
     --transport rdma: the payload goes over the fabric, the mount serves it."""
-    from conftest import mfs
+    from helpers import mfs
 
     c = fresh_cluster(2)
     src = tmp_path / "app"

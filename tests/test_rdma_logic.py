@@ -16,7 +16,6 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from monarch_fs.daemon.seal import ChunkSealer
 from monarch_fs.daemon import bulk, rdma
 from monarch_fs.daemon.rdma_logic import (
     HEADER_SIZE,
@@ -45,6 +44,7 @@ from monarch_fs.daemon.rdma_logic import (
     fragments,
     unwrap32,
 )
+from monarch_fs.daemon.seal import ChunkSealer
 from monarch_fs.daemon.transport import RemoteError
 from rdma_helpers import channel_pair, host_has_rdma, serve_bulk
 
@@ -100,7 +100,7 @@ def test_credits_never_go_negative(slots, ops):
             try:
                 w.grant(min(n, w.next))
             except BulkProtocolError:
-                raise AssertionError("a count within what was sent is never refused")
+                raise AssertionError("a count within what was sent is never refused") from None
         assert 0 <= w.available <= slots
 
 
@@ -190,7 +190,7 @@ def test_geometry_limits():
             check_geometry(slots, size)
 
 
-# ---- both modes over a simulated fabric -------------------------------------------------------------
+# ---- both modes over a simulated fabric ----------------------------------------------------------
 
 
 class SimFabric:
@@ -322,6 +322,7 @@ class SimFabric:
 blob_lists = st.lists(st.binary(min_size=0, max_size=3 * MIN_SLOT_SIZE), min_size=1, max_size=12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [RC, SRD])
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(slots=st.integers(1, 5), blobs=blob_lists, rnd=st.randoms(use_true_random=False),
@@ -381,7 +382,7 @@ def test_completion_errors_stop_both_engines():
     assert rx.error == "completion error: remote access error"
 
 
-# ---- the pyverbs enum shim ---------------------------------------------------------------------------
+# ---- the pyverbs enum shim -----------------------------------------------------------------------
 
 
 def test_enum_shim_reads_the_rdma_core_44_layout():
@@ -389,7 +390,7 @@ def test_enum_shim_reads_the_rdma_core_44_layout():
     E = rdma.Enums([old])
     assert E.IBV_WR_RDMA_WRITE_WITH_IMM == 1 and E.IBV_WC_RECV == 128
     with pytest.raises(AttributeError, match="IBV_NOPE"):
-        E.IBV_NOPE
+        E.IBV_NOPE  # noqa: B018 (the lookup is what raises)
     assert E.IBV_LINK_LAYER_ETHERNET == 2  # anonymous in 59's .pxd: the ABI value if unexported
 
 
@@ -419,7 +420,7 @@ def test_enum_shim_against_the_installed_pyverbs():
     assert rdma.efa_enums().EFADV_QP_DRIVER_TYPE_SRD == 0
 
 
-# ---- choosing a transport ------------------------------------------------------------------------------
+# ---- choosing a transport ------------------------------------------------------------------------
 
 
 def dev(name, kind, active=True, **kw):
@@ -492,7 +493,7 @@ def test_fallback_is_logged_once_for_all_nodes(caplog):
     assert "a:1" in caplog.text and "b:1" not in caplog.text
 
 
-# ---- the TCP bulk channel: PutChunk frames over a real socket pair -----------------------------------
+# ---- the TCP bulk channel: PutChunk frames over a real socket pair -------------------------------
 
 
 async def test_tcp_bulk_channel_delivers_in_order_and_flush_counts():
@@ -519,13 +520,14 @@ async def test_tcp_bulk_channel_delivers_in_order_and_flush_counts():
         map(len, blobs))
 
 
-# ---- selection end to end: real daemons, the real command line -------------------------------------
+# ---- selection end to end: real daemons, the real command line -----------------------------------
 
 
+@pytest.mark.mount
 def test_transport_selection_through_the_command_line(fresh_cluster, tmp_path):
     """On a host without RDMA: `auto` falls back to TCP and says why (daemon log, status, push
     JSON); `--transport rdma` is a one-line error with exit 1 on daemon and push."""
-    from conftest import mfs
+    from helpers import mfs
 
     if host_has_rdma():
         pytest.skip("this host has an RDMA device: the fallback cannot be observed here")
@@ -563,7 +565,7 @@ def test_transport_selection_through_the_command_line(fresh_cluster, tmp_path):
     assert not (tmp_path / "s").exists()  # refused before touching anything
 
 
-# ---- rdma.py itself, over a fake verbs layer (tests/fake_pyverbs.py) -------------------------------
+# ---- rdma.py itself, over a fake verbs layer (tests/fake_pyverbs.py) -----------------------------
 
 
 FAKE_DEVICES = {RC: [dict(name="rxe0", link="eth")],

@@ -22,8 +22,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from monarch_fs.daemon import bulk, rdma
-from monarch_fs.daemon import rdma_logic
+from monarch_fs.daemon import bulk, rdma, rdma_logic
 from monarch_fs.daemon.push import PushError, push
 from monarch_fs.daemon.rdma_logic import RC, SRD
 from monarch_fs.daemon.service import NodeService, open_listeners

@@ -12,14 +12,11 @@ import sys
 
 import pytest
 
-from conftest import mfs, tree, wait_for
+from helpers import CLI_MODULE, mfs, tree, wait_for
+
+pytestmark = pytest.mark.mount
 
 KiB, MiB = 1 << 10, 1 << 20
-
-
-@pytest.fixture
-def small_packs(monkeypatch):
-    monkeypatch.setenv("MONARCH_FS_PACK_MIB", "1")
 
 
 def rm(c, *args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -112,7 +109,7 @@ def test_rm_is_refused_while_a_process_is_pinned_to_the_workspace(fresh_cluster,
     c.push(src)
     marker = tmp_path / "started"
     run = subprocess.Popen(
-        [sys.executable, "-m", "monarch_fs.cli", "run", "--hosts", c.hostfile,
+        [sys.executable, "-m", CLI_MODULE, "run", "--hosts", c.hostfile,
          "--token-file", c.token_file, "--workspace", "job", "--",
          "sh", "-c", f"touch {marker}; exec sleep 60"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -18,9 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import mfs
+from helpers import CLI_MODULE, mfs
 from procwatch import Started
 from rdma_helpers import host_has_rdma  # noqa: F401 (the skipif condition below names it)
+
+pytestmark = pytest.mark.mount
 
 
 @pytest.fixture
@@ -39,7 +41,8 @@ JOB = textwrap.dedent("""
         f.write(str(os.getpid()))
     os.rename(f"{out}/{rank}.tmp", f"{out}/{rank}.pid")
     def everyone_started():
-        while len([n for n in os.listdir(out) if n.endswith(".pid")]) < int(os.environ["WORLD_SIZE"]):
+        world = int(os.environ["WORLD_SIZE"])
+        while len([n for n in os.listdir(out) if n.endswith(".pid")]) < world:
             time.sleep(0.02)
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
             "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "MONARCH_FS_MOUNT",
@@ -175,7 +178,7 @@ def test_launch_errors(cluster2, job):
 def test_killed_launcher_takes_its_ranks_along(cluster2, job, started):
     script, out = job
     proc = subprocess.Popen(
-        [sys.executable, "-m", "monarch_fs.cli", "run", "--hosts", cluster2.hostfile,
+        [sys.executable, "-m", CLI_MODULE, "run", "--hosts", cluster2.hostfile,
          "--token-file", cluster2.token_file, "--per-host", "2", "--", sys.executable,
          str(script), str(out), "sleep"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     started.add(proc.pid)
@@ -259,7 +262,7 @@ def test_killed_daemon_fails_the_job_and_leaves_no_rank(fresh_cluster, job, star
     cluster = fresh_cluster(2)
     script, out = job
     proc = subprocess.Popen(
-        [sys.executable, "-m", "monarch_fs.cli", "run", "--hosts", cluster.hostfile,
+        [sys.executable, "-m", CLI_MODULE, "run", "--hosts", cluster.hostfile,
          "--token-file", cluster.token_file, "--per-host", "2", "--", sys.executable,
          str(script), str(out), "sleep"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True)

@@ -16,13 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import mfs, tree
+from helpers import SMALL, mfs, tree, wait_for
 from monarch_fs.fs.chunk import CHUNK_SIZE, chunk_id
 from monarch_fs.fs.manifest import Kind
 from monarch_fs.fs.scan import SourceChanged, scan
 from monarch_fs.fs.scan_cache import RACY_NS, ScanCache, _prune, cache_file, stat_key
 
-SMALL = 64 * 1024  # the smallest chunk size a manifest allows
 RACY = 50_000_000  # 50 ms: tests wait this long after writing instead of the default 2 s
 
 IN_OPEN = 0x20
@@ -97,6 +96,16 @@ def make_tree(root: Path) -> dict[str, bytes]:
     return files
 
 
+def past_racy_window(root: Path, racy_ns: int = RACY) -> None:
+    """Wait until every entry below `root` was last changed (mtime and ctime) more than
+    `racy_ns` ago, so that a scan starting now caches it: the condition the scan cache checks,
+    polled, instead of a fixed sleep."""
+    newest = max(max(st.st_mtime_ns, st.st_ctime_ns)
+                 for st in map(os.lstat, [root, *root.rglob("*")]))
+    wait_for(lambda: time.time_ns() - racy_ns > newest, racy_ns / 1e9 + 10,
+             f"the files below {root} to be older than the racy window", interval=0.01)
+
+
 def content(snap, rel: str) -> bytes:
     e = snap.manifest.get(os.fsencode(rel))
     return b"".join(snap.read_chunk(c) for c in e.chunks)
@@ -121,7 +130,7 @@ def src(tmp_path):
 
 async def test_unchanged_tree_is_not_read_again(src, tmp_path, opens):
     files = make_tree(src)
-    time.sleep(RACY / 1e9)
+    past_racy_window(src)
     seen = opens(src)
     first, _ = await cached_scan(src, tmp_path / "cache")
     # Every distinct inode was read once (the hard link is the same inode).
@@ -143,7 +152,7 @@ async def test_unchanged_tree_is_not_read_again(src, tmp_path, opens):
 
 async def test_a_one_file_edit_hashes_exactly_that_file(src, tmp_path, opens):
     files = make_tree(src)
-    time.sleep(RACY / 1e9)
+    past_racy_window(src)
     await cached_scan(src, tmp_path / "cache")
     seen = opens(src)
     (src / "pkg1" / "mod4.py").write_bytes(b"edited = True\n")
@@ -160,7 +169,7 @@ async def test_same_size_same_mtime_rewrite_is_caught_by_ctime(src, tmp_path, op
     """The honest limit: size and mtime can be put back (os.utime, `touch -d`, tar, rsync -t),
     ctime cannot. The rewritten file's ctime moved, so it is read again."""
     make_tree(src)
-    time.sleep(RACY / 1e9)
+    past_racy_window(src)
     await cached_scan(src, tmp_path / "cache")
     path = src / "pkg0" / "mod3.py"
     before = os.stat(path)
@@ -180,7 +189,7 @@ async def test_same_size_same_mtime_rewrite_is_caught_by_ctime(src, tmp_path, op
 
 async def test_deleted_and_renamed_files(src, tmp_path, opens):
     files = make_tree(src)
-    time.sleep(RACY / 1e9)
+    past_racy_window(src)
     await cached_scan(src, tmp_path / "cache")
     os.unlink(src / "pkg2" / "mod5.py")
     os.unlink(src / "pkg0" / "big-hardlink.bin")
@@ -197,7 +206,7 @@ async def test_deleted_and_renamed_files(src, tmp_path, opens):
     assert snap.manifest.encode() == await fresh(src)
     # The deleted file's entry was dropped when the cache was saved: one entry per inode left
     # (less the renamed file, if its ctime moved: then it was racy, and is not cached yet).
-    time.sleep(RACY / 1e9)
+    past_racy_window(src)
     again, cache = await cached_scan(src, tmp_path / "cache")
     inodes = {os.stat(src / os.fsdecode(e.path)).st_ino for e in snap.manifest
               if e.kind == Kind.FILE}
@@ -209,7 +218,7 @@ async def test_deleted_and_renamed_files(src, tmp_path, opens):
                                     "other-folder"])
 async def test_a_corrupt_cache_file_is_ignored(src, tmp_path, damage, opens):
     files = make_tree(src)
-    time.sleep(RACY / 1e9)
+    past_racy_window(src)
     await cached_scan(src, tmp_path / "cache")
     path = Path(cache_file(tmp_path / "cache", src))
     data = path.read_bytes()
@@ -228,7 +237,7 @@ async def test_a_corrupt_cache_file_is_ignored(src, tmp_path, damage, opens):
         other = tmp_path / "other"
         other.mkdir()
         (other / "f").write_bytes(b"other")
-        time.sleep(RACY / 1e9)
+        past_racy_window(other)
         await cached_scan(other, tmp_path / "cache")
         path.write_bytes(Path(cache_file(tmp_path / "cache", other)).read_bytes())
     seen = opens(src)
@@ -244,7 +253,7 @@ async def test_a_corrupt_cache_file_is_ignored(src, tmp_path, damage, opens):
 
 async def test_a_cache_of_another_chunk_size_is_not_used(src, tmp_path, opens):
     files = make_tree(src)
-    time.sleep(RACY / 1e9)
+    past_racy_window(src)
     await cached_scan(src, tmp_path / "cache")
     seen = opens(src)
     cache = ScanCache.for_folder(tmp_path / "cache", src, racy_ns=RACY)
@@ -254,6 +263,7 @@ async def test_a_cache_of_another_chunk_size_is_not_used(src, tmp_path, opens):
     assert snap.manifest.encode() == (await scan(src, chunk_size=2 * SMALL)).manifest.encode()
 
 
+@pytest.mark.slow
 async def test_racily_clean_files_are_hashed_again(src, tmp_path, opens):
     """With the default window (2 s): a file changed just before the scan is not cached, since
     a second write within its timestamp granularity could leave the key as it is. It is read
@@ -263,7 +273,7 @@ async def test_racily_clean_files_are_hashed_again(src, tmp_path, opens):
     assert cache.racy_ns == RACY_NS == 2_000_000_000
     await scan(src, chunk_size=SMALL, cache=cache)
     assert cache.stored == 0  # "old" is 0 s old: racy
-    time.sleep(2.1)
+    past_racy_window(src, RACY_NS)
     (src / "fresh").write_bytes(b"fresh")
     seen = opens(src)
     first = await scan(src, chunk_size=SMALL, cache=ScanCache.for_folder(tmp_path / "cache", src))
@@ -280,7 +290,7 @@ async def test_a_stale_entry_is_a_clear_source_changed_and_clears_the_cache(src,
     scan; the push's read check catches it, names the cause, and drops the cache so the next
     push is right. The stale entry is planted through the cache's own API."""
     files = make_tree(src)
-    time.sleep(RACY / 1e9)
+    past_racy_window(src)
     await cached_scan(src, tmp_path / "cache")
     target = src / "pkg1" / "mod1.py"
     planted = ScanCache.for_folder(tmp_path / "cache", src, racy_ns=RACY)
@@ -306,7 +316,7 @@ async def test_a_stale_entry_is_a_clear_source_changed_and_clears_the_cache(src,
 
 async def test_a_file_edited_after_the_scan_is_still_changed_during_the_push(src, tmp_path):
     make_tree(src)
-    time.sleep(RACY / 1e9)
+    past_racy_window(src)
     await cached_scan(src, tmp_path / "cache")
     snap, _ = await cached_scan(src, tmp_path / "cache")
     (src / "pkg0" / "mod0.py").write_bytes(b"edited after the scan")
@@ -345,6 +355,7 @@ def test_least_recently_used_cache_files_are_pruned(tmp_path):
 # Through the command line and a cluster
 
 
+@pytest.mark.mount
 def test_push_through_the_command_line(cluster3, tmp_path, opens):
     """The CLI keeps the cache in $MONARCH_FS_HOME/scan-cache; --no-cache neither reads nor
     writes it; a re-push opens no source file (seen by inotify, from outside the push
@@ -359,7 +370,7 @@ def test_push_through_the_command_line(cluster3, tmp_path, opens):
     cfile = Path(cache_file(home / "scan-cache", src))
     first = json.loads(mfs(*args, "--no-cache", env=env).stdout)
     assert not cfile.exists()
-    time.sleep(RACY_NS / 1e9 + 0.1)  # the CLI uses the default racy window
+    past_racy_window(src, RACY_NS)  # the CLI uses the default racy window
     seen = opens(src)
     assert json.loads(mfs(*args, env=env).stdout)["version"] == first["version"]
     assert cfile.exists() and len(seen.files()) == len(files) - 1

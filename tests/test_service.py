@@ -16,8 +16,19 @@ import trio
 
 from monarch_fs.daemon import protocol as p
 from monarch_fs.daemon.push import push
-from monarch_fs.daemon.requests import (Bulk, Commit, Flush, FreePort, Kill, Prepare, Relay,
-                                        Remove, RequestError, Spawn, Status)
+from monarch_fs.daemon.requests import (
+    Bulk,
+    Commit,
+    Flush,
+    FreePort,
+    Kill,
+    Prepare,
+    Relay,
+    Remove,
+    RequestError,
+    Spawn,
+    Status,
+)
 from monarch_fs.daemon.service import NodeService, open_listeners
 from monarch_fs.daemon.session import ROUTES
 from monarch_fs.daemon.transport import RemoteError, connect

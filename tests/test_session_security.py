@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from conftest import mfs
+from helpers import mfs
+
+pytestmark = pytest.mark.mount
 
 _HEADER = struct.Struct("<IB")
 WELCOME, REQUEST = 3, 5

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tree
+from helpers import mount_ops, tree
+
+pytestmark = pytest.mark.mount
 
 STOCK = Path(__file__).resolve().parent.parent / ".venv" / "stock-pyfuse3"
 
@@ -36,12 +38,10 @@ def test_a_stock_pyfuse3_serves_every_version_with_open_round_trips(
     mnt = c.mnt(0) / "ws"
     assert tree(mnt) == tree(src)
     root = c.mnt(0)
-    ops = lambda: dict(kv.split("=") for kv in os.getxattr(root, "user.monarch.ops")
-                       .decode().split())
-    before = int(ops().get("open", 0))
+    before = mount_ops(root).get("open", 0)
     assert (mnt / "d" / "a").read_text() == "a1"
-    assert int(ops()["open"]) == before + 1  # every open is a request
-    assert "ioctl" not in ops()  # the stock build cannot count them
+    assert mount_ops(root)["open"] == before + 1  # every open is a request
+    assert "ioctl" not in mount_ops(root)  # the stock build cannot count them
     (src / "d" / "a").write_text("a2, longer")
     c.push(src)
     assert (mnt / "d" / "a").read_text() == "a2, longer"

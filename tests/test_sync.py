@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import mfs, mounted, tree
+from helpers import CLI_MODULE, mfs, mount_ops, mounted, tree
+
+pytestmark = pytest.mark.mount
 
 
 def make_every_kind(root: Path) -> None:
@@ -58,7 +60,8 @@ def test_every_entry_kind_identical_on_every_node(cluster3, tmp_path):
     assert result["files"] == 11  # a hard link counts as a file with identical content
     assert (cluster3.mnt(0) / "kinds" / ".." / ".versions" / "kinds" / result["version"]).is_dir()
     # symlinks are served verbatim, never followed by the daemon
-    assert os.readlink(cluster3.mnt(1) / "kinds" / "pkg" / "escaping-link") == "../../outside/escape"
+    link = cluster3.mnt(1) / "kinds" / "pkg" / "escaping-link"
+    assert os.readlink(link) == "../../outside/escape"
     ran = subprocess.run([cluster3.mnt(2) / "kinds" / "run.sh"], capture_output=True, text=True)
     assert ran.stdout == "ran\n"
 
@@ -159,9 +162,9 @@ def test_xattrs_name_version_and_chunks(cluster3, tmp_path):
     # the root tells what the node serves and how busy it has been
     root = cluster3.mnt(0)
     assert f"xa={result['version']}" in os.getxattr(root, "user.monarch.workspaces").decode()
-    before = dict(kv.split("=") for kv in os.getxattr(root, "user.monarch.ops").decode().split())
+    before = mount_ops(root)
     f.read_bytes()
-    after = dict(kv.split("=") for kv in os.getxattr(root, "user.monarch.ops").decode().split())
+    after = mount_ops(root)
     assert int(after["getxattr"]) > int(before["getxattr"])
     assert int(after["read"]) == int(before.get("read", 0)) + 1
     # Python's open() asks whether a file is a terminal: a request the daemon refuses as a
@@ -171,7 +174,7 @@ def test_xattrs_name_version_and_chunks(cluster3, tmp_path):
         with pytest.raises(OSError) as e:
             fcntl.ioctl(fh, termios.TCGETS, bytes(64))
         assert e.value.errno == errno.ENOTTY
-    ops = dict(kv.split("=") for kv in os.getxattr(root, "user.monarch.ops").decode().split())
+    ops = mount_ops(root)
     assert int(ops["ioctl"]) >= int(after.get("ioctl", 0)) + 3  # open()'s own, isatty, TCGETS
 
 
@@ -191,8 +194,10 @@ def test_with_open_round_trips_files_and_listings_still_follow_each_version(
     mnt = c.mnt(0) / "stock"
     assert tree(mnt) == tree(src)
     root = c.mnt(0)
-    opens = lambda: int(dict(kv.split("=") for kv in os.getxattr(root, "user.monarch.ops")
-                             .decode().split()).get("open", 0))
+
+    def opens() -> int:
+        return mount_ops(root).get("open", 0)
+
     before = opens()
     assert (mnt / "d" / "a").read_text() == "a1"
     assert opens() == before + 1
@@ -202,7 +207,7 @@ def test_with_open_round_trips_files_and_listings_still_follow_each_version(
     assert tree(mnt) == tree(src)
 
 
-@pytest.mark.parametrize("mode", ["no-open", "passthrough"])
+@pytest.mark.parametrize("mode", ["no-open", pytest.param("passthrough", marks=pytest.mark.root)])
 def test_warm_reads_and_listings_cost_no_requests(fresh_cluster, tmp_path, monkeypatch, mode):
     """Once read, a file's pages and a directory's listing stay in the kernel: reading and
     listing again sends the daemon no read and no readdir. With no-open (the patched pyfuse3
@@ -210,7 +215,7 @@ def test_warm_reads_and_listings_cost_no_requests(fresh_cluster, tmp_path, monke
     file is a terminal (the kernel forwards every ioctl); with passthrough each open is a
     request too."""
     from monarch_fs.fs import fuse_ops
-    assert fuse_ops.NO_OPEN_BUILT, "pyfuse3 is not the patched build (make builds it)"
+    assert fuse_ops.NO_OPEN, "pyfuse3 is not the patched build (make builds it)"
     if mode == "no-open":
         monkeypatch.setenv("MONARCH_FS_PASSTHROUGH", "0")
     elif os.geteuid() != 0:
@@ -225,8 +230,7 @@ def test_warm_reads_and_listings_cost_no_requests(fresh_cluster, tmp_path, monke
     root, pkg = c.mnt(0), c.mnt(0) / "warm" / "pkg"
 
     def ops() -> dict[str, int]:
-        raw = os.getxattr(root, "user.monarch.ops").decode().split()
-        return {k: int(v) for k, v in (kv.split("=") for kv in raw)}
+        return mount_ops(root)
 
     def walk() -> dict[str, bytes]:
         return {name: (pkg / name).read_bytes() for name in os.listdir(pkg)}
@@ -277,7 +281,7 @@ def test_restarted_daemon_serves_last_version_without_push(fresh_cluster, tmp_pa
     # Start a daemon on the same state: it serves v2 at once.
     nd = c.dir / "node-0"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "monarch_fs.cli", "daemon", "--listen", "127.0.0.1:0",
+        [sys.executable, "-m", CLI_MODULE, "daemon", "--listen", "127.0.0.1:0",
          "--mount", str(nd / "mnt"), "--state", str(nd / "state"),
          "--token-file", c.token_file, "--ready-file", str(nd / "ready2")],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -365,7 +369,8 @@ def test_virtualenv_runs_from_every_mount(cluster3, tmp_path):
     # Install a small package into the venv, the way pip lays it out.
     pkg = tmp_path / "hello_pkg"
     (pkg / "hello_mfs").mkdir(parents=True)
-    (pkg / "hello_mfs" / "__init__.py").write_text("def greet():\n    return 'hello from the mount'\n")
+    (pkg / "hello_mfs" / "__init__.py").write_text(
+        "def greet():\n    return 'hello from the mount'\n")
     (pkg / "pyproject.toml").write_text(
         '[build-system]\nrequires=["setuptools"]\nbuild-backend="setuptools.build_meta"\n'
         '[project]\nname="hello-mfs"\nversion="1.0"\n')

@@ -140,7 +140,8 @@ async def test_refusal_before_the_handshake_reaches_the_client_as_its_reason():
         with trio.fail_after(5):
             with pytest.raises(ConnectError) as info:
                 await connect(addr, TOKEN)
-        assert str(info.value) == f"{addr}: too many connections from 127.0.0.1 (64 open, the limit)"
+        assert str(info.value) == (
+            f"{addr}: too many connections from 127.0.0.1 (64 open, the limit)")
         nursery.cancel_scope.cancel()
 
 

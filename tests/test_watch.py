@@ -13,7 +13,9 @@ import threading
 import time
 from pathlib import Path
 
-from conftest import Cluster, tree
+import pytest
+
+from helpers import CLI_MODULE, Cluster, tree, wait_for
 from monarch_fs.daemon import cluster as cluster_mod
 from monarch_fs.daemon.auth import write_new_token
 
@@ -22,7 +24,7 @@ class Watcher:
     """A `monarch-fs push --watch` child process; its output lines are read as they come."""
 
     def __init__(self, src: Path, hosts: str, token_file: str | None, home: Path, *args: str):
-        cmd = [sys.executable, "-m", "monarch_fs.cli", "push", str(src), "--watch",
+        cmd = [sys.executable, "-m", CLI_MODULE, "push", str(src), "--watch",
                "--hosts", hosts, *args]
         if token_file:
             cmd += ["--token-file", token_file]
@@ -31,8 +33,10 @@ class Watcher:
         self.out: queue.Queue[str] = queue.Queue()
         self.err: queue.Queue[str] = queue.Queue()
         self.err_lines: list[str] = []
-        for stream, q in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
-            threading.Thread(target=self._pump, args=(stream, q), daemon=True).start()
+        self.pumps = [threading.Thread(target=self._pump, args=(stream, q), daemon=True)
+                      for stream, q in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        for t in self.pumps:
+            t.start()
 
     @staticmethod
     def _pump(stream, q: queue.Queue) -> None:
@@ -56,6 +60,17 @@ class Watcher:
             return
         raise AssertionError(f"unexpected push: {extra}")
 
+    def pushes_for(self, seconds: float) -> list[dict]:
+        """Every push reported within the next `seconds`."""
+        deadline = time.monotonic() + seconds
+        out = []
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                out.append(json.loads(self.out.get(timeout=left)))
+            except queue.Empty:
+                break
+        return out
+
     def stderr(self, wait_for: str | None = None, timeout: float = 20) -> list[str]:
         deadline = time.monotonic() + timeout
         while True:
@@ -72,21 +87,13 @@ class Watcher:
         try:
             return self.proc.wait(timeout=20)
         finally:
-            time.sleep(0.1)  # let the pumps drain
+            for t in self.pumps:  # they end at the pipes' end: everything printed is queued
+                t.join(timeout=10)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-
-
-def wait_for(cond, timeout: float, what: str) -> float:
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
-    return time.monotonic() - t0
 
 
 def reads(path: Path) -> bytes | None:
@@ -100,6 +107,7 @@ def watcher(c: Cluster, src: Path, tmp_path: Path, *args: str) -> Watcher:
     return Watcher(src, c.hostfile, c.token_file, tmp_path / "home", "--json", *args)
 
 
+@pytest.mark.mount
 def test_watch_pushes_each_edit_to_every_node(fresh_cluster, tmp_path):
     c = fresh_cluster(2)
     src = tmp_path / "app"
@@ -126,9 +134,9 @@ def test_watch_pushes_each_edit_to_every_node(fresh_cluster, tmp_path):
         wait_for(lambda: all(reads(m / "app" / "gen" / "m29.py") == b"N = 29\n"
                              for m in c.mounts()), 10, "the burst on every node")
         burst = [w.push()]
-        time.sleep(1.5)
-        while not w.out.empty():
+        while burst[-1]["files"] != 32:  # pushed as it came, until a push holds all of it
             burst.append(w.push())
+        burst += w.pushes_for(1.5)  # a late push of it would come within the debounce (1 s)
         # (Files created in a new folder before inotify watches it are not reported one by
         # one; the folder's creation is, and the scan that follows finds them all.)
         assert 1 <= len(burst) <= 3 and burst[-1]["files"] == 32
@@ -153,6 +161,7 @@ def test_watch_pushes_each_edit_to_every_node(fresh_cluster, tmp_path):
         assert tree(m / "app") == expected
 
 
+@pytest.mark.mount
 def test_watch_survives_a_failed_push(fresh_cluster, tmp_path):
     c = fresh_cluster(2)
     src = tmp_path / "ws"
@@ -196,12 +205,16 @@ def test_ctrl_c_during_a_push_cancels_it_and_exits_130(tmp_path):
                     "--timeout", "60")
         try:
             w.stderr(wait_for="watching")
-            time.sleep(0.5)  # the push is now waiting for the handshake
-            t0 = time.monotonic()
-            assert w.stop() == 130
-            assert time.monotonic() - t0 < 5
-            assert "cancelled" in w.stderr()[-1]
-            assert not any("Traceback" in ln for ln in w.stderr())
+            silent.settimeout(20)
+            conn, _ = silent.accept()  # the push connected: it now waits for the handshake
+            try:
+                t0 = time.monotonic()
+                assert w.stop() == 130
+                assert time.monotonic() - t0 < 5  # at once: what Ctrl-C must do
+                assert "cancelled" in w.stderr()[-1]
+                assert not any("Traceback" in ln for ln in w.stderr())
+            finally:
+                conn.close()
         finally:
             w.kill()
     finally:

@@ -1,0 +1,237 @@
+"""Helpers the tests share: the command line in a child process, local clusters of real daemons,
+polling with a deadline, what a reader sees of a tree, and the content layer's small tools.
+
+conftest.py holds only fixtures (built from these); test modules import from here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hypothesis import HealthCheck, settings
+
+from monarch_fs.daemon import cluster as cluster_mod
+
+# The module `monarch-fs` runs (`python -m CLI_MODULE ...`): one place to change if it moves.
+CLI_MODULE = "monarch_fs.cli"
+
+
+# ---- the command line -------------------------------------------------------------------------
+
+def mfs(*args: str, env: dict | None = None, check: bool = True, timeout: float = 120,
+        input: str | None = None) -> subprocess.CompletedProcess:
+    """Run the `monarch-fs` command line in a child process."""
+    proc = subprocess.run([sys.executable, "-m", CLI_MODULE, *args],
+                          capture_output=True, text=True, env={**os.environ, **(env or {})},
+                          timeout=timeout, input=input)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"monarch-fs {' '.join(args)} exited {proc.returncode}:\n"
+                             f"{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+# ---- waiting ----------------------------------------------------------------------------------
+
+def wait_for(cond, timeout: float = 30.0, what: str = "condition",
+             interval: float = 0.05) -> float:
+    """Poll `cond` every `interval` seconds until it holds, and return how long that took; fail
+    naming `what` after `timeout` seconds."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+    return time.monotonic() - t0
+
+
+def holds_for(cond, seconds: float, what: str, interval: float = 0.05) -> None:
+    """Check that `cond` keeps holding for `seconds` (for what must NOT happen: there is no
+    event to wait for, so a quiet period is the assertion)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert cond(), f"{what} stopped holding"
+        time.sleep(interval)
+    assert cond(), f"{what} stopped holding"
+
+
+# ---- mounts -----------------------------------------------------------------------------------
+
+def mounted(path: Path) -> bool:
+    target = os.fsencode(os.path.abspath(path))
+    with open("/proc/self/mountinfo", "rb") as f:
+        return any(line.split()[4] == target for line in f)
+
+
+def umount_tmpfs(path: Path, timeout: float = 10) -> None:
+    """Unmount a tmpfs a test mounted. Right after a daemon that used it exits, the kernel may
+    hold it a little longer (`fuser -m` says "kernel": its last files are released
+    asynchronously), so a busy unmount is retried until `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        proc = subprocess.run(["umount", str(path)], capture_output=True, text=True)
+        if proc.returncode == 0:
+            return
+        if "busy" not in proc.stderr or time.monotonic() > deadline:
+            raise AssertionError(f"cannot unmount {path}: {proc.stderr.strip()}")
+        time.sleep(0.1)
+
+
+def mount_ops(root: Path | str) -> dict[str, int]:
+    """The requests a mount has served, by operation (its root's `user.monarch.ops`)."""
+    raw = os.getxattr(root, "user.monarch.ops").decode().split()
+    return {k: int(v) for k, v in (kv.split("=") for kv in raw)}
+
+
+def tree(root: Path) -> dict[bytes, tuple]:
+    """Everything a reader can see of a tree: per path, type, mode, size, mtime, target, bytes."""
+    out = {}
+    base = os.fsencode(root)
+    for dirpath, dirnames, filenames in os.walk(base):
+        for name in dirnames + filenames:
+            full = os.path.join(dirpath, name)
+            rel = os.path.relpath(full, base)
+            st = os.lstat(full)
+            kind = stat.S_IFMT(st.st_mode)
+            if stat.S_ISLNK(st.st_mode):
+                body = os.readlink(full)
+            elif stat.S_ISREG(st.st_mode):
+                with open(full, "rb") as f:
+                    body = f.read()
+            else:
+                body = None
+            out[rel] = (kind, stat.S_IMODE(st.st_mode), st.st_mtime_ns, body)
+    return out
+
+
+# ---- local clusters and lone daemons ----------------------------------------------------------
+
+@dataclass
+class Cluster:
+    dir: Path
+    hosts: list[str]
+
+    @property
+    def hostfile(self) -> str:
+        return f"@{self.dir / 'hosts'}"
+
+    @property
+    def token_file(self) -> str:
+        return str(self.dir / "token")
+
+    def mnt(self, i: int) -> Path:
+        return self.dir / f"node-{i}" / "mnt"
+
+    def mounts(self) -> list[Path]:
+        return [self.mnt(i) for i in range(len(self.hosts))]
+
+    def push(self, src: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return mfs("push", str(src), "--hosts", self.hostfile, "--token-file", self.token_file,
+                   "--json", *args, check=check)
+
+    def push_json(self, src: Path, *args: str) -> dict:
+        return json.loads(self.push(src, *args).stdout)
+
+    def status(self) -> list[dict]:
+        out = mfs("status", "--hosts", self.hostfile, "--token-file", self.token_file, "--json",
+                  check=False)
+        return json.loads(out.stdout)
+
+    def pid(self, i: int) -> int:
+        return int((self.dir / f"node-{i}" / "pid").read_text())
+
+
+def start_cluster(d: Path, nodes: int) -> Cluster:
+    hosts = cluster_mod.up(nodes, d)
+    return Cluster(d, hosts)
+
+
+def stop_cluster(c: Cluster) -> None:
+    cluster_mod.down(c.dir)
+    left = [m for m in c.mounts() if mounted(m)]
+    assert not left, f"mounts left behind: {left}"
+    assert not cluster_mod.running(c.dir), "daemons left running"
+
+
+@dataclass
+class Daemon:
+    """One `monarch-fs daemon` started by a test, with its own flags."""
+
+    proc: subprocess.Popen
+    dir: Path
+    addr: str
+    token_file: str
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def mnt(self) -> Path:
+        return self.dir / "mnt"
+
+    def log(self) -> str:
+        return (self.dir / "log").read_text(errors="replace")
+
+
+def start_daemon(d: Path, *flags: str, env: dict | None = None) -> Daemon:
+    """Start `monarch-fs daemon` on loopback in folder `d` (created), with extra flags, and wait
+    until it is ready. The caller stops it (stop_daemon)."""
+    from monarch_fs.daemon.auth import write_new_token
+
+    d.mkdir()
+    write_new_token(d / "token")
+    with open(d / "log", "ab") as logf:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", CLI_MODULE, "daemon", "--listen",
+             "127.0.0.1:0", "--mount", str(d / "mnt"), "--state", str(d / "state"),
+             "--token-file", str(d / "token"), "--ready-file", str(d / "ready"),
+             "--node-name", d.name, *flags],
+            stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})})
+    daemon = Daemon(proc, d, "", str(d / "token"))
+    deadline = time.monotonic() + 30
+    while not (d / "ready").exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            log = daemon.log()
+            stop_daemon(daemon)
+            raise AssertionError(f"daemon did not start:\n{log}")
+        time.sleep(0.05)
+    daemon.addr = json.loads((d / "ready").read_text())["addr"]
+    return daemon
+
+
+def stop_daemon(daemon: Daemon) -> None:
+    """SIGTERM it (by its pid), and check its mount is gone."""
+    if daemon.proc.poll() is None:
+        daemon.proc.terminate()
+        try:
+            daemon.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            daemon.proc.kill()
+            daemon.proc.wait()
+    if mounted(daemon.mnt):
+        subprocess.run(["fusermount3", "-u", "-z", str(daemon.mnt)], check=False)
+        raise AssertionError(f"{daemon.mnt} was left mounted")
+
+
+# ---- the content layer ------------------------------------------------------------------------
+
+# Hypothesis settings for the decoders' fuzz tests.
+FUZZ = settings(max_examples=300, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+SMALL = 64 * 1024  # the smallest chunk size a manifest allows
+
+
+def flip_bits(path: Path, index: int, mask: int) -> None:
+    """XOR byte `index` of a file with `mask`, as a failing disk might."""
+    b = bytearray(path.read_bytes())
+    b[index] ^= mask
+    path.write_bytes(bytes(b))

@@ -1,0 +1,260 @@
+"""fs/scan.py: scanning a real folder into a snapshot (every entry kind, chunking, hard links,
+dedup, skipped special files, excludes, sources that change after the scan)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+from pathlib import Path
+
+import pytest
+
+from helpers import SMALL
+from monarch_fs.fs.chunk import chunk_id, spans
+from monarch_fs.fs.manifest import Entry, Kind, Manifest, ManifestError
+from monarch_fs.fs.scan import Snapshot, SourceChanged, scan
+
+
+def make_tree(root: Path) -> dict[str, bytes]:
+    """A source folder with every kind of entry; returns the contents of the regular files."""
+    files = {
+        "pkg/__init__.py": b"VALUE = 1\n",
+        "pkg/sub/data.bin": os.urandom(3 * SMALL + 17),  # four chunks
+        "exact.bin": os.urandom(2 * SMALL),  # exactly two chunks
+        "one.bin": os.urandom(SMALL),  # exactly one chunk
+        "text.txt": b"hello " * 10_000,
+        "empty": b"",
+        "run.sh": b"#!/bin/sh\necho ran\n",
+        "private": b"secret",
+        "with space": b"space",
+        "new\nline": b"newline",
+        os.fsdecode(b"latin-\xe9"): b"not utf-8",
+        os.fsdecode(b"dir-\xff/inner"): b"inside a non-utf-8 dir",
+    }
+    for rel, data in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+    (root / "empty-dir").mkdir()
+    (root / "run.sh").chmod(0o755)
+    (root / "private").chmod(0o600)
+    os.symlink("pkg/__init__.py", root / "rel-link")
+    os.symlink("/etc/hostname", root / "abs-link")
+    os.symlink("../../outside/escape", root / "pkg" / "escaping-link")
+    os.symlink("missing-target", root / "dangling")
+    os.symlink("pkg", root / "dir-link")
+    os.symlink(b"\xfe\xfd-target", os.fsencode(root / "odd-link"))
+    os.link(root / "text.txt", root / "hardlink.txt")
+    files["hardlink.txt"] = files["text.txt"]
+    return files
+
+
+def file_bytes(snap: Snapshot, e: Entry) -> bytes:
+    return b"".join(snap.read_chunk(c) for c in e.chunks)
+
+
+async def test_scan_records_every_entry_kind(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    files = make_tree(src)
+    os.utime(src / "run.sh", ns=(1, 1_234_567_891_234_567_890))
+    snap = await scan(src, chunk_size=SMALL)
+    m = snap.manifest
+    assert snap.root == os.fsencode(src) and snap.warnings == []
+    m.validate()
+
+    expected_paths = {os.fsencode(p) for p in files} | {
+        b"", b"pkg", b"pkg/sub", b"empty-dir", b"dir-\xff", b"rel-link", b"abs-link",
+        b"pkg/escaping-link", b"dangling", b"dir-link", b"odd-link"}
+    assert {e.path for e in m} == expected_paths
+
+    for rel, data in files.items():
+        e = m.get(os.fsencode(rel))
+        st_ = os.lstat(src / rel)
+        assert e.kind == Kind.FILE
+        assert e.size == len(data) == st_.st_size
+        assert e.mode == stat.S_IMODE(st_.st_mode)
+        assert e.mtime_ns == st_.st_mtime_ns
+        assert len(e.chunks) == -(-len(data) // SMALL)
+        assert file_bytes(snap, e) == data, rel
+    assert m.get(b"run.sh").mode == 0o755
+    assert m.get(b"run.sh").mtime_ns == 1_234_567_891_234_567_890
+    assert m.get(b"private").mode == 0o600
+    assert m.get(b"empty").chunks == () and m.get(b"empty").size == 0
+
+    for rel in [b"", b"pkg", b"pkg/sub", b"empty-dir", b"dir-\xff"]:
+        e = m.get(rel)
+        st_ = os.lstat(os.path.join(os.fsencode(src), rel) if rel else os.fsencode(src))
+        assert e.kind == Kind.DIR and e.chunks == () and e.target == b""
+        assert e.mode == stat.S_IMODE(st_.st_mode) and e.mtime_ns == st_.st_mtime_ns
+
+    links = {b"rel-link": b"pkg/__init__.py", b"abs-link": b"/etc/hostname",
+             b"pkg/escaping-link": b"../../outside/escape", b"dangling": b"missing-target",
+             b"dir-link": b"pkg", b"odd-link": b"\xfe\xfd-target"}
+    for rel, target in links.items():
+        e = m.get(rel)
+        assert e.kind == Kind.SYMLINK and e.target == target and e.chunks == ()
+        assert e.size == len(target)
+    # A symlink to a directory is not followed.
+    assert not any(e.path.startswith(b"dir-link/") for e in m)
+
+    # The manifest survives its own wire format.
+    assert Manifest.decode(m.encode()).entries == m.entries
+
+
+async def test_scan_splits_large_files_into_ceil_size_over_chunk_size_chunks(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    sizes = {"a": 0, "b": 1, "c": SMALL - 1, "d": SMALL, "e": SMALL + 1, "f": 5 * SMALL + 3}
+    for name, size in sizes.items():
+        (src / name).write_bytes(os.urandom(size))
+    snap = await scan(src, chunk_size=SMALL)
+    for name, size in sizes.items():
+        e = snap.manifest.get(name.encode())
+        assert len(e.chunks) == -(-size // SMALL), name
+        data = (src / name).read_bytes()
+        assert [chunk_id(data[o:o + n]) for o, n in spans(size, SMALL)] == list(e.chunks)
+    assert snap.manifest.total_bytes == sum(sizes.values())
+    assert snap.manifest.chunk_size == SMALL
+
+
+async def test_scan_is_deterministic_and_sensitive_to_changes(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    make_tree(src)
+    first = await scan(src, chunk_size=SMALL)
+    second = await scan(src, chunk_size=SMALL)
+    assert first.manifest.encode() == second.manifest.encode()
+    assert first.manifest.id == second.manifest.id
+    st_ = os.stat(src / "pkg" / "__init__.py")
+    (src / "pkg" / "__init__.py").write_bytes(b"VALUE = 2\n")  # same size, same mtime
+    os.utime(src / "pkg" / "__init__.py", ns=(st_.st_atime_ns, st_.st_mtime_ns))
+    third = await scan(src, chunk_size=SMALL)
+    assert third.manifest.id != first.manifest.id
+
+
+async def test_hard_links_share_chunks_and_are_hashed_once(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    data = os.urandom(2 * SMALL + 5)
+    (src / "orig").write_bytes(data)
+    os.link(src / "orig", src / "link1")
+    os.mkdir(src / "d")
+    os.link(src / "orig", src / "d" / "link2")
+    (src / "other").write_bytes(b"xyz")
+    reports = []
+    snap = await scan(src, chunk_size=SMALL, progress=lambda done, total: reports.append(
+        (done, total)))
+    m = snap.manifest
+    chunks = {m.get(p).chunks for p in (b"orig", b"link1", b"d/link2")}
+    assert len(chunks) == 1 and len(next(iter(chunks))) == 3
+    # Progress counts each inode once: the links' bytes are not hashed again.
+    assert reports and reports[-1] == (len(data) + 3, len(data) + 3)
+    assert len(snap.sources) == 4
+    assert file_bytes(snap, m.get(b"d/link2")) == data
+
+
+async def test_scan_dedups_equal_content_across_files(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(300):  # more files than one hashing batch
+        (src / f"f{i:03}").write_bytes(b"same content" if i % 2 else b"file %d" % i)
+    snap = await scan(src, chunk_size=SMALL)
+    m = snap.manifest
+    assert len(m) == 301
+    assert len(m.chunk_ids()) == 151 == len(snap.sources)
+    for i in range(300):
+        e = m.get(b"f%03d" % i)
+        assert file_bytes(snap, e) == (b"same content" if i % 2 else b"file %d" % i)
+
+
+async def test_fifos_and_sockets_are_skipped_with_one_warning_each(tmp_path):
+    src = tmp_path / "s"
+    src.mkdir()
+    (src / "d").mkdir()
+    os.mkfifo(src / "fifo")
+    os.mkfifo(src / "d" / "fifo2")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(str(src / "sock"))
+        (src / "file").write_bytes(b"x")
+        snap = await scan(src, chunk_size=SMALL)
+    finally:
+        sock.close()
+    assert {e.path for e in snap.manifest} == {b"", b"d", b"file"}
+    assert len(snap.warnings) == 3
+    assert sum("fifo" in w and "fifo2" not in w for w in snap.warnings) == 1
+    assert sum("d/fifo2" in w for w in snap.warnings) == 1
+    assert sum("sock" in w for w in snap.warnings) == 1
+
+
+async def test_excludes_match_names_and_relative_paths(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for rel in ["keep.py", "drop.pyc", "pkg/mod.py", "pkg/mod.pyc", "pkg/__pycache__/x.pyc",
+                "pkg/sub/data.bin", "other/sub/data.bin", ".git/HEAD", "build/out/a.o"]:
+        p = src / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(rel.encode())
+    os.mkfifo(src / ".git" / "fifo")  # would warn if the excluded dir were descended
+    os.mkfifo(src / "build" / "out" / "fifo")
+    snap = await scan(src, ["*.pyc", "__pycache__", ".git", "pkg/sub", "build/out"],
+                      chunk_size=SMALL)
+    paths = {e.path for e in snap.manifest}
+    assert paths == {b"", b"keep.py", b"pkg", b"pkg/mod.py", b"other", b"other/sub",
+                     b"other/sub/data.bin", b"build"}
+    assert snap.warnings == []
+    # A glob on the relative path reaches into subdirectories.
+    snap2 = await scan(src, ["other/*"], chunk_size=SMALL)
+    assert {e.path for e in snap2.manifest if e.path.startswith(b"other")} == {b"other"}
+
+
+async def test_read_chunk_detects_a_source_modified_after_the_scan(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    data = os.urandom(3 * SMALL)
+    (src / "big").write_bytes(data)
+    (src / "small").write_bytes(b"0123456789")
+    snap = await scan(src, chunk_size=SMALL)
+    big = snap.manifest.get(b"big")
+    small = snap.manifest.get(b"small")
+    for c in big.chunks + small.chunks:
+        assert chunk_id(snap.read_chunk(c)) == c
+    assert file_bytes(snap, big) == data
+
+    with open(src / "big", "r+b") as f:  # same size, one byte changed in the second chunk
+        f.seek(SMALL + 100)
+        f.write(bytes([data[SMALL + 100] ^ 1]))
+    assert snap.read_chunk(big.chunks[0]) == data[:SMALL]
+    with pytest.raises(SourceChanged):
+        snap.read_chunk(big.chunks[1])
+
+    (src / "small").write_bytes(b"01234")  # truncated
+    with pytest.raises(SourceChanged):
+        snap.read_chunk(small.chunks[0])
+    (src / "small").write_bytes(b"0123456789")  # restored: the same bytes are fine again
+    assert snap.read_chunk(small.chunks[0]) == b"0123456789"
+    (src / "small").write_bytes(b"9876543210")  # rewritten, same length
+    with pytest.raises(SourceChanged):
+        snap.read_chunk(small.chunks[0])
+
+
+async def test_scan_of_a_non_directory_raises(tmp_path):
+    (tmp_path / "file").write_bytes(b"x")
+    with pytest.raises(NotADirectoryError):
+        await scan(tmp_path / "file", chunk_size=SMALL)
+    with pytest.raises(FileNotFoundError):
+        await scan(tmp_path / "absent", chunk_size=SMALL)
+
+
+async def test_scan_refuses_a_chunk_size_below_the_minimum(tmp_path):
+    (tmp_path / "f").write_bytes(b"x")
+    with pytest.raises(ManifestError):
+        await scan(tmp_path, chunk_size=SMALL - 1)
+
+
+async def test_scan_of_an_empty_directory(tmp_path):
+    snap = await scan(tmp_path, chunk_size=SMALL)
+    assert [e.path for e in snap.manifest] == [b""]
+    assert snap.sources == {} and snap.manifest.chunk_ids() == []
