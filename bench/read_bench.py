@@ -15,9 +15,9 @@ this process (the daemon serving the mount is another process). Cold runs drop t
 Mount and local runs alternate; a warm run during which the machine read from disk (someone else
 dropped the page cache) is run again (common.rounds). Before every cold mount run but the first
 (which comes right after the publish) the daemon is restarted on its store, else its
-decoded-chunk cache would serve what the previous run read. The daemon's counters (FUSE requests by type, chunk-cache hits
-and misses) and its CPU time are recorded for the cold and the warm mount runs, and the bytes
-read through the mount are checked against the local file.
+decoded-chunk cache would serve what the previous run read. The daemon's counters (FUSE
+requests by type, chunk-cache hits and misses) and its CPU time are recorded for the cold and
+the warm mount runs, and the bytes read through the mount are checked against the local file.
 """
 
 from __future__ import annotations
