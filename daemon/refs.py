@@ -16,7 +16,7 @@ from pathlib import Path
 
 import trio
 
-from ..fs.store import fsync_dir
+from ..fs.store import fsync_dir, replace_file
 
 
 def check_workspace_name(name: str) -> None:
@@ -139,16 +139,5 @@ class Refs:
     def _write(self, workspaces: dict[str, list[bytes]]) -> None:
         """Replace the file by one holding `workspaces`; on failure the old file stays."""
         data = {"workspaces": {n: [v.hex() for v in vs] for n, vs in workspaces.items()}}
-        tmp = self.path.with_suffix(".tmp")
-        try:
-            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-                json.dump(data, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.rename(tmp, self.path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        replace_file(self.path, json.dumps(data, indent=1).encode(),
+                     self.path.with_suffix(".tmp"), fsync=True)

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 import xxhash
 
 from .chunk import ID_SIZE
+from .store import replace_file
 
 MAGIC = b"MFSSCAN1"
 RACY_NS = 2_000_000_000
@@ -205,17 +206,7 @@ class ScanCache:
         data = self._encode()
         folder = os.path.dirname(self.path)
         os.makedirs(folder, mode=0o700, exist_ok=True)
-        tmp = f"{self.path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, self.path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        replace_file(self.path, data, f"{self.path}.{os.getpid()}.{threading.get_ident()}.tmp")
         _prune(folder)
 
 

@@ -82,6 +82,26 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def replace_file(path: str | os.PathLike[str], data: bytes, tmp: str | os.PathLike[str], *,
+                 fsync: bool = False) -> None:
+    """Replace `path` by a file holding `data` (mode 0600), written to `tmp` and renamed: a
+    reader sees the old file or the new one, never half of one; on failure the old file stays.
+    `fsync` makes the content durable before the rename (the caller fsyncs the folder)."""
+    try:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
 class StoreBusy(Exception):
     """Another process owns this store."""
 

@@ -17,10 +17,11 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, settings
 
+from monarch_fs import cli
 from monarch_fs.daemon import cluster as cluster_mod
 
-# The module `monarch-fs` runs (`python -m CLI_MODULE ...`): one place to change if it moves.
-CLI_MODULE = "monarch_fs.cli"
+# The module `monarch-fs` runs (`python -m CLI_MODULE ...`), named by the module itself.
+CLI_MODULE = cli.__name__
 
 
 # ---- the command line -------------------------------------------------------------------------

@@ -43,7 +43,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from helpers import CLI_MODULE
+from monarch_fs import cli
+
+CLI_MODULE = cli.__name__  # what `monarch-fs` runs (bench/ imports this file as tests.netns)
 
 SUBNET = "10.77.0"
 DEVBOX_ADDR = f"{SUBNET}.2"

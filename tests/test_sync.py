@@ -215,7 +215,7 @@ def test_warm_reads_and_listings_cost_no_requests(fresh_cluster, tmp_path, monke
     file is a terminal (the kernel forwards every ioctl); with passthrough each open is a
     request too."""
     from monarch_fs.fs import fuse_ops
-    assert fuse_ops.NO_OPEN, "pyfuse3 is not the patched build (make builds it)"
+    assert fuse_ops.NO_OPEN_BUILT, "pyfuse3 is not the patched build (make builds it)"
     if mode == "no-open":
         monkeypatch.setenv("MONARCH_FS_PASSTHROUGH", "0")
     elif os.geteuid() != 0:
