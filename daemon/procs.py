@@ -173,6 +173,8 @@ class _Child:
 
 @dataclass
 class Proc:
+    """One process this daemon started, the connection that owns it, and where its events go."""
+
     id: int
     process: _Child
     owner: object
@@ -188,6 +190,9 @@ class Proc:
 
 
 class ProcessTable:
+    """Every process this daemon supervises: started with a clean environment, killed when
+    its owner's connection goes, and never outliving the daemon."""
+
     def __init__(self, mount: Path, nursery: trio.Nursery):
         self.mount = mount
         self.nursery = nursery

@@ -104,6 +104,8 @@ def fmt_bytes(n: float) -> str:
 
 @dataclass
 class PushResult:
+    """What a push did, as `push` prints it (and `--json` gives it)."""
+
     version: str
     name: str
     files: int

@@ -69,6 +69,9 @@ class _Copy:
 
 
 class BackingFiles:
+    """Large files of served versions, kept whole on local disk for passthrough: a cache of
+    the store, written after a publish, trusted after a clean stop only."""
+
     def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root)
         private_dir(self.root)

@@ -18,6 +18,9 @@ LOAD_THREADS = 4  # chunk loads (read, decompress, hash) running at once
 
 
 class ChunkCache:
+    """Decoded chunks for the read path, bounded in bytes (LRU): a sequential reader takes one
+    chunk in many requests, and decoding it again for each would cost more than the read."""
+
     def __init__(self, load: Callable[[bytes], bytes | memoryview],
                  max_bytes: int = 128 * 1024 * 1024,
                  load_cached: Callable[[bytes], bytes | memoryview | None] | None = None):

@@ -198,6 +198,9 @@ def _guard_handlers(cls: type[pyfuse3.Operations]) -> type[pyfuse3.Operations]:
 
 @_guard_handlers
 class SnapshotFS(pyfuse3.Operations):
+    """The read-only filesystem over published snapshots: the handlers pyfuse3 calls, the
+    inode table, and the switch of a workspace to a new version with exact invalidation."""
+
     def __init__(self, load_chunk: Callable[[bytes], bytes | memoryview],
                  backing: BackingFiles | None = None,
                  load_cached: Callable[[bytes], bytes | memoryview | None] | None = None):

@@ -52,6 +52,8 @@ class TooManyEntries(ManifestError):
 
 
 class Kind(enum.IntEnum):
+    """What an entry is; nothing else (devices, FIFOs, sockets) is ever served."""
+
     DIR = 1
     FILE = 2
     SYMLINK = 3
@@ -59,6 +61,8 @@ class Kind(enum.IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class Entry:
+    """One file, folder or symlink of a snapshot, as every node serves it (names are bytes)."""
+
     path: bytes  # relative to the snapshot root, components joined by b"/"; b"" is the root
     kind: Kind
     mode: int  # permission bits, 0o7777 at most
@@ -141,6 +145,9 @@ def _check_fields(e: Entry, chunk_size: int) -> None:
 
 
 class Manifest:
+    """A snapshot's tree, sorted parents first: encoded, it is content-addressed, and its id
+    is the version."""
+
     def __init__(self, entries: Iterable[Entry], chunk_size: int = CHUNK_SIZE):
         self.chunk_size = chunk_size
         self.entries = sorted(entries, key=lambda e: sort_key(e.path))

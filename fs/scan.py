@@ -34,6 +34,8 @@ class SourceChanged(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Source:
+    """Where the dev box reads one chunk from: a piece of one local file."""
+
     path: bytes  # absolute path of the file holding the chunk
     offset: int
     length: int
@@ -42,6 +44,8 @@ class Source:
 
 @dataclass
 class Snapshot:
+    """A scanned folder: its manifest and where to read each of its chunks."""
+
     root: bytes
     manifest: Manifest
     sources: dict[bytes, Source]  # chunk id -> one place to read it

@@ -107,6 +107,9 @@ class StoreBusy(Exception):
 
 
 class Store:
+    """The node's content-addressed chunk store: append-only pack files and an index of where
+    each chunk is, verified against its id on the way in and on the way out."""
+
     def __init__(self, root: str | os.PathLike[str], pack_limit: int = PACK_LIMIT):
         self.root = Path(root)
         self.packs = self.root / "packs"

@@ -39,6 +39,8 @@ from .proc_mesh import (
 
 
 class HostMesh:
+    """The daemons of a set of hosts, as one mesh to spawn procs on."""
+
     def __init__(self, launcher: Launcher, nursery: trio.Nursery, *,
                  supervisor: Supervisor = report_unhandled,
                  output: Output | None = print_output) -> None:

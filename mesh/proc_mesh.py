@@ -66,6 +66,8 @@ def report_unhandled(failure: Failure) -> None:
 
 @dataclass
 class Proc:
+    """One proc of a mesh: its rank, and the host and local rank it runs as."""
+
     rank: int
     host: int  # index into the launcher's hosts
     local_rank: int

@@ -231,6 +231,9 @@ class OwnerLauncher(Launcher):
 
 
 class Runtime:
+    """The actor runtime inside one spawned proc: it connects back to its owner with the
+    mesh's secret and serves the actors spawned in it."""
+
     def __init__(self, env: dict[str, str], secrets: dict[str, str]) -> None:
         self.addr = env["MONARCH_MESH_ADDR"]
         self.token = bytes.fromhex(secrets["MONARCH_MESH_TOKEN"])

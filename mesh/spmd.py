@@ -73,6 +73,8 @@ class RankFailure:
 
 @dataclass
 class Job:
+    """What `monarch-fs run` launches: one command, per_host ranks per host, restarts allowed."""
+
     argv: list[str]
     per_host: int
     cwd: str | None = None
