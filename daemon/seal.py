@@ -70,11 +70,10 @@ class Sealer:
         self._seq += 1
         size = sum(len(p) for p in parts)
         if size <= _JOIN:
-            payload = b"".join(parts)
             if self.encrypt:
-                sealed = self._aead.encrypt(nonce, payload, header)
-                return [header, sealed]
-            return [header, payload, self._aead.encrypt(nonce, b"", header + payload)]
+                return [header, self._aead.encrypt(nonce, b"".join(parts), header)]
+            frame = b"".join([header, *parts])  # one copy: the tag covers it whole
+            return [frame, self._aead.encrypt(nonce, b"", frame)]
         gcm = Cipher(algorithms.AES(self._key), modes.GCM(nonce)).encryptor()
         gcm.authenticate_additional_data(header)
         if self.encrypt:

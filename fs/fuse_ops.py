@@ -376,11 +376,9 @@ class SnapshotFS(pyfuse3.Operations):
         # Names that appear or go away: a new workspace (the kernel may hold a negative entry
         # for it), and retained versions added or dropped.
         if not old:
-            inval_entries.append((pyfuse3.ROOT_INODE, name))
-            versions_dir = self._known_ino(b"versions")
-            if versions_dir is not None:
-                inval_entries.append((versions_dir, name))
-                inval_dirs.add(versions_dir)
+            entries, dirs = self._naming(name)
+            inval_entries += entries
+            inval_dirs |= dirs
         wsv = self._known_ino(b"wsv\0" + name)
         if wsv is not None:
             inval_dirs.add(wsv)
@@ -402,6 +400,16 @@ class SnapshotFS(pyfuse3.Operations):
                     inval_dirs.add(parent)
         await trio.to_thread.run_sync(self._invalidate, inval_entries, sorted(inval_dirs))
 
+    def _naming(self, name: bytes) -> tuple[list[tuple[int, bytes]], set[int]]:
+        """The kernel entries that name workspace `name` (MOUNT/NAME, .versions/NAME) and the
+        folders listing them: what a workspace that appears or goes away invalidates."""
+        entries, dirs = [(pyfuse3.ROOT_INODE, name)], {pyfuse3.ROOT_INODE}
+        versions_dir = self._known_ino(b"versions")
+        if versions_dir is not None:
+            entries.append((versions_dir, name))
+            dirs.add(versions_dir)
+        return entries, dirs
+
     def _known_ino(self, key: bytes) -> int | None:
         """The inode for key, if the kernel knows it (else it has nothing cached to drop)."""
         ino = self._inos.get(key)
@@ -417,15 +425,11 @@ class SnapshotFS(pyfuse3.Operations):
             self._listed -= len(self._listings.pop(key))
         if not self.mounted:
             return
-        entries, dirs = [(pyfuse3.ROOT_INODE, name)], [pyfuse3.ROOT_INODE]
-        versions_dir = self._known_ino(b"versions")
-        if versions_dir is not None:
-            entries.append((versions_dir, name))
-            dirs.append(versions_dir)
+        entries, dirs = self._naming(name)
         wsv = self._known_ino(b"wsv\0" + name)
         if wsv is not None:
-            dirs.append(wsv)
-        await trio.to_thread.run_sync(self._invalidate, entries, dirs)
+            dirs.add(wsv)
+        await trio.to_thread.run_sync(self._invalidate, entries, sorted(dirs))
 
     @staticmethod
     def _invalidate(entries: list[tuple[int, bytes]], dirs: list[int]) -> None:
