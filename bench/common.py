@@ -23,8 +23,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from monarch_fs.daemon import cluster
-from monarch_fs.daemon.push import fmt_bytes as _fmt_bytes
+from monarch_fs.daemon.client import cluster
+from monarch_fs.daemon.client.push import fmt_bytes as _fmt_bytes
 
 MiB = 1024 * 1024
 BENCH = Path(__file__).resolve().parent
@@ -253,8 +253,8 @@ CACHE_KEYS = ("cache_hits", "cache_misses", "cache_nowait")
 
 
 class LocalCluster:
-    """N daemons started with daemon/cluster.py in `directory`, stopped (cluster.down) on exit
-    whatever happens. Pushes go through the real CLI with $MONARCH_FS_HOME inside the cluster
+    """N daemons started by daemon/client/cluster.py in `directory`, stopped (cluster.down) at
+    exit whatever happens. Pushes go through the real CLI with $MONARCH_FS_HOME inside the cluster
     folder, so scan caches of earlier runs never make a cold push look warm."""
 
     def __init__(self, directory: Path, nodes: int = 1):

@@ -14,7 +14,7 @@ is payload, 1448/1514 for TCP over Ethernet with timestamps (tbf counts whole fr
 also sends a preamble and gap, 1448/1538). A push of P bytes that every node lacks, in chunks of
 c bytes:
 
-* A node forwards a chunk only once it has received the whole chunk (daemon/relay.py forwards a
+* A node forwards a chunk only once it has received the whole chunk (daemon/node/relay.py forwards a
   `PutChunk` frame after `chan.receive()` returned it: store-and-forward per chunk), and it
   forwards chunk j while it receives chunk j+1 (bounded queues), so levels overlap.
 * A sender with m children pushes m copies of every chunk through its one uplink, so in steady

@@ -48,7 +48,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from monarch_fs.daemon import cluster
+from monarch_fs.daemon.client import cluster
 
 from .common import (
     DEFAULT_CACHE,

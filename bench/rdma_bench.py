@@ -9,7 +9,7 @@
 
 Two cases:
 
-* pair: chunk transfer between two endpoints through the bulk interface (daemon/bulk.py), the
+* pair: chunk transfer between two endpoints through the bulk interface (daemon/wire/bulk.py), the
   same code push and the node daemon use: 4 MiB incompressible chunks, `send_chunk` back to back,
   then `flush` (which waits until the receiver delivered every chunk). The receiver is a second
   process (`--serve`), on this host unless `--peer` names another one. Each transport the two
@@ -38,10 +38,10 @@ from pathlib import Path
 
 import trio
 
-from monarch_fs.daemon import bulk
-from monarch_fs.daemon import protocol as p
-from monarch_fs.daemon.auth import load_token, write_new_token
-from monarch_fs.daemon.transport import ConnectionLost, accept, connect, parse_addr
+from monarch_fs.daemon.wire import bulk
+from monarch_fs.daemon.wire import protocol as p
+from monarch_fs.daemon.wire.auth import load_token, write_new_token
+from monarch_fs.daemon.wire.transport import ConnectionLost, accept, connect, parse_addr
 
 MiB = 1 << 20
 CHUNK = 4 * MiB
@@ -173,7 +173,7 @@ def pair_case(args: argparse.Namespace, token: bytes, token_file: str) -> list[d
 
 
 def chain_case(args: argparse.Namespace) -> list[dict]:
-    from monarch_fs.daemon import cluster
+    from monarch_fs.daemon.client import cluster
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="monarch-fs-rdma-bench-") as tmp:

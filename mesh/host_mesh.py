@@ -21,8 +21,8 @@ from pathlib import Path
 
 import trio
 
-from ..daemon.auth import resolve_token
-from ..daemon.hosts import parse_hosts
+from ..daemon.client.hosts import parse_hosts
+from ..daemon.wire.auth import resolve_token
 from .errors import MeshError
 from .hosts import HostInfo, Launcher, open_daemons
 from .local import local_cluster

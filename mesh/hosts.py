@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import trio
 
-from ..daemon import protocol as p
-from ..daemon.transport import (
+from ..daemon.wire import protocol as p
+from ..daemon.wire.transport import (
     Channel,
     ConnectError,
     ConnectionLost,

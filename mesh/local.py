@@ -20,8 +20,8 @@ from pathlib import Path
 
 import trio
 
-from ..daemon import cluster
-from ..daemon.auth import load_token
+from ..daemon.client import cluster
+from ..daemon.wire.auth import load_token
 
 
 @asynccontextmanager

@@ -29,9 +29,9 @@ from typing import Any
 
 import trio
 
-from ..daemon import protocol as p
-from ..daemon.limits import Limits, serve_listeners
-from ..daemon.transport import Channel, ConnectionLost, accept, format_addr
+from ..daemon.wire import protocol as p
+from ..daemon.wire.limits import Limits, serve_listeners
+from ..daemon.wire.transport import Channel, ConnectionLost, accept, format_addr
 from . import wire
 from .actor import ActorMesh, class_ref
 from .errors import ActorError, Failure, MeshError, SpawnError, SupervisionError
@@ -479,7 +479,7 @@ def _spawn_specs(state: MeshState, addrs: list[str], env: dict | None, cwd: str 
             options["version"] = version
     argv = [python or sys.executable, "-m", "monarch_fs.mesh.runtime"]
     # The token goes in `secrets`, which the daemon hands over through a pipe, never in an
-    # environment (/proc/PID/environ); see daemon/procs.py.
+    # environment (/proc/PID/environ); see daemon/node/procs.py.
     secrets = {"MONARCH_MESH_TOKEN": state.token.hex()}
     return [{"argv": argv, "secrets": secrets, "env": {
         "PYTHONUNBUFFERED": "1",

@@ -35,10 +35,10 @@ from typing import Any
 
 import trio
 
-from ..daemon import protocol as p
-from ..daemon.dedicated_thread import DedicatedThread
-from ..daemon.procs import read_secrets
-from ..daemon.transport import ConnectError, ConnectionLost, connect
+from ..daemon.node.dedicated_thread import DedicatedThread
+from ..daemon.node.procs import read_secrets
+from ..daemon.wire import protocol as p
+from ..daemon.wire.transport import ConnectError, ConnectionLost, connect
 from . import wire
 from .actor import is_endpoint
 from .errors import Failure, MeshError, SpawnError

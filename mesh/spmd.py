@@ -16,7 +16,7 @@ it); 1 if the job could not be launched at all (unreachable host, unknown worksp
 command) or a host was lost.
 
 Transport (`--transport auto|tcp|rdma`): chosen exactly as `push` chooses it, per host, with
-daemon/bulk.py's `choose_for_peer()` between this controller and each host's daemon (what the
+daemon/wire/bulk.py's `choose_for_peer()` between this controller and each host's daemon (what the
 daemon advertised in its Welcome). `rdma` where the controller or a host has no usable device
 fails before anything is launched, naming the host; `auto` falls back to TCP with one line saying
 why (`bulk.fallback_line()`); `tcp` never probes. What the choice carries, plainly: `run` moves no
@@ -38,7 +38,7 @@ from typing import TextIO
 
 import trio
 
-from ..daemon import bulk
+from ..daemon.wire import bulk
 from .errors import MeshError
 from .hosts import Daemons, HostInfo, open_daemons, workspace_version
 

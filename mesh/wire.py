@@ -24,8 +24,8 @@ from typing import Any
 
 import trio
 
-from ..daemon.protocol import Data, ProtocolError
-from ..daemon.transport import Channel, ConnectionLost, RemoteError
+from ..daemon.wire.protocol import Data, ProtocolError
+from ..daemon.wire.transport import Channel, ConnectionLost, RemoteError
 
 _ALIGN = 64
 _PAD = bytes(_ALIGN)

@@ -16,14 +16,20 @@ from pathlib import Path
 
 import trio
 
-from .daemon import cluster
-from .daemon.auth import TokenError, default_token_file, home_dir, resolve_token, write_new_token
-from .daemon.bulk import TRANSPORTS, resolve_local
-from .daemon.hosts import HostsError, parse_hosts
-from .daemon.limits import Limits
-from .daemon.push import Progress, PushError, fmt_bytes, push, workspace_name
-from .daemon.status import remove, status
-from .daemon.transport import ENCRYPT_POLICIES
+from .daemon.client import cluster
+from .daemon.client.hosts import HostsError, parse_hosts
+from .daemon.client.push import Progress, PushError, fmt_bytes, push, workspace_name
+from .daemon.client.status import remove, status
+from .daemon.wire.auth import (
+    TokenError,
+    default_token_file,
+    home_dir,
+    resolve_token,
+    write_new_token,
+)
+from .daemon.wire.bulk import TRANSPORTS, resolve_local
+from .daemon.wire.limits import Limits
+from .daemon.wire.transport import ENCRYPT_POLICIES
 from .fs.manifest import DEFAULT_MAX_ENTRIES
 from .fs.scan import SourceChanged
 from .settings import settings
@@ -62,7 +68,7 @@ class BarProgress(Progress):
 
 
 def cmd_daemon(args: argparse.Namespace) -> int:
-    from .daemon.node import NodeDaemon, make_log_private
+    from .daemon.node.daemon import NodeDaemon, make_log_private
 
     make_log_private()
     token = resolve_token(args.token_file)  # no token: refuse to start (auth.NoToken)
@@ -99,7 +105,7 @@ def cmd_push(args: argparse.Namespace) -> int:
             encrypt=args.encrypt)
 
     if args.watch:
-        from .daemon.watch import watch
+        from .daemon.client.watch import watch
 
         workspace_name(args.src, args.name)  # a name no node takes: say so once, not per change
 

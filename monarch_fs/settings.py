@@ -9,7 +9,7 @@ same variables; keep the two together.
 It sits at the package top so every layer can import it (fs/ must not import daemon/ or mesh/).
 Variables the code only *gives* to child processes (MONARCH_FS_MOUNT, MONARCH_FS_WORKSPACE,
 MONARCH_FS_SECRETS_FD, MONARCH_FS_TRANSPORT, MONARCH_MESH_*) are part of the process protocol,
-not settings: daemon/procs.py, mesh/proc_mesh.py and mesh/runtime.py own them.
+not settings: daemon/node/procs.py, mesh/proc_mesh.py and mesh/runtime.py own them.
 """
 
 from __future__ import annotations
@@ -110,14 +110,14 @@ class Settings:
     @property
     def rdma_slots(self) -> int:
         """MONARCH_FS_RDMA_SLOTS (16): buffers in the ring a sender proposes."""
-        from .daemon.rdma_logic import DEFAULT_SLOTS
+        from .daemon.wire.rdma_logic import DEFAULT_SLOTS
 
         return self._int("MONARCH_FS_RDMA_SLOTS", DEFAULT_SLOTS)
 
     @property
     def rdma_slot_size(self) -> int:
         """MONARCH_FS_RDMA_SLOT_SIZE (1 MiB), in bytes: the size of each of those buffers."""
-        from .daemon.rdma_logic import DEFAULT_SLOT_SIZE
+        from .daemon.wire.rdma_logic import DEFAULT_SLOT_SIZE
 
         return self._int("MONARCH_FS_RDMA_SLOT_SIZE", DEFAULT_SLOT_SIZE)
 

@@ -1,4 +1,4 @@
-"""A fake pyverbs for driving daemon/rdma.py without hardware.
+"""A fake pyverbs for driving daemon/wire/rdma.py without hardware.
 
 It implements the slice of the pyverbs API rdma.py uses, with the signatures of rdma-core's
 pyverbs (checked against rdma-core 44 and pyverbs 59), over an in-process fabric: memory regions
@@ -455,7 +455,7 @@ def install(monkeypatch, devices: list[dict], *, layout: str = "44", seed: int =
         monkeypatch.delitem(sys.modules, name)
     for name, m in mods.items():
         monkeypatch.setitem(sys.modules, name, m)
-    from monarch_fs.daemon import rdma
+    from monarch_fs.daemon.wire import rdma
 
     for attr in ("_enums", "_efa_enums", "_probed"):
         monkeypatch.setattr(rdma, attr, None)

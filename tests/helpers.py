@@ -18,7 +18,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, settings
 
 from monarch_fs import cli
-from monarch_fs.daemon import cluster as cluster_mod
+from monarch_fs.daemon.client import cluster as cluster_mod
 
 # The module `monarch-fs` runs (`python -m CLI_MODULE ...`), named by the module itself.
 CLI_MODULE = cli.__name__
@@ -185,7 +185,7 @@ class Daemon:
 def start_daemon(d: Path, *flags: str, env: dict | None = None) -> Daemon:
     """Start `monarch-fs daemon` on loopback in folder `d` (created), with extra flags, and wait
     until it is ready. The caller stops it (stop_daemon)."""
-    from monarch_fs.daemon.auth import write_new_token
+    from monarch_fs.daemon.wire.auth import write_new_token
 
     d.mkdir()
     write_new_token(d / "token")

@@ -368,7 +368,7 @@ class NetCluster:
 
     def _start_daemons(self) -> None:
         """Start every daemon at once (start-up is mostly imports), then wait for all."""
-        from monarch_fs.daemon.auth import write_new_token
+        from monarch_fs.daemon.wire.auth import write_new_token
 
         write_new_token(self.token_file)
         os.makedirs(self.mount, exist_ok=True)  # shared by every node's mount namespace

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import trio
 
-from monarch_fs.daemon import bulk, rdma
-from monarch_fs.daemon import protocol as p
-from monarch_fs.daemon.protocol import Connection, Role
-from monarch_fs.daemon.transport import Channel
+from monarch_fs.daemon.wire import bulk, rdma
+from monarch_fs.daemon.wire import protocol as p
+from monarch_fs.daemon.wire.protocol import Connection, Role
+from monarch_fs.daemon.wire.transport import Channel
 
 
 def host_has_rdma() -> bool:

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from helpers import mfs
-from monarch_fs.daemon.auth import NoToken, resolve_token, write_new_token
-from monarch_fs.daemon.hosts import HostsError, parse_hosts
+from monarch_fs.daemon.client.hosts import HostsError, parse_hosts
+from monarch_fs.daemon.wire.auth import NoToken, resolve_token, write_new_token
 
 
 def test_host_list_forms(tmp_path, monkeypatch):

@@ -63,9 +63,9 @@ def test_a_push_in_flight_keeps_what_it_was_told_the_node_has(small_packs, fresh
     publish of another workspace drops the last version using them meanwhile."""
     import trio
 
-    from monarch_fs.daemon.auth import load_token
-    from monarch_fs.daemon.push import push
-    from monarch_fs.daemon.transport import connect
+    from monarch_fs.daemon.client.push import push
+    from monarch_fs.daemon.wire.auth import load_token
+    from monarch_fs.daemon.wire.transport import connect
     from monarch_fs.fs.scan import scan
 
     c = fresh_cluster(1)

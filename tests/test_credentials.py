@@ -17,8 +17,8 @@ import time
 import pytest
 
 from helpers import CLI_MODULE, mfs, mounted
-from monarch_fs.daemon.auth import load_token
-from monarch_fs.daemon.node import NodeDaemon
+from monarch_fs.daemon.node.daemon import NodeDaemon
+from monarch_fs.daemon.wire.auth import load_token
 
 NO_TOKEN = ("monarch-fs: error: no token: pass --token-file F or set $MONARCH_FS_TOKEN_FILE; "
             "`monarch-fs token new F` makes one (`monarch-fs cluster up` writes ")

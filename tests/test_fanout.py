@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers import CLI_MODULE, Cluster, mfs, tree, wait_for
-from monarch_fs.daemon import cluster as cluster_mod
+from monarch_fs.daemon.client import cluster as cluster_mod
 from monarch_fs.fs.chunk import CorruptChunk
 from monarch_fs.fs.store import Store
 
@@ -215,7 +215,7 @@ def test_daemon_sigkilled_mid_push_restarts_on_last_good_version(fresh_cluster, 
 def test_auto_topology_relays_as_soon_as_there_are_two_nodes():
     """`auto` sends the dev box's bytes once whenever a second node could relay them: a star
     is kept for one node, or for payloads too small for the uplink to matter."""
-    from monarch_fs.daemon.topology import AUTO_STAR_BYTES, choose
+    from monarch_fs.daemon.wire.topology import AUTO_STAR_BYTES, choose
 
     big, small = 512 * MiB, AUTO_STAR_BYTES - 1
     assert choose("auto", 1, big) == "star"
@@ -228,7 +228,7 @@ def test_small_files_are_spread_among_large_chunks():
     """A push sends runs of small files between large chunks, in proportion to their bytes,
     so CPU-bound small files and link-bound large chunks overlap; every chunk goes exactly
     once and each kind keeps folder order."""
-    from monarch_fs.daemon.push import LARGE_CHUNK, SMALL_RUN, interleave
+    from monarch_fs.daemon.client.push import LARGE_CHUNK, SMALL_RUN, interleave
 
     small = [b"s%05d" % i for i in range(8000)]  # 8000 x 10 KiB = ~78 MiB
     large = [b"L%05d" % i for i in range(60)]  # 60 x 4 MiB = 240 MiB

@@ -21,10 +21,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from helpers import mfs, mount_ops, mounted, start_cluster, stop_cluster, wait_for
-from monarch_fs.daemon import cluster as cluster_mod
-from monarch_fs.daemon import protocol as p
-from monarch_fs.daemon.auth import load_token
-from monarch_fs.daemon.transport import RemoteError, connect
+from monarch_fs.daemon.client import cluster as cluster_mod
+from monarch_fs.daemon.wire import protocol as p
+from monarch_fs.daemon.wire.auth import load_token
+from monarch_fs.daemon.wire.transport import RemoteError, connect
 from monarch_fs.fs import chunk
 from monarch_fs.fs.manifest import Entry, Kind, Manifest
 

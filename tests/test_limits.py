@@ -22,13 +22,13 @@ from contextlib import contextmanager
 import pytest
 import trio
 
-from monarch_fs.daemon import protocol
-from monarch_fs.daemon.auth import load_token
-from monarch_fs.daemon.limits import LogOnce
-from monarch_fs.daemon.push import push
-from monarch_fs.daemon.transport import ConnectError, connect
+from monarch_fs.daemon.client.push import push
+from monarch_fs.daemon.wire import protocol
+from monarch_fs.daemon.wire.auth import load_token
+from monarch_fs.daemon.wire.limits import LogOnce
+from monarch_fs.daemon.wire.transport import ConnectError, connect
 
-_HEADER = struct.Struct("<IB")  # a frame's payload length and type (daemon/protocol.py)
+_HEADER = struct.Struct("<IB")  # a frame's payload length and type (daemon/wire/protocol.py)
 
 
 @contextmanager

@@ -18,7 +18,7 @@ import pytest
 import trio
 
 from helpers import mounted, wait_for
-from monarch_fs.daemon.protocol import Data
+from monarch_fs.daemon.wire.protocol import Data
 from monarch_fs.mesh import (
     ActorError,
     HostMesh,

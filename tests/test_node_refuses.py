@@ -13,9 +13,9 @@ import pytest
 import trio
 
 from helpers import Cluster, start_cluster, stop_cluster, tree, umount_tmpfs
-from monarch_fs.daemon import protocol as p
-from monarch_fs.daemon.auth import load_token
-from monarch_fs.daemon.transport import RemoteError, connect
+from monarch_fs.daemon.wire import protocol as p
+from monarch_fs.daemon.wire.auth import load_token
+from monarch_fs.daemon.wire.transport import RemoteError, connect
 from monarch_fs.fs import chunk
 from monarch_fs.fs.manifest import _ENTRY, _HEAD, MAGIC, Entry, Kind, Manifest
 

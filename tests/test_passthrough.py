@@ -12,7 +12,7 @@ import signal
 import pytest
 
 from helpers import mount_ops, wait_for
-from monarch_fs.daemon import cluster as cluster_mod
+from monarch_fs.daemon.client import cluster as cluster_mod
 from monarch_fs.fs.backing import MIN_SIZE
 
 pytestmark = [pytest.mark.mount, pytest.mark.root,

@@ -1,4 +1,4 @@
-"""The daemon's process table on its own (daemon/procs.py): output, exits, and no orphans."""
+"""The daemon's process table on its own (daemon/node/procs.py): output, exits, and no orphans."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import trio
 import trio._core._thread_cache as thread_cache
 
-from monarch_fs.daemon.procs import MAX_SECRETS, ProcessTable, SpawnError
+from monarch_fs.daemon.node.procs import MAX_SECRETS, ProcessTable, SpawnError
 from procwatch import Started
 
 
@@ -97,7 +97,7 @@ async def test_exit_is_reported_even_if_an_escaped_grandchild_holds_the_pipes(tm
 # block, its open descriptors, and those of a grandchild that inherits every inheritable fd.
 PROBE = """
 import json, os, subprocess, sys
-from monarch_fs.daemon.procs import read_secrets
+from monarch_fs.daemon.node.procs import read_secrets
 fd = os.environ.get("MONARCH_FS_SECRETS_FD")
 pipe = os.readlink(f"/proc/self/fd/{fd}") if fd else None
 secrets = read_secrets()

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from monarch_fs.daemon.protocol import (
+from monarch_fs.daemon.wire.protocol import (
     CLOSED,
     IN_PLACE,
     MAX_FRAME,
@@ -34,7 +34,7 @@ from monarch_fs.daemon.protocol import (
     TruncatedFrame,
     Welcome,
 )
-from monarch_fs.daemon.seal import TAG_SIZE, ChunkSealer, SealError
+from monarch_fs.daemon.wire.seal import TAG_SIZE, ChunkSealer, SealError
 
 TOKEN = b"TOKEN-0123456789abcdef-very-secret"
 HEADER = struct.Struct("<IB")

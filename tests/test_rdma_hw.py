@@ -14,7 +14,7 @@ from functools import partial
 import pytest
 import trio
 
-from monarch_fs.daemon import bulk, rdma
+from monarch_fs.daemon.wire import bulk, rdma
 from rdma_helpers import channel_pair, serve_bulk
 
 

@@ -16,8 +16,8 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from monarch_fs.daemon import bulk, rdma
-from monarch_fs.daemon.rdma_logic import (
+from monarch_fs.daemon.wire import bulk, rdma
+from monarch_fs.daemon.wire.rdma_logic import (
     HEADER_SIZE,
     MIN_SLOT_SIZE,
     RC,
@@ -44,8 +44,8 @@ from monarch_fs.daemon.rdma_logic import (
     fragments,
     unwrap32,
 )
-from monarch_fs.daemon.seal import ChunkSealer
-from monarch_fs.daemon.transport import RemoteError
+from monarch_fs.daemon.wire.seal import ChunkSealer
+from monarch_fs.daemon.wire.transport import RemoteError
 from rdma_helpers import channel_pair, host_has_rdma, serve_bulk
 
 CID = bytes(range(16))

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 import trio
 
-from monarch_fs.daemon import bulk, rdma, rdma_logic
-from monarch_fs.daemon.push import PushError, push
-from monarch_fs.daemon.rdma_logic import RC, SRD
-from monarch_fs.daemon.service import NodeService, open_listeners
+from monarch_fs.daemon.client.push import PushError, push
+from monarch_fs.daemon.node.service import NodeService, open_listeners
+from monarch_fs.daemon.wire import bulk, rdma, rdma_logic
+from monarch_fs.daemon.wire.rdma_logic import RC, SRD
 from monarch_fs.fs import chunk
 from monarch_fs.mesh.loop import service_nursery
 

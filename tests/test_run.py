@@ -327,8 +327,8 @@ async def test_transport_rdma_refused_by_the_hosts_names_them_and_launches_nothi
     against the cluster's daemons, which offer none. `rdma` names every host and starts no
     rank; `auto` runs over TCP and says once why (a warning-level surprise: RDMA was available
     on this side)."""
-    from monarch_fs.daemon import bulk
-    from monarch_fs.daemon.auth import load_token
+    from monarch_fs.daemon.wire import bulk
+    from monarch_fs.daemon.wire.auth import load_token
     from monarch_fs.mesh.spmd import Job, run_job
 
     script, out = job

@@ -1,4 +1,4 @@
-"""The node service without a mount (daemon/service.py, session.py, publisher.py, requests.py):
+"""The node service without a mount (daemon/node/service.py, session.py, publisher.py, requests.py):
 real NodeServices on loopback listeners in this process, driven by the real push client and
 the real protocol. No FUSE: the snapshot view each service publishes to stays unmounted, so
 these tests need no root and no /dev/fuse, and what they check is what a mounted daemon does
@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 import trio
 
-from monarch_fs.daemon import protocol as p
-from monarch_fs.daemon.push import push
-from monarch_fs.daemon.requests import (
+from monarch_fs.daemon.client.push import push
+from monarch_fs.daemon.node.service import NodeService, open_listeners
+from monarch_fs.daemon.node.session import ROUTES
+from monarch_fs.daemon.wire import protocol as p
+from monarch_fs.daemon.wire.requests import (
     Bulk,
     Commit,
     Flush,
@@ -29,9 +31,7 @@ from monarch_fs.daemon.requests import (
     Spawn,
     Status,
 )
-from monarch_fs.daemon.service import NodeService, open_listeners
-from monarch_fs.daemon.session import ROUTES
-from monarch_fs.daemon.transport import RemoteError, connect
+from monarch_fs.daemon.wire.transport import RemoteError, connect
 from monarch_fs.fs import chunk
 from monarch_fs.fs.manifest import Entry, Kind, Manifest
 from monarch_fs.mesh.loop import service_nursery

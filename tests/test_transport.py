@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 
-from monarch_fs.daemon.auth import (
+from monarch_fs.daemon.wire.auth import (
     NoToken,
     TokenError,
     default_token_file,
@@ -19,7 +19,7 @@ from monarch_fs.daemon.auth import (
     resolve_token,
     write_new_token,
 )
-from monarch_fs.daemon.protocol import (
+from monarch_fs.daemon.wire.protocol import (
     AuthError,
     Connection,
     Error,
@@ -31,7 +31,7 @@ from monarch_fs.daemon.protocol import (
     Request,
     Role,
 )
-from monarch_fs.daemon.transport import (
+from monarch_fs.daemon.wire.transport import (
     Channel,
     ConnectError,
     ConnectionLost,

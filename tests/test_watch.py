@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from helpers import CLI_MODULE, Cluster, tree, wait_for
-from monarch_fs.daemon import cluster as cluster_mod
-from monarch_fs.daemon.auth import write_new_token
+from monarch_fs.daemon.client import cluster as cluster_mod
+from monarch_fs.daemon.wire.auth import write_new_token
 
 
 class Watcher:

@@ -21,10 +21,10 @@ from typing import Any
 import pyfuse3
 import trio
 
-from ..fs import passthrough
-from ..fs.fuse_ops import mount_options, set_readahead
+from ...fs import passthrough
+from ...fs.fuse_ops import mount_options, set_readahead
+from ..wire.transport import parse_addr
 from .service import NodeService, open_listeners
-from .transport import parse_addr
 
 log = logging.getLogger("monarch_fs.daemon")
 

@@ -19,14 +19,14 @@ from dataclasses import asdict, dataclass, field
 
 import trio
 
-from ..fs import chunk
-from ..fs.manifest import Kind
-from ..fs.scan import Snapshot, SourceChanged, scan
-from ..fs.scan_cache import ScanCache
-from . import bulk, topology
-from . import protocol as p
-from .refs import check_workspace_name
-from .transport import (
+from ...fs import chunk
+from ...fs.manifest import Kind
+from ...fs.scan import Snapshot, SourceChanged, scan
+from ...fs.scan_cache import ScanCache
+from ..wire import bulk, topology
+from ..wire import protocol as p
+from ..wire.requests import check_workspace_name
+from ..wire.transport import (
     CONNECT_TIMEOUT,
     Channel,
     ConnectError,

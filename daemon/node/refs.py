@@ -16,30 +16,8 @@ from pathlib import Path
 
 import trio
 
-from ..fs.store import fsync_dir, replace_file
-
-
-def check_workspace_name(name: str) -> None:
-    """Refuse a name that could not work everywhere a workspace name goes.
-
-    Workspace names must be UTF-8; the names of files inside a snapshot stay arbitrary bytes.
-    A workspace name travels as a JSON string (requests, `status --json`, `push --json`,
-    refs.json), is expanded into the argv, environment and working folder of spawned processes
-    (`{workspace}`), and is listed in `user.monarch.workspaces`. JSON has no bytes: a non-UTF-8
-    name could only travel as lone surrogate escapes, which are not Unicode and which other
-    JSON readers refuse. File names come from whatever a package installed, so they must stay
-    bytes; a workspace name is the user's choice (`push --name`), so refusing costs one flag.
-    Both sides check: the client before it scans, every node at prepare and commit, before any
-    state changes (a name that slipped through once took every node it reached down, again at
-    every restart).
-    """
-    try:
-        raw = name.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError(f"invalid workspace name {ascii(name)}: not UTF-8") from None
-    if not raw or len(raw) > 255 or b"/" in raw or b"\0" in raw or raw.startswith(b"."):
-        raise ValueError(f"invalid workspace name {name!r}: must be a plain name, not starting "
-                         "with '.', with no '/' or NUL, at most 255 bytes")
+from ...fs.store import fsync_dir, replace_file
+from ..wire.requests import check_workspace_name
 
 
 class Refs:

@@ -1,6 +1,6 @@
 """One long-lived thread for sync calls that must all run on the same thread.
 
-It serves both layers above fs/: daemon/procs.py forks every process from one (PR_SET_PDEATHSIG
+It serves both layers above fs/: daemon/node/procs.py forks every process from one (PR_SET_PDEATHSIG
 fires when the thread that forked a child exits, so it must outlive the children) and
 mesh/runtime.py runs each actor's sync endpoints on one. So it lives in daemon/, the lower of
 the two: in mesh/ the daemon would import upward."""

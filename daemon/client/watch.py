@@ -27,7 +27,7 @@ from typing import TextIO
 import trio
 from watchfiles._rust_notify import RustNotify  # documented: watchfiles' "Rust backend" API
 
-from ..fs.scan import is_excluded
+from ...fs.scan import is_excluded
 from .push import PushResult, fmt_bytes
 
 QUIET_MS = 200

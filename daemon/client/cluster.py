@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from .auth import default_token_file, write_new_token
+from ..wire.auth import default_token_file, write_new_token
 
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 10.0

@@ -28,7 +28,7 @@ from typing import Any
 
 import trio
 
-from ..settings import settings
+from ...settings import settings
 from .bulk import BulkError, BulkReceiver, BulkSender, Deliver
 from .rdma_logic import (
     HEADER_SIZE,

@@ -20,15 +20,15 @@ from collections.abc import Callable, Iterable, Iterator
 
 import trio
 
-from ..fs.backing import BackingFiles
-from ..fs.backing import key as backing_key
-from ..fs.backing import wanted as backing_wanted
-from ..fs.chunk import CorruptChunk
-from ..fs.fuse_ops import SnapshotFS
-from ..fs.manifest import Manifest, ManifestError, TooManyEntries
-from ..fs.store import Store
+from ...fs.backing import BackingFiles
+from ...fs.backing import key as backing_key
+from ...fs.backing import wanted as backing_wanted
+from ...fs.chunk import CorruptChunk
+from ...fs.fuse_ops import SnapshotFS
+from ...fs.manifest import Manifest, ManifestError, TooManyEntries
+from ...fs.store import Store
+from ..wire.requests import RequestError
 from .refs import Refs
-from .requests import RequestError
 
 log = logging.getLogger("monarch_fs.daemon")
 

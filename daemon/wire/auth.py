@@ -14,7 +14,7 @@ import os
 import secrets
 from pathlib import Path
 
-from ..settings import settings
+from ...settings import settings
 
 
 class TokenError(Exception):

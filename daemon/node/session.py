@@ -17,12 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ..fs.manifest import ManifestError
-from . import bulk
-from . import protocol as p
-from .procs import SpawnError, free_port
-from .relay import Relay
-from .requests import (
+from ...fs.manifest import ManifestError
+from ..wire import bulk
+from ..wire import protocol as p
+from ..wire.requests import (
     Bulk,
     Commit,
     Flush,
@@ -35,8 +33,10 @@ from .requests import (
     Spawn,
     Status,
 )
-from .requests import Relay as RelayRequest
-from .transport import Channel, ConnectionLost
+from ..wire.requests import Relay as RelayRequest
+from ..wire.transport import Channel, ConnectionLost
+from .procs import SpawnError, free_port
+from .relay import Relay
 from .writes import ChunkWrites
 
 if TYPE_CHECKING:

@@ -16,19 +16,19 @@ from pathlib import Path
 
 import trio
 
-from ..fs.backing import BackingFiles
-from ..fs.fuse_ops import SnapshotFS
-from ..fs.manifest import DEFAULT_MAX_ENTRIES
-from ..fs.store import Store, private_dir
-from ..settings import settings
-from . import bulk
-from .auth import NO_TOKEN_HELP, default_token_file
-from .limits import Limits, LogOnce, peer_host, serve_listeners
+from ...fs.backing import BackingFiles
+from ...fs.fuse_ops import SnapshotFS
+from ...fs.manifest import DEFAULT_MAX_ENTRIES
+from ...fs.store import Store, private_dir
+from ...settings import settings
+from ..wire import bulk
+from ..wire.auth import NO_TOKEN_HELP, default_token_file
+from ..wire.limits import Limits, LogOnce, peer_host, serve_listeners
+from ..wire.transport import accept, parse_addr
 from .procs import ProcessTable
 from .publisher import KEEP_VERSIONS, Publisher
 from .refs import Refs
 from .session import Session
-from .transport import accept, parse_addr
 
 log = logging.getLogger("monarch_fs.daemon")
 

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import trio
 
-from .refs import check_workspace_name
-from .transport import connect, describe_failure
+from ..wire.requests import check_workspace_name
+from ..wire.transport import connect, describe_failure
 
 TIMEOUT = 10.0
 

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 
 import trio
 
-from . import bulk
-from .topology import patience
-from .transport import CONNECT_TIMEOUT, Channel, connect, describe_failure
+from ..wire import bulk
+from ..wire.topology import patience
+from ..wire.transport import CONNECT_TIMEOUT, Channel, connect, describe_failure
 
 log = logging.getLogger("monarch_fs.relay")
 

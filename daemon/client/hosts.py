@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..settings import settings
+from ...settings import settings
+from ..wire.transport import parse_addr
 from .cluster import default_cluster_dir
-from .transport import parse_addr
 
 
 class HostsError(ValueError):

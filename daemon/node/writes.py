@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import trio
 
-from ..fs.chunk import CorruptChunk
-from ..fs.store import Store
-from . import protocol as p
-from .requests import RequestError
+from ...fs.chunk import CorruptChunk
+from ...fs.store import Store
+from ..wire import protocol as p
+from ..wire.requests import RequestError
 
 WRITE_BATCH_BYTES = 4 << 20
 WRITE_BATCH_CHUNKS = 256
