@@ -15,7 +15,7 @@ PYFUSE3_VERSION := 3.5.0
 PYFUSE3_SHA256 := 88399a9494b88603230bba300f4ba9ad63fece5ed514ca3633d555a0c6a42b24
 APT_PACKAGES := fuse3 libfuse3-dev pkg-config rsync zstd iproute2
 
-.PHONY: test test-fast lint demo bench system-deps clean
+.PHONY: test test-fast lint typecheck demo bench system-deps clean
 
 # Everything: lint, then every test (real daemons, FUSE mounts, namespaces as root).
 test: $(STAMP) $(STOCK_PYFUSE3)/.built
@@ -29,6 +29,16 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check
+
+# mypy over everything installed as monarch_fs. It cannot follow the install's folder mapping
+# (fs/ is monarch_fs.fs), so it reads a tree of symlinks that spells the installed names.
+TYPECHECK := $(VENV)/typecheck
+typecheck: $(STAMP)
+	@rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/monarch_fs && \
+	for f in monarch_fs/*.py; do ln -s "$(CURDIR)/$$f" $(TYPECHECK)/monarch_fs/; done && \
+	for d in fs daemon mesh; do ln -s "$(CURDIR)/$$d" $(TYPECHECK)/monarch_fs/$$d; done
+	cd $(TYPECHECK) && MYPYPATH=. $(CURDIR)/$(VENV)/bin/mypy -p monarch_fs \
+	  --config-file $(CURDIR)/pyproject.toml --cache-dir $(CURDIR)/$(VENV)/mypy-cache
 
 # The main job end to end on a local 3-node cluster: push, check every node, edit, push again,
 # then a supervised SPMD job (2 nodes x 2 procs) running from a pushed workspace.
