@@ -8,6 +8,7 @@ also makes the network-namespace harness importable as `tests.netns`).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -372,13 +373,22 @@ def remove_work(work: Path) -> None:
     shutil.rmtree(work, ignore_errors=True)
 
 
-def run_in_work(cache: Path, measure: Callable[[Path], dict]) -> int:
-    """A workload run on its own: `measure(work)` in a fresh folder under the cache, whose
-    result is printed as JSON."""
-    cache.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="run-", dir=cache))
+def workload_main(argv: list[str] | None, doc: str,
+                  options: Callable[[argparse.ArgumentParser], object],
+                  measure: Callable[[Path, argparse.Namespace], dict]) -> int:
+    """A workload bench run on its own: its options plus the runs and cache every workload
+    takes; `measure(work, args)` runs in a fresh folder under the cache, and its result is
+    printed as JSON."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    options(parser)
+    parser.add_argument("--cold-runs", type=int, default=3)
+    parser.add_argument("--warm-runs", type=int, default=5)
+    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    args = parser.parse_args(argv)
+    args.cache.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="run-", dir=args.cache))
     try:
-        result = measure(work)
+        result = measure(work, args)
     finally:
         remove_work(work)
     print(json.dumps(result, indent=1))
