@@ -374,13 +374,14 @@ def remove_work(work: Path) -> None:
 
 
 def workload_main(argv: list[str] | None, doc: str,
-                  options: Callable[[argparse.ArgumentParser], object],
+                  options: Sequence[tuple[str, dict]],
                   measure: Callable[[Path, argparse.Namespace], dict]) -> int:
-    """A workload bench run on its own: its options plus the runs and cache every workload
-    takes; `measure(work, args)` runs in a fresh folder under the cache, and its result is
-    printed as JSON."""
+    """A workload bench run on its own: its options (flag, add_argument keywords) plus the
+    runs and cache every workload takes; `measure(work, args)` runs in a fresh folder under
+    the cache, and its result is printed as JSON."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    options(parser)
+    for flag, spec in options:
+        parser.add_argument(flag, **spec)
     parser.add_argument("--cold-runs", type=int, default=3)
     parser.add_argument("--warm-runs", type=int, default=5)
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)

@@ -30,7 +30,6 @@ runs.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -228,14 +227,15 @@ def measure(work: Path, cache: Path = DEFAULT_CACHE, module: str = "torch", cold
     return result
 
 
-def options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--module", default="torch")
-    parser.add_argument("--exclude", action="append", default=[],
-                        help="leave these out of the push (e.g. torch, for a quick run)")
+OPTIONS = [
+    ("--module", {"default": "torch"}),
+    ("--exclude", {"action": "append", "default": [],
+                   "help": "leave these out of the push (e.g. torch, for a quick run)"}),
+]
 
 
 def main(argv: list[str] | None = None) -> int:
-    return workload_main(argv, __doc__, options, lambda work, a: measure(
+    return workload_main(argv, __doc__, OPTIONS, lambda work, a: measure(
         work, a.cache, a.module, a.cold_runs, a.warm_runs, tuple(a.exclude)))
 
 

@@ -22,7 +22,6 @@ the warm mount runs, and the bytes read through the mount are checked against th
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -163,13 +162,10 @@ def measure(work: Path, cache: Path = DEFAULT_CACHE, size_mb: int = 1024, cold_r
     return result
 
 
-def options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--size-mb", type=int, default=1024)
-
-
 def main(argv: list[str] | None = None) -> int:
-    return workload_main(argv, __doc__, options, lambda work, a: measure(
-        work, a.cache, a.size_mb, a.cold_runs, a.warm_runs))
+    return workload_main(argv, __doc__, [("--size-mb", {"type": int, "default": 1024})],
+                         lambda work, a: measure(work, a.cache, a.size_mb, a.cold_runs,
+                                                 a.warm_runs))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ the listings.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -161,13 +160,9 @@ def measure(work: Path, cache: Path = DEFAULT_CACHE, files: int = 100_000, cold_
     }
 
 
-def options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--files", type=int, default=100_000)
-
-
 def main(argv: list[str] | None = None) -> int:
-    return workload_main(argv, __doc__, options, lambda work, a: measure(
-        work, a.cache, a.files, a.cold_runs, a.warm_runs))
+    return workload_main(argv, __doc__, [("--files", {"type": int, "default": 100_000})],
+                         lambda work, a: measure(work, a.cache, a.files, a.cold_runs, a.warm_runs))
 
 
 if __name__ == "__main__":
