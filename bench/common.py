@@ -26,6 +26,7 @@ from pathlib import Path
 
 from monarch_fs.daemon.client import cluster
 from monarch_fs.daemon.client.push import fmt_bytes as _fmt_bytes
+from tests.netns import NetnsUnsupported
 
 MiB = 1024 * 1024
 BENCH = Path(__file__).resolve().parent
@@ -371,6 +372,19 @@ def remove_work(work: Path) -> None:
         log(f"warning: mounts still active under {work}: {left}; leaving it in place")
         return
     shutil.rmtree(work, ignore_errors=True)
+
+
+def exit_codes(name: str, main: Callable[[], int]) -> int:
+    """Run a network bench's main: a machine that cannot make network namespaces exits 2, a
+    failed or wrong run exits 1, each said in one line instead of a traceback."""
+    try:
+        return main()
+    except NetnsUnsupported as e:
+        print(f"{name}: cannot run here: {e}", file=sys.stderr)
+        return 2
+    except BenchError as e:
+        print(f"\n{name}: FAILED: {e}", file=sys.stderr)
+        return 1
 
 
 def workload_main(argv: list[str] | None, doc: str,
