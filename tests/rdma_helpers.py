@@ -10,7 +10,7 @@ import trio
 
 from monarch_fs.daemon.wire import bulk, rdma
 from monarch_fs.daemon.wire import protocol as p
-from monarch_fs.daemon.wire.protocol import Connection, Role
+from monarch_fs.daemon.wire.connection import Connection, Role
 from monarch_fs.daemon.wire.transport import Channel
 
 

@@ -33,7 +33,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .protocol import ID_SIZE, MAX_FRAME  # a chunk blob never exceeds one frame
+from .frames import MAX_FRAME  # a chunk blob never exceeds one frame
+from .protocol import ID_SIZE
 
 HEADER_SIZE = 64
 MSG_SIZE = 64  # small SEND/RECV buffers: credit messages, SRD fragment announcements
