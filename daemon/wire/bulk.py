@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import trio
 
 from . import protocol as p
-from .rdma_logic import RC, SRD, TCP
+from .rdma_format import RC, SRD, TCP
 
 log = logging.getLogger("monarch_fs.transport")
 
@@ -304,7 +304,7 @@ def resolve_local(requested: str = "auto", *, probe: Callable[[], tuple[list[dic
     if requested == "tcp":
         return LocalTransport(requested, TCP, "--transport tcp")
     if probe is None:
-        from .rdma import probe_devices as probe
+        from .rdma_devices import probe_devices as probe
     devices, why = probe()
     good, bad = _usable(devices)
     if good:
