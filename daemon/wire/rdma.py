@@ -162,7 +162,7 @@ class RdmaReceiver(BulkReceiver):
         """`key`: the control session's bulk key, which every chunk's seal must verify under."""
         opener = ChunkSealer(key)
 
-        async def checked(cid: bytes, sealed: bytes) -> None:
+        async def checked(cid: bytes, sealed: bytes | memoryview) -> None:
             try:
                 blob = opener.open(cid, sealed)
             except SealError as e:
@@ -170,8 +170,7 @@ class RdmaReceiver(BulkReceiver):
             await deliver(cid, blob)
 
         peer = args.get("qp")
-        slots, size = args.get("slots"), args.get("slot_size")
-        check_geometry(slots, size)
+        slots, size = check_geometry(args.get("slots"), args.get("slot_size"))
         if not isinstance(peer, dict):
             raise BulkProtocolError("bulk request carries no queue-pair info")
         ep = Endpoint(mode, dev, slots, size, receiver=True)

@@ -215,7 +215,7 @@ class ReceiverEngine:
         self.payload = slot_size - HEADER_SIZE
         self.read_slot = read_slot
         self.ring = Ring(slots, start)
-        self.reorder = ReorderBuffer(slots, start)
+        self.reorder: ReorderBuffer[Fragment] = ReorderBuffer(slots, start)
         self.assembler = Reassembler()
         self._frags: dict[int, Fragment] = {}  # SRD: announced fragments by fseq
         self.credit_sent = start
@@ -252,10 +252,10 @@ class ReceiverEngine:
             self._frags[frag.fseq] = frag
             return [PostRecv(c.wr_id), ReadData(frag.fseq, slot, frag.length)], []
         if c.kind == READ_DONE:
-            frag = self._frags.pop(c.wr_id, None)
-            if frag is None:
+            announced = self._frags.pop(c.wr_id, None)
+            if announced is None:
                 raise BulkProtocolError(f"read completion for unknown fragment {c.wr_id}")
-            return [], self._arrived(frag)
+            return [], self._arrived(announced)
         raise BulkProtocolError(f"unexpected {c.kind} completion on the receiving side")
 
     def _arrived(self, frag: Fragment) -> list[tuple[bytes, bytes]]:

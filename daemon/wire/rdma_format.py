@@ -97,8 +97,9 @@ def fragments(cid: bytes, blob: bytes | memoryview, payload: int) -> list[tuple[
     return [(off, min(payload, len(blob) - off)) for off in range(0, len(blob), payload)]
 
 
-def check_geometry(slots: int, slot_size: int) -> None:
-    """Ring geometry a peer proposes, checked before anything is registered."""
+def check_geometry(slots: object, slot_size: object) -> tuple[int, int]:
+    """Ring geometry a peer proposes, checked before anything is registered; (slots, slot_size)
+    as ints once checked."""
     if not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
         raise BulkProtocolError(f"ring of {slots!r} slots: must be 1..{MAX_SLOTS}")
     if not isinstance(slot_size, int) or not MIN_SLOT_SIZE <= slot_size <= MAX_SLOT_SIZE:
@@ -106,6 +107,7 @@ def check_geometry(slots: int, slot_size: int) -> None:
             f"slot size {slot_size!r}: must be {MIN_SLOT_SIZE}..{MAX_SLOT_SIZE} bytes")
     if slots * slot_size > MAX_RING:
         raise BulkProtocolError(f"ring of {slots} x {slot_size} bytes exceeds {MAX_RING}")
+    return slots, slot_size
 
 
 def unwrap32(value: int, reference: int) -> int:

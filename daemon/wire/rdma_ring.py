@@ -6,8 +6,12 @@ Pure: the engines (rdma_engines.py) drive these; tests drive them directly.
 
 from __future__ import annotations
 
+from typing import Generic, TypeVar
+
 from .frames import MAX_FRAME
 from .rdma_format import BulkProtocolError, Fragment
+
+T = TypeVar("T")
 
 
 class Ring:
@@ -92,16 +96,16 @@ class CreditWindow:
         return True
 
 
-class ReorderBuffer:
+class ReorderBuffer(Generic[T]):
     """Puts items back in sequence order. At most `window` items ahead of the next expected one
     are held (the ring bounds it); anything else is a protocol error, never silent loss."""
 
     def __init__(self, window: int, start: int = 0):
         self.window = window
         self.next = start
-        self._held: dict[int, object] = {}
+        self._held: dict[int, T] = {}
 
-    def push(self, seq: int, item: object) -> list[tuple[int, object]]:
+    def push(self, seq: int, item: T) -> list[tuple[int, T]]:
         if not self.next <= seq < self.next + self.window:
             raise BulkProtocolError(
                 f"sequence {seq} outside the reorder window [{self.next}, "
