@@ -13,7 +13,8 @@ PYFUSE3_STAMP := $(VENV)/.pyfuse3-patched
 STOCK_PYFUSE3 := $(VENV)/stock-pyfuse3
 PYFUSE3_VERSION := 3.5.0
 PYFUSE3_SHA256 := 88399a9494b88603230bba300f4ba9ad63fece5ed514ca3633d555a0c6a42b24
-APT_PACKAGES := fuse3 libfuse3-dev pkg-config rsync zstd iproute2
+APT_PACKAGES := fuse3 libfuse3-dev pkg-config rsync zstd iproute2 \
+                slurmctld slurmd slurm-client munge
 
 .PHONY: test test-fast lint typecheck demo bench system-deps clean
 
@@ -83,15 +84,24 @@ bench: $(STAMP)
 
 # Debian packages, by name: pyfuse3 is built against libfuse3-dev (found with pkg-config), a
 # mount by a user other than root needs fusermount3, benchmarks compare against rsync and zstd,
-# and the network tests make namespaces with ip.
+# the network tests make namespaces with ip, and the SLURM tests (tests/slurm.py) start their own
+# slurmctld, slurmd and munged (in /usr/sbin, which a user's PATH may lack). Those tests never
+# use the packages' services or their configuration in /etc. Where no init system runs (a
+# container, like the machine this was written on) installing starts nothing; on a machine with
+# systemd, apt enables and starts munge (and tries slurmctld and slurmd, which fail without an
+# /etc/slurm/slurm.conf): `systemctl disable --now munge slurmctld slurmd` undoes that.
 system-deps:
-	@missing=""; \
+	@missing=""; PATH="$$PATH:/usr/sbin:/sbin"; \
 	command -v pkg-config >/dev/null || missing="$$missing pkg-config"; \
 	pkg-config --exists fuse3 2>/dev/null || missing="$$missing libfuse3-dev"; \
 	command -v fusermount3 >/dev/null || missing="$$missing fuse3"; \
 	command -v rsync >/dev/null || missing="$$missing rsync"; \
 	command -v zstd >/dev/null || missing="$$missing zstd"; \
 	command -v ip >/dev/null || missing="$$missing iproute2"; \
+	command -v slurmctld >/dev/null || missing="$$missing slurmctld"; \
+	command -v slurmd >/dev/null || missing="$$missing slurmd"; \
+	command -v srun >/dev/null || missing="$$missing slurm-client"; \
+	command -v munged >/dev/null || missing="$$missing munge"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    echo "installing Debian packages:$$missing"; \

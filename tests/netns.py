@@ -24,6 +24,10 @@ process is left in its namespaces (a node's mount namespace, and with it the mou
 with its last process), then deletes the bridge, the veths and the namespaces: also when the body
 raised. Every wait is bounded.
 
+The pieces that are not about monarch-fs (`Switch`: namespaces joined by one bridge, built and
+deleted; `run_cmd`, `alive`, `wait_gone`, `stop_pids`) also serve the SLURM harness,
+tests/slurm.py.
+
 This module is a helper, not a test file: `from netns import NetCluster` from tests (pytest puts
 tests/ on sys.path), or insert tests/ into sys.path from a bench script.
 """
@@ -40,7 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from monarch_fs import cli
@@ -91,8 +95,8 @@ def rate_bytes_per_second(rate: str) -> float:
     return value / 8 if m.group(3) == "bit" else value
 
 
-def _run(argv: list[str], timeout: float = CMD_TIMEOUT, check: bool = True,
-         **kw) -> subprocess.CompletedProcess:
+def run_cmd(argv: list[str], timeout: float = CMD_TIMEOUT, check: bool = True,
+            **kw) -> subprocess.CompletedProcess:
     """Run one setup command; a failure names the command and what it printed."""
     try:
         proc = subprocess.run(argv, capture_output=True, timeout=timeout, **kw)
@@ -105,7 +109,7 @@ def _run(argv: list[str], timeout: float = CMD_TIMEOUT, check: bool = True,
     return proc
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     """True while `pid` exists and is not a zombie."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -114,20 +118,114 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _wait_gone(pids: list[int], timeout: float, reap: dict[int, subprocess.Popen]) -> list[int]:
+def wait_gone(pids: list[int], timeout: float, reap: dict[int, subprocess.Popen]) -> list[int]:
     """Wait up to `timeout` for `pids` to exit (reaping our children); the ones still alive."""
     deadline = time.monotonic() + timeout
     while True:
         for pid in pids:
             if pid in reap:
                 reap[pid].poll()
-        alive = [pid for pid in pids if _alive(pid)]
-        for pid in set(pids) - set(alive):
+        left = [pid for pid in pids if alive(pid)]
+        for pid in set(pids) - set(left):
             if pid in reap:  # exited since the poll above: a zombie until reaped
                 reap[pid].wait()
-        if not alive or time.monotonic() > deadline:
-            return alive
+        if not left or time.monotonic() > deadline:
+            return left
         time.sleep(0.05)
+
+
+def stop_pids(procs: dict[int, subprocess.Popen], timeout: float) -> list[int]:
+    """SIGTERM each of `procs` (processes we started, by pid) while alive, SIGKILL whatever is
+    left after `timeout`; the pids that survived even that."""
+    for pid in procs:
+        if alive(pid):
+            os.kill(pid, signal.SIGTERM)
+    left = wait_gone(list(procs), timeout, procs)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return wait_gone(left, timeout, procs)
+
+
+class Switch:
+    """Network namespaces joined by one Linux bridge: a switch namespace `{prefix}-sw` with
+    "br0", and hosts added with `add_host` (eth0 inside the host, a veth port on the bridge).
+    It records what it created, in creation order, so that `close` removes exactly that, in
+    reverse. Interfaces are created inside the namespaces: nothing touches the host's network."""
+
+    def __init__(self, prefix: str):
+        self.name = f"{prefix}-sw"
+        self.namespaces: list[str] = []
+        self.links: list[tuple[str, str]] = []  # (namespace, interface)
+
+    def build(self) -> None:
+        self._add_netns(self.name)
+        run_cmd(["ip", "-n", self.name, "link", "add", "br0", "type", "bridge"])
+        self.links.append((self.name, "br0"))
+        run_cmd(["ip", "-n", self.name, "link", "set", "br0", "up"])
+
+    def _add_netns(self, name: str) -> None:
+        try:
+            run_cmd(["ip", "netns", "add", name])
+        except NetnsError as e:
+            if not self.namespaces:  # the very first one: the machine refuses
+                raise NetnsUnsupported(f"cannot create a network namespace: {e}") from None
+            raise
+        self.namespaces.append(name)
+        run_cmd(["ip", "-n", name, "link", "set", "lo", "up"])
+
+    def add_host(self, ns: str, port: str, addr: str) -> None:
+        """A namespace `ns` linked to the bridge: eth0 with `addr`/24 inside it, `port` on the
+        switch."""
+        self._add_netns(ns)
+        run_cmd(["ip", "-n", self.name, "link", "add", port, "type", "veth", "peer", "name",
+                 IFACE, "netns", ns])
+        self.links.append((self.name, port))
+        run_cmd(["ip", "-n", self.name, "link", "set", port, "master", "br0", "up"])
+        run_cmd(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", IFACE])
+        run_cmd(["ip", "-n", ns, "link", "set", IFACE, "up"])
+
+    def pids(self) -> list[int]:
+        """Every process inside one of our namespaces."""
+        pids: list[int] = []
+        for ns in self.namespaces:
+            out = run_cmd(["ip", "netns", "pids", ns], check=False)
+            pids += [int(p) for p in out.stdout.split()]
+        return pids
+
+    def kill_all(self, timeout: float) -> list[str]:
+        """Anything still inside our namespaces (e.g. a reader whose timeout fired and left a
+        child) was started by our owner: these namespaces have names nobody else knows. SIGKILL
+        it, so that the namespaces, and whatever hangs on their processes, really go away.
+        Looks again after each round, since a process may have forked before it was killed."""
+        deadline = time.monotonic() + timeout
+        while pids := self.pids():
+            if time.monotonic() > deadline:
+                return [f"process {pid} in our namespaces survived SIGKILL" for pid in pids]
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            wait_gone(pids, max(0.0, deadline - time.monotonic()), {})
+        return []
+
+    def close(self) -> list[str]:
+        """Delete links, then namespaces, in reverse creation order; report what could not be
+        deleted rather than stopping at the first failure. Idempotent."""
+        problems: list[str] = []
+        if not self.namespaces:
+            return problems
+        for ns, dev in reversed(self.links):
+            run_cmd(["ip", "-n", ns, "link", "del", dev], check=False)
+        for ns in reversed(self.namespaces):
+            try:
+                run_cmd(["ip", "netns", "del", ns])
+            except NetnsError as e:
+                problems.append(str(e))
+        existing = set(run_cmd(["ip", "netns", "list"], check=False).stdout.decode().split())
+        problems += [f"namespace {ns}" for ns in self.namespaces if ns in existing]
+        self.namespaces, self.links = [], []
+        return problems
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -157,14 +255,6 @@ class Node:
     @property
     def log(self) -> Path:
         return self.dir / "log"
-
-
-@dataclass
-class _Created:
-    """What exists, in creation order, so teardown removes exactly that, in reverse."""
-
-    namespaces: list[str] = field(default_factory=list)
-    links: list[tuple[str, str]] = field(default_factory=list)  # (namespace, interface)
 
 
 class NetCluster:
@@ -199,11 +289,11 @@ class NetCluster:
         self._keep_workdir = keep_workdir
         self.workdir = Path(workdir) if workdir else None  # made on entry, not before
         self.token_file = ""
-        self.switch = f"{self.id}-sw"
+        self._net = Switch(self.id)
+        self.switch = self._net.name
         self.devbox = f"{self.id}-dev"
         self.nodes = [Node(i, f"{self.id}-n{i}", f"{SUBNET}.{FIRST_NODE_HOST + i}", f"p-n{i}")
                       for i in range(n)]
-        self._created = _Created()
         self._closed = False
 
     # ---- the public surface -----------------------------------------------------------------
@@ -216,7 +306,7 @@ class NetCluster:
     @property
     def namespaces(self) -> list[str]:
         """Every network namespace this cluster created (and will delete)."""
-        return list(self._created.namespaces)
+        return list(self._net.namespaces)
 
     @property
     def pids(self) -> list[int]:
@@ -248,7 +338,7 @@ class NetCluster:
     def devbox_tx_bytes(self) -> int:
         """Bytes the dev box has sent on its link, by the kernel's interface counter (headers
         included: this is what crossed the wire, not what the client thinks it sent)."""
-        out = _run(["ip", "netns", "exec", self.devbox, "cat",
+        out = run_cmd(["ip", "netns", "exec", self.devbox, "cat",
                     f"/sys/class/net/{IFACE}/statistics/tx_bytes"])
         return int(out.stdout)
 
@@ -269,7 +359,7 @@ class NetCluster:
         backlog left in the queue."""
         out = {}
         for label, ns, dev in self._shaped_links():
-            raw = _run(["tc", "-s", "-j", "-n", ns, "qdisc", "show", "dev", dev]).stdout
+            raw = run_cmd(["tc", "-s", "-j", "-n", ns, "qdisc", "show", "dev", dev]).stdout
             for q in json.loads(raw or b"[]"):
                 if q.get("kind") == "tbf":
                     out[label] = {k: q.get(k) for k in
@@ -302,9 +392,9 @@ class NetCluster:
             return
         self._closed = True
         problems = self._stop_daemons()
-        problems += self._stop_stragglers()
+        problems += self._net.kill_all(self.stop_timeout)
         problems += self._check_mounts_gone()
-        problems += self._delete_network()
+        problems += self._net.close()
         if self._own_workdir and not self._keep_workdir and self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
         if problems:
@@ -323,38 +413,19 @@ class NetCluster:
         for node in self.nodes:
             node.dir = self.workdir / f"node-{node.index}"
 
-    def _add_netns(self, name: str) -> None:
-        try:
-            _run(["ip", "netns", "add", name])
-        except NetnsError as e:
-            if not self._created.namespaces:  # the very first one: the machine refuses
-                raise NetnsUnsupported(f"cannot create a network namespace: {e}") from None
-            raise
-        self._created.namespaces.append(name)
-        _run(["ip", "-n", name, "link", "set", "lo", "up"])
-
     def _build_network(self) -> None:
         """The switch with its bridge, then one shaped link per node and for the dev box."""
-        self._add_netns(self.switch)
-        _run(["ip", "-n", self.switch, "link", "add", "br0", "type", "bridge"])
-        self._created.links.append((self.switch, "br0"))
-        _run(["ip", "-n", self.switch, "link", "set", "br0", "up"])
+        self._net.build()
         self._add_host(self.devbox, "p-dev", DEVBOX_ADDR)
         for node in self.nodes:
             self._add_host(node.netns, node.port, node.addr)
 
     def _add_host(self, ns: str, port: str, addr: str) -> None:
         """A namespace linked to the bridge: eth0 inside it, `port` on the switch, both shaped."""
-        self._add_netns(ns)
-        _run(["ip", "-n", self.switch, "link", "add", port, "type", "veth", "peer", "name",
-              IFACE, "netns", ns])
-        self._created.links.append((self.switch, port))
-        _run(["ip", "-n", self.switch, "link", "set", port, "master", "br0", "up"])
-        _run(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", IFACE])
-        _run(["ip", "-n", ns, "link", "set", IFACE, "up"])
+        self._net.add_host(ns, port, addr)
         for side_ns, dev in ((ns, IFACE), (self.switch, port)):
-            _run(["tc", "-n", side_ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
-                  self.rate, "burst", str(self.burst), "latency", self.latency])
+            run_cmd(["tc", "-n", side_ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
+                     self.rate, "burst", str(self.burst), "latency", self.latency])
 
     def _shaped_links(self) -> list[tuple[str, str, str]]:
         """(label, namespace, interface) of every tbf: `up` is what the host sends, `down` what
@@ -432,33 +503,10 @@ class NetCluster:
         """SIGTERM every daemon we started (it unmounts on the way out), SIGKILL after
         stop_timeout. Only pids of processes this object started, and only while alive."""
         procs = {n.proc.pid: n.proc for n in self.nodes if n.proc is not None}
-        for pid in procs:
-            if _alive(pid):
-                os.kill(pid, signal.SIGTERM)
-        left = _wait_gone(list(procs), self.stop_timeout, procs)
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
-        left = _wait_gone(left, self.stop_timeout, procs)
+        left = stop_pids(procs, self.stop_timeout)
         for node in self.nodes:
             node.pid = 0
         return [f"daemon pid {pid} survived SIGKILL" for pid in left]
-
-    def _stop_stragglers(self) -> list[str]:
-        """Anything still inside our namespaces (e.g. a reader this object started whose
-        timeout fired and left a child) was started by us: these namespaces have names nobody
-        else knows. Kill it, so the namespaces, and each node's mount namespace with its FUSE
-        mount, really go away."""
-        pids: list[int] = []
-        for ns in self._created.namespaces:
-            out = _run(["ip", "netns", "pids", ns], check=False)
-            pids += [int(p) for p in out.stdout.split()]
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        left = _wait_gone(pids, self.stop_timeout, {})
-        return [f"process {pid} in our namespaces survived SIGKILL" for pid in left]
 
     def _check_mounts_gone(self) -> list[str]:
         """A node's FUSE mount lives only in its private mount namespace, which the kernel
@@ -473,21 +521,3 @@ class NetCluster:
                 except OSError:
                     pass  # exited meanwhile
         return [f"process {pid} still in a node's mount namespace" for pid in users]
-
-    def _delete_network(self) -> list[str]:
-        """Delete veths, bridge, then namespaces, in reverse creation order; report what
-        could not be deleted rather than stopping at the first failure."""
-        problems = []
-        if not self._created.namespaces:
-            return problems
-        for ns, dev in reversed(self._created.links):
-            _run(["ip", "-n", ns, "link", "del", dev], check=False)
-        for ns in reversed(self._created.namespaces):
-            try:
-                _run(["ip", "netns", "del", ns])
-            except NetnsError as e:
-                problems.append(str(e))
-        existing = set(_run(["ip", "netns", "list"], check=False).stdout.decode().split())
-        problems += [f"namespace {ns}" for ns in self._created.namespaces if ns in existing]
-        self._created = _Created()
-        return problems
