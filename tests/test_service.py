@@ -1,8 +1,9 @@
 """The node service without a mount (daemon/node/service.py, session.py, publisher.py, and the
-wire's requests.py and replies.py): real NodeServices on loopback listeners in this process, driven by the real push client and
-the real protocol. No FUSE: the snapshot view each service publishes to stays unmounted, so
-these tests need no root and no /dev/fuse, and what they check is what a mounted daemon does
-(its own tests, test_sync.py and the rest, drive it through the command line)."""
+wire's requests.py and replies.py): real NodeServices on loopback listeners in this process,
+driven by the real push client and the real protocol. No FUSE: the snapshot view each service
+publishes to stays unmounted, so these tests need no root and no /dev/fuse, and what they check
+is what a mounted daemon does (its own tests, test_sync.py and the rest, drive it through the
+command line)."""
 
 from __future__ import annotations
 
