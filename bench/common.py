@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from monarch_fs.daemon.client import cluster
-from monarch_fs.daemon.client.push import fmt_bytes as _fmt_bytes
+from monarch_fs.daemon.client.progress import fmt_bytes as _fmt_bytes
 from tests.netns import NetnsUnsupported
 
 MiB = 1024 * 1024

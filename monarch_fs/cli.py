@@ -18,7 +18,8 @@ import trio
 
 from .daemon.client import cluster
 from .daemon.client.hosts import HostsError, parse_hosts
-from .daemon.client.push import Progress, PushError, fmt_bytes, push, workspace_name
+from .daemon.client.progress import Progress, fmt_bytes
+from .daemon.client.push import PushError, push, workspace_name
 from .daemon.client.status import remove, status
 from .daemon.wire.auth import (
     TokenError,
@@ -49,7 +50,7 @@ class BarProgress(Progress):
         self.bar = None
 
     def phase(self, name: str, total: int, unit: str = "B") -> None:
-        from tqdm import tqdm
+        from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type hints
 
         if self.bar is not None:
             self.bar.close()
@@ -143,26 +144,27 @@ def cmd_status(args: argparse.Namespace) -> int:
     token = resolve_token(args.token_file)
     nodes = trio.run(status, hosts, token)
     if args.json:
-        print(json.dumps(nodes))
+        print(json.dumps([n.to_json() for n in nodes]))
     else:
         for n in nodes:
-            if not n["reachable"]:
-                print(f"{n['host']}  UNREACHABLE  {n['error']}")
+            s = n.reply
+            if s is None:
+                print(f"{n.host}  UNREACHABLE  {n.error}")
                 continue
             ws = ", ".join(
                 f"{name}={vs[0][:12]}" + (f" (+{len(vs) - 1} older)" if len(vs) > 1 else "")
-                for name, vs in sorted(n["workspaces"].items())) or "no workspaces"
-            print(f"{n['host']}  {n['node']}  {ws}  store {fmt_bytes(n['store_bytes'])}"
-                  f" in {n['store_objects']} objects  transport {n.get('transport', 'tcp')}"
-                  f"  fuse {n.get('fuse', '?')}"
-                  + (f" ({n['backing_files']} backing files, {fmt_bytes(n['backing_bytes'])})"
-                     if n.get("backing_files") else "")
-                  + (f" (writing {n['backing_writing']} more)" if n.get("backing_writing") else ""))
-            if n.get("backing_error"):
-                print(f"{n['host']}  warning: {n['backing_error']}; read through the daemon")
-            for problem in n.get("problems", []):
-                print(f"{n['host']}  problem: {problem}")
-    return 0 if all(n["reachable"] for n in nodes) else 1
+                for name, vs in sorted(s.workspaces.items())) or "no workspaces"
+            print(f"{n.host}  {s.node}  {ws}  store {fmt_bytes(s.store_bytes)}"
+                  f" in {s.store_objects} objects  transport {s.transport.get('transport', 'tcp')}"
+                  f"  fuse {s.fuse}"
+                  + (f" ({s.backing_files} backing files, {fmt_bytes(s.backing_bytes)})"
+                     if s.backing_files else "")
+                  + (f" (writing {s.backing_writing} more)" if s.backing_writing else ""))
+            if s.backing_error:
+                print(f"{n.host}  warning: {s.backing_error}; read through the daemon")
+            for problem in s.problems:
+                print(f"{n.host}  problem: {problem}")
+    return 0 if all(n.reachable for n in nodes) else 1
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
@@ -170,14 +172,14 @@ def cmd_rm(args: argparse.Namespace) -> int:
     token = resolve_token(args.token_file)
     nodes = trio.run(remove, hosts, token, args.name)
     if args.json:
-        print(json.dumps(nodes))
+        print(json.dumps([n.to_json() for n in nodes]))
     else:
         for n in nodes:
-            if n["removed"]:
-                print(f"{n['host']}: removed {args.name} ({len(n['versions'])} versions)")
+            if n.removed:
+                print(f"{n.host}: removed {args.name} ({len(n.versions)} versions)")
             else:
-                print(f"{n['host']}: {n['error']}", file=sys.stderr)
-    return 0 if all(n["removed"] for n in nodes) else 1
+                print(f"{n.host}: {n.error}", file=sys.stderr)
+    return 0 if all(n.removed for n in nodes) else 1
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:

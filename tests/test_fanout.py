@@ -228,7 +228,7 @@ def test_small_files_are_spread_among_large_chunks():
     """A push sends runs of small files between large chunks, in proportion to their bytes,
     so CPU-bound small files and link-bound large chunks overlap; every chunk goes exactly
     once and each kind keeps folder order."""
-    from monarch_fs.daemon.client.push import LARGE_CHUNK, SMALL_RUN, interleave
+    from monarch_fs.daemon.client.stream import LARGE_CHUNK, SMALL_RUN, interleave
 
     small = [b"s%05d" % i for i in range(8000)]  # 8000 x 10 KiB = ~78 MiB
     large = [b"L%05d" % i for i in range(60)]  # 60 x 4 MiB = 240 MiB

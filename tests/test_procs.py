@@ -58,7 +58,7 @@ async def test_procs_outlive_idle_worker_threads(tmp_path, monkeypatch):
     async with trio.open_nursery() as nursery:
         table = ProcessTable(tmp_path, nursery)
         reply = await table.spawn(owner, owner.emit, {"argv": ["sleep", "30"]}, None)
-        started.add(reply["pid"])
+        started.add(reply.pid)
         # a worker thread, which then idles out
         worker = await trio.to_thread.run_sync(threading.current_thread)
         with trio.fail_after(10):
@@ -68,7 +68,7 @@ async def test_procs_outlive_idle_worker_threads(tmp_path, monkeypatch):
         # would end the proc now, and its exit would be reported within this window.
         with trio.move_on_after(0.5):
             await owner.exited.wait()
-        assert started.alive() == [reply["pid"]] and not owner.exited.is_set()
+        assert started.alive() == [reply.pid] and not owner.exited.is_set()
         await table.stop_all()
     assert owner.events[-1][1]["signal"] == "SIGTERM"
     assert not started.alive()
@@ -81,7 +81,7 @@ async def test_exit_is_reported_even_if_an_escaped_grandchild_holds_the_pipes(tm
     async with trio.open_nursery() as nursery:
         table = ProcessTable(tmp_path, nursery)
         reply = await table.spawn(owner, owner.emit, {"argv": ["sh", "-c", script]}, None)
-        started.add(reply["pid"])
+        started.add(reply.pid)
         with trio.fail_after(10):
             await owner.exited.wait()
         await table.stop_all()

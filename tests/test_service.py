@@ -1,8 +1,9 @@
-"""The node service without a mount (daemon/node/service.py, session.py, publisher.py, requests.py):
-real NodeServices on loopback listeners in this process, driven by the real push client and
-the real protocol. No FUSE: the snapshot view each service publishes to stays unmounted, so
-these tests need no root and no /dev/fuse, and what they check is what a mounted daemon does
-(its own tests, test_sync.py and the rest, drive it through the command line)."""
+"""The node service without a mount (daemon/node/service.py, session.py, publisher.py, and the
+wire's requests.py and replies.py): real NodeServices on loopback listeners in this process,
+driven by the real push client and the real protocol. No FUSE: the snapshot view each service
+publishes to stays unmounted, so these tests need no root and no /dev/fuse, and what they check
+is what a mounted daemon does (its own tests, test_sync.py and the rest, drive it through the
+command line)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,19 @@ from monarch_fs.daemon.client.push import push
 from monarch_fs.daemon.node.service import NodeService, open_listeners
 from monarch_fs.daemon.node.session import ROUTES
 from monarch_fs.daemon.wire import protocol as p
+from monarch_fs.daemon.wire.replies import (
+    BulkReply,
+    CommitReply,
+    FlushReply,
+    FreePortReply,
+    KillReply,
+    MalformedReply,
+    PrepareReply,
+    RelayReply,
+    RemoveReply,
+    SpawnReply,
+    StatusReply,
+)
 from monarch_fs.daemon.wire.requests import (
     Bulk,
     Commit,
@@ -222,3 +236,44 @@ def test_every_op_has_one_route_and_parses_its_arguments():
                        (Bulk, {}), (Kill, {"proc": None}), (Spawn, {"workspace": 3})]:
         with pytest.raises((RequestError, ValueError)):
             kind.parse(args)
+
+
+def test_every_reply_round_trips_the_dict_nodes_send_and_refuses_a_malformed_one():
+    """Each reply class encodes to exactly the dict a node has always sent (so old clients and
+    the mesh still match) and decodes it back; a reply missing a field or with one of the
+    wrong type is a MalformedReply (a ProtocolError, which fails that node only)."""
+    v1, v2 = "ab" * 16, "cd" * 16
+    wire = [
+        (PrepareReply, {"prepared": v1}),
+        (CommitReply, {"version": v2, "previous": v1}),
+        (CommitReply, {"version": v1, "previous": None}),
+        (RemoveReply, {"versions": [v2, v1]}),
+        (RelayReply, {"failed": {"h:1": "refused"}}),
+        (FlushReply, {"failed": {"": "disk full"}}),
+        (BulkReply, {"qp": {"qpn": 7}}),
+        (SpawnReply, {"proc": 1, "pid": 4242}),
+        (KillReply, {}),
+        (FreePortReply, {"port": 29500}),
+    ]
+    for kind, value in wire:
+        assert kind.from_wire(value).to_wire() == value
+        assert list(kind.from_wire(value).to_wire()) == list(value)  # and in the same order
+    for kind, value in [(PrepareReply, {}), (PrepareReply, {"prepared": "xyz"}),
+                        (CommitReply, {"version": v1}), (RemoveReply, {"versions": [1]}),
+                        (FlushReply, {"failed": []}), (SpawnReply, {"proc": True, "pid": 1}),
+                        (FreePortReply, {"port": "80"}), (KillReply, [])]:
+        with pytest.raises(MalformedReply, match=f"malformed {kind.op} reply"):
+            kind.from_wire(value)
+    assert issubclass(MalformedReply, p.ProtocolError)
+
+
+async def test_a_status_reply_decodes_to_the_same_dict(tmp_path):
+    async with serving(tmp_path) as [node]:
+        chan = await connect(node.addr, TOKEN)
+        async with chan:
+            value = await chan.request("status")
+    decoded = StatusReply.from_wire(value)
+    assert decoded.node == "node-0" and decoded.workspaces == {}
+    assert json.dumps(decoded.to_wire()) == json.dumps(value)  # same keys, same order
+    with pytest.raises(MalformedReply, match="'workspaces'"):
+        StatusReply.from_wire({**value, "workspaces": {"ws": "v"}})

@@ -3,27 +3,34 @@ refusing node is reported, never fatal to the others."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import trio
 
+from ..wire.replies import RemoveReply, StatusReply
 from ..wire.requests import check_workspace_name
 from ..wire.transport import connect, describe_failure
 
 TIMEOUT = 10.0
 
+R = TypeVar("R")
+
 
 async def ask_all(hosts: Sequence[str], token: bytes, op: str,
-                  **args: object) -> list[tuple[str, dict | Exception]]:
-    """Send request `op` to every host at once: per host, in order, its reply or what failed."""
-    results: dict[str, dict | Exception] = {}
+                  decode: Callable[[Mapping[str, Any]], R],
+                  **args: object) -> list[tuple[str, R | Exception]]:
+    """Send request `op` to every host at once: per host, in order, its reply (decoded by
+    `decode`, a reply class's from_wire) or what failed."""
+    results: dict[str, R | Exception] = {}
 
     async def one(host: str) -> None:
         try:
             with trio.fail_after(TIMEOUT):
                 chan = await connect(host, token, timeout=TIMEOUT)
                 async with chan:
-                    results[host] = await chan.request(op, **args)
+                    results[host] = decode(await chan.request(op, **args))
         except Exception as e:  # any failure is that node's answer, never the command's
             results[host] = e
 
@@ -33,27 +40,58 @@ async def ask_all(hosts: Sequence[str], token: bytes, op: str,
     return [(h, results[h]) for h in hosts]
 
 
-async def status(hosts: Sequence[str], token: bytes) -> list[dict]:
+@dataclass(frozen=True)
+class NodeStatus:
+    """One host's line of `status`: what it reported, or why it could not be asked."""
+
+    host: str
+    reply: StatusReply | None  # None: unreachable (or refused), `error` says why
+    error: str | None = None
+
+    @property
+    def reachable(self) -> bool:
+        return self.reply is not None
+
+    def to_json(self) -> dict[str, Any]:
+        """As `status --json` prints it: host, reachable, then the node's reply or error."""
+        if self.reply is None:
+            return {"host": self.host, "reachable": False, "error": self.error}
+        return {"host": self.host, "reachable": True, **self.reply.to_wire()}
+
+
+@dataclass(frozen=True)
+class NodeRemoval:
+    """One host's answer to `rm`: whether the workspace went, its versions, else why not."""
+
+    host: str
+    removed: bool
+    versions: list[str]  # hex ids, current first
+    error: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"host": self.host, "removed": self.removed, "versions": self.versions,
+                "error": self.error}
+
+
+async def status(hosts: Sequence[str], token: bytes) -> list[NodeStatus]:
     out = []
-    for host, reply in await ask_all(hosts, token, "status"):
+    for host, reply in await ask_all(hosts, token, "status", StatusReply.from_wire):
         if isinstance(reply, Exception):
             msg = str(reply).removeprefix(f"{host}: ") or type(reply).__name__
-            out.append({"host": host, "reachable": False, "error": msg})
+            out.append(NodeStatus(host, None, msg))
         else:
-            out.append({"host": host, "reachable": True, **reply})
+            out.append(NodeStatus(host, reply))
     return out
 
 
-async def remove(hosts: Sequence[str], token: bytes, name: str) -> list[dict]:
+async def remove(hosts: Sequence[str], token: bytes, name: str) -> list[NodeRemoval]:
     """Delete workspace `name` on every host: per host, whether it was removed, the versions
     it had, and else why not (unknown there, in use, unreachable)."""
     check_workspace_name(name)
     out = []
-    for host, reply in await ask_all(hosts, token, "remove", name=name):
+    for host, reply in await ask_all(hosts, token, "remove", RemoveReply.from_wire, name=name):
         if isinstance(reply, Exception):
-            out.append({"host": host, "removed": False, "versions": [],
-                        "error": describe_failure(reply, TIMEOUT)})
+            out.append(NodeRemoval(host, False, [], describe_failure(reply, TIMEOUT)))
         else:
-            out.append({"host": host, "removed": True, "versions": reply["versions"],
-                        "error": None})
+            out.append(NodeRemoval(host, True, [v.hex() for v in reply.versions], None))
     return out

@@ -28,7 +28,8 @@ import trio
 from watchfiles._rust_notify import RustNotify  # documented: watchfiles' "Rust backend" API
 
 from ...fs.scan import is_excluded
-from .push import PushResult, fmt_bytes
+from .progress import fmt_bytes
+from .push import PushResult
 
 QUIET_MS = 200
 DEBOUNCE_MS = 1000
@@ -46,7 +47,8 @@ def summary(result: PushResult, changes: int) -> str:
 class _Filter:
     """Which reported paths count as changes: inside the folder, not excluded, not ignored."""
 
-    def __init__(self, root: str, excludes: Sequence[str], ignore: Sequence[str]):
+    def __init__(self, root: str, excludes: Sequence[str],
+                 ignore: Sequence[str | os.PathLike[str]]):
         self.root = root
         self.excludes = tuple(excludes)
         self.ignore = [os.path.abspath(p) for p in ignore]
@@ -67,7 +69,7 @@ async def watch(
     push_once: Callable[[], Awaitable[PushResult]],
     *,
     excludes: Sequence[str] = (),
-    ignore: Sequence[str] = (),
+    ignore: Sequence[str | os.PathLike[str]] = (),
     json_lines: bool = False,
     out: TextIO | None = None,
     err: TextIO | None = None,

@@ -51,6 +51,7 @@ from pathlib import Path
 
 import trio
 
+from ..wire.replies import SpawnReply
 from .dedicated_thread import DedicatedThread
 
 log = logging.getLogger("monarch_fs.procs")
@@ -206,7 +207,7 @@ class ProcessTable:
             "{workspace}", pins.get("workspace", "{workspace}"))
 
     async def spawn(self, owner: object, emit: Emit, args: dict, pin: str | None,
-                    workspace: str = "") -> dict:
+                    workspace: str = "") -> SpawnReply:
         argv = args.get("argv")
         if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
             raise SpawnError("spawn: argv must be a non-empty list of strings")
@@ -254,7 +255,7 @@ class ProcessTable:
         self.nursery.start_soon(self._supervise, proc, trio.lowlevel.FdStream(out_r),
                                 trio.lowlevel.FdStream(err_r))
         log.info("started proc %d (pid %d): %s", proc.id, popen.pid, " ".join(argv))
-        return {"proc": proc.id, "pid": popen.pid}
+        return SpawnReply(proc.id, popen.pid)
 
     async def _supervise(self, proc: Proc, stdout: trio.abc.ReceiveStream,
                          stderr: trio.abc.ReceiveStream) -> None:
@@ -311,8 +312,8 @@ class ProcessTable:
     async def _emit(self, proc: Proc, kind: str, data: dict) -> None:
         try:
             await proc.emit(kind, data)
-        except Exception:
-            pass  # the owner is gone; kill_owned_by() stops its processes
+        except Exception as e:  # the owner is gone; kill_owned_by() stops its processes
+            log.debug("proc %d: %s event not delivered: %r", proc.id, kind, e)
 
     def pinned_to(self, workspace: str) -> list[int]:
         """The pids of the running processes pinned to `workspace`."""

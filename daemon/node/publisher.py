@@ -27,6 +27,7 @@ from ...fs.chunk import CorruptChunk
 from ...fs.fuse_ops import SnapshotFS
 from ...fs.manifest import Manifest, ManifestError, TooManyEntries
 from ...fs.store import Store
+from ..wire.replies import CommitReply, PrepareReply, RemoveReply
 from ..wire.requests import RequestError
 from .refs import Refs
 
@@ -177,12 +178,12 @@ class Publisher:
                 self._pinned[name] = before
             raise
 
-    async def prepare(self, name: str, version: bytes) -> dict:
+    async def prepare(self, name: str, version: bytes) -> PrepareReply:
         await self._make_ready(name, version)
         self._prepared.add((name, version))
-        return {"prepared": version.hex()}
+        return PrepareReply(version)
 
-    async def commit(self, name: str, version: bytes) -> dict:
+    async def commit(self, name: str, version: bytes) -> CommitReply:
         if (name, version) not in self._prepared:
             await self._make_ready(name, version)
         async with self._publish_lock:
@@ -213,7 +214,7 @@ class Publisher:
             self._drop_manifests()
             await self._prune_backing()
         log.info("published %s = %s", name, version.hex())
-        return {"version": version.hex(), "previous": previous.hex() if previous else None}
+        return CommitReply(version, previous)
 
     def served_version(self, name: str, version: bytes | None) -> bytes:
         """The version of workspace `name` a process may run from: `version`, or the current
@@ -227,7 +228,7 @@ class Publisher:
             raise LookupError(f"workspace {name!r} has no version {version.hex()[:12]} here")
         return version
 
-    async def remove(self, name: str, users: Callable[[str], list[int]]) -> dict:
+    async def remove(self, name: str, users: Callable[[str], list[int]]) -> RemoveReply:
         """Delete a workspace (`monarch-fs rm`): the mount drops it at once, kernel entries
         included; its manifests leave memory, its backing files go, and a collect gives back
         its chunks (the open pack is sealed first, so that a collect may reach those in it).
@@ -261,7 +262,7 @@ class Publisher:
             log.warning("sealing the open pack after removing %s: %s", name, e)
         self.start_collect()
         log.info("removed workspace %s (%d versions)", name, len(versions))
-        return {"versions": [v.hex() for v in versions]}
+        return RemoveReply(versions)
 
     # ---- backing files --------------------------------------------------------------------
 

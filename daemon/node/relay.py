@@ -1,6 +1,7 @@
 """A node's side of a broadcast: store what it lacks, and forward each chunk to the children
-whose subtrees lack it while the next chunk arrives (a queue per child bounded in bytes, so a
-slow child slows its parent instead of filling its memory). Small chunks go down in batches.
+whose subtrees lack it while the next chunk arrives. Chunks go down in batches (up to
+bulk.BATCH_BYTES or BATCH_CHUNKS) through a bounded channel per child, so a slow child slows its
+parent instead of filling its memory.
 
 A relay session runs inside one connection: `relay` opens the children (recursively: each child
 opens its own), `QueryMissing` learns what each subtree lacks, `PutChunk`s flow down, and `flush`
@@ -11,20 +12,27 @@ anywhere below as {addr: cause}.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import trio
 
 from ..wire import bulk
+from ..wire.replies import FlushReply, RelayReply
 from ..wire.topology import patience
-from ..wire.transport import CONNECT_TIMEOUT, Channel, connect, describe_failure
+from ..wire.transport import CONNECT_TIMEOUT, Channel, ConnectError, connect, describe_failure
 
 log = logging.getLogger("monarch_fs.relay")
 
-QUEUE_BYTES = 16 << 20  # buffered per child, at most (plus the one chunk that crosses it)
+# Batches queued per child, at most, besides the one being filled and the one being sent. A
+# batch ends once it holds BATCH_BYTES, so with 4 MiB chunks (one per batch) that is 16 MiB.
+QUEUE_BATCHES = 4
+
+Batch = list[tuple[bytes, bytes | memoryview]]
 
 
 class _Child:
+    """One child of this hop: its link, what its subtree lacks, and the queue to it."""
+
     def __init__(self, spec: dict):
         self.addr: str = spec["addr"]
         self.children: list[dict] = spec.get("children", [])
@@ -33,15 +41,33 @@ class _Child:
         self.bulk: bulk.BulkSender | None = None
         self.need: set[bytes] = set()
         self.error: str | None = None
-        self.send, self.receive = trio.open_memory_channel[tuple[bytes, bytes]](float("inf"))
-        self.queued = 0  # bytes in the queue; forward() waits while it is over QUEUE_BYTES
-        self.space = trio.Event()  # set (and replaced) whenever the sender takes bytes out
+        self.send, self.receive = trio.open_memory_channel[Batch](QUEUE_BATCHES)
+        # Not queued yet: goes once it is a full batch, or at once while the queue is empty
+        # (the sender is idle, or about to be), or at flush.
+        self.filling: Batch = []
+        self.filling_bytes = 0
         self.done = trio.Event()
 
-    def took(self, size: int) -> None:
-        self.queued -= size
-        self.space.set()
-        self.space = trio.Event()
+    def link(self) -> tuple[Channel, bulk.BulkSender]:
+        """The child's control channel and bulk sender. `open` sets both before anything else
+        runs on a child, and a child whose open failed has an error and is skipped."""
+        if self.chan is None or self.bulk is None:
+            raise ConnectError(f"{self.addr}: not connected")
+        return self.chan, self.bulk
+
+    def add(self, cid: bytes, blob: bytes | memoryview) -> Batch | None:
+        """Add a chunk to the batch being filled; returns the batch once it should be queued."""
+        self.filling.append((cid, blob))
+        self.filling_bytes += len(blob)
+        full = (self.filling_bytes >= bulk.BATCH_BYTES
+                or len(self.filling) >= bulk.BATCH_CHUNKS)
+        if full or self.send.statistics().current_buffer_used == 0:
+            return self.take()
+        return None
+
+    def take(self) -> Batch:
+        batch, self.filling, self.filling_bytes = self.filling, [], 0
+        return batch
 
 
 class Relay:
@@ -69,10 +95,10 @@ class Relay:
             child.error = e if isinstance(e, str) else describe_failure(e, self.timeout)
             self.failures[child.addr] = child.error
             log.warning("relay to %s failed: %s", child.addr, child.error)
-            child.receive.close()  # the forwarder stops queueing for it
-            child.took(0)  # and stops waiting for room
+            child.receive.close()  # a forward waiting for room in its queue gives up
+            child.take()  # and what was being filled is dropped
 
-    async def _each(self, fn) -> None:
+    async def _each(self, fn: Callable[[_Child], Awaitable[None]]) -> None:
         async def one(child: _Child) -> None:
             # A child waits for its own subtree, which times out first and is blamed instead.
             try:
@@ -94,10 +120,10 @@ class Relay:
             policy = "tcp" if self.local.kind == bulk.TCP else "auto"
             kind, _ = bulk.choose_for_peer(self.local, policy, child.chan.info)
             child.bulk = await bulk.open_sender(child.chan, kind, self.local, child.chan.info)
-            reply = await child.chan.request("relay", children=child.children,
-                                             timeout=self.timeout)
-            self.failures.update(reply.get("failed", {}))
-            self.nursery.start_soon(self._sender, child)
+            reply = RelayReply.from_wire(await child.chan.request(
+                "relay", children=child.children, timeout=self.timeout))
+            self.failures.update(reply.failed)
+            self.nursery.start_soon(self._sender, child, child.bulk)
 
         await self._each(start)
         return dict(self.failures)
@@ -105,39 +131,33 @@ class Relay:
     async def query(self, ids: list[bytes]) -> set[bytes]:
         """What the subtrees below lack, remembered per child for forwarding."""
         async def ask(child: _Child) -> None:
-            child.need = set(await child.chan.query_missing(ids))
+            chan, _ = child.link()
+            child.need = set(await chan.query_missing(ids))
 
         await self._each(ask)
         return set().union(*(c.need for c in self.children if c.error is None))
 
-    async def forward(self, cid: bytes, blob: bytes) -> None:
+    async def forward(self, cid: bytes, blob: bytes | memoryview) -> None:
+        """Queue a chunk for the children whose subtrees lack it; waits while a child's queue
+        is full (until its sender makes room, or the child fails)."""
         for child in self.children:
-            if cid not in child.need:
-                continue
-            while child.queued >= QUEUE_BYTES and child.error is None:
-                await child.space.wait()
-            if child.error is not None:
-                continue  # the child failed meanwhile; _fail recorded why
-            try:
-                child.send.send_nowait((cid, blob))
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                continue  # failed, or the session is closing
-            child.queued += len(blob)
+            if cid not in child.need or child.error is not None:
+                continue  # not wanted there, or the child failed; _fail recorded why
+            batch = child.add(cid, blob)
+            if batch is not None:
+                await self._queue(child, batch)
 
-    async def _sender(self, child: _Child) -> None:
+    async def _queue(self, child: _Child, batch: Batch) -> None:
         try:
-            async for first in child.receive:
-                batch, size = [first], len(first[1])
-                while size < bulk.BATCH_BYTES and len(batch) < bulk.BATCH_CHUNKS:
-                    try:
-                        item = child.receive.receive_nowait()
-                    except (trio.WouldBlock, trio.EndOfChannel):
-                        break  # nothing more queued yet, or nothing more at all
-                    batch.append(item)
-                    size += len(item[1])
+            await child.send.send(batch)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the child failed meanwhile, or the session is closing
+
+    async def _sender(self, child: _Child, sender: bulk.BulkSender) -> None:
+        try:
+            async for batch in child.receive:
                 with trio.fail_after(self.timeout * child.patience):
-                    await child.bulk.send_chunks(batch)
-                child.took(size)
+                    await sender.send_chunks(batch)
                 self.counters["chunks_forwarded"] += len(batch)
         except Exception as e:
             self._fail(child, e)
@@ -147,14 +167,17 @@ class Relay:
     async def flush(self) -> dict[str, str]:
         """Wait until everything queued went out and every subtree flushed; all failures below."""
         for child in self.children:
+            if child.filling and child.error is None:
+                await self._queue(child, child.take())
             await child.send.aclose()
 
         async def drain(child: _Child) -> None:
             await child.done.wait()
             if child.error is None:
-                extra = await child.bulk.flush()  # RDMA: the child waits for that many chunks
-                reply = await child.chan.request("flush", **extra)
-                for addr, cause in reply.get("failed", {}).items():
+                chan, sender = child.link()
+                extra = await sender.flush()  # RDMA: the child waits for that many chunks
+                reply = FlushReply.from_wire(await chan.request("flush", **extra))
+                for addr, cause in reply.failed.items():
                     self.failures[addr or child.addr] = cause  # "" is the child itself
 
         await self._each(drain)

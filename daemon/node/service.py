@@ -24,6 +24,7 @@ from ...settings import settings
 from ..wire import bulk
 from ..wire.auth import NO_TOKEN_HELP, default_token_file
 from ..wire.limits import Limits, LogOnce, peer_host, serve_listeners
+from ..wire.replies import COUNTERS, StatusReply
 from ..wire.transport import accept, parse_addr
 from .procs import ProcessTable
 from .publisher import KEEP_VERSIONS, Publisher
@@ -109,8 +110,7 @@ class NodeService:
         self.addr = addr  # the bound address, once listening
         self.started = time.time()
         # What crossed this node since it started: a push's edges carry only what is lacking.
-        self.counters = {"chunks_received": 0, "bytes_received": 0, "chunks_stored": 0,
-                         "chunks_forwarded": 0, "packs_collected": 0, "bytes_collected": 0}
+        self.counters = dict.fromkeys(COUNTERS, 0)
         self.refs = Refs(self.state / "refs.json")
         self.publisher = Publisher(self.store, self.refs, self.backing, self.fs, keep=keep,
                                    max_entries=max_entries, counters=self.counters)
@@ -162,27 +162,27 @@ class NodeService:
         finally:
             await chan.aclose()
 
-    async def status(self) -> dict:
+    async def status(self) -> StatusReply:
         """What `monarch-fs status` shows for this node."""
         objects, size = await trio.to_thread.run_sync(self.store.usage)
         backing = await trio.to_thread.run_sync(self.backing.usage)
-        return {
-            "node": self.node_name,
-            "addr": self.addr,
-            "mount": str(self.mount),
-            **self.transport.info(),
-            "pid": os.getpid(),
-            "uptime": round(time.time() - self.started, 1),
-            "store_objects": objects,
-            "store_bytes": size,
-            "fuse": self.fs.open_mode,
-            "backing_files": backing[0],
-            "backing_bytes": backing[1],
-            "backing_writing": self.backing.writing,
-            "backing_waits": self.backing.waits,
-            "backing_error": self.publisher.backing_error,
-            **self.counters,
-            "workspaces": {n: [v.hex() for v in vs] for n, vs in self.refs.workspaces.items()},
-            "problems": self.publisher.all_problems(),
-        }
+        return StatusReply(
+            node=self.node_name,
+            addr=self.addr,
+            mount=str(self.mount),
+            transport=self.transport.info(),
+            pid=os.getpid(),
+            uptime=round(time.time() - self.started, 1),
+            store_objects=objects,
+            store_bytes=size,
+            fuse=self.fs.open_mode,
+            backing_files=backing[0],
+            backing_bytes=backing[1],
+            backing_writing=self.backing.writing,
+            backing_waits=self.backing.waits,
+            backing_error=self.publisher.backing_error,
+            counters=dict(self.counters),
+            workspaces={n: [v.hex() for v in vs] for n, vs in self.refs.workspaces.items()},
+            problems=self.publisher.all_problems(),
+        )
 

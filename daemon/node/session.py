@@ -2,7 +2,8 @@
 RDMA channel it set up, and the dispatch of its requests.
 
 Every request goes through one table, ROUTES (op -> request class and handler); the request
-classes (requests.py) say what each op carries. A refusal (RequestError, ValueError,
+classes (requests.py) say what each op carries, the reply classes (replies.py) what each
+handler returns, which the session encodes. A refusal (RequestError, ValueError,
 ManifestError, SpawnError) goes back as an Error frame with code "refused" and its message as
 is; anything else is logged with its traceback and answered "internal". Either way the session
 goes on: one bad request never ends a connection, and a broken connection never takes the
@@ -20,6 +21,19 @@ import trio
 from ...fs.manifest import ManifestError
 from ..wire import bulk
 from ..wire import protocol as p
+from ..wire.replies import (
+    BulkReply,
+    CommitReply,
+    FlushReply,
+    FreePortReply,
+    KillReply,
+    NodeReply,
+    PrepareReply,
+    RelayReply,
+    RemoveReply,
+    SpawnReply,
+    StatusReply,
+)
 from ..wire.requests import (
     Bulk,
     Commit,
@@ -54,7 +68,10 @@ class Session:
     and the RDMA channel its client opened. Processes it started are stopped when it ends."""
 
     def __init__(self, service: NodeService, chan: Channel, nursery: trio.Nursery) -> None:
+        if service.procs is None:  # set by NodeService.serve, which is what accepts sessions
+            raise RuntimeError("a session needs a serving NodeService")
         self.service = service
+        self.procs = service.procs
         self.publisher = service.publisher
         self.chan = chan
         self.nursery = nursery  # this connection's writes, relay senders and RDMA receiver
@@ -100,7 +117,7 @@ class Session:
             await self.relay.aclose()
         if self.bulk_rx is not None:
             await self.bulk_rx.aclose()
-        await self.service.procs.kill_owned_by(self.chan)  # the controller went away
+        await self.procs.kill_owned_by(self.chan)  # the controller went away
         if self.writes.store_failed:  # and did not flush: its writes may still run
             await self.writes.idle(self.nursery)
             await self._cut_back_after_failure()
@@ -152,15 +169,15 @@ class Session:
             log.exception("request %s failed", msg.op)
             await self.chan.send(p.Error(f"internal error: {e!r}", code="internal", id=msg.id))
         else:
-            await self.chan.send(p.Reply(msg.id, value))
+            await self.chan.send(p.Reply(msg.id, value.to_wire()))
 
-    async def _status(self, req: Status) -> dict:
+    async def _status(self, req: Status) -> StatusReply:
         return await self.service.status()
 
-    async def _prepare(self, req: Prepare) -> dict:
+    async def _prepare(self, req: Prepare) -> PrepareReply:
         return await self.publisher.prepare(req.name, req.version)
 
-    async def _commit(self, req: Commit) -> dict:
+    async def _commit(self, req: Commit) -> CommitReply:
         value = await self.publisher.commit(req.name, req.version)
         if self.claimed:  # what it has is now retained
             self.claimed = False
@@ -169,16 +186,16 @@ class Session:
             self.publisher.start_collect()
         return value
 
-    async def _remove(self, req: Remove) -> dict:
-        return await self.publisher.remove(req.name, self.service.procs.pinned_to)
+    async def _remove(self, req: Remove) -> RemoveReply:
+        return await self.publisher.remove(req.name, self.procs.pinned_to)
 
-    async def _relay(self, req: RelayRequest) -> dict:
+    async def _relay(self, req: RelayRequest) -> RelayReply:
         s = self.service
         self.relay = Relay(s.token, req.children, req.timeout, self.nursery, self.counters,
                            s.transport, s.encrypt)
-        return {"failed": await self.relay.open()}
+        return RelayReply(await self.relay.open())
 
-    async def _flush(self, req: Flush) -> dict:
+    async def _flush(self, req: Flush) -> FlushReply:
         bulk_error = None  # RDMA chunks are not ordered with this request
         if self.bulk_rx is not None:
             bulk_error = await self.bulk_rx.wait_delivered(req.bulk_chunks)
@@ -189,18 +206,20 @@ class Session:
             failed[""] = self.writes.errors[0]  # "" is this node, as its parent names it
         if bulk_error:
             failed[""] = f"rdma: {bulk_error}"
-        return {"failed": failed}
+        return FlushReply(failed)
 
-    async def _bulk(self, req: Bulk) -> dict:
+    async def _bulk(self, req: Bulk) -> BulkReply:
+        key = self.chan.conn.bulk_key
+        if key is None:  # derived by the handshake, which every session has completed
+            raise RequestError("bulk: this session has no bulk key")
         try:  # an RDMA channel for chunk payloads; control stays here
             self.bulk_rx, value = bulk.accept_receiver(self.service.transport, req.setup,
-                                                       self.on_chunk, self.nursery,
-                                                       self.chan.conn.bulk_key)
+                                                       self.on_chunk, self.nursery, key)
         except Exception as e:
             raise RequestError(f"bulk: {e}") from None
-        return value
+        return BulkReply.from_wire(value)
 
-    async def _spawn(self, req: Spawn) -> dict:
+    async def _spawn(self, req: Spawn) -> SpawnReply:
         pin = None
         if req.workspace:
             try:
@@ -212,31 +231,32 @@ class Session:
         async def emit(kind: str, data: dict) -> None:
             await self.chan.send(p.Event(kind, data))
 
-        return await self.service.procs.spawn(self.chan, emit, req.spec, pin,
+        return await self.procs.spawn(self.chan, emit, req.spec, pin,
                                               workspace=req.workspace if pin else "")
 
-    async def _kill(self, req: Kill) -> dict:
-        self.service.procs.kill(self.chan, req.proc, req.signal)
-        return {}
+    async def _kill(self, req: Kill) -> KillReply:
+        self.procs.kill(self.chan, req.proc, req.signal)
+        return KillReply()
 
-    async def _free_port(self, req: FreePort) -> dict:
-        return {"port": free_port()}
+    async def _free_port(self, req: FreePort) -> FreePortReply:
+        return FreePortReply(free_port())
 
 
-Handler = Callable[[Session, Any], Awaitable[dict]]
+# A handler takes its own request class (the route's), so the table types it loosely.
+Handler = Callable[[Session, Any], Awaitable[NodeReply]]
 
+_HANDLERS: list[tuple[type[NodeRequest], Handler]] = [
+    (Status, Session._status),
+    (Prepare, Session._prepare),
+    (Commit, Session._commit),
+    (Remove, Session._remove),
+    (RelayRequest, Session._relay),
+    (Flush, Session._flush),
+    (Bulk, Session._bulk),
+    (Spawn, Session._spawn),
+    (Kill, Session._kill),
+    (FreePort, Session._free_port),
+]
 # The one dispatch table: every op a node answers, its request class and its handler.
 ROUTES: dict[str, tuple[type[NodeRequest], Handler]] = {
-    kind.op: (kind, handler) for kind, handler in [
-        (Status, Session._status),
-        (Prepare, Session._prepare),
-        (Commit, Session._commit),
-        (Remove, Session._remove),
-        (RelayRequest, Session._relay),
-        (Flush, Session._flush),
-        (Bulk, Session._bulk),
-        (Spawn, Session._spawn),
-        (Kill, Session._kill),
-        (FreePort, Session._free_port),
-    ]
-}
+    kind.op: (kind, handler) for kind, handler in _HANDLERS}

@@ -1,0 +1,202 @@
+"""Streaming a push's chunks to the roots of its broadcast plan: open a relay session on each
+root, then read and compress each chunk once and send it to every root whose subtree lacks it,
+then flush. What to send where was planned before (push.py: who lacks what, which topology);
+this is only the moving of bytes, with its order (`interleave`) and its pipeline: encoder
+threads feed a bounded queue per root, drained by one sender per root.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import trio
+
+from ...fs import chunk
+from ...fs.scan import SourceChanged
+from ..wire import bulk, topology
+from ..wire.replies import FlushReply, RelayReply
+from ..wire.transport import describe_failure
+from .links import NODE_ERRORS, NodeLink, each
+from .progress import Progress
+
+_QUEUE = 4  # batches buffered per root
+_ENCODERS = 2
+LARGE_CHUNK = 1 << 20  # interleave(): chunks this big cost link time more than CPU
+SMALL_RUN = 4 << 20
+
+Batch = list[tuple[bytes, bytes]]
+
+
+def interleave(ids: list[bytes], sizes: dict[bytes, int]) -> list[bytes]:
+    """The order to send `ids` in: runs of small chunks (whole small files) spread among the
+    large chunks in proportion to their bytes, each kind still in folder order.
+
+    Small files cost CPU per byte (a read, a compression, a frame and a store write each, on
+    every node); large chunks cost link time. Sent in folder order, a push is bound first by
+    one and then by the other; mixed, it keeps both busy. A run of small files is up to
+    SMALL_RUN bytes long, so files of one folder still sit together in a node's pack."""
+    small = [c for c in ids if sizes[c] < LARGE_CHUNK]
+    large = [c for c in ids if sizes[c] >= LARGE_CHUNK]
+    if not small or not large:
+        return ids
+    small_total = sum(sizes[c] for c in small)
+    large_total = sum(sizes[c] for c in large)
+    out: list[bytes] = []
+    i = j = small_done = large_done = 0
+    while i < len(small) or j < len(large):
+        # Small files next while they are behind the large chunks, as fractions sent.
+        if j == len(large) or (i < len(small)
+                               and small_done * large_total <= large_done * small_total):
+            run = 0
+            while i < len(small) and run < SMALL_RUN:
+                out.append(small[i])
+                run += sizes[small[i]]
+                i += 1
+            small_done += run
+        else:
+            out.append(large[j])
+            large_done += sizes[large[j]]
+            j += 1
+    return out
+
+
+@dataclass
+class Payload:
+    """What a push sends: the snapshot's chunk ids in folder order, then its manifest (chunk id
+    `version`), their sizes, and how to read a chunk's bytes."""
+
+    ids: list[bytes]
+    version: bytes
+    manifest_bytes: bytes
+    sizes: dict[bytes, int]
+    read_chunk: Callable[[bytes], bytes]
+
+    def encoded(self, cids: list[bytes]) -> Batch:
+        """Read and compress `cids` (on a worker thread: it reads the source files)."""
+        return [(cid, chunk.encode(self.manifest_bytes if cid == self.version
+                                   else self.read_chunk(cid))) for cid in cids]
+
+
+class Stream:
+    """Moves a payload to the roots of a plan (see the module docstring); counts what left."""
+
+    def __init__(self, payload: Payload, nodes: Sequence[NodeLink], local: bulk.LocalTransport,
+                 timeout: float, progress: Progress):
+        self.payload = payload
+        self.by_addr = {n.addr: n for n in nodes}
+        self.local = local
+        self.timeout = timeout
+        self.progress = progress
+        self.chunks_sent = 0  # chunk copies that left the dev box (relays forward the rest)
+        self.bytes_sent = 0
+
+    def _blame(self, failed: dict[str, str]) -> None:
+        for addr, cause in failed.items():
+            if addr in self.by_addr:
+                self.by_addr[addr].fail(cause)
+
+    async def run(self, roots: list[tuple[NodeLink, list[dict]]]) -> None:
+        """Open a relay session on each root, then read and compress each chunk once and stream
+        it to every root whose subtree lacks it."""
+        pl = self.payload
+        wants: dict[str, set[bytes]] = {}
+
+        async def open_session(root: NodeLink, children: list[dict]) -> None:
+            chan = root.channel
+            if root.bulk is None:
+                root.bulk = await bulk.open_sender(chan, root.transport[0], self.local,
+                                                   chan.info)
+            reply = RelayReply.from_wire(
+                await chan.request("relay", children=children, timeout=self.timeout))
+            self._blame(reply.failed)
+            # negotiate() learned what each node lacks: ask the subtree only about those ids
+            # (an id no node below lacks cannot come back), so neither the root nor the nodes
+            # below look up the rest again.
+            below = topology.subtree({"addr": root.addr, "children": children})
+            lacking = set().union(*(self.by_addr[a].missing for a in below))
+            ids = [c for c in pl.ids + [pl.version] if c in lacking]
+            wants[root.addr] = set(await chan.query_missing(ids))
+
+        children_of = {r.addr: c for r, c in roots}
+        levels = {r.addr: topology.patience(c) for r, c in roots}
+        await each([r for r, _ in roots], lambda r: open_session(r, children_of[r.addr]),
+                   self.timeout, levels)
+        live = [r for r, _ in roots if r.error is None and r.addr in wants]
+        order = interleave([c for c in pl.ids if any(c in wants[r.addr] for r in live)],
+                           pl.sizes)
+        if any(pl.version in wants[r.addr] for r in live):
+            order.append(pl.version)  # the manifest goes last: it names everything before it
+        self.progress.phase("sending", sum(pl.sizes[c] for r in live for c in wants[r.addr]))
+        sent = 0
+        local_error: list[BaseException] = []
+        queues = {r.addr: trio.open_memory_channel[Batch](_QUEUE) for r in live}
+        todo = iter(order)
+
+        def next_batch() -> list[bytes]:
+            """Take chunks off the shared iterator (each is read and compressed once) until
+            the batch is worth a thread hop and a write."""
+            batch: list[bytes] = []
+            size = 0
+            for cid in todo:
+                batch.append(cid)
+                size += pl.sizes[cid]
+                if size >= bulk.BATCH_BYTES or len(batch) >= bulk.BATCH_CHUNKS:
+                    break
+            return batch
+
+        async def encoder() -> None:
+            while cids := next_batch():
+                try:
+                    blobs = await trio.to_thread.run_sync(pl.encoded, cids)
+                except (SourceChanged, OSError) as e:
+                    local_error.append(e)
+                    nursery.cancel_scope.cancel()
+                    return
+                for r in live:
+                    wanted = wants[r.addr]
+                    mine = [(cid, blob) for cid, blob in blobs if cid in wanted]
+                    if mine and r.error is None:
+                        try:
+                            await queues[r.addr][0].send(mine)
+                        except trio.BrokenResourceError:
+                            pass  # that root failed; its sender said why
+
+        async def encoders() -> None:
+            async with trio.open_nursery() as inner:
+                for _ in range(_ENCODERS):
+                    inner.start_soon(encoder)
+            for send, _ in queues.values():
+                await send.aclose()
+
+        async def sender(root: NodeLink) -> None:
+            nonlocal sent
+            async with queues[root.addr][1] as receive:
+                try:
+                    out = root.sender
+                    async for batch in receive:
+                        with trio.fail_after(self.timeout * levels[root.addr]):
+                            await out.send_chunks(batch)
+                        for cid, blob in batch:
+                            self.chunks_sent += cid != pl.version
+                            self.bytes_sent += len(blob)
+                            sent += pl.sizes[cid]
+                        self.progress.update(sent)
+                except NODE_ERRORS as e:
+                    root.fail(e, self.timeout)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(encoders)
+            for r in live:
+                nursery.start_soon(sender, r)
+        if local_error:
+            e = local_error[0]
+            if isinstance(e, SourceChanged):
+                raise e
+            raise SourceChanged(describe_failure(e, self.timeout))
+
+        async def flush(root: NodeLink) -> None:
+            extra = await root.sender.flush()  # RDMA: the node waits for that many chunks
+            self._blame(FlushReply.from_wire(await root.channel.request("flush", **extra)).failed)
+
+        await each(live, flush, self.timeout, levels)

@@ -1,0 +1,281 @@
+"""The replies a node sends, one small dataclass each, next to the requests in requests.py.
+
+A handler on the node returns one of these and the session sends `to_wire()` as the value of
+`protocol.Reply`; the dict is exactly what a node has always sent (same keys, same order), so
+older clients, the mesh and tests that read the loose dict still match. A client decodes a
+reply with `from_wire`, which checks every field it reads and raises MalformedReply (a
+ProtocolError: that node broke the protocol, which fails it, never the others) naming the op
+and the field, instead of a KeyError deep in the caller.
+
+Versions travel as hex strings and are bytes here, as in the requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+from .protocol import ProtocolError
+
+# What crossed a node since it started (NodeService.counters); `status` reports each.
+COUNTERS = ("chunks_received", "bytes_received", "chunks_stored", "chunks_forwarded",
+            "packs_collected", "bytes_collected")
+# The keys of the node's transport description (bulk.LocalTransport.info) in `status`.
+TRANSPORT_KEYS = ("transport", "transport_reason", "rdma")
+
+
+class MalformedReply(ProtocolError):
+    """A node's reply lacks a field or has one of the wrong type."""
+
+
+T = TypeVar("T")
+
+
+def _field(op: str, value: Mapping[str, Any], key: str) -> object:
+    if not isinstance(value, Mapping):
+        raise MalformedReply(f"malformed {op} reply: expected an object, not {value!r}")
+    if key not in value:
+        raise MalformedReply(f"malformed {op} reply: no {key!r}")
+    return value[key]
+
+
+def _get(op: str, value: Mapping[str, Any], key: str, kind: type[T]) -> T:
+    """`value[key]`, checked to be a `kind` (a bool is not an int here)."""
+    got = _field(op, value, key)
+    if not isinstance(got, kind) or (isinstance(got, bool) and kind is not bool):
+        raise MalformedReply(f"malformed {op} reply: {key!r} is {got!r}")
+    return got
+
+
+def _number(op: str, value: Mapping[str, Any], key: str) -> float:
+    got = _field(op, value, key)
+    if not isinstance(got, (int, float)) or isinstance(got, bool):
+        raise MalformedReply(f"malformed {op} reply: {key!r} is {got!r}")
+    return got
+
+
+def _hex(op: str, key: str, text: object) -> bytes:
+    if not isinstance(text, str):
+        raise MalformedReply(f"malformed {op} reply: {key!r} is {text!r}")
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        raise MalformedReply(f"malformed {op} reply: {key!r} is {text!r}, not hex") from None
+
+
+def _failures(op: str, value: Mapping[str, Any]) -> dict[str, str]:
+    failed = _get(op, value, "failed", dict)
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in failed.items()):
+        raise MalformedReply(f"malformed {op} reply: 'failed' is {failed!r}")
+    return dict(failed)
+
+
+@dataclass(frozen=True)
+class StatusReply:
+    """What `monarch-fs status` shows for one node. `transport` is the node's
+    LocalTransport.info() and `counters` the COUNTERS, both spread into the wire dict."""
+
+    op: ClassVar[str] = "status"
+    node: str
+    addr: str
+    mount: str
+    transport: dict[str, Any]
+    pid: int
+    uptime: float
+    store_objects: int
+    store_bytes: int
+    fuse: str
+    backing_files: int
+    backing_bytes: int
+    backing_writing: int
+    backing_waits: int
+    backing_error: str | None
+    counters: dict[str, int]
+    workspaces: dict[str, list[str]]  # name -> version ids (hex), current first
+    problems: list[str] = field(default_factory=list)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"node": self.node, "addr": self.addr, "mount": self.mount, **self.transport,
+                "pid": self.pid, "uptime": self.uptime, "store_objects": self.store_objects,
+                "store_bytes": self.store_bytes, "fuse": self.fuse,
+                "backing_files": self.backing_files, "backing_bytes": self.backing_bytes,
+                "backing_writing": self.backing_writing, "backing_waits": self.backing_waits,
+                "backing_error": self.backing_error, **self.counters,
+                "workspaces": self.workspaces, "problems": self.problems}
+
+    @classmethod
+    def from_wire(cls, value: Mapping[str, Any]) -> StatusReply:
+        op = cls.op
+        workspaces = _get(op, value, "workspaces", dict)
+        if not all(isinstance(n, str) and isinstance(vs, list)
+                   and all(isinstance(v, str) for v in vs) for n, vs in workspaces.items()):
+            raise MalformedReply(f"malformed {op} reply: 'workspaces' is {workspaces!r}")
+        problems = _get(op, value, "problems", list)
+        if not all(isinstance(x, str) for x in problems):
+            raise MalformedReply(f"malformed {op} reply: 'problems' is {problems!r}")
+        error = value.get("backing_error")
+        if error is not None and not isinstance(error, str):
+            raise MalformedReply(f"malformed {op} reply: 'backing_error' is {error!r}")
+        return cls(
+            node=_get(op, value, "node", str), addr=_get(op, value, "addr", str),
+            mount=_get(op, value, "mount", str),
+            transport={k: value[k] for k in TRANSPORT_KEYS if k in value},
+            pid=_get(op, value, "pid", int), uptime=_number(op, value, "uptime"),
+            store_objects=_get(op, value, "store_objects", int),
+            store_bytes=_get(op, value, "store_bytes", int), fuse=_get(op, value, "fuse", str),
+            backing_files=_get(op, value, "backing_files", int),
+            backing_bytes=_get(op, value, "backing_bytes", int),
+            backing_writing=_get(op, value, "backing_writing", int),
+            backing_waits=_get(op, value, "backing_waits", int), backing_error=error,
+            counters={k: _get(op, value, k, int) for k in COUNTERS if k in value},
+            workspaces={n: list(vs) for n, vs in workspaces.items()}, problems=list(problems))
+
+
+@dataclass(frozen=True)
+class PrepareReply:
+    """`version` is here, complete and durable, and kept from collection until its commit."""
+
+    op: ClassVar[str] = "prepare"
+    prepared: bytes
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"prepared": self.prepared.hex()}
+
+    @classmethod
+    def from_wire(cls, value: Mapping[str, Any]) -> PrepareReply:
+        return cls(_hex(cls.op, "prepared", _field(cls.op, value, "prepared")))
+
+
+@dataclass(frozen=True)
+class CommitReply:
+    """The workspace now serves `version`; `previous` is what it served before (None: new)."""
+
+    op: ClassVar[str] = "commit"
+    version: bytes
+    previous: bytes | None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"version": self.version.hex(),
+                "previous": self.previous.hex() if self.previous else None}
+
+    @classmethod
+    def from_wire(cls, value: Mapping[str, Any]) -> CommitReply:
+        previous = _field(cls.op, value, "previous")
+        return cls(_hex(cls.op, "version", _field(cls.op, value, "version")),
+                   _hex(cls.op, "previous", previous) if previous is not None else None)
+
+
+@dataclass(frozen=True)
+class RemoveReply:
+    """The workspace is gone; these are the versions it had, current first."""
+
+    op: ClassVar[str] = "remove"
+    versions: list[bytes]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"versions": [v.hex() for v in self.versions]}
+
+    @classmethod
+    def from_wire(cls, value: Mapping[str, Any]) -> RemoveReply:
+        return cls([_hex(cls.op, "versions", v)
+                    for v in _get(cls.op, value, "versions", list)])
+
+
+@dataclass(frozen=True)
+class RelayReply:
+    """The hop is open; `failed` names the nodes of its subtree that could not be reached
+    ({addr: cause})."""
+
+    op: ClassVar[str] = "relay"
+    failed: dict[str, str] = field(default_factory=dict)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"failed": self.failed}
+
+    @classmethod
+    def from_wire(cls, value: Mapping[str, Any]) -> RelayReply:
+        return cls(_failures(cls.op, value))
+
+
+@dataclass(frozen=True)
+class FlushReply:
+    """Everything sent so far is stored (and forwarded); `failed` is every failure seen in the
+    subtree as {addr: cause}, where "" is the node that answers."""
+
+    op: ClassVar[str] = "flush"
+    failed: dict[str, str] = field(default_factory=dict)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"failed": self.failed}
+
+    @classmethod
+    def from_wire(cls, value: Mapping[str, Any]) -> FlushReply:
+        return cls(_failures(cls.op, value))
+
+
+@dataclass(frozen=True)
+class BulkReply:
+    """The RDMA channel is open on the node; `qp` is its queue pair, for the sender to connect
+    to (read by rdma.RdmaSender.connect)."""
+
+    op: ClassVar[str] = "bulk"
+    qp: dict[str, Any]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"qp": self.qp}
+
+    @classmethod
+    def from_wire(cls, value: Mapping[str, Any]) -> BulkReply:
+        return cls(_get(cls.op, value, "qp", dict))
+
+
+@dataclass(frozen=True)
+class SpawnReply:
+    """The process started: its id on this connection (for `kill` and its events) and its pid."""
+
+    op: ClassVar[str] = "spawn"
+    proc: int
+    pid: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"proc": self.proc, "pid": self.pid}
+
+    @classmethod
+    def from_wire(cls, value: Mapping[str, Any]) -> SpawnReply:
+        return cls(_get(cls.op, value, "proc", int), _get(cls.op, value, "pid", int))
+
+
+@dataclass(frozen=True)
+class KillReply:
+    """The signal was sent. Carries nothing."""
+
+    op: ClassVar[str] = "kill"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def from_wire(cls, value: Mapping[str, Any]) -> KillReply:
+        if not isinstance(value, Mapping):
+            raise MalformedReply(f"malformed {cls.op} reply: expected an object, not {value!r}")
+        return cls()
+
+
+@dataclass(frozen=True)
+class FreePortReply:
+    """A TCP port nobody listened on when the node looked."""
+
+    op: ClassVar[str] = "free_port"
+    port: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"port": self.port}
+
+    @classmethod
+    def from_wire(cls, value: Mapping[str, Any]) -> FreePortReply:
+        return cls(_get(cls.op, value, "port", int))
+
+
+NodeReply = (StatusReply | PrepareReply | CommitReply | RemoveReply | RelayReply | FlushReply
+             | BulkReply | SpawnReply | KillReply | FreePortReply)
