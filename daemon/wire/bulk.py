@@ -72,10 +72,10 @@ class BulkSender(abc.ABC):
         self.bytes_sent = 0
 
     @abc.abstractmethod
-    async def send_chunk(self, cid: bytes, blob: bytes) -> None:
+    async def send_chunk(self, cid: bytes, blob: bytes | memoryview) -> None:
         """Hand one chunk to the transport; may wait for buffer space (credits)."""
 
-    async def send_chunks(self, batch: list[tuple[bytes, bytes]]) -> None:
+    async def send_chunks(self, batch: Sequence[tuple[bytes, bytes | memoryview]]) -> None:
         """Hand several (id, blob) pairs over, in order: what a pusher of many small chunks
         calls, so a transport can move them in fewer operations."""
         for cid, blob in batch:
@@ -155,10 +155,10 @@ class TcpBulkSender(BulkSender):
         super().__init__()
         self.chan = chan
 
-    async def send_chunk(self, cid: bytes, blob: bytes) -> None:
+    async def send_chunk(self, cid: bytes, blob: bytes | memoryview) -> None:
         await self.send_chunks([(cid, blob)])
 
-    async def send_chunks(self, batch: list[tuple[bytes, bytes]]) -> None:
+    async def send_chunks(self, batch: Sequence[tuple[bytes, bytes | memoryview]]) -> None:
         await self.chan.send_many([p.PutChunk(cid, blob) for cid, blob in batch])
         self.chunks_sent += len(batch)
         self.bytes_sent += sum(len(blob) for _, blob in batch)

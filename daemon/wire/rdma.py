@@ -122,7 +122,7 @@ class RdmaSender(BulkSender):
             self.engine.error = self.engine.error or str(e)
             self._check()
 
-    async def send_chunk(self, cid: bytes, blob: bytes) -> None:
+    async def send_chunk(self, cid: bytes, blob: bytes | memoryview) -> None:
         async with self._lock:
             self._check()
             self.engine.submit(cid, b"".join((blob, self._sealer.seal(cid, blob))))
