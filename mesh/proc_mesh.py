@@ -16,7 +16,6 @@ supervisor: the owning actor's `__supervise__`, or at the top the controller's r
 from __future__ import annotations
 
 import base64
-import itertools
 import logging
 import math
 import os
@@ -30,6 +29,7 @@ from typing import Any
 import trio
 
 from ..daemon.wire import protocol as p
+from ..daemon.wire.calls import Call, Calls
 from ..daemon.wire.limits import Limits, serve_listeners
 from ..daemon.wire.transport import Channel, ConnectionLost, accept, format_addr
 from . import wire
@@ -96,20 +96,19 @@ class Proc:
             pass  # the proc is gone; its failure is reported elsewhere
 
 
-class PendingCall:
-    """Replies expected from some ranks. Settled by the readers; failed all at once when the
-    mesh fails."""
+class PendingCall(Call[dict[int, Any]]):
+    """A call to some ranks: settled with the results by rank once every rank has answered
+    (or with the lowest rank's ActorError), or failed as a whole when the mesh fails."""
 
-    def __init__(self, cid: int, ranks: Iterable[int], actor: str, method: str) -> None:
-        self.id = cid
+    def __init__(self, ranks: Iterable[int], actor: str, method: str) -> None:
+        super().__init__()
         self.remaining = set(ranks)
         self.actor, self.method = actor, method
         self.results: dict[int, Any] = {}
         self.errors: dict[int, ActorError] = {}
-        self.exc: MeshError | None = None  # the whole call failed
-        self.done = trio.Event()
 
-    def settle(self, rank: int, value: Any = None, error: ActorError | None = None) -> None:
+    def answer(self, rank: int, value: Any = None, error: ActorError | None = None) -> None:
+        """One rank's answer (a reader calls this)."""
         if rank not in self.remaining:
             return
         self.remaining.discard(rank)
@@ -117,23 +116,14 @@ class PendingCall:
             self.errors[rank] = error
         else:
             self.results[rank] = value
-        if not self.remaining:
-            self.done.set()
-
-    def fail(self, exc: MeshError) -> None:
-        if self.done.is_set():  # every rank answered before the failure: the call succeeded
+        if self.remaining:
             return
-        self.exc = exc
-        self.done.set()
-
-    def outcome(self) -> dict[int, Any]:
-        if self.exc is not None:
-            raise self.exc
         if self.errors:
             first = self.errors[min(self.errors)]
             first.others = len(self.errors) - 1
-            raise first
-        return self.results
+            self.set_error(first)
+        else:
+            self.set_value(self.results)
 
 
 class MeshState:
@@ -152,9 +142,8 @@ class MeshState:
         self.failure: Failure | None = None
         self.stopping = False
         self.stopped = False
-        self.calls: dict[int, PendingCall] = {}
+        self.calls: Calls[PendingCall] = Calls()
         self.actors: set[str] = set()  # names of the actor meshes spawned on these procs
-        self.call_ids = itertools.count(1)
         self.trio_token = trio.lowlevel.current_trio_token()
         self._changed = trio.Event()
         self._scope: trio.CancelScope | None = None
@@ -184,8 +173,7 @@ class MeshState:
         if self.failure is not None:
             return
         self.failure = failure
-        for call in list(self.calls.values()):
-            call.fail(SupervisionError(failure, f"{call.actor}.{call.method}"))
+        self.calls.fail_all(lambda call: SupervisionError(failure, f"{call.actor}.{call.method}"))
         log.debug("mesh %s failed: %s", self.name, failure.describe())
         try:
             self.supervisor(failure)
@@ -204,12 +192,9 @@ class MeshState:
         """Queue one message to every rank in `ranks`, without waiting. With `reply`, the call
         whose replies the readers settle; without, the arguments are copied now (the caller
         may change them as soon as this returns)."""
-        cid = next(self.call_ids)
-        header = {"op": op, "call": cid if reply else None, "actor": actor, **fields}
+        pending = self.calls.add(PendingCall(ranks, actor, method)) if reply else None
+        header = {"op": op, "call": pending.id if pending else None, "actor": actor, **fields}
         msg = wire.encode(header, (args, kwargs), has_body=True, copy=not reply)
-        pending = None
-        if reply:
-            pending = self.calls[cid] = PendingCall(cid, ranks, actor, method)
         for rank in ranks:
             self.procs[rank].post(msg)
         return pending
@@ -217,10 +202,9 @@ class MeshState:
     async def wait_call(self, pending: PendingCall) -> dict[int, Any]:
         """The results of a posted call, by rank (or what it raised)."""
         try:
-            await pending.done.wait()
+            return await pending.result()
         finally:
-            self.calls.pop(pending.id, None)
-        return pending.outcome()
+            self.calls.remove(pending)
 
     # ---- events from the daemons -------------------------------------------------------
 
@@ -308,7 +292,7 @@ class MeshState:
             if call is None:
                 return
             if op == "error":
-                call.settle(proc.rank, error=ActorError(
+                call.answer(proc.rank, error=ActorError(
                     str(h.get("actor", call.actor)), str(h.get("method", call.method)),
                     proc.rank, str(proc.info), str(h.get("type", "Exception")),
                     str(h.get("message", "")), str(h.get("traceback", ""))))
@@ -316,11 +300,11 @@ class MeshState:
             try:
                 value = wire.body(msg)
             except Exception as e:
-                call.settle(proc.rank, error=ActorError(
+                call.answer(proc.rank, error=ActorError(
                     call.actor, call.method, proc.rank, str(proc.info), type(e).__name__,
                     f"the result could not be unpickled here: {e}", ""))
             else:
-                call.settle(proc.rank, value)
+                call.answer(proc.rank, value)
         elif op == "failure":  # an actor did not handle the failure of a mesh it owns
             nested = str(h.get("description", "a mesh it owns failed"))
             reason = f"actor {h.get('actor')!r} did not handle a failure of its mesh: {nested}"
@@ -410,8 +394,7 @@ class MeshState:
                     await self.launcher.kill(proc.host, proc.proc_id, signal.SIGKILL)
             await exits()
         self.stopped = True
-        for call in list(self.calls.values()):
-            call.fail(MeshError(f"proc mesh {self.name!r} was stopped"))
+        self.calls.fail_all(lambda call: MeshError(f"proc mesh {self.name!r} was stopped"))
         for proc in self.procs:
             proc.outbox.close()
         if self._scope is not None:
