@@ -10,7 +10,7 @@ calls, and use the synchronous mesh API themselves).
 
 An actor may spawn meshes of its own through `self.hosts`. The owner holds the daemon
 connections, so the launch requests and the procs' events travel through it (see
-proc_mesh.MeshState._serve_owner_request); the new procs connect to this proc directly. Their
+owner.OwnerService._serve_owner_request); the new procs connect to this proc directly. Their
 failures go to the actor's `__supervise__`; what it does not handle travels up to the owner.
 
 The runtime exits when told to stop, or as soon as its owner's connection ends: a proc never
@@ -43,7 +43,8 @@ from . import wire
 from .actor import is_endpoint
 from .errors import Failure, MeshError, SpawnError
 from .hosts import HostInfo, Launcher, OnEvent
-from .proc_mesh import MESH_MAX_FRAME, print_output
+from .mesh_state import print_output
+from .owner import MESH_MAX_FRAME
 
 EXIT_OWNER_GONE = 3
 OUTBOX_SIZE = 16  # messages queued for the owner before those who answer wait for the link
