@@ -8,6 +8,7 @@ also makes the network-namespace harness importable as `tests.netns`).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from monarch_fs.daemon.client import cluster
 from monarch_fs.daemon.client.push import fmt_bytes as _fmt_bytes
+from tests.netns import NetnsUnsupported
 
 MiB = 1024 * 1024
 BENCH = Path(__file__).resolve().parent
@@ -372,13 +374,36 @@ def remove_work(work: Path) -> None:
     shutil.rmtree(work, ignore_errors=True)
 
 
-def run_in_work(cache: Path, measure: Callable[[Path], dict]) -> int:
-    """A workload run on its own: `measure(work)` in a fresh folder under the cache, whose
-    result is printed as JSON."""
-    cache.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="run-", dir=cache))
+def exit_codes(name: str, main: Callable[[], int]) -> int:
+    """Run a network bench's main: a machine that cannot make network namespaces exits 2, a
+    failed or wrong run exits 1, each said in one line instead of a traceback."""
     try:
-        result = measure(work)
+        return main()
+    except NetnsUnsupported as e:
+        print(f"{name}: cannot run here: {e}", file=sys.stderr)
+        return 2
+    except BenchError as e:
+        print(f"\n{name}: FAILED: {e}", file=sys.stderr)
+        return 1
+
+
+def workload_main(argv: list[str] | None, doc: str,
+                  options: Sequence[tuple[str, dict]],
+                  measure: Callable[[Path, argparse.Namespace], dict]) -> int:
+    """A workload bench run on its own: its options (flag, add_argument keywords) plus the
+    runs and cache every workload takes; `measure(work, args)` runs in a fresh folder under
+    the cache, and its result is printed as JSON."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    for flag, spec in options:
+        parser.add_argument(flag, **spec)
+    parser.add_argument("--cold-runs", type=int, default=3)
+    parser.add_argument("--warm-runs", type=int, default=5)
+    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    args = parser.parse_args(argv)
+    args.cache.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="run-", dir=args.cache))
+    try:
+        result = measure(work, args)
     finally:
         remove_work(work)
     print(json.dumps(result, indent=1))

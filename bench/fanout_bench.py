@@ -49,10 +49,10 @@ import threading
 import time
 from pathlib import Path
 
-from tests.netns import NetCluster, NetnsUnsupported, rate_bytes_per_second
+from tests.netns import NetCluster, rate_bytes_per_second
 
 from . import fanout_model as model
-from .common import CLK_TCK, REPO, BenchError, MiB
+from .common import CLK_TCK, REPO, BenchError, MiB, exit_codes
 
 FILE_BYTES = 64 * MiB  # payload file size: 16 chunks each
 WORKSPACE = "payload"
@@ -453,22 +453,15 @@ def main(argv: list[str] | None = None) -> int:
         print("warning: other processes keep the CPUs busy; CPU-bound runs will be slower and "
               "noisier (the report says how much CPU others took per run)", file=sys.stderr)
     runs = []
-    try:
-        for n in args.nodes:
-            for topology in args.topologies:
-                t = time.monotonic()
-                print(f"  {topology:>5} N={n} ...", end="", flush=True, file=sys.stderr)
-                run = run_one(src, payload, topology, n, args)
-                runs.append(run)
-                print(f" {run['seconds']:.2f}s, egress x{run['egress_ratio']:.3f}, CPU "
-                      f"{run['cpu_busy']:.0%} ({time.monotonic() - t:.0f}s with set-up)",
-                      file=sys.stderr)
-    except NetnsUnsupported as e:
-        print(f"fanout_bench: cannot run here: {e}", file=sys.stderr)
-        return 2
-    except BenchError as e:
-        print(f"\nfanout_bench: FAILED: {e}", file=sys.stderr)
-        return 1
+    for n in args.nodes:
+        for topology in args.topologies:
+            t = time.monotonic()
+            print(f"  {topology:>5} N={n} ...", end="", flush=True, file=sys.stderr)
+            run = run_one(src, payload, topology, n, args)
+            runs.append(run)
+            print(f" {run['seconds']:.2f}s, egress x{run['egress_ratio']:.3f}, CPU "
+                  f"{run['cpu_busy']:.0%} ({time.monotonic() - t:.0f}s with set-up)",
+                  file=sys.stderr)
 
     config = {"payload_bytes": payload, "files": len(list(src.iterdir())), "seed": args.seed,
               "rate": args.rate, "link_bytes_per_s": bandwidth, "fanout": args.fanout,
@@ -502,4 +495,4 @@ def write_report(report: dict, stem: Path) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_codes("fanout_bench", main))

@@ -30,7 +30,6 @@ runs.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -53,8 +52,8 @@ from .common import (
     own_disk_kib,
     rounds,
     run,
-    run_in_work,
     summary,
+    workload_main,
 )
 
 STAGE_VERSION = 1
@@ -228,17 +227,16 @@ def measure(work: Path, cache: Path = DEFAULT_CACHE, module: str = "torch", cold
     return result
 
 
+OPTIONS = [
+    ("--module", {"default": "torch"}),
+    ("--exclude", {"action": "append", "default": [],
+                   "help": "leave these out of the push (e.g. torch, for a quick run)"}),
+]
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--module", default="torch")
-    parser.add_argument("--exclude", action="append", default=[],
-                        help="leave these out of the push (e.g. torch, for a quick run)")
-    parser.add_argument("--cold-runs", type=int, default=3)
-    parser.add_argument("--warm-runs", type=int, default=5)
-    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
-    args = parser.parse_args(argv)
-    return run_in_work(args.cache, lambda work: measure(
-        work, args.cache, args.module, args.cold_runs, args.warm_runs, tuple(args.exclude)))
+    return workload_main(argv, __doc__, OPTIONS, lambda work, a: measure(
+        work, a.cache, a.module, a.cold_runs, a.warm_runs, tuple(a.exclude)))
 
 
 if __name__ == "__main__":

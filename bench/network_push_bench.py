@@ -47,9 +47,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.netns import NetCluster, NetnsUnsupported
+from tests.netns import NetCluster
 
-from .common import DEFAULT_CACHE, RESULTS, BenchError, fmt_bytes, log, machine_facts, median
+from .common import (
+    DEFAULT_CACHE,
+    RESULTS,
+    BenchError,
+    exit_codes,
+    fmt_bytes,
+    log,
+    machine_facts,
+    median,
+)
 from .push_bench import ensure_tree
 
 RSYNC_PORT = 8730
@@ -294,15 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     now = datetime.datetime.now()
-    try:
-        report = measure(args.size_mb, args.nodes, args.rate, args.store_dir, args.cache)
-    except NetnsUnsupported as e:
-        print(f"network_push_bench: cannot run here: {e}", file=sys.stderr)
-        return 2
-    except BenchError as e:
-        print(f"network_push_bench: FAILED: {e}", file=sys.stderr)
-        return 1
-    report = {"date": now.isoformat(timespec="seconds"), **report}
+    report = {"date": now.isoformat(timespec="seconds"),
+              **measure(args.size_mb, args.nodes, args.rate, args.store_dir, args.cache)}
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"netpush-{now:%Y%m%d-%H%M%S}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
@@ -313,4 +315,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_codes("network_push_bench", main))

@@ -22,7 +22,6 @@ the warm mount runs, and the bytes read through the mount are checked against th
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -42,8 +41,8 @@ from .common import (
     log,
     own_disk_kib,
     rounds,
-    run_in_work,
     summary,
+    workload_main,
 )
 
 GENERATOR_VERSION = 1
@@ -164,14 +163,9 @@ def measure(work: Path, cache: Path = DEFAULT_CACHE, size_mb: int = 1024, cold_r
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size-mb", type=int, default=1024)
-    parser.add_argument("--cold-runs", type=int, default=3)
-    parser.add_argument("--warm-runs", type=int, default=5)
-    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
-    args = parser.parse_args(argv)
-    return run_in_work(args.cache, lambda work: measure(
-        work, args.cache, args.size_mb, args.cold_runs, args.warm_runs))
+    return workload_main(argv, __doc__, [("--size-mb", {"type": int, "default": 1024})],
+                         lambda work, a: measure(work, a.cache, a.size_mb, a.cold_runs,
+                                                 a.warm_runs))
 
 
 if __name__ == "__main__":

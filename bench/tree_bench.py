@@ -24,7 +24,6 @@ the listings.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -42,8 +41,8 @@ from .common import (
     own_disk_kib,
     rounds,
     run,
-    run_in_work,
     summary,
+    workload_main,
 )
 
 GENERATOR_VERSION = 1
@@ -162,14 +161,8 @@ def measure(work: Path, cache: Path = DEFAULT_CACHE, files: int = 100_000, cold_
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--files", type=int, default=100_000)
-    parser.add_argument("--cold-runs", type=int, default=3)
-    parser.add_argument("--warm-runs", type=int, default=5)
-    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
-    args = parser.parse_args(argv)
-    return run_in_work(args.cache, lambda work: measure(
-        work, args.cache, args.files, args.cold_runs, args.warm_runs))
+    return workload_main(argv, __doc__, [("--files", {"type": int, "default": 100_000})],
+                         lambda work, a: measure(work, a.cache, a.files, a.cold_runs, a.warm_runs))
 
 
 if __name__ == "__main__":

@@ -110,14 +110,14 @@ class Settings:
     @property
     def rdma_slots(self) -> int:
         """MONARCH_FS_RDMA_SLOTS (16): buffers in the ring a sender proposes."""
-        from .daemon.wire.rdma_logic import DEFAULT_SLOTS
+        from .daemon.wire.rdma_format import DEFAULT_SLOTS
 
         return self._int("MONARCH_FS_RDMA_SLOTS", DEFAULT_SLOTS)
 
     @property
     def rdma_slot_size(self) -> int:
         """MONARCH_FS_RDMA_SLOT_SIZE (1 MiB), in bytes: the size of each of those buffers."""
-        from .daemon.wire.rdma_logic import DEFAULT_SLOT_SIZE
+        from .daemon.wire.rdma_format import DEFAULT_SLOT_SIZE
 
         return self._int("MONARCH_FS_RDMA_SLOT_SIZE", DEFAULT_SLOT_SIZE)
 

@@ -1,6 +1,7 @@
-"""A fake pyverbs for driving daemon/wire/rdma.py without hardware.
+"""A fake pyverbs for driving daemon/wire/rdma.py (and rdma_endpoint.py, rdma_devices.py)
+without hardware.
 
-It implements the slice of the pyverbs API rdma.py uses, with the signatures of rdma-core's
+It implements the slice of the pyverbs API those modules use, with the signatures of rdma-core's
 pyverbs (checked against rdma-core 44 and pyverbs 59), over an in-process fabric: memory regions
 are bytearrays at fake addresses, RDMA WRITE/READ copy between them (checking rkeys and bounds),
 a SEND or WRITE WITH IMM consumes a posted receive at the target or fails loudly (an RNR on real
@@ -417,7 +418,7 @@ class SRDQPEx(_QPBase):
 
 def install(monkeypatch, devices: list[dict], *, layout: str = "44", seed: int = 0) -> Fabric:
     """Put the fake in sys.modules (rdma-core 44's flat `pyverbs.enums`, or pyverbs 59's enum
-    classes in `pyverbs.libibverbs_enums`) and reset rdma.py's caches."""
+    classes in `pyverbs.libibverbs_enums`) and reset rdma_devices.py's caches."""
     global FABRIC
     FABRIC = Fabric(devices, seed)
     mods = {}
@@ -455,10 +456,10 @@ def install(monkeypatch, devices: list[dict], *, layout: str = "44", seed: int =
         monkeypatch.delitem(sys.modules, name)
     for name, m in mods.items():
         monkeypatch.setitem(sys.modules, name, m)
-    from monarch_fs.daemon.wire import rdma
+    from monarch_fs.daemon.wire import rdma_devices
 
     for attr in ("_enums", "_efa_enums", "_probed"):
-        monkeypatch.setattr(rdma, attr, None)
+        monkeypatch.setattr(rdma_devices, attr, None)
     return FABRIC
 
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import trio
 
-from monarch_fs.daemon.wire import bulk, rdma
+from monarch_fs.daemon.wire import bulk, rdma_devices
 from monarch_fs.daemon.wire import protocol as p
-from monarch_fs.daemon.wire.protocol import Connection, Role
+from monarch_fs.daemon.wire.connection import Connection, Role
 from monarch_fs.daemon.wire.transport import Channel
 
 
 def host_has_rdma() -> bool:
-    devices, _ = rdma.probe_devices()
+    devices, _ = rdma_devices.probe_devices()
     return any(bulk.device_mode(d)[0] for d in devices)
 
 

@@ -23,12 +23,12 @@ import pytest
 import trio
 
 from monarch_fs.daemon.client.push import push
-from monarch_fs.daemon.wire import protocol
+from monarch_fs.daemon.wire import frames
 from monarch_fs.daemon.wire.auth import load_token
 from monarch_fs.daemon.wire.limits import LogOnce
 from monarch_fs.daemon.wire.transport import ConnectError, connect
 
-_HEADER = struct.Struct("<IB")  # a frame's payload length and type (daemon/wire/protocol.py)
+_HEADER = struct.Struct("<IB")  # a frame's payload length and type (daemon/wire/frames.py)
 
 
 @contextmanager
@@ -67,10 +67,10 @@ def greeted(socks: list[socket.socket]) -> tuple[int, list[str]]:
     hellos, errors = 0, []
     for s in socks:
         ftype, payload = first_frame(s)
-        if ftype == protocol.FrameType.HELLO:
+        if ftype == frames.FrameType.HELLO:
             hellos += 1
         else:
-            assert ftype == protocol.FrameType.ERROR, ftype
+            assert ftype == frames.FrameType.ERROR, ftype
             errors.append(json_message(payload))
             assert s.recv(1) == b""  # and closed at once
     return hellos, errors
@@ -158,7 +158,7 @@ async def test_a_peer_that_says_nothing_is_dropped_after_the_handshake_timeout(l
     with flood(d.addr, 5, "127.0.0.2") as socks:
         t = time.monotonic()
         for s in socks:
-            assert first_frame(s)[0] == protocol.FrameType.HELLO
+            assert first_frame(s)[0] == frames.FrameType.HELLO
         for s in socks:
             assert s.recv(1) == b""  # dropped
         waited = time.monotonic() - t
@@ -170,7 +170,7 @@ async def test_a_peer_that_says_nothing_is_dropped_after_the_handshake_timeout(l
 
 @pytest.mark.mount
 async def test_an_idle_unauthenticated_connection_costs_less_than_32_kib(lone_daemon):
-    """262 KiB each before protocol.py kept its receive buffer small until the peer has
+    """262 KiB each before connection.py kept its receive buffer small until the peer has
     authenticated (1,000 idle connections took 262 MB)."""
     d = lone_daemon("--max-connections", "1000", "--max-connections-per-peer", "1000",
                     "--handshake-timeout", "60")

@@ -9,19 +9,22 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from monarch_fs.daemon.wire.protocol import (
+from monarch_fs.daemon.wire.connection import (
     CLOSED,
     IN_PLACE,
-    MAX_FRAME,
     NEED_DATA,
+    Connection,
+    Role,
+    State,
+)
+from monarch_fs.daemon.wire.frames import MAX_FRAME, FrameType
+from monarch_fs.daemon.wire.protocol import (
     PROTOCOL_VERSION,
     Auth,
     AuthError,
-    Connection,
     Data,
     Error,
     Event,
-    FrameType,
     Hello,
     MissingIds,
     ProtocolError,
@@ -29,8 +32,6 @@ from monarch_fs.daemon.wire.protocol import (
     QueryMissing,
     Reply,
     Request,
-    Role,
-    State,
     TruncatedFrame,
     Welcome,
 )

@@ -14,15 +14,15 @@ from functools import partial
 import pytest
 import trio
 
-from monarch_fs.daemon.wire import bulk, rdma
+from monarch_fs.daemon.wire import bulk, rdma_devices
 from rdma_helpers import channel_pair, serve_bulk
 
 
 def _skip_reason() -> str | None:
-    ok, why = rdma.pyverbs_available()
+    ok, why = rdma_devices.pyverbs_available()
     if not ok:
         return why  # "pyverbs not installed"
-    devices, why = rdma.probe_devices()
+    devices, why = rdma_devices.probe_devices()
     if not devices:
         return f"no RDMA device ({why})"  # "no RDMA device (ibv_get_device_list is empty)"
     if not any(bulk.device_mode(d)[0] for d in devices):
@@ -42,7 +42,7 @@ def _modes() -> list[str]:
 
 
 def test_probe_describes_the_devices():
-    devices, why = rdma.probe_devices()
+    devices, why = rdma_devices.probe_devices()
     assert devices and why == ""
     for d in devices:
         assert d["kind"] in ("ib", "roce", "efa", "iwarp") and d["port"] >= 1

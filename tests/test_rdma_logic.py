@@ -16,34 +16,33 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from monarch_fs.daemon.wire import bulk, rdma
-from monarch_fs.daemon.wire.rdma_logic import (
-    HEADER_SIZE,
-    MIN_SLOT_SIZE,
-    RC,
+from monarch_fs.daemon.wire import bulk, rdma_devices
+from monarch_fs.daemon.wire.rdma_engines import (
     READ_DONE,
     RECV,
     RECV_IMM,
     SEND_DONE,
-    SRD,
     Backoff,
-    BulkProtocolError,
     Completion,
-    CreditWindow,
-    Fragment,
     PostRecv,
     ReadData,
-    Reassembler,
     ReceiverEngine,
-    ReorderBuffer,
-    Ring,
     SenderEngine,
+)
+from monarch_fs.daemon.wire.rdma_format import (
+    HEADER_SIZE,
+    MIN_SLOT_SIZE,
+    RC,
+    SRD,
+    BulkProtocolError,
+    Fragment,
     check_geometry,
     decode_credit,
     encode_credit,
     fragments,
     unwrap32,
 )
+from monarch_fs.daemon.wire.rdma_ring import CreditWindow, Reassembler, ReorderBuffer, Ring
 from monarch_fs.daemon.wire.seal import ChunkSealer
 from monarch_fs.daemon.wire.transport import RemoteError
 from rdma_helpers import channel_pair, host_has_rdma, serve_bulk
@@ -387,7 +386,7 @@ def test_completion_errors_stop_both_engines():
 
 def test_enum_shim_reads_the_rdma_core_44_layout():
     old = types.SimpleNamespace(IBV_WR_RDMA_WRITE_WITH_IMM=1, IBV_WC_RECV=128)
-    E = rdma.Enums([old])
+    E = rdma_devices.Enums([old])
     assert E.IBV_WR_RDMA_WRITE_WITH_IMM == 1 and E.IBV_WC_RECV == 128
     with pytest.raises(AttributeError, match="IBV_NOPE"):
         E.IBV_NOPE  # noqa: B018 (the lookup is what raises)
@@ -405,19 +404,19 @@ def test_enum_shim_reads_the_pyverbs_59_layout():
 
     new = types.ModuleType("libibverbs_enums")
     new.ibv_wr_opcode, new.ibv_access_flags = ibv_wr_opcode, ibv_access_flags
-    E = rdma.Enums([new])
+    E = rdma_devices.Enums([new])
     assert E.IBV_WR_RDMA_WRITE_WITH_IMM == 1
     assert E.IBV_ACCESS_LOCAL_WRITE | E.IBV_ACCESS_REMOTE_WRITE == 3
 
 
 def test_enum_shim_against_the_installed_pyverbs():
-    ok, why = rdma.pyverbs_available()
+    ok, why = rdma_devices.pyverbs_available()
     if not ok:
         pytest.skip(why)
-    E = rdma.enums()
+    E = rdma_devices.enums()
     assert E.IBV_WR_RDMA_WRITE_WITH_IMM == 1  # fixed by the verbs ABI
     assert E.IBV_WC_RECV_RDMA_WITH_IMM == 129 and E.IBV_QPT_RC == 2
-    assert rdma.efa_enums().EFADV_QP_DRIVER_TYPE_SRD == 0
+    assert rdma_devices.efa_enums().EFADV_QP_DRIVER_TYPE_SRD == 0
 
 
 # ---- choosing a transport ------------------------------------------------------------------------
@@ -565,7 +564,7 @@ def test_transport_selection_through_the_command_line(fresh_cluster, tmp_path):
     assert not (tmp_path / "s").exists()  # refused before touching anything
 
 
-# ---- rdma.py itself, over a fake verbs layer (tests/fake_pyverbs.py) -----------------------------
+# ---- rdma.py and its endpoint, over a fake verbs layer (tests/fake_pyverbs.py) ------------------
 
 
 FAKE_DEVICES = {RC: [dict(name="rxe0", link="eth")],
@@ -575,7 +574,7 @@ FAKE_DEVICES = {RC: [dict(name="rxe0", link="eth")],
 @pytest.mark.parametrize("layout", ["44", "59"])
 @pytest.mark.parametrize("mode", [RC, SRD])
 async def test_rdma_driver_over_fake_verbs(monkeypatch, mode, layout):
-    """rdma.py's Endpoint, RdmaSender and RdmaReceiver, through bulk.open_sender() and
+    """rdma_endpoint.Endpoint, RdmaSender and RdmaReceiver, through bulk.open_sender() and
     accept_receiver(), on either pyverbs enum layout: small rings so credits run out, blobs
     spanning several slots, a slow receiver; every chunk arrives intact and in order."""
     import fake_pyverbs
@@ -583,7 +582,7 @@ async def test_rdma_driver_over_fake_verbs(monkeypatch, mode, layout):
     fabric = fake_pyverbs.install(monkeypatch, FAKE_DEVICES[mode], layout=layout, seed=3)
     monkeypatch.setenv("MONARCH_FS_RDMA_SLOTS", "3")
     monkeypatch.setenv("MONARCH_FS_RDMA_SLOT_SIZE", "8192")
-    devices, why = rdma.probe_devices()
+    devices, why = rdma_devices.probe_devices()
     assert why == "" and [d["kind"] for d in devices] == [{RC: "roce", SRD: "efa"}[mode]]
     local = bulk.resolve_local("rdma")
     assert bulk.choose_for_peer(local, "auto", local.info())[0] == mode
@@ -658,11 +657,11 @@ def test_probe_over_fake_verbs(monkeypatch):
     import fake_pyverbs
 
     fake_pyverbs.install(monkeypatch, [])
-    assert rdma.probe_devices() == ([], "ibv_get_device_list is empty")
+    assert rdma_devices.probe_devices() == ([], "ibv_get_device_list is empty")
     fake_pyverbs.install(monkeypatch, [dict(name="siw0", link="eth", iwarp=True),
                                        dict(name="mlx5_0", active=False),
                                        dict(name="efa0", efa=True, rdma_read=False)])
-    devices, _ = rdma.probe_devices()
+    devices, _ = rdma_devices.probe_devices()
     assert [(d["name"], d["kind"], d["active"]) for d in devices] == [
         ("siw0", "iwarp", True), ("mlx5_0", "ib", False), ("efa0", "efa", True)]
     with pytest.raises(bulk.TransportUnavailable) as e:

@@ -24,8 +24,10 @@ import trio
 
 from monarch_fs.daemon.client.push import PushError, push
 from monarch_fs.daemon.node.service import NodeService, open_listeners
-from monarch_fs.daemon.wire import bulk, rdma, rdma_logic
-from monarch_fs.daemon.wire.rdma_logic import RC, SRD
+from monarch_fs.daemon.wire import bulk, rdma
+from monarch_fs.daemon.wire.rdma_engines import SenderEngine
+from monarch_fs.daemon.wire.rdma_format import HEADER_SIZE, RC, SRD
+from monarch_fs.daemon.wire.rdma_ring import Ring
 from monarch_fs.fs import chunk
 from monarch_fs.mesh.loop import service_nursery
 
@@ -56,7 +58,7 @@ def _source(tmp_path: Path) -> dict[str, bytes]:
     """Incompressible files (so blobs are as large as the data): empty, one byte, exactly one
     slot's payload, just over it, and several spanning many slots."""
     rnd = random.Random(7)
-    payload = SLOT_SIZE - rdma_logic.HEADER_SIZE
+    payload = SLOT_SIZE - HEADER_SIZE
     sizes = [0, 1, payload, payload + 1, 30_000, 100_000, 250_000] + [rnd.randrange(1, 50_000)
                                                                       for _ in range(12)]
     files = {f"f{i:02d}.bin": rnd.randbytes(size) for i, size in enumerate(sizes)}
@@ -81,7 +83,7 @@ def instrumented(monkeypatch):
         seen["channels"].append((chan.peer, mode, sender))
         return sender
 
-    work = rdma_logic.SenderEngine.work
+    work = SenderEngine.work
 
     def counting_work(self):
         out = work(self)
@@ -89,7 +91,7 @@ def instrumented(monkeypatch):
             seen["stalls"] += 1
         return out
 
-    fill = rdma_logic.Ring.fill
+    fill = Ring.fill
 
     def checking_fill(self, fseq):
         seen["ahead"] = max(seen["ahead"], fseq - self.released + 1)
@@ -97,8 +99,8 @@ def instrumented(monkeypatch):
         return fill(self, fseq)
 
     monkeypatch.setattr(rdma.RdmaSender, "connect", classmethod(recording_connect))
-    monkeypatch.setattr(rdma_logic.SenderEngine, "work", counting_work)
-    monkeypatch.setattr(rdma_logic.Ring, "fill", checking_fill)
+    monkeypatch.setattr(SenderEngine, "work", counting_work)
+    monkeypatch.setattr(Ring, "fill", checking_fill)
     return seen
 
 

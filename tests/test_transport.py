@@ -19,17 +19,16 @@ from monarch_fs.daemon.wire.auth import (
     resolve_token,
     write_new_token,
 )
+from monarch_fs.daemon.wire.connection import Connection, Role
+from monarch_fs.daemon.wire.frames import FrameType
 from monarch_fs.daemon.wire.protocol import (
     AuthError,
-    Connection,
     Error,
     Event,
-    FrameType,
     Hello,
     PutChunk,
     Reply,
     Request,
-    Role,
 )
 from monarch_fs.daemon.wire.transport import (
     Channel,

@@ -1,5 +1,5 @@
 """Cluster token files. Every node and client of a cluster shares one secret token; it is only
-ever used as an HMAC key (see protocol.py), so it never crosses the wire.
+ever used as an HMAC key (see handshake.py), so it never crosses the wire.
 
 There is no tokenless mode: a daemon without a credential would run anything for anyone who
 can reach its port (root, for every local user, on loopback). resolve_token() is the one place

@@ -31,13 +31,13 @@ from dataclasses import dataclass, field
 import trio
 
 from . import protocol as p
-from .rdma_logic import RC, SRD, TCP
+from .rdma_format import RC, SRD, TCP
 
 log = logging.getLogger("monarch_fs.transport")
 
 TRANSPORTS = ("auto", "tcp", "rdma")
 
-Deliver = Callable[[bytes, bytes], Awaitable[None]]
+Deliver = Callable[[bytes, bytes | memoryview], Awaitable[None]]  # a received chunk's id, blob
 
 
 class TransportUnavailable(ValueError):
@@ -109,7 +109,7 @@ class BulkReceiver(abc.ABC):
     async def run(self) -> None:
         """Receive and deliver until closed or failed (run it in a nursery)."""
 
-    async def _delivered(self, cid: bytes, blob: bytes) -> None:
+    async def _delivered(self, cid: bytes, blob: bytes | memoryview) -> None:
         await self.deliver(cid, blob)
         self.chunks_delivered += 1
         self.bytes_delivered += len(blob)
@@ -221,10 +221,14 @@ def device_mode(dev: dict) -> tuple[str | None, str]:
 
 
 def _usable(devices: Sequence[dict] | None) -> tuple[list[dict], str]:
-    good, why = [], []
+    good: list[dict] = []
+    why: list[str] = []
     for d in devices or ():
         mode, reason = device_mode(d)
-        (good if mode else why).append(d if mode else reason)
+        if mode:
+            good.append(d)
+        else:
+            why.append(reason)
     return good, "; ".join(why)
 
 
@@ -237,9 +241,10 @@ def match_devices(local: Sequence[dict], peer: Sequence[dict] | None
 def _pair(mine: list[dict], theirs: list[dict]) -> tuple[str, dict, dict] | None:
     """match_devices() on devices already known to be usable."""
     for a in mine:
+        mode = device_mode(a)[0]
         for b in theirs:
-            if a["kind"] == b["kind"]:  # ib-ib, roce-roce (RC); efa-efa (SRD)
-                return device_mode(a)[0], a, b
+            if mode is not None and a["kind"] == b["kind"]:  # ib-ib, roce-roce (RC); efa-efa (SRD)
+                return mode, a, b
     return None
 
 
@@ -304,7 +309,9 @@ def resolve_local(requested: str = "auto", *, probe: Callable[[], tuple[list[dic
     if requested == "tcp":
         return LocalTransport(requested, TCP, "--transport tcp")
     if probe is None:
-        from .rdma import probe_devices as probe
+        from .rdma_devices import probe_devices
+
+        probe = probe_devices
     devices, why = probe()
     good, bad = _usable(devices)
     if good:
@@ -387,7 +394,7 @@ def accept_receiver(local: LocalTransport, args: dict, deliver: Deliver,
     dev = next((d for d in local.devices
                 if (device_mode(d)[0] == kind and (not args.get("device_kind")
                                                    or d["kind"] == args["device_kind"]))), None)
-    if dev is None:
+    if dev is None or not isinstance(kind, str):
         raise BulkRefused(f"this node has no {kind!r} device")
     from . import rdma
 

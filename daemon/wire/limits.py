@@ -68,7 +68,8 @@ class LogOnce:
             return False
         if len(self._seen) > 4096:  # many peers: forget those not heard of for an interval
             self._seen = {k: v for k, v in self._seen.items() if now - v[0] < self.interval}
-        more = f" ({count} more times in the last {now - last:.0f}s)" if count else ""
+        more = (f" ({count} more times in the last {now - last:.0f}s)"
+                if count and last is not None else "")
         self.logger.log(level, msg + more, *args)
         self._seen[key] = (now, 0)
         return True

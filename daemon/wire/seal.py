@@ -1,7 +1,7 @@
 """Session keys and sealed frames: every frame after the handshake is authenticated, and
 optionally encrypted, with AES-256-GCM under a key only the two ends of that session know.
 
-The handshake (protocol.py) proves that both ends hold the token, but a man in the middle can
+The handshake (handshake.py) proves that both ends hold the token, but a man in the middle can
 relay it and then write frames of its own; chunk ids (xxh3) are no defence either, since they
 are not collision-resistant against an adversary. So each side derives two keys from the token
 and both nonces (one per direction), and every later frame carries a 16-byte GCM tag over its

@@ -33,17 +33,18 @@ def choose(kind: str, nodes: int, payload: int) -> str:
 def plan(hosts: Sequence[str], kind: str, fanout: int = 2) -> list[dict]:
     if kind not in KINDS or kind == "auto":
         raise ValueError(f"unknown topology {kind!r}")
-    nodes = [{"addr": h, "children": []} for h in hosts]
+    children: list[list[dict]] = [[] for _ in hosts]
+    nodes: list[dict] = [{"addr": h, "children": c} for h, c in zip(hosts, children)]
     if kind == "star" or not nodes:
         return nodes
     if kind == "chain":
-        for parent, child in zip(nodes, nodes[1:]):
-            parent["children"].append(child)
+        for below, child in zip(children, nodes[1:]):
+            below.append(child)
         return nodes[:1]
     if fanout < 1:
         raise ValueError("--fanout must be at least 1")
     for i, node in enumerate(nodes[1:], start=1):  # heap order: node i's parent is (i-1)//k
-        nodes[(i - 1) // fanout]["children"].append(node)
+        children[(i - 1) // fanout].append(node)
     return nodes[:1]
 
 

@@ -1,4 +1,4 @@
-"""TCP transport on trio: a socket stream driving a protocol.Connection.
+"""TCP transport on trio: a socket stream driving a connection.Connection.
 
 connect() and accept() run the authenticated handshake and hand back a Channel; everything the
 caller sees afterwards is protocol messages. Failures to reach or authenticate a peer surface as
@@ -15,12 +15,10 @@ from typing import Any
 import trio
 
 from .calls import Call, Calls
+from .connection import CLOSED, NEED_DATA, Connection, Role, State
 from .protocol import (
-    CLOSED,
-    NEED_DATA,
     Auth,
     AuthError,
-    Connection,
     Error,
     Event,
     Hello,
@@ -30,8 +28,6 @@ from .protocol import (
     QueryMissing,
     Reply,
     Request,
-    Role,
-    State,
     TruncatedFrame,
     Welcome,
 )
@@ -176,7 +172,7 @@ class Channel:
         self.conn = conn
         self.peer = peer
         # A socket is written with sendmsg and read with recv_into: chunk payloads are not
-        # copied in user space on their way through (see protocol.py).
+        # copied in user space on their way through (see connection.py).
         self._sock = stream.socket if isinstance(stream, trio.SocketStream) else None
         self._lowat = 1
         self.info: dict = {}  # Welcome.info from the server (client side)

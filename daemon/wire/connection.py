@@ -1,0 +1,347 @@
+"""One side of one connection as a pure state machine (h11 style): bytes in, messages out.
+
+Keeping I/O out makes the protocol fuzzable and shared by every transport. This module holds
+the rules (which side may send or receive which frame in which state, the size limits) and the
+buffering; the messages are protocol.py's, their bytes frames.py's and handshake.py's.
+
+Limits are checked from a frame's header alone, before any payload is buffered, so a peer
+cannot make us allocate by claiming a huge frame. Until a peer has authenticated, only
+handshake frames (and Error) of at most 4096 bytes are accepted from it, into a 4 KiB receive
+buffer. From the Welcome on, every frame is sealed (seal.py; see handshake.py).
+
+Chunk payloads are most of the bytes, so they are not copied on the way through: send_parts()
+gives a frame as a list of buffers (a socket writes them with one sendmsg), and a large PUT_CHUNK
+or DATA frame is received in place, into a buffer of its own that get_buffer() hands to
+recv_into (the asyncio BufferedProtocol pattern); its payload arrives as a view of that buffer.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Callable
+
+from . import frames, handshake
+from .frames import HEADER, MAX_FRAME, MAX_HANDSHAKE_FRAME, Buffer, FrameType
+from .handshake import NONCE_SIZE
+from .protocol import (
+    PROTOCOL_VERSION,
+    Auth,
+    AuthError,
+    Hello,
+    Message,
+    ProtocolError,
+    TruncatedFrame,
+    Welcome,
+)
+from .seal import TAG_SIZE, Opener, Sealer, SealError, derive_keys
+
+IN_PLACE = 64 * 1024  # PUT_CHUNK and DATA frames this big are received into their own buffer
+_SCRATCH = 256 * 1024  # what get_buffer() offers between large frames
+_EARLY_SCRATCH = 4096  # ... and before the peer has authenticated
+
+
+class Role(enum.Enum):
+    CLIENT = "client"
+    SERVER = "server"
+
+
+class State(enum.Enum):
+    HANDSHAKE = "handshake"
+    READY = "ready"
+    CLOSED = "closed"  # the receive side is finished: EOF or a protocol error
+
+
+class NeedData:
+    """Sentinel type: more bytes are needed before the next event."""
+
+
+class Closed:
+    """Sentinel type: the peer closed the connection cleanly, between frames."""
+
+
+NEED_DATA = NeedData()
+CLOSED = Closed()
+
+# What may flow once both sides are authenticated; Event only goes server -> client.
+_DATA = {FrameType.REQUEST, FrameType.REPLY, FrameType.QUERY_MISSING, FrameType.MISSING_IDS,
+         FrameType.PUT_CHUNK, FrameType.DATA}  # fmt: skip
+_READY_FROM = {Role.CLIENT: _DATA, Role.SERVER: _DATA | {FrameType.EVENT}}
+
+
+class Connection:
+    """One side of one connection. Feed received bytes with receive_data(), pull events with
+    next_event(), and write out whatever send() returns."""
+
+    def __init__(
+        self,
+        role: Role,
+        token: bytes,
+        *,
+        encrypt: bool = False,
+        max_frame: int = MAX_FRAME,
+        nonce: Callable[[int], bytes] = os.urandom,
+    ) -> None:
+        """`encrypt`: a client asks for encrypted payloads, a server requires them."""
+        self.role = role
+        self.want_encrypt = encrypt
+        self.encrypted = False  # what both sides agreed, known once the Welcome has passed
+        self.bulk_key: bytes | None = None  # for chunks sent outside frames (seal.ChunkSealer)
+        self._sealer: Sealer | None = None  # set once the session keys exist
+        self._opener: Opener | None = None
+        self.state = State.HANDSHAKE
+        self.max_frame = max_frame
+        self._token = bytes(token)
+        self._nonce = nonce(NONCE_SIZE)
+        self._peer_nonce: bytes | None = None
+        self._sent: set[FrameType] = set()  # handshake frames we have sent
+        self._buf = bytearray()
+        self._frame: bytearray | None = None  # a large frame being received in place
+        self._got = 0  # bytes of self._frame received so far
+        self._scratch: memoryview | None = None  # get_buffer() between large frames
+        self._eof = False
+        self._error: ProtocolError | None = None
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def send(self, msg: Message) -> bytes:
+        """The bytes that carry `msg`. Raises ProtocolError if it may not be sent now."""
+        return b"".join(self.send_parts(msg))
+
+    def send_parts(self, msg: Message) -> list[Buffer]:
+        """send(), as a list of buffers to write in order: a chunk's blob or a DATA part is one
+        of them, not copied. Raises ProtocolError if `msg` may not be sent now."""
+        ftype = frames.FRAME_TYPES.get(type(msg))
+        if ftype is None:
+            raise TypeError(f"not a protocol message: {msg!r}")
+        self._check_send(ftype)
+        if isinstance(msg, Hello):
+            data = handshake.hello_frame(self._nonce)
+        elif isinstance(msg, Auth):
+            data = handshake.auth_frame(self._token, self._their_nonce(), self._nonce,
+                                        self.want_encrypt)
+        elif isinstance(msg, Welcome):
+            data = handshake.welcome_frame(self._token, self._their_nonce(), self._nonce,
+                                           self.encrypted, msg.info)
+        else:
+            data = frames.encode(msg, early=not self._peer_ready())
+        limit = self.max_frame if self._peer_ready() else MAX_HANDSHAKE_FRAME
+        size = sum(len(part) for part in data) - HEADER.size
+        if self._sealer is not None:
+            size += TAG_SIZE
+        if size > limit:
+            raise ProtocolError(f"{ftype.name} frame of {size} bytes exceeds the limit of {limit}")
+        if ftype in frames.HANDSHAKE:
+            self._sent.add(ftype)
+        if self._sealer is not None:
+            data = self._sealer.seal(HEADER.pack(size, ftype), data[1:])
+        if ftype is FrameType.AUTH:  # the client's keys: every later frame is sealed
+            self._start_session(self._nonce, self._their_nonce())
+        elif ftype is FrameType.WELCOME:  # sealed as such; what follows in the agreed mode
+            self._keys()[0].encrypt = self.encrypted
+        return data
+
+    def _start_session(self, client_nonce: bytes, server_nonce: bytes) -> tuple[Sealer, Opener]:
+        c2s, s2c, self.bulk_key = derive_keys(self._token, client_nonce, server_nonce)
+        mine, theirs = (c2s, s2c) if self.role is Role.CLIENT else (s2c, c2s)
+        self._sealer, self._opener = Sealer(mine), Opener(theirs)
+        return self._sealer, self._opener
+
+    def _keys(self) -> tuple[Sealer, Opener]:
+        """The session's sealer and opener; only asked for once the handshake made them."""
+        if self._sealer is None or self._opener is None:
+            raise ProtocolError("no session keys before the handshake")
+        return self._sealer, self._opener
+
+    def _their_nonce(self) -> bytes:
+        """The peer's nonce; only asked for once its Hello or Auth has arrived."""
+        if self._peer_nonce is None:
+            raise ProtocolError("the peer has not sent its nonce")
+        return self._peer_nonce
+
+    def _peer_ready(self) -> bool:
+        """Whether the peer has left (or, on reading what we send, will leave) its handshake."""
+        return (FrameType.WELCOME if self.role is Role.SERVER else FrameType.AUTH) in self._sent
+
+    def _check_send(self, ftype: FrameType) -> None:
+        if ftype is FrameType.ERROR:
+            return  # always allowed, also to explain why we are hanging up
+        if self.state is State.CLOSED:
+            raise ProtocolError(f"cannot send {ftype.name}: connection is closed")
+        server = self.role is Role.SERVER
+        if ftype in self._sent:
+            ok = False
+        elif ftype is FrameType.HELLO:
+            ok = server and self.state is State.HANDSHAKE
+        elif ftype is FrameType.AUTH:
+            ok = not server and self._peer_nonce is not None
+        elif ftype is FrameType.WELCOME:
+            ok = server and self.state is State.READY
+        else:
+            welcomed = FrameType.WELCOME in self._sent if server else True
+            ok = self.state is State.READY and welcomed and ftype in _READY_FROM[self.role]
+        if not ok:
+            who, now = self.role.value, self.state.value
+            raise ProtocolError(f"{who} may not send {ftype.name} now ({now})")
+
+    # -- receiving -------------------------------------------------------------------------
+
+    def receive_data(self, data: Buffer) -> None:
+        """Buffer bytes read from the peer; b"" means the peer closed its side."""
+        if self._eof:
+            if data:
+                raise ProtocolError("data received after EOF")
+            return
+        if not data:
+            self._eof = True
+            return
+        if self._frame is not None:  # the rest of a large frame first
+            take = min(len(data), len(self._frame) - self._got)
+            self._frame[self._got : self._got + take] = memoryview(data)[:take]
+            self._got += take
+            data = memoryview(data)[take:]
+        if data:
+            self._buf += data
+
+    @property
+    def in_frame(self) -> bool:
+        """Whether a large frame is being received in place (get_buffer() is its rest)."""
+        return self._frame is not None
+
+    def get_buffer(self) -> memoryview:
+        """Where the next bytes from the peer may be written (by recv_into); then call
+        buffer_updated(n). While a large frame arrives, this is the rest of its own buffer."""
+        if self._frame is not None:
+            return memoryview(self._frame)[self._got :]
+        if self._scratch is None or (len(self._scratch) < _SCRATCH
+                                     and self.state is State.READY):
+            # Small until the peer has authenticated: an idle connection costs little.
+            size = _SCRATCH if self.state is State.READY else _EARLY_SCRATCH
+            self._scratch = memoryview(bytearray(size))
+        return self._scratch
+
+    def buffer_updated(self, n: int) -> None:
+        """`n` bytes were written to the start of get_buffer()'s buffer; 0 means EOF."""
+        if n and self._frame is not None and not self._eof:
+            if n > len(self._frame) - self._got:
+                raise ValueError("buffer_updated() past the end of get_buffer()")
+            self._got += n
+        elif not n:
+            self.receive_data(b"")
+        elif self._scratch is None:
+            raise ValueError("buffer_updated() before get_buffer()")
+        else:
+            self.receive_data(self._scratch[:n])
+
+    def next_event(self) -> Message | NeedData | Closed:
+        """The next complete message, NEED_DATA, or CLOSED. Raises ProtocolError (AuthError for
+        a bad MAC); after that the connection is CLOSED and the error is raised again."""
+        if self._error is not None:
+            raise self._error
+        try:
+            return self._next_event()
+        except ProtocolError as e:
+            self.state = State.CLOSED
+            self._error = e
+            raise
+
+    def _next_event(self) -> Message | NeedData | Closed:
+        if self._frame is not None:
+            if self._got < len(self._frame):
+                if self._eof:
+                    raise TruncatedFrame("connection closed mid-frame")
+                return NEED_DATA
+            whole, self._frame = self._frame, None
+            _, raw_type = HEADER.unpack_from(whole)
+            ftype = FrameType(raw_type)
+            return frames.decode_large(ftype, self._payload(ftype, memoryview(whole)))
+        buf = self._buf
+        if len(buf) < HEADER.size:
+            if not self._eof:
+                return NEED_DATA
+            if buf:
+                raise TruncatedFrame("connection closed mid-frame")
+            self.state = State.CLOSED
+            return CLOSED
+        size, raw_type = HEADER.unpack_from(buf)
+        try:
+            ftype = FrameType(raw_type)
+        except ValueError:
+            raise ProtocolError(f"unknown frame type {raw_type}") from None
+        limit = self.max_frame if self.state is State.READY else MAX_HANDSHAKE_FRAME
+        if size > limit:
+            raise ProtocolError(f"{ftype.name} frame of {size} bytes exceeds the limit of {limit}")
+        self._check_receive(ftype)
+        end = HEADER.size + size
+        if len(buf) < end:
+            if self._eof:
+                raise TruncatedFrame("connection closed mid-frame")
+            if end >= IN_PLACE and ftype in frames.LARGE:
+                # Everything buffered is the start of this frame: move it to a buffer of the
+                # frame's size and receive the rest straight into it.
+                self._frame, self._got = bytearray(end), len(buf)
+                self._frame[: len(buf)] = buf
+                buf.clear()
+            return NEED_DATA
+        if ftype is FrameType.DATA:  # one copy out of the receive buffer, then views
+            frame: memoryview = memoryview(buf[:end])
+        else:  # one copy of the frame: a chunk's blob is a view of it
+            with memoryview(buf) as view:  # bytes(buf[a:b]) would copy twice
+                frame = memoryview(bytes(view[:end]))
+        del buf[:end]
+        payload = self._payload(ftype, frame)
+        if ftype in frames.LARGE:
+            return frames.decode_large(ftype, payload)
+        return self._parse(ftype, bytes(payload))
+
+    def _payload(self, ftype: FrameType, frame: memoryview) -> memoryview:
+        """A whole frame's payload, checked (and decrypted) when the session seals it."""
+        if self._opener is None or (ftype is FrameType.ERROR and self.state is not State.READY
+                                    and self.role is Role.CLIENT):
+            # Unsealed: the handshake, and an Error that refuses it (a server that could not
+            # authenticate us has no keys to seal it with).
+            return frame[HEADER.size :]
+        if len(frame) < HEADER.size + TAG_SIZE:
+            raise ProtocolError(f"{ftype.name} frame too short to be sealed")
+        try:
+            return self._opener.open(frame, HEADER.size)
+        except SealError as e:
+            raise AuthError(str(e)) from None
+
+    def _check_receive(self, ftype: FrameType) -> None:
+        if ftype is FrameType.ERROR:
+            return
+        server = self.role is Role.SERVER
+        if self.state is State.READY:
+            ok = ftype in _READY_FROM[Role.CLIENT if server else Role.SERVER]
+        elif self.state is State.CLOSED:
+            ok = False
+        elif server:
+            ok = ftype is FrameType.AUTH and FrameType.HELLO in self._sent
+        elif ftype is FrameType.HELLO:
+            ok = self._peer_nonce is None
+        else:
+            ok = ftype is FrameType.WELCOME and FrameType.AUTH in self._sent
+        if not ok:
+            raise ProtocolError(f"unexpected {ftype.name} frame from the peer ({self.state.value})")
+
+    def _parse(self, ftype: FrameType, p: bytes) -> Message:
+        if ftype is FrameType.HELLO:
+            self._peer_nonce = handshake.parse_hello(p)
+            return Hello(PROTOCOL_VERSION, self._peer_nonce)
+        if ftype is FrameType.AUTH:
+            nonce, mac, asks = handshake.parse_auth(self._token, self._nonce, p)
+            self._peer_nonce = nonce
+            self.encrypted = self.want_encrypt or asks
+            _, opener = self._start_session(nonce, self._nonce)
+            opener.encrypt = self.encrypted  # the client sends nothing before Welcome
+            self.state = State.READY
+            return Auth(PROTOCOL_VERSION, nonce, mac)
+        if ftype is FrameType.WELCOME:
+            mac, self.encrypted, info = handshake.parse_welcome(
+                self._token, self._nonce, self._their_nonce(), p, self.want_encrypt)
+            sealer, opener = self._keys()
+            sealer.encrypt = opener.encrypt = self.encrypted
+            self.state = State.READY
+            return Welcome(mac, info)
+        return frames.decode(ftype, p)

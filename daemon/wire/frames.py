@@ -1,0 +1,223 @@
+"""Frames: how each message is laid out in bytes, and checked when it is read back.
+
+A frame is a header (payload length u32, frame type u8) and a payload, so limits can be checked
+from the header alone, before any payload is buffered (connection.py does). Payloads:
+
+* Request, Reply, Error, Event (and Welcome's info): a JSON object, shape-checked on receipt so
+  no KeyError or TypeError escapes to the layer above;
+* QueryMissing, MissingIds: chunk ids back to back;
+* PutChunk: the chunk id, then the blob;
+* Data: a part count (u32), one length (u64) per part, then the parts;
+* Hello, Auth, Welcome: handshake.py.
+
+Payload buffers are not copied on the way out: a frame is a list of buffers to write in order
+(a socket writes them with one sendmsg). Nothing here ever unpickles.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+from collections.abc import Callable
+
+from .protocol import (
+    ID_SIZE,
+    PROTOCOL_VERSION,
+    Auth,
+    Data,
+    Error,
+    Event,
+    Hello,
+    Message,
+    MissingIds,
+    ProtocolError,
+    PutChunk,
+    QueryMissing,
+    Reply,
+    Request,
+    Welcome,
+)
+
+MAX_FRAME = 80 * 1024 * 1024
+MAX_HANDSHAKE_FRAME = 4096  # what a peer may send before it has authenticated
+MAX_DATA_PARTS = 4096
+MAX_EARLY_ERROR = 500  # characters of an Error message sent during the handshake
+
+HEADER = struct.Struct("<IB")  # payload length, frame type
+VERSION = struct.Struct("<I")
+_COUNT = struct.Struct("<I")  # DATA: number of parts, then one u64 length per part
+_LENGTH = struct.Struct("<Q")
+
+Buffer = bytes | bytearray | memoryview
+
+
+class FrameType(enum.IntEnum):
+    HELLO = 1
+    AUTH = 2
+    WELCOME = 3
+    ERROR = 4
+    REQUEST = 5
+    REPLY = 6
+    QUERY_MISSING = 7
+    MISSING_IDS = 8
+    PUT_CHUNK = 9
+    EVENT = 10
+    DATA = 11
+
+
+FRAME_TYPES: dict[type, FrameType] = {
+    Hello: FrameType.HELLO, Auth: FrameType.AUTH, Welcome: FrameType.WELCOME,
+    Error: FrameType.ERROR, Request: FrameType.REQUEST, Reply: FrameType.REPLY,
+    QueryMissing: FrameType.QUERY_MISSING, MissingIds: FrameType.MISSING_IDS,
+    PutChunk: FrameType.PUT_CHUNK, Event: FrameType.EVENT, Data: FrameType.DATA,
+}  # fmt: skip
+HANDSHAKE = (FrameType.HELLO, FrameType.AUTH, FrameType.WELCOME)
+LARGE = (FrameType.PUT_CHUNK, FrameType.DATA)  # payloads kept as views, maybe received in place
+
+JsonShape = dict[str, Callable[[object], bool]]
+
+
+def frame(ftype: FrameType, *parts: Buffer) -> list[Buffer]:
+    """A frame as the buffers to write, the payload parts not copied."""
+    return [HEADER.pack(sum(len(p) for p in parts), ftype), *parts]
+
+
+def json_payload(obj: dict) -> bytes:
+    # ASCII escapes keep any str encodable, even lone surrogates decoded from a peer's JSON.
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def parse_json(ftype: FrameType, payload: bytes, shape: JsonShape) -> dict:
+    """Decode a JSON object and check each required field, so no KeyError/TypeError escapes."""
+    try:
+        obj = json.loads(payload)
+    except (ValueError, RecursionError) as e:  # includes UnicodeDecodeError, JSONDecodeError
+        raise ProtocolError(f"{ftype.name} frame: malformed JSON ({type(e).__name__})") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"{ftype.name} frame: expected a JSON object")
+    for key, ok in shape.items():
+        if key not in obj or not ok(obj[key]):
+            raise ProtocolError(f"{ftype.name} frame: missing or invalid field {key!r}")
+    return obj
+
+
+def check_version(ftype: FrameType, payload: bytes) -> None:
+    """Checked before the rest of the payload, whose layout may differ in other versions."""
+    if len(payload) < VERSION.size:
+        raise ProtocolError(f"{ftype.name} frame too short")
+    (version,) = VERSION.unpack_from(payload)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version mismatch: peer speaks version {version}, we speak {PROTOCOL_VERSION}"
+        )
+
+
+# ---- the session's messages ------------------------------------------------------------------
+
+
+def encode(msg: Message, *, early: bool) -> list[Buffer]:
+    """The frame for any message but the handshake's. `early`: the peer is still in its
+    handshake, so an Error must fit the 4096 bytes it accepts then."""
+    if isinstance(msg, Error):
+        text = msg.message[:MAX_EARLY_ERROR] if early else msg.message
+        obj: dict = {"message": text, "code": msg.code}
+        if msg.id is not None:
+            obj["id"] = msg.id
+        return frame(FrameType.ERROR, json_payload(obj))
+    if isinstance(msg, Request):
+        return frame(FrameType.REQUEST, json_payload({"id": msg.id, "op": msg.op,
+                                                      "args": msg.args}))
+    if isinstance(msg, Reply):
+        return frame(FrameType.REPLY, json_payload({"id": msg.id, "value": msg.value}))
+    if isinstance(msg, Event):
+        return frame(FrameType.EVENT, json_payload({"kind": msg.kind, "data": msg.data}))
+    if isinstance(msg, (QueryMissing, MissingIds)):
+        ftype = FRAME_TYPES[type(msg)]
+        if any(len(i) != ID_SIZE for i in msg.ids):
+            raise ProtocolError(f"{ftype.name}: ids must be {ID_SIZE} bytes")
+        return frame(ftype, *msg.ids)
+    if isinstance(msg, Data):
+        if len(msg.parts) > MAX_DATA_PARTS:
+            raise ProtocolError(f"DATA: {len(msg.parts)} parts exceed {MAX_DATA_PARTS}")
+        views = [memoryview(p).cast("B") for p in msg.parts]
+        lengths = b"".join(_LENGTH.pack(v.nbytes) for v in views)
+        return frame(FrameType.DATA, _COUNT.pack(len(views)), lengths, *views)
+    if isinstance(msg, PutChunk):
+        if len(msg.cid) != ID_SIZE:
+            raise ProtocolError(f"PUT_CHUNK: chunk id must be {ID_SIZE} bytes")
+        return frame(FrameType.PUT_CHUNK, msg.cid, msg.blob)
+    raise TypeError(f"{type(msg).__name__} is a handshake message (see handshake.py)")
+
+
+def decode(ftype: FrameType, p: bytes) -> Message:
+    """The message in a whole Error, Request, Reply, Event, QueryMissing or MissingIds payload."""
+    if ftype is FrameType.ERROR:
+        o = parse_json(ftype, p, {"message": _str, "code": _str})
+        if o.get("id") is not None and not _is_int(o["id"]):
+            raise ProtocolError("ERROR frame: invalid field 'id'")
+        return Error(o["message"], o["code"], o.get("id"))
+    if ftype is FrameType.REQUEST:
+        o = parse_json(ftype, p, {"id": _is_int, "op": _str, "args": _dict})
+        return Request(o["op"], o["args"], o["id"])
+    if ftype is FrameType.REPLY:
+        o = parse_json(ftype, p, {"id": _is_int, "value": _dict})
+        return Reply(o["id"], o["value"])
+    if ftype is FrameType.EVENT:
+        o = parse_json(ftype, p, {"kind": _str, "data": _dict})
+        return Event(o["kind"], o["data"])
+    if ftype is FrameType.QUERY_MISSING:
+        return QueryMissing(_split_ids(ftype, p))
+    if ftype is FrameType.MISSING_IDS:
+        return MissingIds(_split_ids(ftype, p))
+    raise ValueError(f"{ftype.name} is not decoded here")
+
+
+def decode_large(ftype: FrameType, payload: memoryview) -> PutChunk | Data:
+    """A PUT_CHUNK or DATA message on its payload, which it keeps as views."""
+    if ftype is FrameType.DATA:
+        # Parts must be writable (the mesh rebuilds tensors on them): a decrypted payload
+        # is not.
+        return _split_data(payload if not payload.readonly else bytearray(payload))
+    if len(payload) < ID_SIZE:
+        raise ProtocolError("PUT_CHUNK frame too short")
+    return PutChunk(bytes(payload[:ID_SIZE]), payload[ID_SIZE:])
+
+
+def _split_ids(ftype: FrameType, payload: bytes) -> list[bytes]:
+    if len(payload) % ID_SIZE:
+        raise ProtocolError(f"{ftype.name} frame: {len(payload)} bytes is not a list of ids")
+    return [payload[i : i + ID_SIZE] for i in range(0, len(payload), ID_SIZE)]
+
+
+def _split_data(payload: bytearray | memoryview) -> Data:
+    if len(payload) < _COUNT.size:
+        raise ProtocolError("DATA frame too short")
+    (count,) = _COUNT.unpack_from(payload)
+    if count > MAX_DATA_PARTS:
+        raise ProtocolError(f"DATA frame: {count} parts exceed {MAX_DATA_PARTS}")
+    offset = _COUNT.size + count * _LENGTH.size
+    if offset > len(payload):
+        raise ProtocolError("DATA frame: part table is truncated")
+    lengths = [_LENGTH.unpack_from(payload, _COUNT.size + i * _LENGTH.size)[0]
+               for i in range(count)]
+    if offset + sum(lengths) != len(payload):
+        raise ProtocolError("DATA frame: part lengths do not add up to the frame size")
+    view = memoryview(payload)
+    parts = []
+    for n in lengths:
+        parts.append(view[offset : offset + n])
+        offset += n
+    return Data(tuple(parts))
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _str(v: object) -> bool:
+    return isinstance(v, str)
+
+
+def _dict(v: object) -> bool:
+    return isinstance(v, dict)
