@@ -28,7 +28,7 @@ from .shape import Selector, Shaped, ValueMesh
 if TYPE_CHECKING:
     from .host_mesh import HostMesh
     from .hosts import HostInfo
-    from .proc_mesh import MeshState, PendingCall
+    from .mesh_state import MeshState, PendingCall
 
 F = TypeVar("F", bound=Callable[..., Any])
 _ENDPOINT = "_monarch_endpoint"

@@ -27,15 +27,8 @@ from .errors import MeshError
 from .hosts import HostInfo, Launcher, open_daemons
 from .local import local_cluster
 from .loop import BackgroundLoop, run_async_api, run_sync_api, service_nursery
-from .proc_mesh import (
-    MeshState,
-    Output,
-    ProcMesh,
-    Supervisor,
-    print_output,
-    report_unhandled,
-    spawn_proc_mesh,
-)
+from .mesh_state import MeshState, Output, Supervisor, print_output, report_unhandled
+from .proc_mesh import ProcMesh, spawn_proc_mesh
 
 
 class HostMesh:

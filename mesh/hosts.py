@@ -13,7 +13,6 @@ when its controller goes away).
 
 from __future__ import annotations
 
-import itertools
 import signal
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 import trio
 
 from ..daemon.wire import protocol as p
+from ..daemon.wire.calls import Call, Calls
 from ..daemon.wire.transport import (
     Channel,
     ConnectError,
@@ -51,13 +51,6 @@ class HostInfo:
         return f"{self.name} ({self.addr})" if self.name and self.name != self.addr else self.addr
 
 
-class _Waiter:
-    def __init__(self) -> None:
-        self.done = trio.Event()
-        self.value: dict | None = None
-        self.error: Exception | None = None
-
-
 class HostLink:
     """One authenticated connection to a node daemon and its reader task."""
 
@@ -65,10 +58,9 @@ class HostLink:
         self.chan = chan
         self.info = HostInfo(addr, str(chan.info.get("node") or addr))
         # The address this host reached us from is the one its procs can connect back to.
-        self.local_host = chan.stream.socket.getsockname()[0]
+        self.local_host = chan.local_host
         self.lost: str | None = None
-        self._ids = itertools.count(1)
-        self._waiting: dict[int, _Waiter] = {}
+        self._calls: Calls[Call[dict]] = Calls()
         self._handlers: dict[int, OnEvent] = {}
         self._early: dict[int, list[tuple[str, dict]]] = {}  # events that beat their spawn reply
 
@@ -78,35 +70,28 @@ class HostLink:
             while True:
                 msg = await self.chan.next_message()
                 if isinstance(msg, p.Reply):
-                    self._settle(msg.id, value=msg.value)
+                    self._calls.settle(msg.id, msg.value)
                 elif isinstance(msg, p.Error):
                     err = RemoteError(msg.message, msg.code, str(self.info))
                     if msg.id is None:
                         raise err
-                    self._settle(msg.id, error=err)
+                    self._calls.fail(msg.id, err)
                 elif isinstance(msg, p.Event):
                     self._event(msg)
         except (ConnectionLost, RemoteError, p.ProtocolError, trio.ClosedResourceError,
                 trio.BrokenResourceError) as e:
             self.lost = f"lost the connection to the node daemon {self.info}: {e}"
         finally:
-            self.lost = self.lost or f"disconnected from the node daemon {self.info}"
-            for w in self._waiting.values():
-                w.error = MeshError(self.lost)
-                w.done.set()
-            self._waiting.clear()
+            lost = self.lost = self.lost or f"disconnected from the node daemon {self.info}"
+            self._calls.fail_all(lambda call: MeshError(lost))
             handlers, self._handlers = self._handlers, {}
             for on_event in handlers.values():
-                on_event("lost", {"reason": self.lost})
-
-    def _settle(self, rid: int, *, value: dict | None = None, error: Exception | None = None):
-        w = self._waiting.pop(rid, None)
-        if w is not None:
-            w.value, w.error = value, error
-            w.done.set()
+                on_event("lost", {"reason": lost})
 
     def _event(self, msg: p.Event) -> None:
         proc = msg.data.get("proc")
+        if not isinstance(proc, int):  # every proc event names its proc; ignore any other
+            return
         handler = self._handlers.get(proc)
         if handler is None:
             self._early.setdefault(proc, []).append((msg.kind, msg.data))
@@ -118,22 +103,16 @@ class HostLink:
     async def request(self, op: str, **args: object) -> dict:
         if self.lost:
             raise MeshError(self.lost)
-        rid = next(self._ids)
-        w = self._waiting[rid] = _Waiter()
-        try:
-            # A send cut short by cancellation would leave half a frame and break the link for
-            # every mesh that shares it, so the send is shielded (a request is small); only
-            # the wait for the reply can be cancelled.
-            with trio.CancelScope(shield=True, deadline=trio.current_time() + SEND_TIMEOUT):
-                await self.chan.send(p.Request(op, args, rid))
-            await w.done.wait()
-        except (ConnectionLost, trio.ClosedResourceError) as e:
-            raise MeshError(f"{self.info}: {e}") from None
-        finally:
-            self._waiting.pop(rid, None)
-        if w.error is not None:
-            raise w.error
-        return w.value or {}
+        with self._calls.expecting(Call()) as call:
+            try:
+                # A send cut short by cancellation would leave half a frame and break the link
+                # for every mesh that shares it, so the send is shielded (a request is small);
+                # only the wait for the reply can be cancelled.
+                with trio.CancelScope(shield=True, deadline=trio.current_time() + SEND_TIMEOUT):
+                    await self.chan.send(p.Request(op, args, call.id))
+            except (ConnectionLost, trio.ClosedResourceError) as e:
+                raise MeshError(f"{self.info}: {e}") from None
+            return await call.result() or {}
 
     async def spawn(self, spec: dict, on_event: OnEvent) -> dict:
         """Start a proc (spec: argv, env, cwd, workspace, version); returns {"proc", "pid"}.

@@ -132,9 +132,10 @@ class BackgroundLoop:
 
     def stop(self, timeout: float | None = None) -> None:
         """Let main return, wait for the loop to end, and raise what it raised (if anything)."""
-        if not self._finished.is_set():
+        stop = self._stop  # None only if the loop never got as far as main
+        if not self._finished.is_set() and stop is not None:
             try:
-                trio.from_thread.run_sync(self._stop.set, trio_token=self.token)
+                trio.from_thread.run_sync(stop.set, trio_token=self.token)
             except trio.RunFinishedError:
                 pass
         if not self._finished.wait(timeout):

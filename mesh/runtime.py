@@ -10,7 +10,7 @@ calls, and use the synchronous mesh API themselves).
 
 An actor may spawn meshes of its own through `self.hosts`. The owner holds the daemon
 connections, so the launch requests and the procs' events travel through it (see
-proc_mesh.MeshState._serve_owner_request); the new procs connect to this proc directly. Their
+owner.OwnerService._serve_owner_request); the new procs connect to this proc directly. Their
 failures go to the actor's `__supervise__`; what it does not handle travels up to the owner.
 
 The runtime exits when told to stop, or as soon as its owner's connection ends: a proc never
@@ -24,7 +24,6 @@ import functools
 import importlib
 import importlib.util
 import inspect
-import itertools
 import json
 import math
 import os
@@ -38,16 +37,19 @@ import trio
 from ..daemon.node.dedicated_thread import DedicatedThread
 from ..daemon.node.procs import read_secrets
 from ..daemon.wire import protocol as p
-from ..daemon.wire.transport import ConnectError, ConnectionLost, connect
+from ..daemon.wire.calls import Call, Calls
+from ..daemon.wire.transport import Channel, ConnectError, ConnectionLost, connect
 from . import wire
 from .actor import is_endpoint
 from .errors import Failure, MeshError, SpawnError
 from .hosts import HostInfo, Launcher, OnEvent
-from .proc_mesh import MESH_MAX_FRAME, print_output
+from .mesh_state import print_output
+from .owner import MESH_MAX_FRAME
 
 EXIT_OWNER_GONE = 3
+OUTBOX_SIZE = 16  # messages queued for the owner before those who answer wait for the link
 
-_INTERNAL = tuple(str(Path(m.__file__).parent) for m in (trio,)) + (__file__,)
+_INTERNAL = tuple(str(Path(f).parent) for f in (trio.__file__,) if f) + (__file__,)
 
 
 def _user_traceback(e: BaseException) -> str:
@@ -97,6 +99,12 @@ class _Slot:
         self.name = name
         self.instance: Any = None
         self.thread = DedicatedThread(f"actor {name}")
+        # Unbounded on purpose: the runtime's one reader feeds every mailbox and also delivers
+        # the owner's replies, which an actor may be waiting on (a mesh it spawns launches
+        # through the owner). A reader blocked on a full mailbox would never deliver the reply
+        # that lets that mailbox drain. The failures of the actor's own meshes also arrive here,
+        # from a supervisor callback that cannot await. What bounds the queue is the caller:
+        # every call waits for its reply, except broadcasts, which are fire-and-forget by design.
         self.mailbox, self._inbox = trio.open_memory_channel[tuple[dict, Any]](math.inf)
 
     async def run(self) -> None:
@@ -116,16 +124,16 @@ class _Slot:
             reply = wire.encode({"op": "result", "call": cid}, value, has_body=True)
         except Exception as e:
             if cid is None:  # a broadcast has no caller to tell: the failure goes up instead
-                self.runtime.send({"op": "failure", "actor": self.name, "description":
+                await self.runtime.send({"op": "failure", "actor": self.name, "description":
                                    f"{self.name}.{method} (broadcast) raised on rank "
                                    f"{self.runtime.rank}: {type(e).__qualname__}: {e}\n"
                                    f"{_user_traceback(e)}"})
                 return
-            self.runtime.send_error(cid, self.name, method, type(e).__qualname__, str(e),
-                                    _user_traceback(e))
+            await self.runtime.send_error(cid, self.name, method, type(e).__qualname__, str(e),
+                                          _user_traceback(e))
             return
         if cid is not None:
-            self.runtime.post(reply)
+            await self.runtime.post(reply)
 
     async def _construct(self, h: dict, payload: p.Data) -> None:
         cls = resolve_class(h["module"], h["qualname"], h.get("main"))
@@ -161,7 +169,7 @@ class _Slot:
             except Exception as e:
                 note = f" (its __supervise__ raised {type(e).__qualname__}: {e})"
         if not handled:
-            self.runtime.send({"op": "failure", "actor": self.name,
+            await self.runtime.send({"op": "failure", "actor": self.name,
                                "description": failure.describe() + note})
 
     async def _run(self, fn: Any, args: tuple, kwargs: dict) -> Any:
@@ -178,55 +186,48 @@ class OwnerLauncher(Launcher):
     def __init__(self, runtime: Runtime, hosts: list[HostInfo]) -> None:
         self.runtime = runtime
         self.hosts = hosts
-        self._ids = itertools.count(1)
-        self._waiting: dict[int, tuple[trio.Event, dict]] = {}
-        self._handlers: dict[int, OnEvent] = {}
+        self._calls: Calls[Call[dict]] = Calls()
+        self._handlers: dict[int, OnEvent] = {}  # by the id of the launch request
 
     def listen_host(self, host: int) -> str:
         return self.runtime.local_host
 
-    async def _ask(self, header: dict) -> dict:
-        req = header["req"]
-        done = trio.Event()
-        box: dict = {}
-        self._waiting[req] = (done, box)
-        self.runtime.send(header)
-        try:
-            await done.wait()
-        finally:
-            self._waiting.pop(req, None)
-        if "error" in box:
-            raise MeshError(str(box["error"]))
-        return box.get("value") or {}
+    async def _ask(self, call: Call[dict], header: dict) -> dict:
+        """Send `header` to the owner as request `call` and wait for the owner's reply."""
+        await self.runtime.send({**header, "req": call.id})
+        return await call.result() or {}
 
     async def spawn(self, host: int, spec: dict, on_event: OnEvent) -> dict:
-        req = next(self._ids)
-        self._handlers[req] = on_event
-        try:
-            return await self._ask({"op": "launch", "req": req, "host": host, "spec": spec})
-        except MeshError as e:
-            self._handlers.pop(req, None)
-            raise SpawnError(str(e)) from None
+        with self._calls.expecting(Call()) as call:
+            self._handlers[call.id] = on_event
+            try:
+                return await self._ask(call, {"op": "launch", "host": host, "spec": spec})
+            except MeshError as e:
+                self._handlers.pop(call.id, None)
+                raise SpawnError(str(e)) from None
 
     async def kill(self, host: int, proc: int, sig: int = 15) -> None:
-        self.runtime.send({"op": "kill", "host": host, "proc": proc, "signal": int(sig)})
+        await self.runtime.send({"op": "kill", "host": host, "proc": proc, "signal": int(sig)})
 
     async def request(self, host: int, op: str, **args: object) -> dict:
-        return await self._ask({"op": "request", "req": next(self._ids), "host": host,
-                                "name": op, "args": args})
+        with self._calls.expecting(Call()) as call:
+            return await self._ask(call, {"op": "request", "host": host, "name": op,
+                                          "args": args})
 
     def on_message(self, h: dict) -> None:
+        """A reply or a launched proc's event from the owner (called by the runtime's reader)."""
+        req = h.get("req")
         if h["op"] == "reply":
-            waiter = self._waiting.get(h.get("req"))
-            if waiter is not None:
-                waiter[1].update(h)
-                waiter[0].set()
-        elif h["op"] == "proc_event":
-            handler = self._handlers.get(h.get("req"))
+            if "error" in h:
+                self._calls.fail(req, MeshError(str(h["error"])))
+            else:
+                self._calls.settle(req, h.get("value") or {})
+        elif h["op"] == "proc_event" and isinstance(req, int):
+            handler = self._handlers.get(req)
             if handler is not None:
                 kind = str(h.get("kind"))
                 if kind in ("exit", "lost"):
-                    self._handlers.pop(h["req"], None)
+                    self._handlers.pop(req, None)
                 handler(kind, h.get("data") or {})
 
 
@@ -248,25 +249,29 @@ class Runtime:
         self.actors: dict[str, _Slot] = {}
         self.host_meshes: list[Any] = []
         self.launcher = OwnerLauncher(self, self.hosts)
-        self.outbox, self._outbox_recv = trio.open_memory_channel[p.Data](math.inf)
+        # Bounded: whoever answers waits while the owner's connection is busy. The writer
+        # drains it on its own (the owner's reader never waits on us), so the reader may wait
+        # here too without a deadlock.
+        self.outbox, self._outbox_recv = trio.open_memory_channel[p.Data](OUTBOX_SIZE)
         self._flushed = trio.Event()
         self.nursery: trio.Nursery | None = None
         self.stopping = False
         self.exit_code = EXIT_OWNER_GONE
 
-    def post(self, msg: p.Data) -> None:
+    async def post(self, msg: p.Data) -> None:
+        """Queue `msg` for the owner; dropped once the connection is going away."""
         try:
-            self.outbox.send_nowait(msg)
+            await self.outbox.send(msg)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
 
-    def send(self, header: dict) -> None:
-        self.post(wire.encode(header))
+    async def send(self, header: dict) -> None:
+        await self.post(wire.encode(header))
 
-    def send_error(self, cid: Any, actor: str, method: str, exc_type: str, message: str,
+    async def send_error(self, cid: Any, actor: str, method: str, exc_type: str, message: str,
                    tb: str) -> None:
         """Answer call `cid`: it raised (the controller makes an ActorError of this)."""
-        self.send({"op": "error", "call": cid, "actor": actor, "method": method,
+        await self.send({"op": "error", "call": cid, "actor": actor, "method": method,
                    "type": exc_type, "message": message, "traceback": tb})
 
     def host_mesh_for(self, slot: _Slot) -> Any:
@@ -289,7 +294,7 @@ class Runtime:
             print(f"monarch-fs runtime: cannot reach the controller: {e}", file=sys.stderr)
             return 2
         chan.conn.max_frame = MESH_MAX_FRAME
-        self.local_host = chan.stream.socket.getsockname()[0]
+        self.local_host = chan.local_host
         await chan.send(wire.encode({"op": "hello", "rank": self.rank, "pid": os.getpid()}))
         async with trio.open_nursery() as nursery:
             self.nursery = nursery
@@ -312,16 +317,17 @@ class Runtime:
         assert self.nursery is not None
         self.nursery.cancel_scope.cancel()
 
-    async def _writer(self, chan: Any) -> None:
+    async def _writer(self, chan: Channel) -> None:
         try:
             async for msg in self._outbox_recv:
                 await chan.send(msg)
         except (ConnectionLost, trio.ClosedResourceError, trio.BrokenResourceError):
             pass
         finally:
+            self._outbox_recv.close()  # whoever still posts is not left waiting for space
             self._flushed.set()
 
-    async def _serve(self, chan: Any) -> None:
+    async def _serve(self, chan: Channel) -> None:
         assert self.nursery is not None
         async for h, msg in wire.messages(chan):
             op = h["op"]
@@ -338,7 +344,7 @@ class Runtime:
                     self.nursery.start_soon(slot.run)
                 if slot is None:
                     if h.get("call") is not None:
-                        self.send_error(h["call"], name, h.get("method", "?"), "MeshError",
+                        await self.send_error(h["call"], name, h.get("method", "?"), "MeshError",
                                         f"no actor {name!r} on this proc", "")
                     continue
                 slot.mailbox.send_nowait((h, msg))

@@ -232,16 +232,19 @@ async def run_job(addrs: list[str], token: bytes, job: Job,
             kinds = choose_transports(daemons, job, local)
             summary = "transport " + ",".join(sorted(set(kinds)))
             world = job.per_host * len(daemons.hosts)
-            for restart in range(job.max_restarts + 1):
+            restart = 0
+            while True:
                 failure = await _Attempt(job, daemons, kinds).run(restart)
                 if failure is None:
                     job.say(f"all {world} ranks exited 0" +
                             (f" (after {restart} restarts)" if restart else "") +
                             f"; {summary}")
                     return 0
-                left = job.max_restarts - restart
-                if left:
-                    job.say(f"restarting all {world} ranks ({left} restarts left)")
+                if restart >= job.max_restarts:
+                    break
+                job.say(f"restarting all {world} ranks ({job.max_restarts - restart} restarts "
+                        "left)")
+                restart += 1
             job.say(f"giving up: exit status {failure.exit_status()}; {summary}")
             return failure.exit_status()
     except MeshError as e:

@@ -8,13 +8,13 @@ one ConnectError whose message names the peer, because that is what an operator 
 from __future__ import annotations
 
 import ipaddress
-import itertools
 import os
 import socket
 from typing import Any
 
 import trio
 
+from .calls import Call, Calls
 from .connection import CLOSED, NEED_DATA, Connection, Role, State
 from .protocol import (
     Auth,
@@ -178,7 +178,7 @@ class Channel:
         self.info: dict = {}  # Welcome.info from the server (client side)
         self.events: list[Event] = []  # Events that arrived while request() awaited a Reply
         self._send_lock = trio.Lock()
-        self._ids = itertools.count(1)
+        self._calls: Calls[Call[dict]] = Calls()
         self._send_broken = False
 
     async def send(self, msg: Message) -> None:
@@ -257,6 +257,14 @@ class Channel:
             else:
                 return event  # type: ignore[return-value]
 
+    @property
+    def local_host(self) -> str:
+        """The address of our end of the connection: the one the peer reached us from (so
+        the one its side can connect back to). Loopback for a stream without a socket."""
+        if self._sock is None:
+            return "127.0.0.1"
+        return str(self._sock.getsockname()[0])
+
     async def next_message(self) -> Message:
         """The next message of any kind, Error frames included, for a reader task that routes
         Replies and Errors to waiting requests by id. Raises ConnectionLost on EOF."""
@@ -272,21 +280,26 @@ class Channel:
 
     async def request(self, op: str, **args: Any) -> dict:
         """Send a Request and return the value of its Reply. Events arriving meanwhile are
-        appended to self.events; Replies and Errors for other (abandoned) requests are dropped."""
-        rid = next(self._ids)
-        await self.send(Request(op, args, rid))
-        while True:
-            msg = await self._next()
-            if isinstance(msg, Reply):
-                if msg.id == rid:
-                    return msg.value
-            elif isinstance(msg, Error):
-                if msg.id is None or msg.id == rid:
-                    raise RemoteError(msg.message, msg.code, self.peer)
-            elif isinstance(msg, Event):
-                self.events.append(msg)
-            else:
-                raise ProtocolError(f"{self.peer}: unexpected {type(msg).__name__} awaiting reply")
+        appended to self.events; Replies and Errors for other (abandoned) requests are dropped.
+        The caller is its own reader here (one receiving task at a time), so it routes what
+        arrives through the same matcher a reader task would, until its own call is settled."""
+        with self._calls.expecting(Call()) as call:
+            await self.send(Request(op, args, call.id))
+            while not call.settled:
+                msg = await self._next()
+                if isinstance(msg, Reply):
+                    self._calls.settle(msg.id, msg.value)
+                elif isinstance(msg, Error):
+                    error = RemoteError(msg.message, msg.code, self.peer)
+                    if msg.id is None:  # about the session, not one request: it is ours too
+                        raise error
+                    self._calls.fail(msg.id, error)
+                elif isinstance(msg, Event):
+                    self.events.append(msg)
+                else:
+                    raise ProtocolError(
+                        f"{self.peer}: unexpected {type(msg).__name__} awaiting reply")
+            return await call.result()
 
     async def query_missing(self, ids: list[bytes]) -> list[bytes]:
         """Ask the peer which of `ids` it (and, in a relay session, its subtree) lacks."""
