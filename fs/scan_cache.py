@@ -37,7 +37,7 @@ from collections.abc import Sequence
 import xxhash
 
 from .chunk import ID_SIZE
-from .store import replace_file
+from .private_files import replace_file
 
 MAGIC = b"MFSSCAN1"
 RACY_NS = 2_000_000_000
