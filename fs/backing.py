@@ -41,7 +41,8 @@ import xxhash
 
 from .chunk import CorruptChunk
 from .manifest import Entry, Kind
-from .store import PRIVATE_FILE, Store, fsync_dir, private_dir
+from .private_files import PRIVATE_FILE, fsync_dir, private_dir
+from .store import Store
 
 MIN_SIZE = 256 * 1024
 _TMP = ".tmp"

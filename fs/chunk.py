@@ -75,7 +75,7 @@ def raw_size(blob: bytes | bytearray | memoryview) -> int:
     return -1
 
 
-def decode(cid: bytes, blob: bytes | memoryview,
+def decode(cid: bytes, blob: bytes | bytearray | memoryview,
            max_size: int = MAX_CHUNK_SIZE) -> bytes | memoryview:
     """The raw bytes of a blob, verified against `cid`. Raises CorruptChunk, never wrong bytes.
     A raw blob comes back as a view of itself: the read path moves 4 MiB chunks, and a copy
@@ -83,6 +83,7 @@ def decode(cid: bytes, blob: bytes | memoryview,
     if len(blob) < 1:
         raise CorruptChunk(f"chunk {cid.hex()}: empty blob")
     codec = blob[0]
+    data: bytes | memoryview
     if codec == RAW:
         data = memoryview(blob)[1:]
     elif codec == ZSTD:

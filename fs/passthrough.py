@@ -19,6 +19,7 @@ import fcntl
 import os
 import struct
 import tempfile
+from typing import Protocol, cast
 
 import pyfuse3
 
@@ -35,6 +36,22 @@ BACKING_OPEN = _iow(1, _MAP.size)
 BACKING_CLOSE = _iow(2, 4)
 
 
+class _Patched(Protocol):
+    """What fs/pyfuse3.patch adds to pyfuse3 (its stubs describe the stock module). Used only
+    where built_in() or hasattr() has shown the patched build."""
+
+    WANT_PASSTHROUGH: bool
+
+    def passthrough_negotiated(self) -> bool: ...
+
+    def passthrough_why(self) -> str: ...
+
+    def fuse_fd(self) -> int: ...
+
+
+_patched = cast(_Patched, pyfuse3)
+
+
 def built_in() -> bool:
     """Whether this pyfuse3 can negotiate passthrough (the Makefile's patched build)."""
     return hasattr(pyfuse3, "WANT_PASSTHROUGH")
@@ -43,7 +60,7 @@ def built_in() -> bool:
 def request(want: bool) -> None:
     """Ask for passthrough at the next FUSE INIT (call before pyfuse3.init)."""
     if built_in():
-        pyfuse3.WANT_PASSTHROUGH = want
+        _patched.WANT_PASSTHROUGH = want
 
 
 def asked() -> bool:
@@ -55,7 +72,7 @@ def negotiated() -> tuple[bool, str]:
     """(whether the INIT reply took passthrough, why not); known once INIT is answered."""
     if not hasattr(pyfuse3, "passthrough_negotiated"):
         return asked(), "" if asked() else "the kernel offers no passthrough"
-    return pyfuse3.passthrough_negotiated(), pyfuse3.passthrough_why()
+    return _patched.passthrough_negotiated(), _patched.passthrough_why()
 
 
 def probe(folder: os.PathLike[str] | str) -> int:
@@ -77,10 +94,10 @@ def open_backing(path: os.PathLike[str] | str) -> int:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         arg = bytearray(_MAP.pack(fd, 0, 0))
-        return fcntl.ioctl(pyfuse3.fuse_fd(), BACKING_OPEN, arg, True)
+        return fcntl.ioctl(_patched.fuse_fd(), BACKING_OPEN, arg, True)
     finally:
         os.close(fd)
 
 
 def close_backing(backing_id: int) -> None:
-    fcntl.ioctl(pyfuse3.fuse_fd(), BACKING_CLOSE, bytearray(struct.pack("<I", backing_id)), True)
+    fcntl.ioctl(_patched.fuse_fd(), BACKING_CLOSE, bytearray(struct.pack("<I", backing_id)), True)

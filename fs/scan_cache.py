@@ -37,7 +37,7 @@ from collections.abc import Sequence
 import xxhash
 
 from .chunk import ID_SIZE
-from .store import replace_file
+from .private_files import replace_file
 
 MAGIC = b"MFSSCAN1"
 RACY_NS = 2_000_000_000
@@ -46,6 +46,8 @@ _HEAD = struct.Struct("<8sIIQI16s")  # magic, chunk size, entries, ids, path len
 _REC = struct.Struct("<QQQqqI")  # st_dev, st_ino, size, mtime_ns, ctime_ns, number of chunks
 
 Key = tuple[int, int, int, int, int]  # st_dev, st_ino, size, mtime_ns, ctime_ns
+Cached = dict[tuple[int, int], tuple[int, int, int, tuple[bytes, ...]]]  # (dev, ino) -> size,
+# mtime_ns, ctime_ns, chunk ids
 
 
 def stat_key(st: os.stat_result) -> Key:
@@ -68,8 +70,8 @@ class ScanCache:
         self.folder = os.fsencode(os.path.abspath(os.fsdecode(folder)))
         self.racy_ns = racy_ns
         self.chunk_size = 0
-        self._old: dict[tuple[int, int], tuple[int, int, int, tuple[bytes, ...]]] = {}
-        self._new: dict[tuple[int, int], tuple[int, int, int, tuple[bytes, ...]]] = {}
+        self._old: Cached = {}
+        self._new: Cached = {}
         self._dirty = False
         self._since_ns = 0
         self.loaded = 0  # entries read from the file
@@ -89,7 +91,7 @@ class ScanCache:
         started_ns = time.time_ns() if started_ns is None else started_ns
         self._since_ns = started_ns - self.racy_ns
         if self.path is not None:
-            self._old = self._read(chunk_size)
+            self._old = self._read(self.path, chunk_size)
         elif chunk_size != self.chunk_size:
             self._old = {}
         self.chunk_size = chunk_size
@@ -128,7 +130,7 @@ class ScanCache:
         if self.path is None or not changed:
             return False
         try:
-            self._write()
+            self._write(self.path)
         except OSError:
             return False
         return True
@@ -144,9 +146,9 @@ class ScanCache:
 
     # ---- the file -------------------------------------------------------------------------
 
-    def _read(self, chunk_size: int) -> dict:
+    def _read(self, path: str, chunk_size: int) -> Cached:
         try:
-            with open(self.path, "rb") as f:
+            with open(path, "rb") as f:
                 data = f.read()
         except OSError:
             return {}
@@ -155,12 +157,12 @@ class ScanCache:
         except (struct.error, ValueError):
             return {}
         try:
-            os.utime(self.path)  # recently used: not pruned
+            os.utime(path)  # recently used: not pruned
         except OSError:
             pass
         return entries
 
-    def _decode(self, data: bytes, chunk_size: int) -> dict:
+    def _decode(self, data: bytes, chunk_size: int) -> Cached:
         if len(data) < _HEAD.size:
             raise ValueError("truncated")
         magic, csize, count, nids, plen, digest = _HEAD.unpack_from(data)
@@ -175,12 +177,13 @@ class ScanCache:
             raise ValueError("another folder")
         recs_end = plen + count * _REC.size
         ids = bytes(body[recs_end:])
-        out = {}
+        out: Cached = {}
         pos = 0
         for dev, ino, size, mtime, ctime, n in _REC.iter_unpack(body[plen:recs_end]):
             if n != -(-size // chunk_size):
                 raise ValueError("bad chunk count")
             end = pos + n * ID_SIZE
+            chunks: tuple[bytes, ...]
             if n == 1:
                 chunks = (ids[pos:end],)
             else:
@@ -192,8 +195,8 @@ class ScanCache:
         return out
 
     def _encode(self) -> bytes:
-        recs = []
-        ids = []
+        recs: list[bytes] = []
+        ids: list[bytes] = []
         rec = _REC.pack
         for (dev, ino), (size, mtime, ctime, chunks) in self._old.items():
             recs.append(rec(dev, ino, size, mtime, ctime, len(chunks)))
@@ -202,11 +205,11 @@ class ScanCache:
         return _HEAD.pack(MAGIC, self.chunk_size, len(recs), len(ids), len(self.folder),
                           xxhash.xxh3_128_digest(body)) + body
 
-    def _write(self) -> None:
+    def _write(self, path: str) -> None:
         data = self._encode()
-        folder = os.path.dirname(self.path)
+        folder = os.path.dirname(path)
         os.makedirs(folder, mode=0o700, exist_ok=True)
-        replace_file(self.path, data, f"{self.path}.{os.getpid()}.{threading.get_ident()}.tmp")
+        replace_file(path, data, f"{path}.{os.getpid()}.{threading.get_ident()}.tmp")
         _prune(folder)
 
 

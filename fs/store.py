@@ -7,18 +7,22 @@ and a directory entry on every node (~300 us each here); appending to a pack cos
     store/packs/00000001.idx   (sealed packs) id, offset, length per record
     store/lock                 held by the one process that owns the store
 
+(fs/pack.py describes the records and the index.)
+
 An object exists once its whole record is in a pack: the in-memory index is only updated after
-the append. `collect` deletes the sealed packs in which no object is live any more (the chunks
-of versions no node keeps), and those mostly dead after their live objects are copied to the
-open pack and made durable; packs are never rewritten in place, so a crash mid-collect loses
-nothing live. After a crash, packs without an index are scanned and a torn record at the end is
-cut off, so a partial object is never visible. Every blob is verified against its id before it is
-appended and whenever it is read: a damaged record is an error, never wrong bytes. Durability is
-batched: `sync()` flushes the open pack once before a version is published, and `cut_back()`
-gives back what was appended since (the chunks of a push that failed on a full disk).
+the append. `collect` (fs/collect.py) deletes the sealed packs in which no object is live any
+more (the chunks of versions no node keeps), and those mostly dead after their live objects are
+copied to the open pack and made durable; packs are never rewritten in place, so a crash
+mid-collect loses nothing live. After a crash, packs without an index are scanned and a torn
+record at the end is cut off, so a partial object is never visible. Every blob is verified
+against its id before it is appended and whenever it is read: a damaged record is an error, never
+wrong bytes. Durability is batched: `sync()` flushes the open pack once before a version is
+published, and `cut_back()` gives back what was appended since (the chunks of a push that failed
+on a full disk).
 
 The store holds the bytes of every pushed file whatever its mode, so its folders are 0700 and
-its files 0600, whatever the umask: the mount is the only way other users read content.
+its files 0600, whatever the umask (fs/private_files.py): the mount is the only way other users
+read content.
 """
 
 from __future__ import annotations
@@ -26,16 +30,16 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import struct
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
+from . import collect as collection
+from . import pack
 from .chunk import ID_SIZE, RAW, CorruptChunk, chunk_id, decode, encode, raw_size
+from .pack import IDX, MAGIC, PACK_SHIFT, RECORD, loc, unloc
+from .private_files import PRIVATE_FILE, fsync_dir, private_dir
 
-_RECORD = struct.Struct("<4s16sI")  # magic, chunk id, blob length
-_MAGIC = b"MFSR"
-_IDX = struct.Struct("<16sQI")  # chunk id, blob offset, blob length
 PACK_LIMIT = 256 * 1024 * 1024
 RAW_CODEC = bytes([RAW])
 # A small blob read from a pack brings the pack's next READ_AROUND bytes into the page cache:
@@ -44,62 +48,7 @@ RAW_CODEC = bytes([RAW])
 # files `import torch` opens took 0.82 s without it, 0.77 s with 1 MiB (medians of 6).
 READ_AROUND = 1 << 20
 NOWAIT_MAX = 256 << 10  # get_if_cached decodes on the caller's thread: keep that short
-# A sealed pack whose live records fill less than this is compacted (see Store.collect), copying
-# at most COMPACT_MAX_BYTES per collect.
-COMPACT_BELOW = 0.5
-COMPACT_MAX_BYTES = 256 * 1024 * 1024
 _NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
-
-
-_PACK_SHIFT = 72  # a location's pack number is loc >> _PACK_SHIFT (see _loc)
-
-
-def _loc(pack: int, offset: int, length: int) -> int:
-    """Where an object is, as one int: a 100k-chunk index is 8 MB smaller than with tuples."""
-    return pack << _PACK_SHIFT | offset << 32 | length
-
-
-def _unloc(loc: int) -> tuple[int, int, int]:
-    return loc >> _PACK_SHIFT, (loc >> 32) & ((1 << 40) - 1), loc & 0xFFFFFFFF
-
-
-PRIVATE_FILE = 0o600
-
-
-def private_dir(path: Path) -> None:
-    """Create a folder only its owner may enter (0700), or make an existing one so (an older
-    version made them 0755)."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(path, 0o700)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make the names in a folder durable (files created or renamed in it)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def replace_file(path: str | os.PathLike[str], data: bytes, tmp: str | os.PathLike[str], *,
-                 fsync: bool = False) -> None:
-    """Replace `path` by a file holding `data` (mode 0600), written to `tmp` and renamed: a
-    reader sees the old file or the new one, never half of one; on failure the old file stays.
-    `fsync` makes the content durable before the rename (the caller fsyncs the folder)."""
-    try:
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-            f.write(data)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 class StoreBusy(Exception):
@@ -122,7 +71,7 @@ class Store:
         except BlockingIOError:
             os.close(self._lockfd)
             raise StoreBusy(f"store {self.root} is in use by another process") from None
-        self._index: dict[bytes, int] = {}  # id -> _loc(pack, offset, length)
+        self._index: dict[bytes, int] = {}  # id -> pack.loc(pack, offset, length)
         self._readers: dict[int, int] = {}
         self._retired: list[int] = []  # readers of deleted packs, closed at the next collect
         self._lock = threading.Lock()
@@ -139,58 +88,27 @@ class Store:
         numbers.sort()
         for n in numbers:
             try:
-                if not self._load_index(n):
-                    self._scan(n)
+                listed = pack.read_index(self.packs, n)
+                self._index.update(pack.scan(self.packs, n) if listed is None else listed)
             except OSError as e:
                 self.problems.append(f"pack {self._pack_path(n)} cannot be read, its objects are "
                                      f"missing: {e.strerror or e}")
                 self._unreadable.add(n)
-                for cid in [c for c, loc in self._index.items() if loc >> _PACK_SHIFT == n]:
+                for cid in [c for c, at in self._index.items() if at >> PACK_SHIFT == n]:
                     del self._index[cid]  # those an index listed before the failure
         # Append to the last pack unless it is sealed (has an index), full or unreadable.
         last = numbers[-1] if numbers else 0
-        if not last or last in self._unreadable or self._idx_path(last).exists():
+        if not last or last in self._unreadable or pack.idx_path(self.packs, last).exists():
             self._open_pack(last + 1)
-        else:  # reopened: the records _scan found go into its index when it is sealed
+        else:  # reopened: the records pack.scan found go into its index when it is sealed
             self._open_pack(last)
-            self._records.extend(_IDX.pack(cid, *_unloc(v)[1:])
-                                 for cid, v in self._index.items() if v >> _PACK_SHIFT == last)
+            self._records.extend(IDX.pack(cid, *unloc(v)[1:])
+                                 for cid, v in self._index.items() if v >> PACK_SHIFT == last)
 
     # ---- layout -------------------------------------------------------------------------
 
     def _pack_path(self, n: int) -> Path:
-        return self.packs / f"{n:08d}.pack"
-
-    def _idx_path(self, n: int) -> Path:
-        return self.packs / f"{n:08d}.idx"
-
-    def _load_index(self, n: int) -> bool:
-        try:
-            data = self._idx_path(n).read_bytes()
-        except FileNotFoundError:
-            return False
-        if len(data) % _IDX.size:
-            return False  # damaged index: rebuild from the pack
-        for cid, off, length in _IDX.iter_unpack(data):
-            self._index[cid] = _loc(n, off, length)
-        return True
-
-    def _scan(self, n: int) -> None:
-        """Index a pack by reading its record headers; cut off a torn record at the end."""
-        path = self._pack_path(n)
-        size = path.stat().st_size
-        off = 0
-        with open(path, "rb") as f:
-            while off + _RECORD.size <= size:
-                f.seek(off)
-                magic, cid, length = _RECORD.unpack(f.read(_RECORD.size))
-                end = off + _RECORD.size + length
-                if magic != _MAGIC or end > size:
-                    break
-                self._index[cid] = _loc(n, off + _RECORD.size, length)
-                off = end
-        if off != size:
-            os.truncate(path, off)
+        return pack.pack_path(self.packs, n)
 
     def _open_pack(self, n: int) -> None:
         self._cur = n
@@ -198,7 +116,7 @@ class Store:
                            PRIVATE_FILE)
         self._size = os.fstat(self._fd).st_size
         self._durable = self._size  # what cut_back() keeps: found on disk, or synced since
-        self._records: list[bytes] = []  # the current pack's _IDX records, in append order
+        self._records: list[bytes] = []  # the current pack's IDX records, in append order
 
     def _seal(self) -> None:
         """Make the full pack durable and write its index, then start the next one. If the
@@ -207,20 +125,7 @@ class Store:
         os.fsync(self._fd)
         self._durable = self._size
         n = self._cur
-        tmp = self._idx_path(n).with_suffix(".tmp")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE)
-            try:
-                data = memoryview(b"".join(self._records))
-                while data:
-                    data = data[os.write(fd, data):]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, self._idx_path(n))
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        pack.write_index(self.packs, n, self._records)
         os.close(self._fd)
         self._open_pack(n + 1)
 
@@ -268,7 +173,7 @@ class Store:
     def _append(self, cid: bytes, parts: list[bytes | memoryview]) -> None:
         """Append one record to the open pack and point the index at it. Holds self._lock."""
         length = sum(len(part) for part in parts)
-        header = _RECORD.pack(_MAGIC, cid, length)
+        header = RECORD.pack(MAGIC, cid, length)
         size = len(header) + length
         off = self._size
         try:
@@ -281,8 +186,8 @@ class Store:
             os.ftruncate(self._fd, off)  # no partial record stays behind
             raise
         self._size = off + size
-        self._index[cid] = _loc(self._cur, off + _RECORD.size, length)
-        self._records.append(_IDX.pack(cid, off + _RECORD.size, length))
+        self._index[cid] = loc(self._cur, off + RECORD.size, length)
+        self._records.append(IDX.pack(cid, off + RECORD.size, length))
         if self._size >= self.pack_limit:
             self._seal()
 
@@ -294,14 +199,14 @@ class Store:
 
     def locate(self, cid: bytes) -> tuple[Path, int, int]:
         """(pack file, offset, length) of an object's blob: for checks and repairs."""
-        n, off, length = _unloc(self._index[cid])
+        n, off, length = unloc(self._index[cid])
         return self._pack_path(n), off, length
 
     def _reader(self, cid: bytes) -> tuple[int, int, int]:
         """(read descriptor of its pack, offset, length) of an object's blob."""
         for _ in range(2):
             try:
-                n, off, length = _unloc(self._index[cid])
+                n, off, length = unloc(self._index[cid])
             except KeyError:
                 raise KeyError(cid.hex()) from None
             fd = self._readers.get(n)
@@ -331,10 +236,10 @@ class Store:
         otherwise (then `get` it in a worker thread, which also reports any error). Never
         blocks, so the FUSE thread calls it directly instead of handing the read to a worker
         thread and back (two wake-ups, ~60 us each across CPUs here)."""
-        loc = self._index.get(cid)
-        if loc is None:
+        at = self._index.get(cid)
+        if at is None:
             return None
-        n, off, length = _unloc(loc)
+        n, off, length = unloc(at)
         fd = self._readers.get(n)
         if fd is None or length > NOWAIT_MAX:
             return None
@@ -396,124 +301,20 @@ class Store:
             os.ftruncate(self._fd, cut)
             n, kept = self._cur, []
             for record in self._records:
-                cid, off, length = _IDX.unpack(record)
+                cid, off, length = IDX.unpack(record)
                 if off < cut:
                     kept.append(record)
-                elif self._index.get(cid) == _loc(n, off, length):
+                elif self._index.get(cid) == loc(n, off, length):
                     del self._index[cid]
             self._records = kept
             freed, self._size = self._size - cut, cut
         return freed
 
-    def collect(self, live: Callable[[], Iterable[Iterable[bytes]]]) -> tuple[int, int]:
-        """Free the space of objects outside `live()`; (packs deleted, bytes freed).
-
-        A sealed pack holding no live object is deleted. A sealed pack whose live records fill
-        less than COMPACT_BELOW of it is compacted: its live objects are read, verified and
-        appended to the open pack, which is made durable, and then it is deleted too. Without
-        that, a node pushed small edits for months would keep whole packs for the odd live
-        file in each. At most COMPACT_MAX_BYTES are copied per collect (a push waits for it).
-
-        `live()` gives the live ids in groups (one per retained version, say), and may be
-        called twice. Its ids are looked up, never all kept: on a daemon holding 100k files a
-        set of them would be its largest allocation. A first pass finds the packs no group
-        fills to COMPACT_BELOW; only for those does a second pass collect the live ids, which
-        tell exactly which to compact and what to copy. Deleted packs' objects leave the index
-        first, so from then on `missing` reports them and a push sends them again; the open
-        pack is never touched. A pack's index goes before the pack: a crash in between leaves
-        a pack that the next start scans and the next collect deletes. A crash after the
-        copies leaves those objects twice; the newer pack wins at start, and the next collect
-        deletes the older. Blocking: run it in a worker thread."""
-        for fd in self._retired:  # any read that used them finished long ago
-            os.close(fd)
-        self._retired.clear()
-        most: dict[int, int] = {}  # pack -> the most bytes of live records one group has there
-        with self._lock:
-            sizes = {int(p.stem): p.stat().st_size for p in self.packs.glob("*.pack")
-                     if p.stem.isdigit()}
-            for group in live():
-                for n, used in self._bytes_by_pack(group).items():
-                    most[n] = max(most.get(n, 0), used)
-            sealed = set(sizes) - {self._cur} - self._unreadable
-        doomed = sealed - set(most)
-        maybe = {n for n in sealed & set(most) if most[n] < COMPACT_BELOW * sizes[n]}
-        freed = self._delete(doomed, sizes)
-        compacted = 0
-        if maybe:
-            compacted, more = self._compact(maybe, sizes, live)
-            freed += more
-        return len(doomed) + compacted, freed
-
-    def _bytes_by_pack(self, ids: Iterable[bytes]) -> dict[int, int]:
-        """Bytes of the records of `ids`, per pack."""
-        index, out = self._index, {}
-        for cid in ids:
-            if (loc := index.get(cid)) is not None:
-                n, _, length = _unloc(loc)
-                out[n] = out.get(n, 0) + _RECORD.size + length
-        return out
-
-    def _compact(self, maybe: set[int], sizes: dict[int, int],
-                 live: Callable[[], Iterable[Iterable[bytes]]]) -> tuple[int, int]:
-        """Compact those of `maybe` that are less than COMPACT_BELOW live, within the budget:
-        copy their live objects to the open pack, then delete them. (packs, bytes freed)."""
-        index = self._index
-        ids = {cid for group in live() for cid in group
-               if (loc := index.get(cid)) is not None and loc >> _PACK_SHIFT in maybe}
-        used = self._bytes_by_pack(ids)
-        packs, budget = set(), COMPACT_MAX_BYTES
-        for n in sorted(maybe, key=lambda n: used.get(n, 0)):
-            live_bytes = used.get(n, 0)
-            if live_bytes < COMPACT_BELOW * sizes[n] and (not packs or live_bytes <= budget):
-                packs.add(n)
-                budget -= live_bytes
-        copied = 0
-        for cid in sorted(ids, key=lambda c: index.get(c, 0)):  # in pack order
-            if index.get(cid, 0) >> _PACK_SHIFT not in packs:
-                continue
-            try:
-                blob = self.get_blob(cid)
-                decode(cid, blob)
-            except KeyError:
-                continue
-            except CorruptChunk:
-                blob = None  # damaged: not copied, so missing from now on; a push resends it
-            with self._lock:
-                loc = index.get(cid)
-                if loc is None or loc >> _PACK_SHIFT not in packs:
-                    continue
-                if blob is None:
-                    del index[cid]
-                    continue
-                self._append(cid, [blob])
-                copied += _RECORD.size + len(blob)
-        if packs:
-            self.sync()  # the copies are durable before the originals go
-        return len(packs), self._delete(packs, sizes) - copied
-
-    def _delete(self, packs: set[int], sizes: dict[int, int]) -> int:
-        """Delete sealed packs, their objects leaving the index first; the bytes freed (their
-        `sizes`: sealed packs do not change)."""
-        if not packs:
-            return 0
-        with self._lock:
-            for cid in [c for c, loc in self._index.items() if loc >> _PACK_SHIFT in packs]:
-                del self._index[cid]
-            self._retire(packs)
-        for n in sorted(packs):
-            self._idx_path(n).unlink(missing_ok=True)
-            self._pack_path(n).unlink(missing_ok=True)
-        with self._lock:
-            self._retire(packs)  # a read may have opened one of them in the meantime
-        fsync_dir(self.packs)
-        return sum(sizes[n] for n in packs)
-
-    def _retire(self, packs: set[int]) -> None:
-        """Hand the read descriptors of deleted packs to the next collect. Holds self._lock."""
-        for n in packs:
-            fd = self._readers.pop(n, None)
-            if fd is not None:
-                self._retired.append(fd)
+    def collect(self, live: collection.Live) -> tuple[int, int]:
+        """Free the space of objects outside `live()`; (packs deleted, bytes freed). Deletes
+        the sealed packs no live object is in, compacts those mostly dead: see
+        fs/collect.py. Blocking: run it in a worker thread."""
+        return collection.collect(self, live)
 
     def usage(self) -> tuple[int, int]:
         """(objects, bytes on disk)."""

@@ -19,8 +19,9 @@ import pyfuse3
 import pytest
 
 from helpers import SMALL, flip_bits
-from monarch_fs.fs import fuse_ops
-from monarch_fs.fs.fuse_ops import VERSIONS, SnapshotFS
+from monarch_fs.fs import fuse_ops, handler_guard
+from monarch_fs.fs.fuse_ops import SnapshotFS
+from monarch_fs.fs.inodes import VERSIONS
 from monarch_fs.fs.manifest import Manifest
 from monarch_fs.fs.scan import scan
 from monarch_fs.fs.store import Store
@@ -152,7 +153,7 @@ async def test_lookup_errors(served):
     assert await fuse_errno(fs.lookup(hello, b"x")) == errno.ENOTDIR
     assert await fuse_errno(fs.lookup(ROOT, b"..")) == errno.ENOENT  # the kernel resolves '..'
     unknown = 12345
-    assert unknown not in fs._nodes
+    assert unknown not in fs.table.nodes
     assert await fuse_errno(fs.lookup(unknown, b"x")) == errno.ENOENT
     assert await fuse_errno(fs.getattr(unknown)) == errno.ENOENT
     assert await fuse_errno(fs.read(unknown, 0, 10)) == errno.ENOENT
@@ -317,7 +318,7 @@ async def test_older_versions_stay_readable_under_versions(served):
     second = await served.edit_and_publish()
     v1, v2 = served.v1[0].hex().encode(), second[0].hex().encode()
     wsv = await ino_of(fs, b".versions/ws")
-    assert [name for name, _ in fs._listing(fs._nodes[wsv])] == [v2, v1]  # current first
+    assert [name for name, _ in fs.table.listing(fs.table.nodes[wsv])] == [v2, v1]  # current first
     old = await ino_of(fs, b".versions/ws/" + v1 + b"/pkg/mod.py")
     assert await read(fs, old) == b"x = 1\n"
     assert await read(fs, await ino_of(fs, b".versions/ws/" + v1 + b"/empty")) == b""
@@ -330,7 +331,7 @@ async def test_older_versions_stay_readable_under_versions(served):
     # dropping version 1 drops its name
     await fs.set_workspace(b"ws", [second])
     assert (await fs.lookup(wsv, v1)).st_ino == 0
-    assert [name for name, _ in fs._listing(fs._nodes[wsv])] == [v2]
+    assert [name for name, _ in fs.table.listing(fs.table.nodes[wsv])] == [v2]
 
 
 async def test_stage_serves_nothing_until_switch(served):
@@ -361,7 +362,7 @@ async def test_a_removed_workspace_leaves_the_mount_but_held_files_still_read(se
     (cid,) = served.v1[1].get(b"hello.txt").chunks
     await fs.remove_workspace(b"ws")
     assert (await fs.lookup(ROOT, b"ws")).st_ino == 0
-    assert [name for name, _ in fs._listing(fs._nodes[ROOT])] == [VERSIONS]
+    assert [name for name, _ in fs.table.listing(fs.table.nodes[ROOT])] == [VERSIONS]
     assert await read(fs, hello) == b"hello\n"
     assert cid in fs.held_chunks()  # kept in the store while the kernel holds the file
     await fs.forget([(hello, 1)])
@@ -373,14 +374,14 @@ async def test_a_removed_workspace_leaves_the_mount_but_held_files_still_read(se
 
 async def test_listings_hold_every_name_in_order(served):
     fs = served.fs
-    assert [n for n, _ in fs._listing(fs._nodes[ROOT])] == [VERSIONS, b"ws"]
+    assert [n for n, _ in fs.table.listing(fs.table.nodes[ROOT])] == [VERSIONS, b"ws"]
     ws = await ino_of(fs, b"ws")
-    names = [n for n, _ in fs._listing(fs._nodes[ws])]
+    names = [n for n, _ in fs.table.listing(fs.table.nodes[ws])]
     assert names == sorted(os.fsencode(n) for n in os.listdir(served.src))
     pkg = await ino_of(fs, b"ws/pkg")
-    assert [n for n, _ in fs._listing(fs._nodes[pkg])] == [b"__init__.py", b"mod.py"]
+    assert [n for n, _ in fs.table.listing(fs.table.nodes[pkg])] == [b"__init__.py", b"mod.py"]
     await served.edit_and_publish()
-    assert [n for n, _ in fs._listing(fs._nodes[ws])] == sorted(
+    assert [n for n, _ in fs.table.listing(fs.table.nodes[ws])] == sorted(
         os.fsencode(n) for n in os.listdir(served.src))
 
 
@@ -439,7 +440,7 @@ async def test_an_unexpected_error_in_a_handler_answers_eio_and_is_logged_once(
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(fs, "_attr", broken)
-    with caplog.at_level(logging.ERROR, logger=fuse_ops.__name__):
+    with caplog.at_level(logging.ERROR, logger=handler_guard.__name__):
         assert await fuse_errno(fs.getattr(hello)) == errno.EIO
     assert fs.ops["failed"] == 1
     assert [r.getMessage() for r in caplog.records] == [

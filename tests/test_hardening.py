@@ -199,7 +199,8 @@ _GUARD_CHILD = r"""
 import logging, signal, sys
 import pyfuse3, trio
 from monarch_fs.fs.chunk import chunk_id
-from monarch_fs.fs.fuse_ops import SnapshotFS, mount_options
+from monarch_fs.fs.fuse_ops import SnapshotFS
+from monarch_fs.fs.mount_options import mount_options
 from monarch_fs.fs.manifest import Entry, Kind, Manifest
 
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(message)s")

@@ -15,7 +15,7 @@ import pytest
 
 from helpers import flip_bits as _flip
 from monarch_fs.fs import chunk
-from monarch_fs.fs import store as store_module
+from monarch_fs.fs import collect as collect_module
 from monarch_fs.fs.chunk import RAW, ZSTD, CorruptChunk, chunk_id
 from monarch_fs.fs.store import NOWAIT_MAX, READ_AROUND, Store, StoreBusy
 
@@ -193,7 +193,7 @@ def test_compacting_drops_a_damaged_object_instead_of_copying_it(tmp_path):
 
 
 def test_compacting_copies_at_most_its_budget_per_collect(tmp_path, monkeypatch):
-    monkeypatch.setattr(store_module, "COMPACT_MAX_BYTES", 30_000)
+    monkeypatch.setattr(collect_module, "COMPACT_MAX_BYTES", 30_000)
     s = Store(tmp_path / "store", pack_limit=64 * 1024)
     ids = [s.put(os.urandom(20_000)) for _ in range(9)]  # packs 1 and 2 sealed, 9th open
     live = [ids[0], ids[4], ids[8]]

@@ -214,8 +214,8 @@ def test_warm_reads_and_listings_cost_no_requests(fresh_cluster, tmp_path, monke
     without passthrough) it sends only the ioctl with which Python's open() asks whether a
     file is a terminal (the kernel forwards every ioctl); with passthrough each open is a
     request too."""
-    from monarch_fs.fs import fuse_ops
-    assert fuse_ops.NO_OPEN_BUILT, "pyfuse3 is not the patched build (make builds it)"
+    from monarch_fs.fs import open_mode
+    assert open_mode.NO_OPEN_BUILT, "pyfuse3 is not the patched build (make builds it)"
     if mode == "no-open":
         monkeypatch.setenv("MONARCH_FS_PASSTHROUGH", "0")
     elif os.geteuid() != 0:

@@ -22,7 +22,7 @@ import pyfuse3
 import trio
 
 from ...fs import passthrough
-from ...fs.fuse_ops import mount_options, set_readahead
+from ...fs.mount_options import mount_options, set_readahead
 from ..wire.transport import parse_addr
 from .service import NodeService, open_listeners
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import trio
 
-from ...fs.store import fsync_dir, replace_file
+from ...fs.private_files import fsync_dir, replace_file
 from ..wire.requests import check_workspace_name
 
 

@@ -19,7 +19,8 @@ import trio
 from ...fs.backing import BackingFiles
 from ...fs.fuse_ops import SnapshotFS
 from ...fs.manifest import DEFAULT_MAX_ENTRIES
-from ...fs.store import Store, private_dir
+from ...fs.private_files import private_dir
+from ...fs.store import Store
 from ...settings import settings
 from ..wire import bulk
 from ..wire.auth import NO_TOKEN_HELP, default_token_file
