@@ -18,8 +18,8 @@ APT_PACKAGES := fuse3 libfuse3-dev pkg-config rsync zstd iproute2 \
 
 .PHONY: test test-fast lint typecheck demo bench system-deps clean
 
-# Everything: lint, then every test (real daemons, FUSE mounts, namespaces as root).
-test: $(STAMP) $(STOCK_PYFUSE3)/.built
+# Everything: type check, lint, then every test (real daemons, FUSE mounts, namespaces as root).
+test: $(STAMP) $(STOCK_PYFUSE3)/.built typecheck
 	$(VENV)/bin/ruff check
 	$(PY) -m pytest -q
 
@@ -118,7 +118,7 @@ $(STAMP): pyproject.toml $(PYFUSE3_STAMP)
 
 # pyfuse3 from its sdist, fetched by name with pip and checked against a pinned sha256, with
 # fs/pyfuse3.patch, built against the system's libfuse 3 (Debian 12: 3.14): no open/opendir
-# round trips, passthrough, counted ioctls (see fs/fuse_ops.py and fs/passthrough.py).
+# round trips, passthrough, counted ioctls (see fs/open_mode.py and fs/passthrough.py).
 $(PYFUSE3_STAMP): fs/pyfuse3.patch
 	@$(MAKE) --no-print-directory system-deps
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
