@@ -46,6 +46,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 from monarch_fs import cli
 
@@ -228,11 +229,23 @@ class Switch:
         return problems
 
 
-def _tail(path: Path, lines: int = 15) -> str:
+def tail(path: Path, lines: int = 15) -> str:
+    """The last lines of a log, for an error message ("" if it cannot be read)."""
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
+
+
+def report_leftovers(what: str, problems: list[str], raise_leftovers: bool) -> None:
+    """Say what a teardown could not remove: an error when asked, else a line on stderr (a
+    teardown after a failed body must not hide the body's own error)."""
+    if not problems:
+        return
+    text = f"{what} teardown left: " + "; ".join(problems)
+    if raise_leftovers:
+        raise NetnsError(text)
+    print(text, file=sys.stderr)
 
 
 @dataclass
@@ -257,7 +270,37 @@ class Node:
         return self.dir / "log"
 
 
-class NetCluster:
+class Stood:
+    """What a test stands up and must take down: entering runs `start()` (NetnsUnsupported
+    first if `why_unsupported()` names a reason), and if that fails halfway `close()` removes
+    what it made before the error goes on; leaving closes, and leftovers are an error only
+    when the body itself succeeded."""
+
+    def why_unsupported(self) -> str | None:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def close(self, raise_leftovers: bool = False) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        reason = self.why_unsupported()
+        if reason:
+            raise NetnsUnsupported(reason)
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(raise_leftovers=exc[0] is None)
+
+
+class NetCluster(Stood):
     """`with NetCluster(4, rate="400mbit") as c:` four namespaced nodes, each with a daemon.
 
     rate:     every link's limit, each direction (tc units: 400mbit, 1gbit)
@@ -368,21 +411,13 @@ class NetCluster:
 
     # ---- life cycle -------------------------------------------------------------------------
 
-    def __enter__(self) -> NetCluster:
-        try:
-            reason = unsupported_reason()
-            if reason:
-                raise NetnsUnsupported(reason)
-            self._make_workdir()
-            self._build_network()
-            self._start_daemons()
-        except BaseException:
-            self.close()
-            raise
-        return self
+    def why_unsupported(self) -> str | None:
+        return unsupported_reason()
 
-    def __exit__(self, *exc) -> None:
-        self.close(raise_leftovers=exc[0] is None)
+    def start(self) -> None:
+        self._make_workdir()
+        self._build_network()
+        self._start_daemons()
 
     def close(self, raise_leftovers: bool = False) -> None:
         """Stop the daemons, then delete links and namespaces; idempotent. With
@@ -397,11 +432,7 @@ class NetCluster:
         problems += self._net.close()
         if self._own_workdir and not self._keep_workdir and self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
-        if problems:
-            text = "NetCluster teardown left: " + "; ".join(problems)
-            if raise_leftovers:
-                raise NetnsError(text)
-            print(text, file=sys.stderr)
+        report_leftovers("NetCluster", problems, raise_leftovers)
 
     # ---- building ---------------------------------------------------------------------------
 
@@ -474,7 +505,7 @@ class NetCluster:
                        if node.proc.returncode is not None
                        else f"not ready after {self.start_timeout:g}s")
                 raise NetnsError(f"node-{node.index} daemon {why}; its log ends:\n"
-                                 f"{_tail(node.log)}")
+                                 f"{tail(node.log)}")
             time.sleep(0.05)
         pid = json.loads(ready.read_text())["pid"]
         if pid != node.proc.pid:

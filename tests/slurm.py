@@ -38,7 +38,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from netns import NetnsError, NetnsUnsupported, Switch, run_cmd, stop_pids
+from netns import (
+    NetnsError,
+    Stood,
+    Switch,
+    report_leftovers,
+    run_cmd,
+    stop_pids,
+    tail,
+)
 
 SUBNET = "10.78.0"
 CTL_ADDR = f"{SUBNET}.2"
@@ -110,14 +118,7 @@ def unsupported_reason() -> str | None:
     return None
 
 
-def _tail(path: Path, lines: int = 10) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-class SlurmCluster:
+class SlurmCluster(Stood):
     """A controller and `n_nodes` nodes, each a network namespace with a hostname of its own."""
 
     def __init__(self, n_nodes: int = 2, *, start_timeout: float = START_TIMEOUT,
@@ -241,35 +242,27 @@ class SlurmCluster:
     def logs(self, lines: int = 10) -> str:
         """The last lines of every daemon's output (in the foreground, each also copies its log
         there), for an error message."""
-        return "\n".join(f"--- {name}\n{_tail(self.dir / 'log' / f'{name}.out', lines)}"
+        return "\n".join(f"--- {name}\n{tail(self.dir / 'log' / f'{name}.out', lines)}"
                          for name in self._daemons)
 
     # ---- life cycle -------------------------------------------------------------------------
 
-    def __enter__(self) -> SlurmCluster:
-        try:
-            reason = unsupported_reason()
-            if reason:
-                raise NetnsUnsupported(reason)
-            self._make_dir()
-            self._start_munged()
-            self._net.build()
-            self._net.add_host(self.ctl_netns, "p-ctl", CTL_ADDR)
-            for i, ns in enumerate(self.node_netns):
-                self._net.add_host(ns, f"p-n{i}", self.addresses[i])
-            self._start_in(self.ctl_netns, CTL_HOST, "slurmctld",
-                           ["slurmctld", "-D", "-i", "-f", str(self.conf)])
-            for ns, host in zip(self.node_netns, self.hostnames):
-                self._start_in(ns, host, f"slurmd-{host}",
-                               ["slurmd", "-D", "-f", str(self.conf), "-N", host])
-            self.wait_idle(self.start_timeout)
-        except BaseException:
-            self.close()
-            raise
-        return self
+    def why_unsupported(self) -> str | None:
+        return unsupported_reason()
 
-    def __exit__(self, *exc) -> None:
-        self.close(raise_leftovers=exc[0] is None)
+    def start(self) -> None:
+        self._make_dir()
+        self._start_munged()
+        self._net.build()
+        self._net.add_host(self.ctl_netns, "p-ctl", CTL_ADDR)
+        for i, ns in enumerate(self.node_netns):
+            self._net.add_host(ns, f"p-n{i}", self.addresses[i])
+        self._start_in(self.ctl_netns, CTL_HOST, "slurmctld",
+                       ["slurmctld", "-D", "-i", "-f", str(self.conf)])
+        for ns, host in zip(self.node_netns, self.hostnames):
+            self._start_in(ns, host, f"slurmd-{host}",
+                           ["slurmd", "-D", "-f", str(self.conf), "-N", host])
+        self.wait_idle(self.start_timeout)
 
     def close(self, raise_leftovers: bool = False) -> None:
         """Stop everything this cluster started and delete what it made; idempotent. With
@@ -299,11 +292,7 @@ class SlurmCluster:
         self._users = []
         if self.dir != Path():
             shutil.rmtree(self.dir, ignore_errors=True)
-        if problems:
-            text = "SlurmCluster teardown left: " + "; ".join(problems)
-            if raise_leftovers:
-                raise NetnsError(text)
-            print(text, file=sys.stderr)
+        report_leftovers("SlurmCluster", problems, raise_leftovers)
 
     # ---- building ---------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ import hashlib
 import os
 import stat
 import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import pytest
@@ -42,6 +43,16 @@ from monarch_fs.daemon.wire.transport import (
 )
 
 TOKEN = b"test-token"
+
+
+@asynccontextmanager
+async def serving(handler: Callable[[trio.SocketStream], Awaitable[None]]) -> AsyncIterator[int]:
+    """A loopback listener that runs `handler` for each connection; yields its port."""
+    async with trio.open_nursery() as nursery:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        nursery.start_soon(trio.serve_listeners, handler, listeners)
+        yield listeners[0].socket.getsockname()[1]
+        nursery.cancel_scope.cancel()
 
 
 class Server:
@@ -157,13 +168,9 @@ async def test_impostor_server_is_rejected():
             await stream.send_all(struct.pack("<IB", len(welcome), FrameType.WELCOME) + welcome)
             await trio.sleep_forever()
 
-    async with trio.open_nursery() as nursery:
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        port = listeners[0].socket.getsockname()[1]
-        nursery.start_soon(trio.serve_listeners, impostor, listeners)
+    async with serving(impostor) as port:
         with pytest.raises(ConnectError, match=f"127.0.0.1:{port}: frame failed authentication"):
             await connect(f"127.0.0.1:{port}", TOKEN, timeout=5)
-        nursery.cancel_scope.cancel()
 
 
 async def test_cancelled_send_poisons_the_channel():
@@ -171,10 +178,7 @@ async def test_cancelled_send_poisons_the_channel():
         async with await accept(stream, TOKEN, {}):
             await trio.sleep_forever()  # never reads, so a big send blocks
 
-    async with trio.open_nursery() as nursery:
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        port = listeners[0].socket.getsockname()[1]
-        nursery.start_soon(trio.serve_listeners, deaf, listeners)
+    async with serving(deaf) as port:
         async with await connect(f"127.0.0.1:{port}", TOKEN) as ch:
             with trio.CancelScope() as scope:
                 scope.cancel()  # cancelled before anything went out: no harm done
@@ -184,7 +188,6 @@ async def test_cancelled_send_poisons_the_channel():
             assert scope.cancelled_caught
             with pytest.raises(ConnectionLost, match="interrupted"):
                 await ch.send(Request("echo"))
-        nursery.cancel_scope.cancel()
 
 
 async def test_closed_port_fails_fast():
@@ -202,28 +205,20 @@ async def test_silent_peer_times_out():
         async with stream:
             await trio.sleep_forever()
 
-    async with trio.open_nursery() as nursery:
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        port = listeners[0].socket.getsockname()[1]
-        nursery.start_soon(trio.serve_listeners, silent, listeners)
+    async with serving(silent) as port:
         start = trio.current_time()
         with pytest.raises(ConnectError, match=f"127.0.0.1:{port}: timed out after 0.3s"):
             await connect(f"127.0.0.1:{port}", TOKEN, timeout=0.3)
         assert 0.25 < trio.current_time() - start < 2
-        nursery.cancel_scope.cancel()
 
 
 async def test_peer_that_hangs_up_during_handshake():
     async def rude(stream: trio.SocketStream) -> None:
         await stream.aclose()
 
-    async with trio.open_nursery() as nursery:
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        port = listeners[0].socket.getsockname()[1]
-        nursery.start_soon(trio.serve_listeners, rude, listeners)
+    async with serving(rude) as port:
         with pytest.raises(ConnectError, match=f"127.0.0.1:{port}: connection closed"):
             await connect(f"127.0.0.1:{port}", TOKEN, timeout=5)
-        nursery.cancel_scope.cancel()
 
 
 async def test_big_chunk_and_concurrent_senders():

@@ -43,17 +43,16 @@ class Call(Generic[T]):
 
     def set_value(self, value: T) -> bool:
         """Settle with a value; False if it was settled already."""
-        if self._done.is_set():
-            return False
-        self._value = value
-        self._done.set()
-        return True
+        return self._settle(value, None)
 
     def set_error(self, error: BaseException) -> bool:
         """Settle with an error, which result() raises; False if it was settled already."""
+        return self._settle(None, error)
+
+    def _settle(self, value: T | None, error: BaseException | None) -> bool:
         if self._done.is_set():
             return False
-        self._error = error
+        self._value, self._error = value, error
         self._done.set()
         return True
 

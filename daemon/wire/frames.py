@@ -21,23 +21,7 @@ import json
 import struct
 from collections.abc import Callable
 
-from .protocol import (
-    ID_SIZE,
-    PROTOCOL_VERSION,
-    Auth,
-    Data,
-    Error,
-    Event,
-    Hello,
-    Message,
-    MissingIds,
-    ProtocolError,
-    PutChunk,
-    QueryMissing,
-    Reply,
-    Request,
-    Welcome,
-)
+from . import protocol as p
 
 MAX_FRAME = 80 * 1024 * 1024
 MAX_HANDSHAKE_FRAME = 4096  # what a peer may send before it has authenticated
@@ -67,10 +51,10 @@ class FrameType(enum.IntEnum):
 
 
 FRAME_TYPES: dict[type, FrameType] = {
-    Hello: FrameType.HELLO, Auth: FrameType.AUTH, Welcome: FrameType.WELCOME,
-    Error: FrameType.ERROR, Request: FrameType.REQUEST, Reply: FrameType.REPLY,
-    QueryMissing: FrameType.QUERY_MISSING, MissingIds: FrameType.MISSING_IDS,
-    PutChunk: FrameType.PUT_CHUNK, Event: FrameType.EVENT, Data: FrameType.DATA,
+    p.Hello: FrameType.HELLO, p.Auth: FrameType.AUTH, p.Welcome: FrameType.WELCOME,
+    p.Error: FrameType.ERROR, p.Request: FrameType.REQUEST, p.Reply: FrameType.REPLY,
+    p.QueryMissing: FrameType.QUERY_MISSING, p.MissingIds: FrameType.MISSING_IDS,
+    p.PutChunk: FrameType.PUT_CHUNK, p.Event: FrameType.EVENT, p.Data: FrameType.DATA,
 }  # fmt: skip
 HANDSHAKE = (FrameType.HELLO, FrameType.AUTH, FrameType.WELCOME)
 LARGE = (FrameType.PUT_CHUNK, FrameType.DATA)  # payloads kept as views, maybe received in place
@@ -80,7 +64,7 @@ JsonShape = dict[str, Callable[[object], bool]]
 
 def frame(ftype: FrameType, *parts: Buffer) -> list[Buffer]:
     """A frame as the buffers to write, the payload parts not copied."""
-    return [HEADER.pack(sum(len(p) for p in parts), ftype), *parts]
+    return [HEADER.pack(sum(len(part) for part in parts), ftype), *parts]
 
 
 def json_payload(obj: dict) -> bytes:
@@ -93,122 +77,123 @@ def parse_json(ftype: FrameType, payload: bytes, shape: JsonShape) -> dict:
     try:
         obj = json.loads(payload)
     except (ValueError, RecursionError) as e:  # includes UnicodeDecodeError, JSONDecodeError
-        raise ProtocolError(f"{ftype.name} frame: malformed JSON ({type(e).__name__})") from None
+        raise p.ProtocolError(f"{ftype.name} frame: malformed JSON ({type(e).__name__})") from None
     if not isinstance(obj, dict):
-        raise ProtocolError(f"{ftype.name} frame: expected a JSON object")
+        raise p.ProtocolError(f"{ftype.name} frame: expected a JSON object")
     for key, ok in shape.items():
         if key not in obj or not ok(obj[key]):
-            raise ProtocolError(f"{ftype.name} frame: missing or invalid field {key!r}")
+            raise p.ProtocolError(f"{ftype.name} frame: missing or invalid field {key!r}")
     return obj
 
 
 def check_version(ftype: FrameType, payload: bytes) -> None:
     """Checked before the rest of the payload, whose layout may differ in other versions."""
     if len(payload) < VERSION.size:
-        raise ProtocolError(f"{ftype.name} frame too short")
+        raise p.ProtocolError(f"{ftype.name} frame too short")
     (version,) = VERSION.unpack_from(payload)
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(
-            f"protocol version mismatch: peer speaks version {version}, we speak {PROTOCOL_VERSION}"
+    if version != p.PROTOCOL_VERSION:
+        raise p.ProtocolError(
+            f"protocol version mismatch: peer speaks version {version}, "
+            f"we speak {p.PROTOCOL_VERSION}"
         )
 
 
 # ---- the session's messages ------------------------------------------------------------------
 
 
-def encode(msg: Message, *, early: bool) -> list[Buffer]:
+def encode(msg: p.Message, *, early: bool) -> list[Buffer]:
     """The frame for any message but the handshake's. `early`: the peer is still in its
     handshake, so an Error must fit the 4096 bytes it accepts then."""
-    if isinstance(msg, Error):
+    if isinstance(msg, p.Error):
         text = msg.message[:MAX_EARLY_ERROR] if early else msg.message
         obj: dict = {"message": text, "code": msg.code}
         if msg.id is not None:
             obj["id"] = msg.id
         return frame(FrameType.ERROR, json_payload(obj))
-    if isinstance(msg, Request):
+    if isinstance(msg, p.Request):
         return frame(FrameType.REQUEST, json_payload({"id": msg.id, "op": msg.op,
                                                       "args": msg.args}))
-    if isinstance(msg, Reply):
+    if isinstance(msg, p.Reply):
         return frame(FrameType.REPLY, json_payload({"id": msg.id, "value": msg.value}))
-    if isinstance(msg, Event):
+    if isinstance(msg, p.Event):
         return frame(FrameType.EVENT, json_payload({"kind": msg.kind, "data": msg.data}))
-    if isinstance(msg, (QueryMissing, MissingIds)):
+    if isinstance(msg, (p.QueryMissing, p.MissingIds)):
         ftype = FRAME_TYPES[type(msg)]
-        if any(len(i) != ID_SIZE for i in msg.ids):
-            raise ProtocolError(f"{ftype.name}: ids must be {ID_SIZE} bytes")
+        if any(len(i) != p.ID_SIZE for i in msg.ids):
+            raise p.ProtocolError(f"{ftype.name}: ids must be {p.ID_SIZE} bytes")
         return frame(ftype, *msg.ids)
-    if isinstance(msg, Data):
+    if isinstance(msg, p.Data):
         if len(msg.parts) > MAX_DATA_PARTS:
-            raise ProtocolError(f"DATA: {len(msg.parts)} parts exceed {MAX_DATA_PARTS}")
-        views = [memoryview(p).cast("B") for p in msg.parts]
+            raise p.ProtocolError(f"DATA: {len(msg.parts)} parts exceed {MAX_DATA_PARTS}")
+        views = [memoryview(part).cast("B") for part in msg.parts]
         lengths = b"".join(_LENGTH.pack(v.nbytes) for v in views)
         return frame(FrameType.DATA, _COUNT.pack(len(views)), lengths, *views)
-    if isinstance(msg, PutChunk):
-        if len(msg.cid) != ID_SIZE:
-            raise ProtocolError(f"PUT_CHUNK: chunk id must be {ID_SIZE} bytes")
+    if isinstance(msg, p.PutChunk):
+        if len(msg.cid) != p.ID_SIZE:
+            raise p.ProtocolError(f"PUT_CHUNK: chunk id must be {p.ID_SIZE} bytes")
         return frame(FrameType.PUT_CHUNK, msg.cid, msg.blob)
     raise TypeError(f"{type(msg).__name__} is a handshake message (see handshake.py)")
 
 
-def decode(ftype: FrameType, p: bytes) -> Message:
+def decode(ftype: FrameType, payload: bytes) -> p.Message:
     """The message in a whole Error, Request, Reply, Event, QueryMissing or MissingIds payload."""
     if ftype is FrameType.ERROR:
-        o = parse_json(ftype, p, {"message": _str, "code": _str})
+        o = parse_json(ftype, payload, {"message": _str, "code": _str})
         if o.get("id") is not None and not _is_int(o["id"]):
-            raise ProtocolError("ERROR frame: invalid field 'id'")
-        return Error(o["message"], o["code"], o.get("id"))
+            raise p.ProtocolError("ERROR frame: invalid field 'id'")
+        return p.Error(o["message"], o["code"], o.get("id"))
     if ftype is FrameType.REQUEST:
-        o = parse_json(ftype, p, {"id": _is_int, "op": _str, "args": _dict})
-        return Request(o["op"], o["args"], o["id"])
+        o = parse_json(ftype, payload, {"id": _is_int, "op": _str, "args": _dict})
+        return p.Request(o["op"], o["args"], o["id"])
     if ftype is FrameType.REPLY:
-        o = parse_json(ftype, p, {"id": _is_int, "value": _dict})
-        return Reply(o["id"], o["value"])
+        o = parse_json(ftype, payload, {"id": _is_int, "value": _dict})
+        return p.Reply(o["id"], o["value"])
     if ftype is FrameType.EVENT:
-        o = parse_json(ftype, p, {"kind": _str, "data": _dict})
-        return Event(o["kind"], o["data"])
+        o = parse_json(ftype, payload, {"kind": _str, "data": _dict})
+        return p.Event(o["kind"], o["data"])
     if ftype is FrameType.QUERY_MISSING:
-        return QueryMissing(_split_ids(ftype, p))
+        return p.QueryMissing(_split_ids(ftype, payload))
     if ftype is FrameType.MISSING_IDS:
-        return MissingIds(_split_ids(ftype, p))
+        return p.MissingIds(_split_ids(ftype, payload))
     raise ValueError(f"{ftype.name} is not decoded here")
 
 
-def decode_large(ftype: FrameType, payload: memoryview) -> PutChunk | Data:
+def decode_large(ftype: FrameType, payload: memoryview) -> p.PutChunk | p.Data:
     """A PUT_CHUNK or DATA message on its payload, which it keeps as views."""
     if ftype is FrameType.DATA:
         # Parts must be writable (the mesh rebuilds tensors on them): a decrypted payload
         # is not.
         return _split_data(payload if not payload.readonly else bytearray(payload))
-    if len(payload) < ID_SIZE:
-        raise ProtocolError("PUT_CHUNK frame too short")
-    return PutChunk(bytes(payload[:ID_SIZE]), payload[ID_SIZE:])
+    if len(payload) < p.ID_SIZE:
+        raise p.ProtocolError("PUT_CHUNK frame too short")
+    return p.PutChunk(bytes(payload[:p.ID_SIZE]), payload[p.ID_SIZE:])
 
 
 def _split_ids(ftype: FrameType, payload: bytes) -> list[bytes]:
-    if len(payload) % ID_SIZE:
-        raise ProtocolError(f"{ftype.name} frame: {len(payload)} bytes is not a list of ids")
-    return [payload[i : i + ID_SIZE] for i in range(0, len(payload), ID_SIZE)]
+    if len(payload) % p.ID_SIZE:
+        raise p.ProtocolError(f"{ftype.name} frame: {len(payload)} bytes is not a list of ids")
+    return [payload[i : i + p.ID_SIZE] for i in range(0, len(payload), p.ID_SIZE)]
 
 
-def _split_data(payload: bytearray | memoryview) -> Data:
+def _split_data(payload: bytearray | memoryview) -> p.Data:
     if len(payload) < _COUNT.size:
-        raise ProtocolError("DATA frame too short")
+        raise p.ProtocolError("DATA frame too short")
     (count,) = _COUNT.unpack_from(payload)
     if count > MAX_DATA_PARTS:
-        raise ProtocolError(f"DATA frame: {count} parts exceed {MAX_DATA_PARTS}")
+        raise p.ProtocolError(f"DATA frame: {count} parts exceed {MAX_DATA_PARTS}")
     offset = _COUNT.size + count * _LENGTH.size
     if offset > len(payload):
-        raise ProtocolError("DATA frame: part table is truncated")
+        raise p.ProtocolError("DATA frame: part table is truncated")
     lengths = [_LENGTH.unpack_from(payload, _COUNT.size + i * _LENGTH.size)[0]
                for i in range(count)]
     if offset + sum(lengths) != len(payload):
-        raise ProtocolError("DATA frame: part lengths do not add up to the frame size")
+        raise p.ProtocolError("DATA frame: part lengths do not add up to the frame size")
     view = memoryview(payload)
     parts = []
     for n in lengths:
         parts.append(view[offset : offset + n])
         offset += n
-    return Data(tuple(parts))
+    return p.Data(tuple(parts))
 
 
 def _is_int(v: object) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Self, TypeVar
 
 from .protocol import ProtocolError
 
@@ -183,35 +183,33 @@ class RemoveReply:
 
 
 @dataclass(frozen=True)
-class RelayReply:
-    """The hop is open; `failed` names the nodes of its subtree that could not be reached
-    ({addr: cause})."""
+class _FailuresReply:
+    """A reply that carries the failures seen in a relay subtree, as {addr: cause}."""
 
-    op: ClassVar[str] = "relay"
+    op: ClassVar[str]
     failed: dict[str, str] = field(default_factory=dict)
 
     def to_wire(self) -> dict[str, Any]:
         return {"failed": self.failed}
 
     @classmethod
-    def from_wire(cls, value: Mapping[str, Any]) -> RelayReply:
+    def from_wire(cls, value: Mapping[str, Any]) -> Self:
         return cls(_failures(cls.op, value))
 
 
 @dataclass(frozen=True)
-class FlushReply:
+class RelayReply(_FailuresReply):
+    """The hop is open; `failed` names the nodes of its subtree that could not be reached."""
+
+    op: ClassVar[str] = "relay"
+
+
+@dataclass(frozen=True)
+class FlushReply(_FailuresReply):
     """Everything sent so far is stored (and forwarded); `failed` is every failure seen in the
-    subtree as {addr: cause}, where "" is the node that answers."""
+    subtree, where "" is the node that answers."""
 
     op: ClassVar[str] = "flush"
-    failed: dict[str, str] = field(default_factory=dict)
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"failed": self.failed}
-
-    @classmethod
-    def from_wire(cls, value: Mapping[str, Any]) -> FlushReply:
-        return cls(_failures(cls.op, value))
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import signal
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Self
 
 
 def check_workspace_name(name: str) -> None:
@@ -64,16 +64,20 @@ def _int(op: str, args: dict, key: str, default: int) -> int:
         raise RequestError(f"{op}: {key} must be an integer, not {value!r}") from None
 
 
+class _NoArguments:
+    """A request that takes no arguments (any it is sent are ignored)."""
+
+    @classmethod
+    def parse(cls, args: dict) -> Self:
+        return cls()
+
+
 @dataclass(frozen=True)
-class Status:
-    """What this node serves and holds (`monarch-fs status`). No arguments."""
+class Status(_NoArguments):
+    """What this node serves and holds (`monarch-fs status`)."""
 
     op: ClassVar[str] = "status"
     after_chunks: ClassVar[bool] = True
-
-    @classmethod
-    def parse(cls, args: dict) -> Status:
-        return cls()
 
 
 @dataclass(frozen=True)
@@ -218,15 +222,11 @@ class Kill:
 
 
 @dataclass(frozen=True)
-class FreePort:
+class FreePort(_NoArguments):
     """A TCP port free on this node now (MASTER_PORT for an SPMD job whose rank 0 runs here)."""
 
     op: ClassVar[str] = "free_port"
     after_chunks: ClassVar[bool] = False
-
-    @classmethod
-    def parse(cls, args: dict) -> FreePort:
-        return cls()
 
 
 NodeRequest = Status | Prepare | Commit | Remove | Relay | Flush | Bulk | Spawn | Kill | FreePort
