@@ -40,8 +40,9 @@ import trio
 
 from monarch_fs.daemon.wire import bulk
 from monarch_fs.daemon.wire import protocol as p
+from monarch_fs.daemon.wire.addresses import parse_addr
 from monarch_fs.daemon.wire.auth import load_token, write_new_token
-from monarch_fs.daemon.wire.transport import ConnectionLost, accept, connect, parse_addr
+from monarch_fs.daemon.wire.transport import ConnectionLost, accept, connect
 
 MiB = 1 << 20
 CHUNK = 4 * MiB

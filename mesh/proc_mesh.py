@@ -18,7 +18,7 @@ from typing import Any
 
 import trio
 
-from ..daemon.wire.transport import format_addr
+from ..daemon.wire.addresses import format_addr
 from . import wire
 from .actor import ActorMesh, class_ref
 from .errors import Failure, MeshError, SpawnError

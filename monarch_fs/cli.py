@@ -21,6 +21,7 @@ from .daemon.client.hosts import HostsError, parse_hosts
 from .daemon.client.progress import Progress, fmt_bytes
 from .daemon.client.push import PushError, push, workspace_name
 from .daemon.client.status import remove, status
+from .daemon.wire.addresses import ENCRYPT_POLICIES
 from .daemon.wire.auth import (
     TokenError,
     default_token_file,
@@ -30,7 +31,6 @@ from .daemon.wire.auth import (
 )
 from .daemon.wire.bulk import TRANSPORTS, resolve_local
 from .daemon.wire.limits import Limits
-from .daemon.wire.transport import ENCRYPT_POLICIES
 from .fs.manifest import DEFAULT_MAX_ENTRIES
 from .fs.scan import SourceChanged
 from .settings import settings

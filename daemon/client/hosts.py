@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...settings import settings
-from ..wire.transport import parse_addr
+from ..wire.addresses import parse_addr
 from .cluster import default_cluster_dir
 
 

@@ -221,7 +221,7 @@ async def push(
 ) -> PushResult:
     """Push `src` to every host as workspace `name` (default: the folder's name). With
     `cache_dir`, the scan keeps a cache of the folder there, so unchanged files are not read.
-    `encrypt` is the policy for the sessions with the nodes (transport.encrypts)."""
+    `encrypt` is the policy for the sessions with the nodes (addresses.encrypts)."""
     t0 = time.monotonic()
     progress = progress or Progress()
     name = workspace_name(src, name)

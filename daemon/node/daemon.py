@@ -23,7 +23,7 @@ import trio
 
 from ...fs import passthrough
 from ...fs.mount_options import mount_options, set_readahead
-from ..wire.transport import parse_addr
+from ..wire.addresses import parse_addr
 from .service import NodeService, open_listeners
 
 log = logging.getLogger("monarch_fs.daemon")

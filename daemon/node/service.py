@@ -23,10 +23,11 @@ from ...fs.private_files import private_dir
 from ...fs.store import Store
 from ...settings import settings
 from ..wire import bulk
+from ..wire.addresses import parse_addr
 from ..wire.auth import NO_TOKEN_HELP, default_token_file
 from ..wire.limits import Limits, LogOnce, peer_host, serve_listeners
 from ..wire.replies import COUNTERS, StatusReply
-from ..wire.transport import accept, parse_addr
+from ..wire.transport import accept
 from .procs import ProcessTable
 from .publisher import KEEP_VERSIONS, Publisher
 from .refs import Refs
@@ -89,7 +90,7 @@ class NodeService:
             raise ValueError("a daemon needs a token to accept requests: "
                              + NO_TOKEN_HELP.format(default=default_token_file()))
         self.token = token
-        # Sessions are always authenticated; encrypted under this policy (transport.encrypts).
+        # Sessions are always authenticated; encrypted under this policy (addresses.encrypts).
         self.encrypt = encrypt
         self.limits = limits or Limits()
         self._log_once = LogOnce(log)  # refused handshakes: a line per peer per minute

@@ -7,13 +7,13 @@ one ConnectError whose message names the peer, because that is what an operator 
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 from typing import Any
 
 import trio
 
+from .addresses import encrypts, format_addr, parse_addr
 from .calls import Call, Calls
 from .connection import CLOSED, NEED_DATA, Connection, Role, State
 from .protocol import (
@@ -32,7 +32,6 @@ from .protocol import (
     Welcome,
 )
 
-ENCRYPT_POLICIES = ("auto", "on", "off")
 RECEIVE_SIZE = 1 << 20
 CONNECT_TIMEOUT = 10.0  # seconds to reach and authenticate a peer (push and relays cap theirs here)
 _CLOSE_GRACE = 1.0  # seconds to spend telling a rejected peer why
@@ -64,48 +63,6 @@ class ConnectionLost(trio.BrokenResourceError):
     def __init__(self, peer: str, reason: str = "connection closed by peer") -> None:
         super().__init__(f"{peer}: {reason}")
         self.peer = peer
-
-
-def parse_addr(addr: str, *, listen: bool = False) -> tuple[str, int]:
-    """("host", port) from "host:port" or "[v6-address]:port"; port 0 only to listen."""
-    if addr.startswith("["):
-        host, sep, rest = addr[1:].partition("]")
-        if not sep or not rest.startswith(":"):
-            raise ValueError(f"bad address {addr!r}: expected [ipv6-address]:port")
-        port_text = rest[1:]
-    else:
-        host, sep, port_text = addr.rpartition(":")
-        if not sep:
-            raise ValueError(f"bad address {addr!r}: expected host:port")
-        if ":" in host:
-            raise ValueError(f"bad address {addr!r}: write IPv6 addresses as [address]:port")
-    if not host:
-        raise ValueError(f"bad address {addr!r}: missing host")
-    if not port_text.isdigit() or not (0 if listen else 1) <= int(port_text) < 65536:
-        raise ValueError(f"bad address {addr!r}: port must be a number from 1 to 65535")
-    return host, int(port_text)
-
-
-def format_addr(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def encrypts(policy: str, host: str) -> bool:
-    """Whether a session with `host` is encrypted under `policy` ("auto": links that leave
-    this machine are, loopback is not; every session is authenticated either way). A client
-    asks for it, a server requires it; one side is enough."""
-    if policy not in ENCRYPT_POLICIES:
-        raise ValueError(f"encryption policy must be one of {', '.join(ENCRYPT_POLICIES)}")
-    return policy == "on" or (policy == "auto" and not is_loopback(host))
 
 
 def _describe(e: OSError) -> str:
