@@ -574,7 +574,7 @@ FAKE_DEVICES = {RC: [dict(name="rxe0", link="eth")],
 @pytest.mark.parametrize("layout", ["44", "59"])
 @pytest.mark.parametrize("mode", [RC, SRD])
 async def test_rdma_driver_over_fake_verbs(monkeypatch, mode, layout):
-    """rdma_endpoint.Endpoint, RdmaSender and RdmaReceiver, through bulk.open_sender() and
+    """rdma_endpoint.RdmaEndpoint, RdmaSender and RdmaReceiver, through bulk.open_sender() and
     accept_receiver(), on either pyverbs enum layout: small rings so credits run out, blobs
     spanning several slots, a slow receiver; every chunk arrives intact and in order."""
     import fake_pyverbs

@@ -38,8 +38,8 @@ from monarch_fs.daemon.wire.requests import (
     Flush,
     FreePort,
     Kill,
+    OpenRelay,
     Prepare,
-    Relay,
     Remove,
     RequestError,
     Spawn,
@@ -224,15 +224,15 @@ def test_every_op_has_one_route_and_parses_its_arguments():
     assert Commit.parse({"name": "ws", "version": version}).op == "commit"
     assert Remove.parse({"name": "ws"}) == Remove("ws")
     assert Status.parse({}) == Status() and FreePort.parse({}) == FreePort()
-    assert Relay.parse({}) == Relay([], 60.0)
-    assert Relay.parse({"children": [{"addr": "h:1"}], "timeout": 5}).timeout == 5.0
+    assert OpenRelay.parse({}) == OpenRelay([], 60.0)
+    assert OpenRelay.parse({"children": [{"addr": "h:1"}], "timeout": 5}).timeout == 5.0
     assert Flush.parse({}) == Flush(0) and Flush.parse({"bulk_chunks": 3}) == Flush(3)
     assert Kill.parse({"proc": 2}) == Kill(2, 15)
     assert Bulk.parse({"kind": "rc", "qp": {}}).setup == {"kind": "rc", "qp": {}}
     spawn = Spawn.parse({"argv": ["x"], "workspace": "ws", "version": version})
     assert (spawn.workspace, spawn.version) == ("ws", bytes.fromhex(version))
     assert Spawn.parse({"argv": ["x"]}).version is None
-    for kind, args in [(Prepare, {"name": 1, "version": version}), (Relay, {"timeout": "x"}),
+    for kind, args in [(Prepare, {"name": 1, "version": version}), (OpenRelay, {"timeout": "x"}),
                        (Bulk, {}), (Kill, {"proc": None}), (Spawn, {"workspace": 3})]:
         with pytest.raises((RequestError, ValueError)):
             kind.parse(args)

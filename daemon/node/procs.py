@@ -91,7 +91,7 @@ def _secrets_pipe(secrets: dict[str, str]) -> int:
     """A pipe holding `secrets` as JSON, its write end closed: the read end, for the child."""
     data = json.dumps(secrets).encode()
     if len(data) > MAX_SECRETS:
-        raise SpawnError(f"spawn: secrets take {len(data)} bytes, more than {MAX_SECRETS}")
+        raise SpawnRefused(f"spawn: secrets take {len(data)} bytes, more than {MAX_SECRETS}")
     r, w = os.pipe()
     try:
         os.write(w, data)  # at most PIPE_BUF bytes: all of it, at once
@@ -146,7 +146,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class SpawnError(Exception):
+class SpawnRefused(Exception):
     pass
 
 
@@ -173,7 +173,7 @@ class _Child:
 
 
 @dataclass
-class Proc:
+class RunningProcess:
     """One process this daemon started, the connection that owns it, and where its events go."""
 
     id: int
@@ -197,7 +197,7 @@ class ProcessTable:
     def __init__(self, mount: Path, nursery: trio.Nursery):
         self.mount = mount
         self.nursery = nursery
-        self.procs: dict[int, Proc] = {}
+        self.procs: dict[int, RunningProcess] = {}
         self._ids = itertools.count(1)
         self._forker = DedicatedThread("monarch-fs forker")
 
@@ -210,14 +210,14 @@ class ProcessTable:
                     workspace: str = "") -> SpawnReply:
         argv = args.get("argv")
         if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
-            raise SpawnError("spawn: argv must be a non-empty list of strings")
+            raise SpawnRefused("spawn: argv must be a non-empty list of strings")
         extra = args.get("env") or {}
         if not isinstance(extra, dict):
-            raise SpawnError("spawn: env must be an object")
+            raise SpawnRefused("spawn: env must be an object")
         secrets = args.get("secrets") or {}
         if not isinstance(secrets, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in secrets.items()):
-            raise SpawnError("spawn: secrets must be an object of strings")
+            raise SpawnRefused("spawn: secrets must be an object of strings")
         pins = {"workspace": pin} if pin else {}
         argv = [self.expand(a, pins) for a in argv]
         env = base_env()
@@ -243,21 +243,21 @@ class ProcessTable:
                 os.close(err_r)
                 why = e.strerror if isinstance(e, OSError) and e.strerror else e
                 where = f" in {cwd}" if cwd else ""
-                raise SpawnError(f"cannot start {argv[0]}{where}: {why}") from None
+                raise SpawnRefused(f"cannot start {argv[0]}{where}: {why}") from None
             finally:
                 os.close(out_w)
                 os.close(err_w)
         finally:
             if secrets_r is not None:  # the child has its own copy (or never started)
                 os.close(secrets_r)
-        proc = Proc(next(self._ids), _Child(popen), owner, emit, workspace=workspace)
+        proc = RunningProcess(next(self._ids), _Child(popen), owner, emit, workspace=workspace)
         self.procs[proc.id] = proc
         self.nursery.start_soon(self._supervise, proc, trio.lowlevel.FdStream(out_r),
                                 trio.lowlevel.FdStream(err_r))
         log.info("started proc %d (pid %d): %s", proc.id, popen.pid, " ".join(argv))
         return SpawnReply(proc.id, popen.pid)
 
-    async def _supervise(self, proc: Proc, stdout: trio.abc.ReceiveStream,
+    async def _supervise(self, proc: RunningProcess, stdout: trio.abc.ReceiveStream,
                          stderr: trio.abc.ReceiveStream) -> None:
         """Stream output until the process exits, then kill what it left in its group, read
         what is left in the pipes (bounded: a grandchild that escaped the group may hold them
@@ -283,7 +283,7 @@ class ProcessTable:
         await self._emit(proc, "exit", {"proc": proc.id, **status,
                                         "stderr_tail": list(proc.stderr_tail)})
 
-    async def _pump(self, proc: Proc, stream: str, pipe: trio.abc.ReceiveStream) -> None:
+    async def _pump(self, proc: RunningProcess, stream: str, pipe: trio.abc.ReceiveStream) -> None:
         """Forward complete lines, a batch per read, so chatty processes cost few frames."""
         pending = b""
         try:
@@ -301,7 +301,7 @@ class ProcessTable:
                 with trio.CancelScope(shield=True, deadline=trio.current_time() + 1):
                     await self._lines(proc, stream, [pending])
 
-    async def _lines(self, proc: Proc, stream: str, raw: list[bytes]) -> None:
+    async def _lines(self, proc: RunningProcess, stream: str, raw: list[bytes]) -> None:
         if not raw:
             return
         lines = [line.decode("utf-8", "replace") for line in raw]
@@ -309,7 +309,7 @@ class ProcessTable:
             proc.stderr_tail.extend(lines)
         await self._emit(proc, "output", {"proc": proc.id, "stream": stream, "lines": lines})
 
-    async def _emit(self, proc: Proc, kind: str, data: dict) -> None:
+    async def _emit(self, proc: RunningProcess, kind: str, data: dict) -> None:
         try:
             await proc.emit(kind, data)
         except Exception as e:  # the owner is gone; kill_owned_by() stops its processes
@@ -322,10 +322,10 @@ class ProcessTable:
     def kill(self, owner: object, proc_id: int, sig: int = signal.SIGTERM) -> None:
         proc = self.procs.get(proc_id)
         if proc is None or proc.owner is not owner:
-            raise SpawnError(f"no process {proc_id} of this connection is running")
+            raise SpawnRefused(f"no process {proc_id} of this connection is running")
         proc.signal_group(sig)
 
-    async def stop(self, procs: list[Proc]) -> None:
+    async def stop(self, procs: list[RunningProcess]) -> None:
         """SIGTERM each process group, SIGKILL what is still running after STOP_GRACE.
         Safe to call while being cancelled (it shields itself): it is how the daemon exits."""
         with trio.CancelScope(shield=True):

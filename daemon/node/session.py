@@ -4,7 +4,7 @@ RDMA channel it set up, and the dispatch of its requests.
 Every request goes through one table, ROUTES (op -> request class and handler); the request
 classes (requests.py) say what each op carries, the reply classes (replies.py) what each
 handler returns, which the session encodes. A refusal (RequestError, ValueError,
-ManifestError, SpawnError) goes back as an Error frame with code "refused" and its message as
+ManifestError, SpawnRefused) goes back as an Error frame with code "refused" and its message as
 is; anything else is logged with its traceback and answered "internal". Either way the session
 goes on: one bad request never ends a connection, and a broken connection never takes the
 daemon down.
@@ -41,15 +41,15 @@ from ..wire.requests import (
     FreePort,
     Kill,
     NodeRequest,
+    OpenRelay,
     Prepare,
     Remove,
     RequestError,
     Spawn,
     Status,
 )
-from ..wire.requests import Relay as RelayRequest
 from ..wire.transport import Channel, ConnectionLost
-from .procs import SpawnError, free_port
+from .procs import SpawnRefused, free_port
 from .relay import Relay
 from .writes import ChunkWrites
 
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("monarch_fs.daemon")
 
-REFUSED = (RequestError, ValueError, ManifestError, SpawnError)
+REFUSED = (RequestError, ValueError, ManifestError, SpawnRefused)
 
 
 class Session:
@@ -189,7 +189,7 @@ class Session:
     async def _remove(self, req: Remove) -> RemoveReply:
         return await self.publisher.remove(req.name, self.procs.pinned_to)
 
-    async def _relay(self, req: RelayRequest) -> RelayReply:
+    async def _relay(self, req: OpenRelay) -> RelayReply:
         s = self.service
         self.relay = Relay(s.token, req.children, req.timeout, self.nursery, self.counters,
                            s.transport, s.encrypt)
@@ -225,7 +225,7 @@ class Session:
             try:
                 version = self.publisher.served_version(req.workspace, req.version)
             except LookupError as e:
-                raise SpawnError(str(e)) from None
+                raise SpawnRefused(str(e)) from None
             pin = str(self.service.mount / ".versions" / req.workspace / version.hex())
 
         async def emit(kind: str, data: dict) -> None:
@@ -250,7 +250,7 @@ _HANDLERS: list[tuple[type[NodeRequest], Handler]] = [
     (Prepare, Session._prepare),
     (Commit, Session._commit),
     (Remove, Session._remove),
-    (RelayRequest, Session._relay),
+    (OpenRelay, Session._relay),
     (Flush, Session._flush),
     (Bulk, Session._bulk),
     (Spawn, Session._spawn),

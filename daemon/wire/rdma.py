@@ -24,7 +24,7 @@ import trio
 
 from ...settings import settings
 from .bulk import BulkError, BulkReceiver, BulkSender, Deliver
-from .rdma_endpoint import Endpoint
+from .rdma_endpoint import RdmaEndpoint
 from .rdma_engines import RECV, Backoff, PostRecv, ReceiverEngine, SenderEngine
 from .rdma_format import BulkProtocolError, check_geometry, decode_credit
 from .seal import ChunkSealer, SealError
@@ -45,7 +45,7 @@ class RdmaSender(BulkSender):
     """Sends chunks over one queue pair. No background task: send_chunk() and flush() poll the
     CQ themselves (credits, completions) while they wait, yielding to trio between polls."""
 
-    def __init__(self, ep: Endpoint, engine: SenderEngine, peer: str, sealer: ChunkSealer):
+    def __init__(self, ep: RdmaEndpoint, engine: SenderEngine, peer: str, sealer: ChunkSealer):
         super().__init__()
         self.kind = ep.mode
         self.ep = ep
@@ -69,7 +69,7 @@ class RdmaSender(BulkSender):
     @classmethod
     async def _connect(cls, chan: Any, mode: str, dev: dict) -> RdmaSender:
         slots, size = _geometry()
-        ep = Endpoint(mode, dev, slots, size, receiver=False)
+        ep = RdmaEndpoint(mode, dev, slots, size, receiver=False)
         try:
             for buf in range(slots):  # credit messages may arrive as soon as the peer is up
                 ep.post_recv(buf)
@@ -145,7 +145,7 @@ class RdmaSender(BulkSender):
 class RdmaReceiver(BulkReceiver):
     """Receives chunks over one queue pair; run() polls the CQ and delivers in order."""
 
-    def __init__(self, ep: Endpoint, engine: ReceiverEngine, deliver: Deliver):
+    def __init__(self, ep: RdmaEndpoint, engine: ReceiverEngine, deliver: Deliver):
         super().__init__(deliver)
         self.kind = ep.mode
         self.ep = ep
@@ -173,7 +173,7 @@ class RdmaReceiver(BulkReceiver):
         slots, size = check_geometry(args.get("slots"), args.get("slot_size"))
         if not isinstance(peer, dict):
             raise BulkProtocolError("bulk request carries no queue-pair info")
-        ep = Endpoint(mode, dev, slots, size, receiver=True)
+        ep = RdmaEndpoint(mode, dev, slots, size, receiver=True)
         try:
             for buf in range(slots):
                 ep.post_recv(buf)

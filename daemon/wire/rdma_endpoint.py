@@ -1,7 +1,7 @@
 """One side of one RDMA bulk channel in verbs: the queue pair, its rings, the work requests
 the engines (rdma_engines.py) ask for, and the completions fed back to them.
 
-pyverbs is imported only when an Endpoint is made (rdma_devices.py has why). Environment
+pyverbs is imported only when an RdmaEndpoint is made (rdma_devices.py has why). Environment
 (optional, see monarch_fs/settings.py): MONARCH_FS_RDMA_GID_INDEX.
 """
 
@@ -61,7 +61,7 @@ def _pick_gid(ctx: Any, port: int, kind: str) -> int:
     return best[1] if best else 0
 
 
-class Endpoint:
+class RdmaEndpoint:
     """Verbs resources of one side of one bulk channel: context, PD, CQ, QP, the data ring MR
     (`slots` x `slot_size`) and a small-message MR (`slots` receive buffers, then `slots` send
     buffers of MSG_SIZE bytes)."""

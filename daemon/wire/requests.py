@@ -125,7 +125,7 @@ class Remove:
 
 
 @dataclass(frozen=True)
-class Relay:
+class OpenRelay:
     """Make this session a hop of a broadcast: connect to `children` (each
     {"addr": "host:port", "children": [...]}, opening its own subtree) and forward to them
     the chunks their subtrees lack. `timeout` is the seconds to wait on one hop."""
@@ -136,7 +136,7 @@ class Relay:
     timeout: float = 60.0
 
     @classmethod
-    def parse(cls, args: dict) -> Relay:
+    def parse(cls, args: dict) -> OpenRelay:
         children = args.get("children", [])
         if not isinstance(children, list) or not all(
                 isinstance(c, dict) and isinstance(c.get("addr"), str)
@@ -229,4 +229,5 @@ class FreePort(_NoArguments):
     after_chunks: ClassVar[bool] = False
 
 
-NodeRequest = Status | Prepare | Commit | Remove | Relay | Flush | Bulk | Spawn | Kill | FreePort
+NodeRequest = (Status | Prepare | Commit | Remove | OpenRelay | Flush | Bulk | Spawn | Kill
+               | FreePort)
