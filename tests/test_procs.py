@@ -13,7 +13,7 @@ import pytest
 import trio
 import trio._core._thread_cache as thread_cache
 
-from monarch_fs.daemon.node.procs import MAX_SECRETS, ProcessTable, SpawnError
+from monarch_fs.daemon.node.procs import MAX_SECRETS, ProcessTable, SpawnRefused
 from procwatch import Started
 
 
@@ -171,7 +171,7 @@ async def test_bad_secrets_are_refused(tmp_path):
         table = ProcessTable(tmp_path, nursery)
         for secrets, message in [({"a": 1}, "object of strings"), (["x"], "object of strings"),
                                  ({"a": "x" * MAX_SECRETS}, "more than")]:
-            with pytest.raises(SpawnError, match=message):
+            with pytest.raises(SpawnRefused, match=message):
                 await table.spawn(owner, owner.emit, {"argv": ["true"], "secrets": secrets},
                                   None)
         await table.stop_all()
