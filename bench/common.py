@@ -257,7 +257,8 @@ CACHE_KEYS = ("cache_hits", "cache_misses", "cache_nowait")
 class LocalCluster:
     """N daemons started by daemon/client/cluster.py in `directory`, stopped (cluster.down) at
     exit whatever happens. Pushes go through the real CLI with $MONARCH_FS_HOME inside the cluster
-    folder, so scan caches of earlier runs never make a cold push look warm."""
+    folder, so scan caches of earlier runs never make a cold push look warm. The benchmarks
+    launch no processes through the daemons, so they run without --allow-root-procs."""
 
     def __init__(self, directory: Path, nodes: int = 1):
         self.dir = Path(directory)
@@ -269,7 +270,7 @@ class LocalCluster:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.home.mkdir(exist_ok=True)
         try:
-            cluster.up(self.nodes, self.dir)
+            cluster.up(self.nodes, self.dir, root_procs=False)
         except BaseException:
             cluster.down(self.dir)
             raise
@@ -282,7 +283,7 @@ class LocalCluster:
         """Stop every daemon and start them again on the same state and mounts: the store
         keeps the published snapshots, the new processes start with empty caches."""
         cluster.down(self.dir)
-        cluster.up(self.nodes, self.dir)
+        cluster.up(self.nodes, self.dir, root_procs=False)
 
     def push(self, src: Path, name: str | None = None, excludes: Sequence[str] = (),
              timeout: float = 900) -> tuple[float, dict]:

@@ -5,10 +5,14 @@ the mesh closes or the script exits. If the script is killed outright (SIGKILL),
 runs any more, so a small reaper process, started first, watches a pipe from the script: when
 the pipe closes (the script ended, whichever way) the reaper stops the daemons and removes the
 folder. The daemons in turn kill every proc of the script.
+
+The cluster is the script's own, so its procs run as the script's user: as root, its daemons are
+started with --allow-root-procs (a root daemon refuses processes otherwise).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -36,7 +40,8 @@ async def local_cluster(nodes: int) -> AsyncIterator[tuple[list[str], bytes, Pat
     finally:
         os.close(read_end)
     try:
-        addrs = await trio.to_thread.run_sync(cluster.up, nodes, d)
+        addrs = await trio.to_thread.run_sync(
+            functools.partial(cluster.up, nodes, d, root_procs=True))
         yield addrs, load_token(d / "token"), d
     finally:
         with trio.CancelScope(shield=True):

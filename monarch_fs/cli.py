@@ -21,6 +21,7 @@ from .daemon.client.hosts import HostsError, parse_hosts
 from .daemon.client.progress import Progress, fmt_bytes
 from .daemon.client.push import PushError, push, workspace_name
 from .daemon.client.status import remove, status
+from .daemon.node.procs import ROOT_PROCS_FLAG
 from .daemon.wire.addresses import ENCRYPT_POLICIES
 from .daemon.wire.auth import (
     TokenError,
@@ -31,6 +32,7 @@ from .daemon.wire.auth import (
 )
 from .daemon.wire.bulk import TRANSPORTS, resolve_local
 from .daemon.wire.limits import Limits
+from .daemon.wire.replies import StatusReply
 from .fs.manifest import DEFAULT_MAX_ENTRIES
 from .fs.scan import SourceChanged
 from .settings import settings
@@ -81,7 +83,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     daemon = NodeDaemon(state=args.state, mount=args.mount, listen=args.listen, token=token,
                         keep=args.keep, node_name=args.node_name, transport=transport,
                         store_raw=not args.store_compressed, encrypt=args.encrypt,
-                        limits=limits,
+                        limits=limits, allow_root_procs=args.allow_root_procs,
                         max_entries=args.max_entries or settings.max_entries)
     trio.run(lambda: daemon.run(ready_file=args.ready_file))
     return 0
@@ -160,11 +162,20 @@ def cmd_status(args: argparse.Namespace) -> int:
                   + (f" ({s.backing_files} backing files, {fmt_bytes(s.backing_bytes)})"
                      if s.backing_files else "")
                   + (f" (writing {s.backing_writing} more)" if s.backing_writing else ""))
+            print(f"{n.host}  processes: {_procs_line(s)}")
             if s.backing_error:
                 print(f"{n.host}  warning: {s.backing_error}; read through the daemon")
             for problem in s.problems:
                 print(f"{n.host}  problem: {problem}")
     return 0 if all(n.reachable for n in nodes) else 1
+
+
+def _procs_line(s: StatusReply) -> str:
+    if s.root_procs:
+        return f"run as root ({ROOT_PROCS_FLAG})"
+    if not s.procs_user:
+        return f"refused (the daemon runs as root without {ROOT_PROCS_FLAG})"
+    return f"run as {s.procs_user}"
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
@@ -184,10 +195,11 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 def cmd_cluster(args: argparse.Namespace) -> int:
     if args.action == "up":
-        addrs = cluster.up(args.nodes, args.dir)
+        addrs = cluster.up(args.nodes, args.dir, root_procs=not args.no_root_procs)
         d = args.dir or cluster.default_cluster_dir()
         print(f"cluster of {len(addrs)} nodes up in {d}: {' '.join(addrs)}")
         print(f"hosts file: {os.path.join(d, 'hosts')}")
+        print(cluster.describe_procs(root_procs=not args.no_root_procs))
     else:
         n = cluster.down(args.dir)
         print(f"stopped {n} daemons")
@@ -268,6 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-entries", type=int, metavar="N",
                    help="refuse a snapshot of more than N files, folders and links "
                         f"(default $MONARCH_FS_MAX_ENTRIES, else {DEFAULT_MAX_ENTRIES:,})")
+    d.add_argument(ROOT_PROCS_FLAG, action="store_true",
+                   help="as root, run the processes `run` and meshes ask for (as root); without "
+                        "it a root daemon refuses them, since anyone holding the token could "
+                        "then run anything as root (the local `cluster up` passes it)")
     d.set_defaults(fn=cmd_daemon)
 
     hosts_help = ("host:port,host:port or @hostfile (default $MONARCH_FS_HOSTS, then the local "
@@ -350,6 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("action", choices=["up", "down"])
     c.add_argument("--nodes", type=int, default=3)
     c.add_argument("--dir", help="cluster folder (default ~/.monarch-fs/cluster)")
+    c.add_argument("--no-root-procs", action="store_true",
+                   help=f"as root, start the daemons without {ROOT_PROCS_FLAG}: they then "
+                        "refuse to run processes")
     c.set_defaults(fn=cmd_cluster)
 
     t = sub.add_parser("token", help="make a cluster token (every daemon and client needs one)")

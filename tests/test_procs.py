@@ -37,7 +37,7 @@ class Owner:
 async def test_output_then_exit_with_stderr_tail(tmp_path):
     owner = Owner()
     async with trio.open_nursery() as nursery:
-        table = ProcessTable(tmp_path, nursery)
+        table = ProcessTable(tmp_path, nursery, allow_root=True)
         code = ("import sys; print('out 1'); print('err 1', file=sys.stderr); "
                 "print('no newline', end=''); sys.exit(4)")
         await table.spawn(owner, owner.emit, {"argv": [sys.executable, "-c", code],
@@ -56,7 +56,7 @@ async def test_procs_outlive_idle_worker_threads(tmp_path, monkeypatch):
     monkeypatch.setattr(thread_cache, "IDLE_TIMEOUT", 0.1)
     owner, started = Owner(), Started()
     async with trio.open_nursery() as nursery:
-        table = ProcessTable(tmp_path, nursery)
+        table = ProcessTable(tmp_path, nursery, allow_root=True)
         reply = await table.spawn(owner, owner.emit, {"argv": ["sleep", "30"]}, None)
         started.add(reply.pid)
         # a worker thread, which then idles out
@@ -79,7 +79,7 @@ async def test_exit_is_reported_even_if_an_escaped_grandchild_holds_the_pipes(tm
     owner, started = Owner(), Started()
     script = "setsid sh -c 'echo $$; exec sleep 30' & sleep 0.2; exit 5"  # leaves its group
     async with trio.open_nursery() as nursery:
-        table = ProcessTable(tmp_path, nursery)
+        table = ProcessTable(tmp_path, nursery, allow_root=True)
         reply = await table.spawn(owner, owner.emit, {"argv": ["sh", "-c", script]}, None)
         started.add(reply.pid)
         with trio.fail_after(10):
@@ -119,7 +119,7 @@ print(json.dumps({"fd": fd, "pipe": pipe, "secrets": secrets, "environ": environ
 async def _run_probe(tmp_path, args: dict) -> dict:
     owner = Owner()
     async with trio.open_nursery() as nursery:
-        table = ProcessTable(tmp_path, nursery)
+        table = ProcessTable(tmp_path, nursery, allow_root=True)
         await table.spawn(owner, owner.emit, {"argv": [sys.executable, "-c", PROBE], **args},
                           None)
         with trio.fail_after(30):
@@ -168,7 +168,7 @@ async def test_secrets_reach_the_proc_through_a_pipe_and_no_environ_shows_them(t
 async def test_bad_secrets_are_refused(tmp_path):
     owner = Owner()
     async with trio.open_nursery() as nursery:
-        table = ProcessTable(tmp_path, nursery)
+        table = ProcessTable(tmp_path, nursery, allow_root=True)
         for secrets, message in [({"a": 1}, "object of strings"), (["x"], "object of strings"),
                                  ({"a": "x" * MAX_SECRETS}, "more than")]:
             with pytest.raises(SpawnRefused, match=message):

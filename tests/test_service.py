@@ -54,14 +54,15 @@ TOKEN = b"service-test-token-0123456789abc"
 
 
 @asynccontextmanager
-async def serving(tmp_path: Path, n: int = 1):
-    """n NodeServices answering on 127.0.0.1:<a free port>, stopped when the block ends."""
+async def serving(tmp_path: Path, n: int = 1, **service):
+    """n NodeServices answering on 127.0.0.1:<a free port>, stopped when the block ends
+    (`service`: more NodeService arguments)."""
     async with service_nursery() as nursery:
         nodes = []
         for i in range(n):
             node = NodeService(state=tmp_path / f"node-{i}" / "state",
                                mount=tmp_path / f"node-{i}" / "mnt", token=TOKEN,
-                               node_name=f"node-{i}")
+                               node_name=f"node-{i}", **service)
             await node.publisher.load()
             listeners, _ = await open_listeners("127.0.0.1:0")
             await nursery.start(node.serve, listeners)
@@ -152,7 +153,7 @@ async def test_prepare_commit_and_remove_over_the_protocol(tmp_path):
 
 
 async def test_a_process_runs_and_reports_without_a_mount(tmp_path):
-    async with serving(tmp_path) as [node]:
+    async with serving(tmp_path, allow_root_procs=True) as [node]:
         chan = await connect(node.addr, TOKEN)
         async with chan:
             port = (await chan.request("free_port"))["port"]

@@ -6,6 +6,10 @@ fresh token. It is the embedded default every example uses, and what the tests r
     D/node-I/state   the daemon's store and refs
     D/node-I/mnt     its mount
     D/node-I/pid     its process id; D/node-I/log its log
+
+A local cluster is one user's: started as root, its daemons get --allow-root-procs (they run
+`run`'s and meshes' processes as root, which a root daemon otherwise refuses), and `cluster up`
+says so; `root_procs=False` (`cluster up --no-root-procs`) leaves it out.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..node.procs import ROOT_PROCS_FLAG
 from ..wire.auth import default_token_file, write_new_token
 
 START_TIMEOUT = 30.0
@@ -69,8 +74,23 @@ def running(d: Path) -> list[int]:
     return [pid for pid, _ in _live_daemons(d)]
 
 
-def up(nodes: int, directory: str | os.PathLike[str] | None = None) -> list[str]:
-    """Start `nodes` daemons and return their addresses once every one is mounted and ready."""
+def describe_procs(root_procs: bool = True) -> str:
+    """What `cluster up` says about the processes its daemons will run."""
+    if os.geteuid() != 0:
+        return "processes run as this user"
+    if root_procs:
+        return f"processes run as root: {ROOT_PROCS_FLAG} (local cluster)"
+    return f"processes are refused: the daemons run as root without {ROOT_PROCS_FLAG}"
+
+
+def _root_flags(root_procs: bool) -> list[str]:
+    return [ROOT_PROCS_FLAG] if root_procs and os.geteuid() == 0 else []
+
+
+def up(nodes: int, directory: str | os.PathLike[str] | None = None, *,
+       root_procs: bool = True) -> list[str]:
+    """Start `nodes` daemons and return their addresses once every one is mounted and ready.
+    As root, `root_procs` lets them run processes as root (see the module docstring)."""
     if nodes < 1:
         raise ClusterError("--nodes must be at least 1")
     d = Path(directory) if directory else default_cluster_dir()
@@ -79,6 +99,7 @@ def up(nodes: int, directory: str | os.PathLike[str] | None = None) -> list[str]
         raise ClusterError(f"a cluster is already running in {d}; run `monarch-fs cluster down"
                            f" --dir {d}` first")
     write_new_token(d / "token")
+    (d / "flags").write_text(json.dumps(_root_flags(root_procs)))  # for restart_node
     procs = [_spawn(d, i) for i in range(nodes)]
     addrs = []
     for i, proc in enumerate(procs):
@@ -104,6 +125,14 @@ def running_node(d: Path, i: int) -> bool:
     return any(nd.name == f"node-{i}" for _, nd in _live_daemons(d))
 
 
+def _flags(d: Path) -> list[str]:
+    """The flags `up` chose for this cluster's daemons."""
+    try:
+        return list(json.loads((d / "flags").read_text()))
+    except (OSError, ValueError):
+        return []
+
+
 def _spawn(d: Path, i: int, listen: str = "127.0.0.1:0") -> subprocess.Popen:
     nd = d / f"node-{i}"
     nd.mkdir(parents=True, exist_ok=True)
@@ -119,7 +148,7 @@ def _spawn(d: Path, i: int, listen: str = "127.0.0.1:0") -> subprocess.Popen:
             [sys.executable, "-m", "monarch_fs.cli", "daemon",
              "--listen", listen, "--mount", str(nd / "mnt"), "--state", str(nd / "state"),
              "--token-file", str(d / "token"), "--ready-file", str(nd / "ready"),
-             "--node-name", f"node-{i}"],
+             "--node-name", f"node-{i}", *_flags(d)],
             stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
             start_new_session=True)
     (nd / "pid").write_text(str(proc.pid))

@@ -25,6 +25,11 @@ whatever the shell that started it had. What a process gets, in this order (late
 - MONARCH_FS_MOUNT (this node's mount root), MONARCH_FS_WORKSPACE (the pinned version's folder,
   with a workspace) and MONARCH_FS_SECRETS_FD (with secrets).
 
+No process runs as root unless asked: a daemon running as root refuses every spawn (one line,
+naming the flag) unless it was started with --allow-root-procs. Without a way to learn who asks
+(the shared token only says "someone holding the token"), a process runs as the daemon's own
+user, so a root daemon would run root processes for every holder of the token.
+
 Secrets (a proc mesh's token) never go into an environment, which any process of the same user
 can read in /proc/PID/environ for as long as the process lives (removing a variable from
 os.environ does not change that block). A spawn request carries them in `secrets` ({name:
@@ -68,6 +73,9 @@ Emit = Callable[[str, dict], Awaitable[None]]  # (event kind, data) to the owner
 BASE_ENV = ("PATH", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR")  # and LC_*, from the daemon
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SECRETS_FD_ENV = "MONARCH_FS_SECRETS_FD"
+ROOT_PROCS_FLAG = "--allow-root-procs"
+ROOT_REFUSED = (f"this daemon runs as root and starts no process as root unless started with "
+                f"{ROOT_PROCS_FLAG} (a single-user cluster); or run the daemon as a normal user")
 MAX_SECRETS = 4096  # bytes of JSON: PIPE_BUF, which any pipe takes in one write without waiting
 
 
@@ -150,6 +158,18 @@ class SpawnRefused(Exception):
     pass
 
 
+def procs_user(allow_root: bool) -> str:
+    """The user this daemon's processes run as, or "" when it refuses them all (it runs as
+    root without ROOT_PROCS_FLAG)."""
+    uid = os.geteuid()
+    if uid == 0 and not allow_root:
+        return ""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:  # a container's arbitrary uid
+        return str(uid)
+
+
 class _Child:
     """A started process: its Popen, and an exit that any number of tasks may await."""
 
@@ -194,9 +214,12 @@ class ProcessTable:
     """Every process this daemon supervises: started with a clean environment, killed when
     its owner's connection goes, and never outliving the daemon."""
 
-    def __init__(self, mount: Path, nursery: trio.Nursery):
+    def __init__(self, mount: Path, nursery: trio.Nursery, *, allow_root: bool = False):
         self.mount = mount
         self.nursery = nursery
+        # Run processes even when they would run as root (this daemon is root): only when its
+        # operator said so (ROOT_PROCS_FLAG).
+        self.allow_root = allow_root
         self.procs: dict[int, RunningProcess] = {}
         self._ids = itertools.count(1)
         self._forker = DedicatedThread("monarch-fs forker")
@@ -218,6 +241,8 @@ class ProcessTable:
         if not isinstance(secrets, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in secrets.items()):
             raise SpawnRefused("spawn: secrets must be an object of strings")
+        if not procs_user(self.allow_root):  # checked here, on the one way to a fork
+            raise SpawnRefused(ROOT_REFUSED)
         pins = {"workspace": pin} if pin else {}
         argv = [self.expand(a, pins) for a in argv]
         env = base_env()

@@ -28,7 +28,7 @@ from ..wire.auth import NO_TOKEN_HELP, default_token_file
 from ..wire.limits import Limits, LogOnce, peer_host, serve_listeners
 from ..wire.replies import COUNTERS, StatusReply
 from ..wire.transport import accept
-from .procs import ProcessTable
+from .procs import ROOT_PROCS_FLAG, ProcessTable, procs_user
 from .publisher import KEEP_VERSIONS, Publisher
 from .refs import Refs
 from .session import Session
@@ -85,7 +85,8 @@ class NodeService:
                  token: bytes, keep: int = KEEP_VERSIONS, node_name: str = "",
                  addr: str = "", transport: bulk.LocalTransport | None = None,
                  store_raw: bool = True, encrypt: str = "auto", limits: Limits | None = None,
-                 max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+                 max_entries: int = DEFAULT_MAX_ENTRIES,
+                 allow_root_procs: bool = False) -> None:
         if not token:  # anyone who reached the port could run anything as this daemon's user
             raise ValueError("a daemon needs a token to accept requests: "
                              + NO_TOKEN_HELP.format(default=default_token_file()))
@@ -116,6 +117,8 @@ class NodeService:
         self.refs = Refs(self.state / "refs.json")
         self.publisher = Publisher(self.store, self.refs, self.backing, self.fs, keep=keep,
                                    max_entries=max_entries, counters=self.counters)
+        # A root daemon runs no process unless its operator allowed it (procs.py).
+        self.allow_root_procs = allow_root_procs
         self.procs: ProcessTable | None = None  # while serving
         self.write_limiter = trio.CapacityLimiter(4)  # store write batches in flight, in all
 
@@ -127,9 +130,11 @@ class NodeService:
             self.addr = _dial_addr(*listeners[0].socket.getsockname()[:2])
         try:
             async with trio.open_nursery() as nursery:
-                self.procs = ProcessTable(self.mount, nursery)
+                self.procs = ProcessTable(self.mount, nursery,
+                                          allow_root=self.allow_root_procs)
                 self.publisher.nursery = nursery
                 await nursery.start(serve_listeners, self._handle, listeners, self.limits, log)
+                log.info("%s", self.describe_procs())
                 task_status.started(self.addr)
         finally:
             if self.procs is not None:
@@ -186,5 +191,16 @@ class NodeService:
             counters=dict(self.counters),
             workspaces={n: [v.hex() for v in vs] for n, vs in self.refs.workspaces.items()},
             problems=self.publisher.all_problems(),
+            root_procs=os.geteuid() == 0 and self.allow_root_procs,
+            procs_user=procs_user(self.allow_root_procs),
         )
+
+    def describe_procs(self) -> str:
+        """One line for the log: as whom this node runs processes, or that it refuses them."""
+        user = procs_user(self.allow_root_procs)
+        if not user:
+            return f"processes: refused (this daemon runs as root; {ROOT_PROCS_FLAG} allows them)"
+        if os.geteuid() == 0:
+            return f"processes: run as root ({ROOT_PROCS_FLAG})"
+        return f"processes: run as {user}, this daemon's user"
 

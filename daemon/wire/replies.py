@@ -94,6 +94,8 @@ class StatusReply:
     counters: dict[str, int]
     workspaces: dict[str, list[str]]  # name -> version ids (hex), current first
     problems: list[str] = field(default_factory=list)
+    root_procs: bool = False  # a root daemon started with --allow-root-procs
+    procs_user: str = ""  # who the node's processes run as; "" when it refuses them (root)
 
     def to_wire(self) -> dict[str, Any]:
         return {"node": self.node, "addr": self.addr, "mount": self.mount, **self.transport,
@@ -102,7 +104,8 @@ class StatusReply:
                 "backing_files": self.backing_files, "backing_bytes": self.backing_bytes,
                 "backing_writing": self.backing_writing, "backing_waits": self.backing_waits,
                 "backing_error": self.backing_error, **self.counters,
-                "workspaces": self.workspaces, "problems": self.problems}
+                "workspaces": self.workspaces, "problems": self.problems,
+                "root_procs": self.root_procs, "procs_user": self.procs_user}
 
     @classmethod
     def from_wire(cls, value: Mapping[str, Any]) -> StatusReply:
@@ -129,7 +132,9 @@ class StatusReply:
             backing_writing=_get(op, value, "backing_writing", int),
             backing_waits=_get(op, value, "backing_waits", int), backing_error=error,
             counters={k: _get(op, value, k, int) for k in COUNTERS if k in value},
-            workspaces={n: list(vs) for n, vs in workspaces.items()}, problems=list(problems))
+            workspaces={n: list(vs) for n, vs in workspaces.items()}, problems=list(problems),
+            root_procs=_get(op, value, "root_procs", bool),
+            procs_user=_get(op, value, "procs_user", str))
 
 
 @dataclass(frozen=True)
