@@ -20,6 +20,8 @@ import trio
 from helpers import mfs, wait_for
 from monarch_fs.daemon.client import cluster as cluster_mod
 from monarch_fs.daemon.node.procs import ROOT_PROCS_FLAG, ProcessTable, SpawnRefused
+from monarch_fs.daemon.wire.auth import load_token
+from monarch_fs.daemon.wire.transport import RemoteError, connect
 from monarch_fs.mesh import HostMesh, SpawnError
 from procwatch import Started, descendants
 
@@ -106,6 +108,16 @@ def test_no_rank_ever_runs_as_root_by_default(lone_daemon, tmp_path, started):
             hosts.spawn_procs(per_host=2, python_path=[TESTS])
     assert f"{d.dir.name} ({d.addr}): this daemon runs as root" in str(e.value)
     assert "\n" not in str(e.value)
+
+    async def bare_spawn() -> RemoteError:
+        async with await connect(d.addr, load_token(Path(d.token_file))) as chan:
+            with pytest.raises(RemoteError) as refused:
+                await chan.request("spawn", argv=[sys.executable, "-c", job],
+                                   env={"RANK": "bare"})
+            return refused.value
+
+    refused = trio.run(bare_spawn)
+    assert refused.code == "refused" and ROOT_PROCS_FLAG in refused.message
     uids = {p.name: p.read_text() for p in out.iterdir()}
     assert uids == {}, f"ranks ran, as uids {uids}"
     assert descendants(d.pid) == []
