@@ -309,6 +309,9 @@ class NetCluster(Stood):
     latency:  how long a packet may wait in a tbf queue before being dropped (sets the queue)
     workdir:  where node state (stores), logs and the token live (default: a fresh temp dir,
               removed afterwards). Put it on tmpfs to keep the shared disk out of a benchmark.
+    daemon_args: more `monarch-fs daemon` flags. The daemons run as root, so they refuse to
+              launch processes unless given --allow-root-procs: pass it only in a test that
+              really launches processes through them (none of the pushes needs it).
     """
 
     def __init__(self, n: int, rate: str = "200mbit", *, burst: int | None = None,
