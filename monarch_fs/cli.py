@@ -103,7 +103,7 @@ def cmd_push(args: argparse.Namespace) -> int:
             args.src, hosts, token, name=args.name, excludes=args.exclude, progress=progress,
             topology_kind=args.topology, fanout=args.fanout, allow_partial=args.allow_partial,
             timeout=args.timeout, cache_dir=cache_dir, transport=transport,
-            encrypt=args.encrypt)
+            encrypt=args.encrypt, at_source=args.at_source)
 
     if args.watch:
         from .daemon.client.watch import watch
@@ -296,6 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: $MONARCH_FS_HOME/scan-cache, so unchanged files are not read)")
     p.add_argument("--transport", choices=TRANSPORTS, default="auto", help=TRANSPORT_HELP)
     p.add_argument("--encrypt", choices=ENCRYPT_POLICIES, default="auto", help=ENCRYPT_HELP)
+    p.add_argument("--at-source", action=argparse.BooleanOptionalAction, default=True,
+                   help="every node also exposes the workspace at SRC's absolute path (a link "
+                        "to MOUNT/NAME), so a venv's scripts and pyvenv.cfg resolve as on this "
+                        "machine; never replaces what is there (default: on)")
     p.set_defaults(fn=cmd_push)
 
     s = sub.add_parser("status", help="what every node serves")

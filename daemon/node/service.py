@@ -115,7 +115,8 @@ class NodeService:
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.refs = Refs(self.state / "refs.json")
         self.publisher = Publisher(self.store, self.refs, self.backing, self.fs, keep=keep,
-                                   max_entries=max_entries, counters=self.counters)
+                                   max_entries=max_entries, counters=self.counters,
+                                   mount=self.mount)
         self.procs: ProcessTable | None = None  # while serving
         self.write_limiter = trio.CapacityLimiter(4)  # store write batches in flight, in all
 

@@ -149,21 +149,31 @@ class PrepareReply:
 
 @dataclass(frozen=True)
 class CommitReply:
-    """The workspace now serves `version`; `previous` is what it served before (None: new)."""
+    """The workspace now serves `version`; `previous` is what it served before (None: new).
+    `warnings`: what the node could not do but did not fail the commit for (exposing the
+    workspace at its source path); sent only when there are some."""
 
     op: ClassVar[str] = "commit"
     version: bytes
     previous: bytes | None
+    warnings: list[str] = field(default_factory=list)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"version": self.version.hex(),
-                "previous": self.previous.hex() if self.previous else None}
+        out: dict[str, Any] = {"version": self.version.hex(),
+                               "previous": self.previous.hex() if self.previous else None}
+        if self.warnings:
+            out["warnings"] = self.warnings
+        return out
 
     @classmethod
     def from_wire(cls, value: Mapping[str, Any]) -> CommitReply:
         previous = _field(cls.op, value, "previous")
+        warnings = value.get("warnings", [])
+        if not isinstance(warnings, list) or not all(isinstance(w, str) for w in warnings):
+            raise MalformedReply(f"malformed {cls.op} reply: 'warnings' is {warnings!r}")
         return cls(_hex(cls.op, "version", _field(cls.op, value, "version")),
-                   _hex(cls.op, "previous", previous) if previous is not None else None)
+                   _hex(cls.op, "previous", previous) if previous is not None else None,
+                   list(warnings))
 
 
 @dataclass(frozen=True)
