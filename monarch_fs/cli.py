@@ -275,7 +275,7 @@ def slurm_node(args: argparse.Namespace, extra: list[str]) -> int:
         return cmd_daemon(daemon_args, serve=serve)
     except BaseException as e:
         if isinstance(e, SystemExit):  # argparse said why on stderr (the daemons' log)
-            cause = f"daemon options {' '.join(extra) or '(none)'} refused (see the log)"
+            cause = f"daemon options {' '.join(extra) or '(none)'} refused"
         else:
             cause = str(e).strip() or type(e).__name__
         if not announced:
@@ -485,7 +485,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
-    if args.command != "daemon":
+    serves = args.command == "daemon" or (args.command, getattr(args, "action", "")) == (
+        "slurm", "node")
+    if not serves:
         logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     try:
         return args.fn(args)

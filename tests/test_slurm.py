@@ -27,11 +27,25 @@ JOB = """\
 #!/bin/sh
 set -e
 export MONARCH_FS_HOME={home}
+echo "job started t=$(date +%s.%N)"
 # the test's nodes share one filesystem: {{node}} keeps their mounts apart
 {mfs} slurm up --mount '{mounts}-{{job}}-{{node}}'
 {mfs} push {src} --name hello
 {mfs} status
 {mfs} run --per-host 2 --workspace hello -- {python} hello.py
+"""
+
+# up refused (a daemon option no daemon knows), then up, down: unmounted before the job ends
+UP_DOWN = """\
+#!/bin/sh
+export MONARCH_FS_HOME={home}
+M='{mounts}-{{job}}-{{node}}'
+{mfs} slurm up --mount "$M" -- --no-such-option 2>&1 && exit 9
+{mfs} slurm up --mount "$M" || exit 1
+{mfs} status | wc -l | sed 's/^/status lines: /'
+{mfs} slurm down || exit 2
+grep -c " {mounts}-$SLURM_JOB_ID-" /proc/self/mountinfo | sed 's/^/mounts after down: /'
+{mfs} status 2>&1 | sed 's/^/after down: /'
 """
 
 HELLO = """\
@@ -97,8 +111,11 @@ def test_slurm_up_push_status_run_and_the_job_end_leaves_nothing():
             for host, _, _, cwd in ranks:  # each rank ran the pushed file from its node's mount
                 assert cwd.startswith(f"{mounts}-{job_id}-{host}/.versions/hello/"), cwd
             first_rank = min(float(t) for _, _, t, _ in ranks)
-            print(f"\nsbatch -> first rank running: {first_rank - t0:.2f}s "
-                  f"(sbatch --wait returned after {t_end - t0:.2f}s)\n{out}")
+            started = float(re.findall(r"job started t=([\d.]+)", out)[0])
+            print(f"\nsbatch -> first rank running: {first_rank - t0:.2f}s (sbatch -> job "
+                  f"script started {started - t0:.2f}s, then up, push, run "
+                  f"{first_rank - started:.2f}s; sbatch --wait returned after "
+                  f"{t_end - t0:.2f}s)\n{out}")
 
             # the job has ended: SLURM stopped the daemons' step with SIGTERM; each daemon
             # unmounted and its node removed the mount point and the store
@@ -113,6 +130,24 @@ def test_slurm_up_push_status_run_and_the_job_end_leaves_nothing():
                                 if p.name.startswith(f"{cluster.id}-mnt")]:
                 assert time.monotonic() < deadline, f"node folders left: {leftovers}"
                 time.sleep(0.2)
+
+            # a second job: a refused start, then up and down within the job
+            script.write_text(UP_DOWN.format(home=work / "home", mfs=MONARCH_FS, mounts=mounts))
+            log2 = work / "job2.out"
+            job = cluster.run_client(["sbatch", "--wait", "--parsable", "--nodes=2",
+                                      f"--output={log2}", str(script)], timeout=180)
+            out = log2.read_text() if log2.exists() else ""
+            print(out)
+            assert job.returncode == 0, f"{job.stdout}{job.stderr}\n{out}\n" + tail_logs(work)
+            refused = [line for line in out.splitlines() if "no-such-option" in line]
+            assert len(refused) == 1 and refused[0].startswith("monarch-fs: error: node"), out
+            assert "Traceback" not in out, out
+            assert "status lines: 2" in out, out
+            assert re.search(r"stopped the daemons of step \d+\.\d+ \(unmounted\)", out), out
+            assert "mounts after down: 0" in out, out
+            # the job's hosts are gone with its daemons: no stale default
+            assert "after down: monarch-fs: error: no hosts" in out, out
+            assert not daemon_pids(cluster)
     except NetnsUnsupported as e:
         pytest.skip(str(e))
 

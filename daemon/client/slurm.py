@@ -177,7 +177,7 @@ def _wait_ready(srun: subprocess.Popen, n: int, result: UpResult, timeout: float
             kind, (rank_s, node, step, rest) = parsed
             result.step = step
             if kind == FAILED:
-                raise SlurmError(f"{node}: {rest}")
+                raise SlurmError(f"{node}: {rest} (log: {result.dir / 'daemons.log'})")
             rank = int(rank_s)
             if rank not in seen:
                 seen.add(rank)
