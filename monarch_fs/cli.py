@@ -12,12 +12,14 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import trio
 
-from .daemon.client import cluster
-from .daemon.client.hosts import HostsError, parse_hosts
+from .daemon.client import cluster, slurm
+from .daemon.client.hosts import HostsError, resolve_target
 from .daemon.client.progress import Progress, fmt_bytes
 from .daemon.client.push import PushError, push, workspace_name
 from .daemon.client.status import remove, status
@@ -68,7 +70,10 @@ class BarProgress(Progress):
             self.bar = None
 
 
-def cmd_daemon(args: argparse.Namespace) -> int:
+def cmd_daemon(args: argparse.Namespace, serve: Callable[[Any], Awaitable[Any]] | None = None
+               ) -> int:
+    """Run a node daemon; `serve(daemon)`, when given, runs it instead of daemon.run (the
+    SLURM task announces its address once the daemon is up)."""
     from .daemon.node.daemon import NodeDaemon, make_log_private
 
     make_log_private()
@@ -83,7 +88,10 @@ def cmd_daemon(args: argparse.Namespace) -> int:
                         store_raw=not args.store_compressed, encrypt=args.encrypt,
                         limits=limits,
                         max_entries=args.max_entries or settings.max_entries)
-    trio.run(lambda: daemon.run(ready_file=args.ready_file))
+    if serve is not None:
+        trio.run(serve, daemon)
+    else:
+        trio.run(lambda: daemon.run(ready_file=args.ready_file))
     return 0
 
 
@@ -93,8 +101,7 @@ def scan_cache_dir() -> Path:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    hosts = parse_hosts(args.hosts)
-    token = resolve_token(args.token_file)
+    hosts, token = target(args)
     cache_dir = None if args.no_cache else scan_cache_dir()
     transport = resolve_local(args.transport)  # --transport rdma without a device: exit 1
 
@@ -139,9 +146,15 @@ def cmd_push(args: argparse.Namespace) -> int:
     return 0
 
 
+def target(args: argparse.Namespace) -> tuple[list[str], bytes]:
+    """The hosts and token a client command talks to: --hosts and --token-file, else the
+    environment's, else this SLURM job's (`slurm up`), else the local cluster's."""
+    hosts, token_file = resolve_target(args.hosts, args.token_file)
+    return hosts, resolve_token(token_file)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
-    hosts = parse_hosts(args.hosts)
-    token = resolve_token(args.token_file)
+    hosts, token = target(args)
     nodes = trio.run(status, hosts, token)
     if args.json:
         print(json.dumps([n.to_json() for n in nodes]))
@@ -168,8 +181,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    hosts = parse_hosts(args.hosts)
-    token = resolve_token(args.token_file)
+    hosts, token = target(args)
     nodes = trio.run(remove, hosts, token, args.name)
     if args.json:
         print(json.dumps([n.to_json() for n in nodes]))
@@ -192,6 +204,87 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         n = cluster.down(args.dir)
         print(f"stopped {n} daemons")
     return 0
+
+
+ROOT_PROCS_FLAG = "--allow-root-procs"
+
+
+def daemon_accepts(flag: str) -> bool:
+    """Whether `monarch-fs daemon` has an option `flag` (set by a newer daemon)."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return flag in sub.choices["daemon"]._option_string_actions
+
+
+def cmd_slurm(args: argparse.Namespace) -> int:
+    extra = args.daemon_args
+    if args.action == "node":
+        return slurm_node(args, extra)
+    if args.action == "down":
+        step = slurm.down()
+        print(f"stopped the daemons of step {step} (unmounted)" if step else
+              f"no daemons up in job {slurm.job_id()}")
+        return 0
+    node_args = ["--mount", args.mount, *(["--state", args.state] if args.state else []),
+                 "--", *extra]
+    if os.geteuid() == 0 and daemon_accepts(ROOT_PROCS_FLAG) and ROOT_PROCS_FLAG not in extra:
+        # A root daemon refuses to launch processes without it; the job asked for root.
+        node_args.append(ROOT_PROCS_FLAG)
+        print(f"monarch-fs: running as root: the daemons run processes as root "
+              f"({ROOT_PROCS_FLAG})", file=sys.stderr)
+    tty = sys.stderr.isatty()
+
+    def progress(done: int, total: int, r: slurm.Ready) -> None:
+        """One line, rewritten in place on a terminal; a line per node in a job's log."""
+        print(("\r" if tty else "") + f"slurm up: {done}/{total} nodes mounted "
+              f"({r.node} {r.addr})", end="" if tty and done < total else "\n",
+              file=sys.stderr, flush=True)
+
+    res = slurm.up(node_args, timeout=args.timeout, on_ready=progress)
+    print(f"job {res.job}: {len(res.nodes)} daemons up in {res.seconds:.1f}s on "
+          f"{' '.join(r.node for r in res.nodes)}, mounted at "
+          f"{slurm.expand(args.mount, res.job, '{node}')}; hosts {res.hosts_file} "
+          "(push, status and run use them in this job)")
+    return 0
+
+
+def slurm_node(args: argparse.Namespace, extra: list[str]) -> int:
+    """One srun task: read the job's token on stdin, serve this node's mount on its address,
+    print one ready (or failed) line on stdout, and remove the node's folders at the end."""
+    try:
+        task = slurm.NodeTask.from_env()
+    except slurm.SlurmError as e:
+        print(f"monarch-fs: error: {e}", file=sys.stderr)
+        return 1
+    mount = state = None
+    announced = False
+
+    async def serve(daemon: Any) -> None:
+        nonlocal announced
+        async with trio.open_nursery() as nursery:
+            addr = await nursery.start(daemon.run)
+            print(task.ready_line(addr), flush=True)
+            announced = True
+
+    try:
+        mount, state, token_file = slurm.prepare_node(task, args.mount, args.state,
+                                                      sys.stdin.buffer.read())
+        daemon_args = build_parser().parse_args([
+            "daemon", "--listen", f"{slurm.node_address()}:0", "--mount", str(mount),
+            "--state", str(state), "--token-file", str(token_file), "--node-name", task.node,
+            *extra])
+        return cmd_daemon(daemon_args, serve=serve)
+    except BaseException as e:
+        if isinstance(e, SystemExit):  # argparse said why on stderr (the daemons' log)
+            cause = f"daemon options {' '.join(extra) or '(none)'} refused"
+        else:
+            cause = str(e).strip() or type(e).__name__
+        if not announced:
+            print(task.failed_line(cause), flush=True)
+        print(f"monarch-fs: error: {task.node}: {cause}", file=sys.stderr)
+        return 1
+    finally:
+        if mount is not None and state is not None:
+            slurm.remove_node_dirs(mount, state)
 
 
 def cmd_token(args: argparse.Namespace) -> int:
@@ -228,8 +321,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print("monarch-fs: error: --per-host must be >= 1 and --max-restarts >= 0",
               file=sys.stderr)
         return 2
-    hosts = parse_hosts(args.hosts)
-    token = resolve_token(args.token_file)
+    hosts, token = target(args)
     # --transport rdma without a device here: exit 1 before connecting; the hosts are checked
     # once connected (spmd.choose_transports), still before anything is launched.
     local = resolve_local(args.transport, where=f"the controller {socket.gethostname()}")
@@ -356,6 +448,26 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dir", help="cluster folder (default ~/.monarch-fs/cluster)")
     c.set_defaults(fn=cmd_cluster)
 
+    sl = sub.add_parser(
+        "slurm", help="start or stop the daemons of this SLURM job (in sbatch or salloc)",
+        description="up: one daemon per allocated node through srun; returns once every node "
+                    "is mounted, and writes the job's hosts and a fresh token to "
+                    "$MONARCH_FS_HOME/slurm/$SLURM_JOB_ID (push, status and run then use them "
+                    "by default). The daemons unmount and stop when the job ends, or at down. "
+                    "Options after -- go to every daemon: slurm up [options] -- --keep 5.")
+    sl.add_argument("action", choices=["up", "down", "node"],
+                    help="node is what srun runs on each node; up starts it")
+    sl.add_argument("--mount", default=slurm.DEFAULT_MOUNT, metavar="DIR",
+                    help="each node's mount point; {job} and {node} expand "
+                         f"(default {slurm.DEFAULT_MOUNT})")
+    sl.add_argument("--state", metavar="DIR",
+                    help="each node's store, node-local and removed at the end (default "
+                         "MOUNT.state)")
+    sl.add_argument("--timeout", type=float, default=slurm.UP_TIMEOUT, metavar="S",
+                    help=f"up: give up when a node is not mounted after S seconds "
+                         f"(default {slurm.UP_TIMEOUT:g})")
+    sl.set_defaults(fn=cmd_slurm)
+
     t = sub.add_parser("token", help="make a cluster token (every daemon and client needs one)")
     t.add_argument("action", choices=["new"])
     t.add_argument("path", nargs="?", metavar="PATH",
@@ -366,15 +478,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # `slurm up|node ... -- DAEMON OPTIONS`: what follows -- is for the daemons, not for us
+    daemon_args: list[str] = []
+    if "--" in argv and "slurm" in argv[:argv.index("--")]:
+        daemon_args = argv[argv.index("--") + 1:]
+        argv = argv[:argv.index("--")]
     args = build_parser().parse_args(argv)
+    args.daemon_args = daemon_args
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
-    if args.command != "daemon":
+    serves = args.command == "daemon" or (args.command, getattr(args, "action", "")) == (
+        "slurm", "node")
+    if not serves:
         logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     try:
         return args.fn(args)
-    except (PushError, HostsError, TokenError, cluster.ClusterError, ValueError, OSError) as e:
+    except (PushError, HostsError, TokenError, cluster.ClusterError, slurm.SlurmError,
+            ValueError, OSError) as e:
         print(f"monarch-fs: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
