@@ -75,23 +75,34 @@ def cmd_daemon(args: argparse.Namespace, serve: Callable[[Any], Awaitable[Any]] 
     """Run a node daemon; `serve(daemon)`, when given, runs it instead of daemon.run (the
     SLURM task announces its address once the daemon is up)."""
     from .daemon.node.daemon import NodeDaemon, make_log_private
+    from .fs.mount_check import MountError, check_mount
 
     make_log_private()
     token = resolve_token(args.token_file)  # no token: refuse to start (auth.NoToken)
-    transport = resolve_local(args.transport)  # --transport rdma without a device: exit 1
-    log.info("transport: %s (%s)", transport.kind, transport.reason)
-    limits = Limits(max_connections=args.max_connections,
-                    max_per_peer=args.max_connections_per_peer,
-                    handshake_timeout=args.handshake_timeout)
-    daemon = NodeDaemon(state=args.state, mount=args.mount, listen=args.listen, token=token,
-                        keep=args.keep, node_name=args.node_name, transport=transport,
-                        store_raw=not args.store_compressed, encrypt=args.encrypt,
-                        limits=limits,
-                        max_entries=args.max_entries or settings.max_entries)
-    if serve is not None:
-        trio.run(serve, daemon)
-    else:
-        trio.run(lambda: daemon.run(ready_file=args.ready_file))
+    allow_other = {"auto": None, "yes": True, "no": False}[args.allow_other]
+    try:
+        # Before anything is logged or made (the state folder): a mount that cannot be made
+        # is one line with the fix, and NodeDaemon.run tells a failure it could not foresee
+        # the same way.
+        check_mount(Path(args.mount), allow_other)
+        transport = resolve_local(args.transport)  # --transport rdma without a device: exit 1
+        log.info("transport: %s (%s)", transport.kind, transport.reason)
+        limits = Limits(max_connections=args.max_connections,
+                        max_per_peer=args.max_connections_per_peer,
+                        handshake_timeout=args.handshake_timeout)
+        daemon = NodeDaemon(state=args.state, mount=args.mount, listen=args.listen, token=token,
+                            keep=args.keep, node_name=args.node_name, transport=transport,
+                            store_raw=not args.store_compressed, encrypt=args.encrypt,
+                            limits=limits,
+                            max_entries=args.max_entries or settings.max_entries,
+                            allow_other=allow_other)
+        if serve is not None:
+            trio.run(serve, daemon)
+        else:
+            trio.run(lambda: daemon.run(ready_file=args.ready_file))
+    except MountError as e:
+        print(f"monarch-fs: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -172,7 +183,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                   f"  fuse {s.fuse}"
                   + (f" ({s.backing_files} backing files, {fmt_bytes(s.backing_bytes)})"
                      if s.backing_files else "")
-                  + (f" (writing {s.backing_writing} more)" if s.backing_writing else ""))
+                  + (f" (writing {s.backing_writing} more)" if s.backing_writing else "")
+                  + f"  mode {s.mode}")
             if s.backing_error:
                 print(f"{n.host}  warning: {s.backing_error}; read through the daemon")
             for problem in s.problems:
@@ -357,6 +369,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--handshake-timeout", type=float, default=Limits.handshake_timeout,
                    metavar="S", help="drop a peer that has not authenticated S seconds after "
                                      f"connecting (default {Limits.handshake_timeout:g})")
+    d.add_argument("--allow-other", choices=["auto", "yes", "no"], default="auto",
+                   help="let other users read the mount: auto (as root, or as a normal user "
+                        "where /etc/fuse.conf has user_allow_other), yes (an error where it "
+                        "cannot), no (only this user)")
     d.add_argument("--max-entries", type=int, metavar="N",
                    help="refuse a snapshot of more than N files, folders and links "
                         f"(default $MONARCH_FS_MAX_ENTRIES, else {DEFAULT_MAX_ENTRIES:,})")

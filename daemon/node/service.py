@@ -118,6 +118,8 @@ class NodeService:
                                    max_entries=max_entries, counters=self.counters,
                                    mount=self.mount)
         self.procs: ProcessTable | None = None  # while serving
+        # root or unprivileged, as status tells (fs/mount_options.py); set by the mounting daemon
+        self.mount_mode = "not mounted"
         self.write_limiter = trio.CapacityLimiter(4)  # store write batches in flight, in all
 
     async def serve(self, listeners: list[trio.SocketListener], *,
@@ -187,5 +189,6 @@ class NodeService:
             counters=dict(self.counters),
             workspaces={n: [v.hex() for v in vs] for n, vs in self.refs.workspaces.items()},
             problems=self.publisher.all_problems(),
+            mode=self.mount_mode,
         )
 

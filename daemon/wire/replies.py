@@ -94,6 +94,9 @@ class StatusReply:
     counters: dict[str, int]
     workspaces: dict[str, list[str]]  # name -> version ids (hex), current first
     problems: list[str] = field(default_factory=list)
+    # "root" or "unprivileged (user alice; fusermount3; ...)": how the node mounts
+    # (fs/mount_options.py); "unknown" from a node that does not say
+    mode: str = "unknown"
 
     def to_wire(self) -> dict[str, Any]:
         return {"node": self.node, "addr": self.addr, "mount": self.mount, **self.transport,
@@ -102,7 +105,7 @@ class StatusReply:
                 "backing_files": self.backing_files, "backing_bytes": self.backing_bytes,
                 "backing_writing": self.backing_writing, "backing_waits": self.backing_waits,
                 "backing_error": self.backing_error, **self.counters,
-                "workspaces": self.workspaces, "problems": self.problems}
+                "workspaces": self.workspaces, "problems": self.problems, "mode": self.mode}
 
     @classmethod
     def from_wire(cls, value: Mapping[str, Any]) -> StatusReply:
@@ -117,6 +120,9 @@ class StatusReply:
         error = value.get("backing_error")
         if error is not None and not isinstance(error, str):
             raise MalformedReply(f"malformed {op} reply: 'backing_error' is {error!r}")
+        mode = value.get("mode", "unknown")
+        if not isinstance(mode, str):
+            raise MalformedReply(f"malformed {op} reply: 'mode' is {mode!r}")
         return cls(
             node=_get(op, value, "node", str), addr=_get(op, value, "addr", str),
             mount=_get(op, value, "mount", str),
@@ -129,7 +135,8 @@ class StatusReply:
             backing_writing=_get(op, value, "backing_writing", int),
             backing_waits=_get(op, value, "backing_waits", int), backing_error=error,
             counters={k: _get(op, value, k, int) for k in COUNTERS if k in value},
-            workspaces={n: list(vs) for n, vs in workspaces.items()}, problems=list(problems))
+            workspaces={n: list(vs) for n, vs in workspaces.items()}, problems=list(problems),
+            mode=mode)
 
 
 @dataclass(frozen=True)
