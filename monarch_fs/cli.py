@@ -12,12 +12,14 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import trio
 
-from .daemon.client import cluster
-from .daemon.client.hosts import HostsError, parse_hosts
+from .daemon.client import cluster, slurm
+from .daemon.client.hosts import HostsError, resolve_target
 from .daemon.client.progress import Progress, fmt_bytes
 from .daemon.client.push import PushError, push, workspace_name
 from .daemon.client.status import remove, status
@@ -70,22 +72,39 @@ class BarProgress(Progress):
             self.bar = None
 
 
-def cmd_daemon(args: argparse.Namespace) -> int:
+def cmd_daemon(args: argparse.Namespace, serve: Callable[[Any], Awaitable[Any]] | None = None
+               ) -> int:
+    """Run a node daemon; `serve(daemon)`, when given, runs it instead of daemon.run (the
+    SLURM task announces its address once the daemon is up)."""
     from .daemon.node.daemon import NodeDaemon, make_log_private
+    from .fs.mount_check import MountError, check_mount
 
     make_log_private()
     token = resolve_token(args.token_file)  # no token: refuse to start (auth.NoToken)
-    transport = resolve_local(args.transport)  # --transport rdma without a device: exit 1
-    log.info("transport: %s (%s)", transport.kind, transport.reason)
-    limits = Limits(max_connections=args.max_connections,
-                    max_per_peer=args.max_connections_per_peer,
-                    handshake_timeout=args.handshake_timeout)
-    daemon = NodeDaemon(state=args.state, mount=args.mount, listen=args.listen, token=token,
-                        keep=args.keep, node_name=args.node_name, transport=transport,
-                        store_raw=not args.store_compressed, encrypt=args.encrypt,
-                        limits=limits, allow_root_procs=args.allow_root_procs,
-                        max_entries=args.max_entries or settings.max_entries)
-    trio.run(lambda: daemon.run(ready_file=args.ready_file))
+    allow_other = {"auto": None, "yes": True, "no": False}[args.allow_other]
+    try:
+        # Before anything is logged or made (the state folder): a mount that cannot be made
+        # is one line with the fix, and NodeDaemon.run tells a failure it could not foresee
+        # the same way.
+        check_mount(Path(args.mount), allow_other)
+        transport = resolve_local(args.transport)  # --transport rdma without a device: exit 1
+        log.info("transport: %s (%s)", transport.kind, transport.reason)
+        limits = Limits(max_connections=args.max_connections,
+                        max_per_peer=args.max_connections_per_peer,
+                        handshake_timeout=args.handshake_timeout)
+        daemon = NodeDaemon(state=args.state, mount=args.mount, listen=args.listen, token=token,
+                            keep=args.keep, node_name=args.node_name, transport=transport,
+                            store_raw=not args.store_compressed, encrypt=args.encrypt,
+                            limits=limits, allow_root_procs=args.allow_root_procs,
+                            max_entries=args.max_entries or settings.max_entries,
+                            allow_other=allow_other)
+        if serve is not None:
+            trio.run(serve, daemon)
+        else:
+            trio.run(lambda: daemon.run(ready_file=args.ready_file))
+    except MountError as e:
+        print(f"monarch-fs: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -95,8 +114,7 @@ def scan_cache_dir() -> Path:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    hosts = parse_hosts(args.hosts)
-    token = resolve_token(args.token_file)
+    hosts, token = target(args)
     cache_dir = None if args.no_cache else scan_cache_dir()
     transport = resolve_local(args.transport)  # --transport rdma without a device: exit 1
 
@@ -105,7 +123,7 @@ def cmd_push(args: argparse.Namespace) -> int:
             args.src, hosts, token, name=args.name, excludes=args.exclude, progress=progress,
             topology_kind=args.topology, fanout=args.fanout, allow_partial=args.allow_partial,
             timeout=args.timeout, cache_dir=cache_dir, transport=transport,
-            encrypt=args.encrypt)
+            encrypt=args.encrypt, at_source=args.at_source)
 
     if args.watch:
         from .daemon.client.watch import watch
@@ -141,9 +159,15 @@ def cmd_push(args: argparse.Namespace) -> int:
     return 0
 
 
+def target(args: argparse.Namespace) -> tuple[list[str], bytes]:
+    """The hosts and token a client command talks to: --hosts and --token-file, else the
+    environment's, else this SLURM job's (`slurm up`), else the local cluster's."""
+    hosts, token_file = resolve_target(args.hosts, args.token_file)
+    return hosts, resolve_token(token_file)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
-    hosts = parse_hosts(args.hosts)
-    token = resolve_token(args.token_file)
+    hosts, token = target(args)
     nodes = trio.run(status, hosts, token)
     if args.json:
         print(json.dumps([n.to_json() for n in nodes]))
@@ -161,8 +185,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                   f"  fuse {s.fuse}"
                   + (f" ({s.backing_files} backing files, {fmt_bytes(s.backing_bytes)})"
                      if s.backing_files else "")
-                  + (f" (writing {s.backing_writing} more)" if s.backing_writing else ""))
-            print(f"{n.host}  processes: {_procs_line(s)}")
+                  + (f" (writing {s.backing_writing} more)" if s.backing_writing else "")
+                  + f"  mode {s.mode}  processes {_procs_line(s)}")
             if s.backing_error:
                 print(f"{n.host}  warning: {s.backing_error}; read through the daemon")
             for problem in s.problems:
@@ -172,15 +196,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def _procs_line(s: StatusReply) -> str:
     if s.root_procs:
-        return f"run as root ({ROOT_PROCS_FLAG})"
+        return f"as root ({ROOT_PROCS_FLAG})"
     if not s.procs_user:
-        return f"refused (the daemon runs as root without {ROOT_PROCS_FLAG})"
-    return f"run as {s.procs_user}"
+        return f"refused (root without {ROOT_PROCS_FLAG})"
+    return f"as {s.procs_user}"
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    hosts = parse_hosts(args.hosts)
-    token = resolve_token(args.token_file)
+    hosts, token = target(args)
     nodes = trio.run(remove, hosts, token, args.name)
     if args.json:
         print(json.dumps([n.to_json() for n in nodes]))
@@ -204,6 +227,86 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         n = cluster.down(args.dir)
         print(f"stopped {n} daemons")
     return 0
+
+
+def daemon_accepts(flag: str) -> bool:
+    """Whether `monarch-fs daemon` has an option `flag` (set by a newer daemon)."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return flag in sub.choices["daemon"]._option_string_actions
+
+
+def cmd_slurm(args: argparse.Namespace) -> int:
+    extra = args.daemon_args
+    if args.action == "node":
+        return slurm_node(args, extra)
+    if args.action == "down":
+        step = slurm.down()
+        print(f"stopped the daemons of step {step} (unmounted)" if step else
+              f"no daemons up in job {slurm.job_id()}")
+        return 0
+    node_args = ["--mount", args.mount, *(["--state", args.state] if args.state else []),
+                 "--", *extra]
+    # (Said only inside a job: outside one, `up` fails in one line below.)
+    if (os.geteuid() == 0 and daemon_accepts(ROOT_PROCS_FLAG) and ROOT_PROCS_FLAG not in extra
+            and slurm.job_id() is not None):
+        # A root daemon refuses to launch processes without it; the job asked for root.
+        node_args.append(ROOT_PROCS_FLAG)
+        print(f"monarch-fs: running as root: the daemons run processes as root "
+              f"({ROOT_PROCS_FLAG})", file=sys.stderr)
+    tty = sys.stderr.isatty()
+
+    def progress(done: int, total: int, r: slurm.Ready) -> None:
+        """One line, rewritten in place on a terminal; a line per node in a job's log."""
+        print(("\r" if tty else "") + f"slurm up: {done}/{total} nodes mounted "
+              f"({r.node} {r.addr})", end="" if tty and done < total else "\n",
+              file=sys.stderr, flush=True)
+
+    res = slurm.up(node_args, timeout=args.timeout, on_ready=progress)
+    print(f"job {res.job}: {len(res.nodes)} daemons up in {res.seconds:.1f}s on "
+          f"{' '.join(r.node for r in res.nodes)}, mounted at "
+          f"{slurm.expand(args.mount, res.job, '{node}')}; hosts {res.hosts_file} "
+          "(push, status and run use them in this job)")
+    return 0
+
+
+def slurm_node(args: argparse.Namespace, extra: list[str]) -> int:
+    """One srun task: read the job's token on stdin, serve this node's mount on its address,
+    print one ready (or failed) line on stdout, and remove the node's folders at the end."""
+    try:
+        task = slurm.NodeTask.from_env()
+    except slurm.SlurmError as e:
+        print(f"monarch-fs: error: {e}", file=sys.stderr)
+        return 1
+    mount = state = None
+    announced = False
+
+    async def serve(daemon: Any) -> None:
+        nonlocal announced
+        async with trio.open_nursery() as nursery:
+            addr = await nursery.start(daemon.run)
+            print(task.ready_line(addr), flush=True)
+            announced = True
+
+    try:
+        mount, state, token_file = slurm.prepare_node(task, args.mount, args.state,
+                                                      sys.stdin.buffer.read())
+        daemon_args = build_parser().parse_args([
+            "daemon", "--listen", f"{slurm.node_address()}:0", "--mount", str(mount),
+            "--state", str(state), "--token-file", str(token_file), "--node-name", task.node,
+            *extra])
+        return cmd_daemon(daemon_args, serve=serve)
+    except BaseException as e:
+        if isinstance(e, SystemExit):  # argparse said why on stderr (the daemons' log)
+            cause = f"daemon options {' '.join(extra) or '(none)'} refused"
+        else:
+            cause = str(e).strip() or type(e).__name__
+        if not announced:
+            print(task.failed_line(cause), flush=True)
+        print(f"monarch-fs: error: {task.node}: {cause}", file=sys.stderr)
+        return 1
+    finally:
+        if mount is not None and state is not None:
+            slurm.remove_node_dirs(mount, state)
 
 
 def cmd_token(args: argparse.Namespace) -> int:
@@ -240,8 +343,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print("monarch-fs: error: --per-host must be >= 1 and --max-restarts >= 0",
               file=sys.stderr)
         return 2
-    hosts = parse_hosts(args.hosts)
-    token = resolve_token(args.token_file)
+    hosts, token = target(args)
     # --transport rdma without a device here: exit 1 before connecting; the hosts are checked
     # once connected (spmd.choose_transports), still before anything is launched.
     local = resolve_local(args.transport, where=f"the controller {socket.gethostname()}")
@@ -277,6 +379,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--handshake-timeout", type=float, default=Limits.handshake_timeout,
                    metavar="S", help="drop a peer that has not authenticated S seconds after "
                                      f"connecting (default {Limits.handshake_timeout:g})")
+    d.add_argument("--allow-other", choices=["auto", "yes", "no"], default="auto",
+                   help="let other users read the mount: auto (as root, or as a normal user "
+                        "where /etc/fuse.conf has user_allow_other), yes (an error where it "
+                        "cannot), no (only this user)")
     d.add_argument("--max-entries", type=int, metavar="N",
                    help="refuse a snapshot of more than N files, folders and links "
                         f"(default $MONARCH_FS_MAX_ENTRIES, else {DEFAULT_MAX_ENTRIES:,})")
@@ -312,6 +418,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: $MONARCH_FS_HOME/scan-cache, so unchanged files are not read)")
     p.add_argument("--transport", choices=TRANSPORTS, default="auto", help=TRANSPORT_HELP)
     p.add_argument("--encrypt", choices=ENCRYPT_POLICIES, default="auto", help=ENCRYPT_HELP)
+    p.add_argument("--at-source", action=argparse.BooleanOptionalAction, default=True,
+                   help="every node also exposes the workspace at SRC's absolute path (a link "
+                        "to MOUNT/NAME), so a venv's scripts and pyvenv.cfg resolve as on this "
+                        "machine; never replaces what is there (default: on)")
     p.set_defaults(fn=cmd_push)
 
     s = sub.add_parser("status", help="what every node serves")
@@ -371,6 +481,26 @@ def build_parser() -> argparse.ArgumentParser:
                         "refuse to run processes")
     c.set_defaults(fn=cmd_cluster)
 
+    sl = sub.add_parser(
+        "slurm", help="start or stop the daemons of this SLURM job (in sbatch or salloc)",
+        description="up: one daemon per allocated node through srun; returns once every node "
+                    "is mounted, and writes the job's hosts and a fresh token to "
+                    "$MONARCH_FS_HOME/slurm/$SLURM_JOB_ID (push, status and run then use them "
+                    "by default). The daemons unmount and stop when the job ends, or at down. "
+                    "Options after -- go to every daemon: slurm up [options] -- --keep 5.")
+    sl.add_argument("action", choices=["up", "down", "node"],
+                    help="node is what srun runs on each node; up starts it")
+    sl.add_argument("--mount", default=slurm.DEFAULT_MOUNT, metavar="DIR",
+                    help="each node's mount point; {job} and {node} expand "
+                         f"(default {slurm.DEFAULT_MOUNT})")
+    sl.add_argument("--state", metavar="DIR",
+                    help="each node's store, node-local and removed at the end (default "
+                         "MOUNT.state)")
+    sl.add_argument("--timeout", type=float, default=slurm.UP_TIMEOUT, metavar="S",
+                    help=f"up: give up when a node is not mounted after S seconds "
+                         f"(default {slurm.UP_TIMEOUT:g})")
+    sl.set_defaults(fn=cmd_slurm)
+
     t = sub.add_parser("token", help="make a cluster token (every daemon and client needs one)")
     t.add_argument("action", choices=["new"])
     t.add_argument("path", nargs="?", metavar="PATH",
@@ -381,15 +511,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # `slurm up|node ... -- DAEMON OPTIONS`: what follows -- is for the daemons, not for us
+    daemon_args: list[str] = []
+    if "--" in argv and "slurm" in argv[:argv.index("--")]:
+        daemon_args = argv[argv.index("--") + 1:]
+        argv = argv[:argv.index("--")]
     args = build_parser().parse_args(argv)
+    args.daemon_args = daemon_args
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
-    if args.command != "daemon":
+    serves = args.command == "daemon" or (args.command, getattr(args, "action", "")) == (
+        "slurm", "node")
+    if not serves:
         logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     try:
         return args.fn(args)
-    except (PushError, HostsError, TokenError, cluster.ClusterError, ValueError, OSError) as e:
+    except (PushError, HostsError, TokenError, cluster.ClusterError, slurm.SlurmError,
+            ValueError, OSError) as e:
         print(f"monarch-fs: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -376,6 +376,15 @@ class NetCluster(Stood):
         return self._exec(["nsenter", "--target", str(pid), "--mount", "--net", *argv],
                           timeout, check, text, None)
 
+    def hide_on_node(self, i: int, path: str | os.PathLike[str]) -> None:
+        """Mount an empty tmpfs over `path` in node `i`'s mount namespace only: what the dev
+        box has there is gone from that node, as on a real cluster where the dev box's folders
+        do not exist. Private to the node's namespace, it goes when the namespace does (with
+        the daemon), and the host never sees it."""
+        pid = self._daemon_pid(i)
+        run_cmd(["nsenter", "--target", str(pid), "--mount", "mount", "-t", "tmpfs", "-o",
+                 "mode=0755,size=16m", f"{self.id}-hide", str(path)])
+
     def read_on_node(self, i: int, path: str, *, timeout: float = 120) -> bytes:
         """The bytes of `path` as a process on node `i` reads them (e.g. through its mount)."""
         return self.run_on_node(i, ["cat", "--", path], timeout=timeout, check=True,

@@ -38,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from users import UserError, create_user, delete_user
+
 from netns import (
     NetnsError,
     Stood,
@@ -219,24 +221,11 @@ class SlurmCluster(Stood):
         if self.dir == Path() or self._closed:
             raise NetnsError("ensure_user: the cluster is not running")
         try:
-            return pwd.getpwnam(name)
-        except KeyError:
-            pass
-        home = self.dir / "home" / name
-        argv = ["useradd", "--no-create-home", "--home-dir", str(home), "--shell", "/bin/sh",
-                "--user-group", name]
-        deadline = time.monotonic() + 30
-        while (out := run_cmd(argv, check=False)).returncode != 0:
-            # another process (a parallel test) may hold /etc/passwd's lock for a moment
-            if b"lock" not in out.stderr or time.monotonic() > deadline:
-                raise NetnsError(f"useradd {name} exited {out.returncode}: "
-                                 f"{out.stderr.decode(errors='replace').strip()}")
-            time.sleep(0.1)
-        self._users.append(name)
-        entry = pwd.getpwnam(name)
-        home.mkdir(parents=True)
-        os.chown(home, entry.pw_uid, entry.pw_gid)
-        home.chmod(0o755)
+            entry, made = create_user(name, self.dir / "home" / name)
+        except UserError as e:
+            raise NetnsError(str(e)) from None
+        if made:
+            self._users.append(name)
         return entry
 
     def logs(self, lines: int = 10) -> str:
@@ -285,10 +274,7 @@ class SlurmCluster(Stood):
             problems += [f"munged (pid {pid}) survived SIGKILL"
                          for pid in stop_pids({munged.pid: munged}, self.stop_timeout)]
         problems += self._net.close()
-        for name in self._users:
-            out = run_cmd(["userdel", name], check=False)
-            if out.returncode != 0:
-                problems.append(f"user {name}: {out.stderr.decode(errors='replace').strip()}")
+        problems += [p for p in map(delete_user, self._users) if p]
         self._users = []
         if self.dir != Path():
             shutil.rmtree(self.dir, ignore_errors=True)

@@ -109,7 +109,8 @@ async def test_a_push_through_the_real_client_is_published_without_a_mount(tmp_p
             assert status["workspaces"] == {"app": [second.version, first.version]}
             assert status["problems"] == []
             saved = json.loads((node.state / "refs.json").read_text())
-            assert saved == {"workspaces": {"app": [second.version, first.version]}}
+            assert saved == {"workspaces": {"app": [second.version, first.version]},
+                             "sources": {"app": str(src)}}  # push --at-source, the default
             assert served_bytes(node, b"app", b"a.txt") == b"hello again"
             assert served_bytes(node, b"app", b"sub/b.bin") == files["sub/b.bin"]
             assert served_bytes(node, b"app", b"empty") == b""

@@ -1,5 +1,6 @@
 """Host lists: `host:port,host:port`, `@hostfile` (one per line, `#` comments), or
-$MONARCH_FS_HOSTS; with none of them, the local cluster that `monarch-fs cluster up` started."""
+$MONARCH_FS_HOSTS; with none of them, this SLURM job's daemons (`monarch-fs slurm up` in the job
+named by $SLURM_JOB_ID), else the local cluster that `monarch-fs cluster up` started."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from ...settings import settings
 from ..wire.addresses import parse_addr
 from .cluster import default_cluster_dir
+from .slurm import job_hosts_file
 
 
 class HostsError(ValueError):
@@ -18,6 +20,19 @@ def default_hosts_file() -> Path:
     return default_cluster_dir() / "hosts"
 
 
+def resolve_target(spec: str | None, token_file: str | None) -> tuple[list[str], str | None]:
+    """The hosts, and the token file to use (None: the usual default), when --hosts is `spec`
+    and --token-file `token_file`: a SLURM job's hosts come with that job's token, unless a
+    token file is named (flag or $MONARCH_FS_TOKEN_FILE)."""
+    if not spec and not settings.hosts:
+        job_hosts = job_hosts_file()
+        if job_hosts is not None:
+            if not token_file and not settings.token_file:
+                token_file = str(job_hosts.with_name("token"))
+            return parse_hosts(f"@{job_hosts}"), token_file
+    return parse_hosts(spec), token_file
+
+
 def parse_hosts(spec: str | None) -> list[str]:
     if not spec:
         spec = settings.hosts
@@ -25,7 +40,8 @@ def parse_hosts(spec: str | None) -> list[str]:
         default = default_hosts_file()
         if not default.exists():
             raise HostsError("no hosts: pass --hosts host:port,... or @hostfile, set "
-                             "$MONARCH_FS_HOSTS, or start a local cluster (monarch-fs cluster up)")
+                             "$MONARCH_FS_HOSTS, run `monarch-fs slurm up` in a SLURM job, or "
+                             "start a local cluster (monarch-fs cluster up)")
         spec = f"@{default}"
     if spec.startswith("@"):
         try:

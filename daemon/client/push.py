@@ -23,7 +23,7 @@ from ...fs.scan import Snapshot, scan
 from ...fs.scan_cache import ScanCache
 from ..wire import bulk, topology
 from ..wire.replies import CommitReply, PrepareReply
-from ..wire.requests import check_workspace_name
+from ..wire.requests import check_source_path, check_workspace_name
 from ..wire.transport import CONNECT_TIMEOUT, connect
 from .links import STALL_TIMEOUT, NodeLink, each
 from .progress import Progress
@@ -99,6 +99,7 @@ class _Push:
                                snap.read_chunk)
         self.chunks_sent = 0  # chunk copies that left the dev box (relays forward the rest)
         self.bytes_sent = 0
+        self.warnings: list[str] = []  # from the nodes' commits
 
     @property
     def healthy(self) -> list[NodeLink]:
@@ -158,8 +159,11 @@ class _Push:
             self.bytes_sent += stream.bytes_sent
         return kind
 
-    async def publish(self, name: str) -> None:
-        args = {"name": name, "version": self.version.hex()}
+    async def publish(self, name: str, source: dict[str, str]) -> None:
+        """Prepare on every node, then commit on every node; `source` (path, id) asks each to
+        expose the workspace at that path too. What a node could not do but committed anyway
+        comes back as warnings, "HOST: ..." (`self.warnings`)."""
+        args = {"name": name, "version": self.version.hex(), **source}
         self.progress.phase("publishing", 2 * len(self.healthy), "steps")
         steps = 0
 
@@ -173,7 +177,8 @@ class _Push:
             step()
 
         async def commit(node: NodeLink) -> None:
-            CommitReply.from_wire(await node.channel.request("commit", **args))
+            reply = CommitReply.from_wire(await node.channel.request("commit", **args))
+            self.warnings += [f"{node.addr}: {w}" for w in reply.warnings]
             step()
 
         await each(self.nodes, prepare, self.timeout)
@@ -203,6 +208,19 @@ def workspace_name(src: str | os.PathLike[str], name: str | None) -> str:
     return os.path.basename(folder)
 
 
+def source_args(src: str | os.PathLike[str]) -> dict[str, str]:
+    """What prepare and commit carry for push --at-source: the folder's absolute path (as
+    typed, links in it kept: a venv's scripts name the path it was made at, which is the path
+    its user types) and its "DEV:INO". ValueError saying why a node could not expose it."""
+    path = os.path.abspath(src)
+    try:
+        check_source_path(path)
+    except ValueError as e:
+        raise ValueError(f"{e}; push with --no-at-source, or from another folder") from None
+    st = os.stat(path)
+    return {"source": path, "source_id": f"{st.st_dev}:{st.st_ino}"}
+
+
 async def push(
     src: str | os.PathLike[str],
     hosts: Sequence[str],
@@ -218,13 +236,17 @@ async def push(
     cache_dir: str | os.PathLike[str] | None = None,
     transport: str | bulk.LocalTransport = "auto",
     encrypt: str = "auto",
+    at_source: bool = True,
 ) -> PushResult:
     """Push `src` to every host as workspace `name` (default: the folder's name). With
     `cache_dir`, the scan keeps a cache of the folder there, so unchanged files are not read.
-    `encrypt` is the policy for the sessions with the nodes (addresses.encrypts)."""
+    `encrypt` is the policy for the sessions with the nodes (addresses.encrypts). With
+    `at_source`, every node also exposes the workspace at `src`'s absolute path (a link to
+    MOUNT/NAME), so a venv's scripts, which name that path, run there."""
     t0 = time.monotonic()
     progress = progress or Progress()
     name = workspace_name(src, name)
+    source = source_args(src) if at_source else {}
     if topology_kind not in topology.KINDS:
         raise ValueError(f"unknown topology {topology_kind!r}: use one of {topology.KINDS}")
 
@@ -252,7 +274,7 @@ async def push(
             await job.negotiate()
             await job.broadcast("star", fanout)
             job.check("sending chunks")
-        await job.publish(name)
+        await job.publish(name, source)
     finally:
         await job.aclose()
 
@@ -271,5 +293,5 @@ async def push(
         transport=",".join(sorted({n.bulk.kind for n in job.nodes if n.bulk}
                                   or {n.transport[0] for n in job.healthy})) or "tcp",
         failed={n.addr: n.error for n in job.nodes if n.error},
-        warnings=snap.warnings,
+        warnings=snap.warnings + job.warnings,
     )

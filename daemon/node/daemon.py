@@ -2,19 +2,18 @@
 publisher, sessions, process table) on its listener and mounts the snapshots it publishes.
 
 This module only wires those parts together and owns what only a real daemon has: the FUSE
-mount, signals, the ready file and the log. The log names every process the daemon starts,
-argv included, so it is private to the daemon's user, as the state folder is (service.py).
+mount, signals, the ready file (and systemd's readiness notice, notify.py) and the log. The log
+names every process the daemon starts, argv included, so it is private to the daemon's user, as
+the state folder is (service.py).
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
 import signal
 import stat
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +21,10 @@ import pyfuse3
 import trio
 
 from ...fs import passthrough
-from ...fs.mount_options import mount_options, set_readahead
+from ...fs.mount_check import check_mount, mount
+from ...fs.mount_options import mount_mode, set_readahead
 from ..wire.addresses import parse_addr
+from .notify import notify
 from .service import NodeService, open_listeners
 
 log = logging.getLogger("monarch_fs.daemon")
@@ -38,51 +39,43 @@ def make_log_private() -> None:
         os.fchmod(2, stat.S_IMODE(st.st_mode) & 0o700)
 
 
-def clear_stale_mount(mountpoint: Path) -> None:
-    """A daemon killed with SIGKILL leaves its mount behind ("transport endpoint is not
-    connected"); detach it so the new daemon can mount in its place."""
-    try:
-        os.stat(mountpoint)
-        stale = os.path.ismount(mountpoint)
-    except FileNotFoundError:
-        return
-    except OSError as e:
-        if e.errno != errno.ENOTCONN:
-            raise
-        stale = True
-    if stale:
-        log.warning("detaching stale mount at %s", mountpoint)
-        subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False,
-                       stderr=subprocess.DEVNULL)
-        if os.path.ismount(mountpoint):
-            subprocess.run(["umount", "-l", str(mountpoint)], check=False)
-
-
 class NodeDaemon:
     """A NodeService on its listener, plus the FUSE mount of what it publishes.
 
     Thin on purpose: what a node answers lives in NodeService (and is tested without a
     mount); this class only orders start-up and shut-down around the mount: listen, mount,
     serve, tune the mount once the kernel finished INIT, recover, and on the way out stop the
-    processes, then unmount. Keyword arguments other than `listen` are NodeService's."""
+    processes, then unmount. `allow_other`: None mounts with allow_other where this user may
+    (root, or /etc/fuse.conf's user_allow_other), True requires it, False never asks.
+    Keyword arguments other than `listen` and `allow_other` are NodeService's."""
 
-    def __init__(self, *, listen: str, **service: Any) -> None:
+    def __init__(self, *, listen: str, allow_other: bool | None = None, **service: Any) -> None:
         parse_addr(listen, listen=True)
         self.listen = listen
+        self.allow_other = allow_other
+        self._told_stopping = False
         self.service = NodeService(addr=listen, **service)
 
     async def run(self, *, ready_file: str | None = None,
                   task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
-        """Serve until cancelled, SIGTERM or SIGINT; always unmounts on the way out."""
+        """Serve until cancelled, SIGTERM or SIGINT; always unmounts on the way out. A mount
+        that cannot be made raises MountError (one line: cause and fix)."""
         service, fs = self.service, self.service.fs
+        check_mount(service.mount, self.allow_other)
+        mode = mount_mode(self.allow_other)
         await service.publisher.load()
         for problem in service.publisher.all_problems():
             log.error("%s", problem)
-        clear_stale_mount(service.mount)
-        service.mount.mkdir(parents=True, exist_ok=True)
         listeners, service.addr = await open_listeners(self.listen)
         passthrough.request(fs.passthrough_unavailable() is None)
-        pyfuse3.init(fs, str(service.mount), mount_options())
+        try:
+            mount(fs, service.mount, mode)
+        except BaseException:
+            for listener in listeners:
+                await listener.aclose()
+            raise
+        service.mount_mode = mode.description
+        log.info("mounted %s: %s", service.mount, mode.description)
         fs.mounted = True
         try:
             async with trio.open_nursery() as nursery:
@@ -105,8 +98,12 @@ class NodeDaemon:
                     tmp = ready_file + ".tmp"
                     Path(tmp).write_text(json.dumps({"addr": service.addr, "pid": os.getpid()}))
                     os.rename(tmp, ready_file)
+                notify(READY=1, STATUS=f"serving {service.mount} on {service.addr} "
+                                      f"({mode.description}; fuse {fs.open_mode})",
+                       MAINPID=os.getpid())
                 task_status.started(service.addr)
         finally:
+            self._stopping("unmounting")
             fs.mounted = False
             pyfuse3.close(unmount=True)
             log.info("unmounted %s", service.mount)
@@ -118,11 +115,20 @@ class NodeDaemon:
     async def _fuse_main(self, scope: trio.CancelScope) -> None:
         await pyfuse3.main()
         log.warning("mount %s went away; stopping", self.service.mount)
+        self._stopping("the mount went away")
         scope.cancel()
 
     async def _stop_on_signal(self, scope: trio.CancelScope) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for sig in signals:
                 log.info("received %s; stopping", signal.Signals(sig).name)
+                self._stopping(f"received {signal.Signals(sig).name}")
                 scope.cancel()
                 return
+
+    def _stopping(self, why: str) -> None:
+        """Tell systemd once, as soon as the daemon starts stopping (its processes, then the
+        mount, take a moment)."""
+        if not self._told_stopping:
+            self._told_stopping = True
+            notify(STOPPING=1, STATUS=f"stopping: {why}")

@@ -16,7 +16,9 @@ runs on worker threads: the trio thread also answers every FUSE request.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 
 import trio
 
@@ -29,6 +31,7 @@ from ...fs.manifest import Manifest, ManifestError, TooManyEntries
 from ...fs.store import Store
 from ..wire.replies import CommitReply, PrepareReply, RemoveReply
 from ..wire.requests import RequestError
+from . import source_path
 from .refs import Refs
 
 log = logging.getLogger("monarch_fs.daemon")
@@ -47,8 +50,12 @@ class Publisher:
     SnapshotFS in the daemon, an unmounted one in tests (then no kernel entry is dropped)."""
 
     def __init__(self, store: Store, refs: Refs, backing: BackingFiles, fs: SnapshotFS, *,
-                 keep: int, max_entries: int, counters: dict[str, int]) -> None:
+                 keep: int, max_entries: int, counters: dict[str, int],
+                 mount: str | os.PathLike[str] | None = None) -> None:
         self.store = store
+        # Where the mount is: a workspace exposed at its source path links to MOUNT/NAME
+        # (source_path.py). None: nothing is exposed there (a service built without a mount).
+        self.mount = Path(mount) if mount is not None else None
         self.refs = refs
         self.backing = backing
         self.fs = fs
@@ -178,12 +185,27 @@ class Publisher:
                 self._pinned[name] = before
             raise
 
-    async def prepare(self, name: str, version: bytes) -> PrepareReply:
+    def _check_source(self, source: str | None) -> None:
+        """Refuse a source path that overlaps this node's own folders, before anything
+        changes (the wire already refused an unsafe one: requests.check_source_path)."""
+        if source is not None and self.mount is not None:
+            try:
+                source_path.check_outside(source, self.mount, self.refs.path.parent)
+            except ValueError as e:
+                raise RequestError(str(e)) from None
+
+    async def prepare(self, name: str, version: bytes, source: str | None = None
+                      ) -> PrepareReply:
+        self._check_source(source)
         await self._make_ready(name, version)
         self._prepared.add((name, version))
         return PrepareReply(version)
 
-    async def commit(self, name: str, version: bytes) -> CommitReply:
+    async def commit(self, name: str, version: bytes, source: str | None = None,
+                     source_id: str | None = None) -> CommitReply:
+        """Publish `version` of `name`; with `source`, expose it at that path too (a warning
+        in the reply, not a failure, when this node cannot)."""
+        self._check_source(source)
         if (name, version) not in self._prepared:
             await self._make_ready(name, version)
         async with self._publish_lock:
@@ -201,8 +223,9 @@ class Publisher:
                 # so an open of a new file waits for its copy rather than missing passthrough.
                 await self.nursery.start(self._write_backing, await self.manifest(version))
             previous = self.refs.workspaces.get(name, [None])[0]
+            old_source = self.refs.sources.get(name)
             try:
-                await self.refs.publish(name, versions)
+                await self.refs.publish(name, versions, source)
             except OSError as e:
                 raise RequestError(f"cannot save {self.refs.path}: {e.strerror or e}; "
                                    f"{name!r} stays at its last version") from None
@@ -213,8 +236,34 @@ class Publisher:
                 del self._pinned[name]
             self._drop_manifests()
             await self._prune_backing()
+            warnings = await self._relink(name, old_source, source, source_id)
         log.info("published %s = %s", name, version.hex())
-        return CommitReply(version, previous)
+        return CommitReply(version, previous, warnings)
+
+    async def _relink(self, name: str, old: str | None, new: str | None,
+                      new_id: str | None) -> list[str]:
+        """Make `name`'s source path link to MOUNT/NAME: withdraw its link at `old` if it
+        moved (or is no longer asked for), then expose it at `new`. Warnings, never raises."""
+        if self.mount is None:
+            return []
+        target = str(self.mount / name)
+
+        def claimed_by(link: str) -> str | None:
+            other = os.path.basename(link)
+            return other if other != name and self.refs.sources.get(other) == new else None
+
+        def relink() -> list[str]:
+            out = []
+            if old is not None and old != new:
+                out.append(source_path.withdraw(old, target))
+            if new is not None:
+                out.append(source_path.expose(new, target, new_id, claimed_by))
+            return [w for w in out if w]
+
+        warnings = await trio.to_thread.run_sync(relink)
+        for w in warnings:
+            log.warning("workspace %s: %s", name, w)
+        return warnings
 
     def served_version(self, name: str, version: bytes | None) -> bytes:
         """The version of workspace `name` a process may run from: `version`, or the current
@@ -249,10 +298,12 @@ class Publisher:
                     f"process{'es' if len(pids) > 1 else ''} started with --workspace (pid "
                     f"{shown}{', ...' if len(pids) > 5 else ''}); stop them, then remove it")
             self._removing.add(name)  # refs.json is saved on a thread: no new user meanwhile
+            source = self.refs.sources.get(name)
             try:
                 await self.refs.remove(name)
             finally:
                 self._removing.discard(name)
+            await self._relink(name, source, None, None)
             await self.fs.remove_workspace(name.encode())
             self._drop_manifests()
             await self._prune_backing()

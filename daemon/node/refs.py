@@ -17,7 +17,7 @@ from pathlib import Path
 import trio
 
 from ...fs.private_files import fsync_dir, replace_file
-from ..wire.requests import check_workspace_name
+from ..wire.requests import check_source_path, check_workspace_name
 
 
 class Refs:
@@ -34,6 +34,9 @@ class Refs:
         # Workspaces the daemon could not serve at start (see `hold`): kept in the file until
         # that name is published again, so a fault that is fixed loses nothing.
         self.held: dict[str, list[bytes]] = {}
+        # name -> the absolute path it was pushed from, where the node exposes it too
+        # (push --at-source, source_path.py); saved as "sources" beside "workspaces".
+        self.sources: dict[str, str] = {}
         self.problems: list[str] = []
         try:
             text = self.path.read_text(encoding="utf-8")
@@ -58,6 +61,16 @@ class Refs:
                 self.workspaces[name] = [bytes.fromhex(v) for v in versions]
             except (ValueError, TypeError) as e:
                 self.problems.append(f"{self.path}: workspace {ascii(name)} not served: {e}")
+        sources = data.get("sources", {})
+        for name, source in (sources.items() if isinstance(sources, dict) else ()):
+            try:
+                check_source_path(source)
+            except ValueError as e:
+                self.problems.append(f"{self.path}: workspace {ascii(name)}: {e}; its link "
+                                     "there is not managed any more")
+                continue
+            if name in self.workspaces:
+                self.sources[name] = source
 
     def _set_aside(self, why: str) -> None:
         aside = self.path.with_name(f"{self.path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -72,50 +85,63 @@ class Refs:
         """Stop serving `name` (its current version cannot be loaded) but keep it on disk."""
         self.held[name] = self.workspaces.pop(name)
 
+    def claimed_by(self, source: str) -> list[str]:
+        """The workspaces pushed from `source` (exposed there, or asked to be)."""
+        return sorted(n for n, s in self.sources.items() if s == source)
+
     def next_versions(self, name: str, version: bytes, keep: int) -> list[bytes]:
         """What `name` serves once `version` is published: it first, the `keep` newest."""
         return ([version] + [v for v in self.workspaces.get(name, []) if v != version])[:keep]
 
-    async def publish(self, name: str, versions: list[bytes]) -> None:
-        """Save `versions` for `name`, then take them in memory. Raises OSError, changing
-        nothing, if the save fails."""
+    async def publish(self, name: str, versions: list[bytes], source: str | None = None
+                      ) -> None:
+        """Save `versions` for `name` (pushed from `source`, None: not exposed there), then
+        take them in memory. Raises OSError, changing nothing, if the save fails."""
         new = {**self.workspaces, name: versions}
         held = {n: vs for n, vs in self.held.items() if n != name}
+        sources = {n: s for n, s in self.sources.items() if n != name}
+        if source is not None:
+            sources[name] = source
         with trio.CancelScope(shield=True):  # memory follows the disk, even when cancelled
-            await self._save_in_thread({**held, **new})
-            self.workspaces, self.held = new, held
+            await self._save_in_thread({**held, **new}, sources)
+            self.workspaces, self.held, self.sources = new, held, sources
 
     async def remove(self, name: str) -> list[bytes]:
         """Forget workspace `name`, persisted; returns the versions it had. Raises KeyError for
         a name it does not serve, OSError (changing nothing) if the save fails."""
         versions = self.workspaces[name]
         rest = {n: vs for n, vs in self.workspaces.items() if n != name}
+        sources = {n: s for n, s in self.sources.items() if n != name}
         with trio.CancelScope(shield=True):
-            await self._save_in_thread({**self.held, **rest})
-            self.workspaces = rest
+            await self._save_in_thread({**self.held, **rest}, sources)
+            self.workspaces, self.sources = rest, sources
         return versions
 
-    async def _save_in_thread(self, workspaces: dict[str, list[bytes]]) -> None:
+    async def _save_in_thread(self, workspaces: dict[str, list[bytes]],
+                              sources: dict[str, str]) -> None:
         """The save fsyncs the file and its folder: off the trio thread, which also answers
         FUSE requests. The callers (a commit, a removal) hold the daemon's publish lock, so
         nothing changes this object meanwhile; memory is changed back on the trio thread."""
-        await trio.to_thread.run_sync(self._save, workspaces)
+        await trio.to_thread.run_sync(self._save, workspaces, sources)
 
-    def _save(self, workspaces: dict[str, list[bytes]]) -> None:
-        self._write(workspaces)
+    def _save(self, workspaces: dict[str, list[bytes]], sources: dict[str, str]) -> None:
+        self._write(workspaces, sources)
         try:
             fsync_dir(self.path.parent)
         except OSError:
             # The new list is in place but may not survive a crash: put the old one back (best
             # effort), so the disk does not keep a commit that reported failure.
             try:
-                self._write({**self.held, **self.workspaces})
+                self._write({**self.held, **self.workspaces}, self.sources)
             except OSError:
                 pass
             raise
 
-    def _write(self, workspaces: dict[str, list[bytes]]) -> None:
+    def _write(self, workspaces: dict[str, list[bytes]], sources: dict[str, str]) -> None:
         """Replace the file by one holding `workspaces`; on failure the old file stays."""
-        data = {"workspaces": {n: [v.hex() for v in vs] for n, vs in workspaces.items()}}
+        data: dict[str, dict] = {
+            "workspaces": {n: [v.hex() for v in vs] for n, vs in workspaces.items()}}
+        if sources:
+            data["sources"] = sources
         replace_file(self.path, json.dumps(data, indent=1).encode(),
                      self.path.with_suffix(".tmp"), fsync=True)

@@ -116,10 +116,13 @@ class NodeService:
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.refs = Refs(self.state / "refs.json")
         self.publisher = Publisher(self.store, self.refs, self.backing, self.fs, keep=keep,
-                                   max_entries=max_entries, counters=self.counters)
+                                   max_entries=max_entries, counters=self.counters,
+                                   mount=self.mount)
         # A root daemon runs no process unless its operator allowed it (procs.py).
         self.allow_root_procs = allow_root_procs
         self.procs: ProcessTable | None = None  # while serving
+        # root or unprivileged, as status tells (fs/mount_options.py); set by the mounting daemon
+        self.mount_mode = "not mounted"
         self.write_limiter = trio.CapacityLimiter(4)  # store write batches in flight, in all
 
     async def serve(self, listeners: list[trio.SocketListener], *,
@@ -193,6 +196,7 @@ class NodeService:
             problems=self.publisher.all_problems(),
             root_procs=os.geteuid() == 0 and self.allow_root_procs,
             procs_user=procs_user(self.allow_root_procs),
+            mode=self.mount_mode,
         )
 
     def describe_procs(self) -> str:

@@ -175,10 +175,10 @@ class Session:
         return await self.service.status()
 
     async def _prepare(self, req: Prepare) -> PrepareReply:
-        return await self.publisher.prepare(req.name, req.version)
+        return await self.publisher.prepare(req.name, req.version, req.source)
 
     async def _commit(self, req: Commit) -> CommitReply:
-        value = await self.publisher.commit(req.name, req.version)
+        value = await self.publisher.commit(req.name, req.version, req.source, req.source_id)
         if self.claimed:  # what it has is now retained
             self.claimed = False
             self.publisher.release_claim()

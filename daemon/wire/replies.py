@@ -94,6 +94,9 @@ class StatusReply:
     counters: dict[str, int]
     workspaces: dict[str, list[str]]  # name -> version ids (hex), current first
     problems: list[str] = field(default_factory=list)
+    # "root" or "unprivileged (user alice; fusermount3; ...)": how the node mounts
+    # (fs/mount_options.py); "unknown" from a node that does not say
+    mode: str = "unknown"
     root_procs: bool = False  # a root daemon started with --allow-root-procs
     procs_user: str = ""  # who the node's processes run as; "" when it refuses them (root)
 
@@ -104,7 +107,7 @@ class StatusReply:
                 "backing_files": self.backing_files, "backing_bytes": self.backing_bytes,
                 "backing_writing": self.backing_writing, "backing_waits": self.backing_waits,
                 "backing_error": self.backing_error, **self.counters,
-                "workspaces": self.workspaces, "problems": self.problems,
+                "workspaces": self.workspaces, "problems": self.problems, "mode": self.mode,
                 "root_procs": self.root_procs, "procs_user": self.procs_user}
 
     @classmethod
@@ -120,6 +123,9 @@ class StatusReply:
         error = value.get("backing_error")
         if error is not None and not isinstance(error, str):
             raise MalformedReply(f"malformed {op} reply: 'backing_error' is {error!r}")
+        mode = value.get("mode", "unknown")
+        if not isinstance(mode, str):
+            raise MalformedReply(f"malformed {op} reply: 'mode' is {mode!r}")
         return cls(
             node=_get(op, value, "node", str), addr=_get(op, value, "addr", str),
             mount=_get(op, value, "mount", str),
@@ -133,7 +139,7 @@ class StatusReply:
             backing_waits=_get(op, value, "backing_waits", int), backing_error=error,
             counters={k: _get(op, value, k, int) for k in COUNTERS if k in value},
             workspaces={n: list(vs) for n, vs in workspaces.items()}, problems=list(problems),
-            root_procs=_get(op, value, "root_procs", bool),
+            mode=mode, root_procs=_get(op, value, "root_procs", bool),
             procs_user=_get(op, value, "procs_user", str))
 
 
@@ -154,21 +160,31 @@ class PrepareReply:
 
 @dataclass(frozen=True)
 class CommitReply:
-    """The workspace now serves `version`; `previous` is what it served before (None: new)."""
+    """The workspace now serves `version`; `previous` is what it served before (None: new).
+    `warnings`: what the node could not do but did not fail the commit for (exposing the
+    workspace at its source path); sent only when there are some."""
 
     op: ClassVar[str] = "commit"
     version: bytes
     previous: bytes | None
+    warnings: list[str] = field(default_factory=list)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"version": self.version.hex(),
-                "previous": self.previous.hex() if self.previous else None}
+        out: dict[str, Any] = {"version": self.version.hex(),
+                               "previous": self.previous.hex() if self.previous else None}
+        if self.warnings:
+            out["warnings"] = self.warnings
+        return out
 
     @classmethod
     def from_wire(cls, value: Mapping[str, Any]) -> CommitReply:
         previous = _field(cls.op, value, "previous")
+        warnings = value.get("warnings", [])
+        if not isinstance(warnings, list) or not all(isinstance(w, str) for w in warnings):
+            raise MalformedReply(f"malformed {cls.op} reply: 'warnings' is {warnings!r}")
         return cls(_hex(cls.op, "version", _field(cls.op, value, "version")),
-                   _hex(cls.op, "previous", previous) if previous is not None else None)
+                   _hex(cls.op, "previous", previous) if previous is not None else None,
+                   list(warnings))
 
 
 @dataclass(frozen=True)

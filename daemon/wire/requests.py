@@ -13,6 +13,7 @@ chunk): the requests that read or change what the node serves must see the whole
 
 from __future__ import annotations
 
+import re
 import signal
 from dataclasses import dataclass, field
 from typing import ClassVar, Self
@@ -39,6 +40,50 @@ def check_workspace_name(name: str) -> None:
     if not raw or len(raw) > 255 or b"/" in raw or b"\0" in raw or raw.startswith(b"."):
         raise ValueError(f"invalid workspace name {name!r}: must be a plain name, not starting "
                          "with '.', with no '/' or NUL, at most 255 bytes")
+
+
+# Where a node never exposes a workspace at its source path (push --at-source): the system's own
+# folders, and kernel or runtime views, where a root daemon's link could change how the machine
+# runs (a unit's drop-in folder, a profile.d entry) or cannot be made at all.
+SYSTEM_FOLDERS = ("/bin", "/boot", "/dev", "/efi", "/etc", "/lib", "/lib32", "/lib64", "/libx32",
+                  "/lost+found", "/proc", "/run", "/sbin", "/snap", "/srv", "/sys", "/usr",
+                  "/var")
+ALLOWED_UNDER_SYSTEM = ("/var/tmp",)  # scratch space, like /tmp
+
+
+def check_source_path(path: str) -> None:
+    """Refuse a source path no node should expose a workspace at (push --at-source).
+
+    The path must be absolute and normal (no '.', '..', '//' or trailing '/': the node walks it
+    component by component and must not be steered elsewhere), UTF-8 like a workspace name, at
+    least two folders deep (a link straight in / would be everybody's top-level name), and
+    outside the system's folders (SYSTEM_FOLDERS; /var/tmp is scratch space). Checked by the
+    client before it scans and by every node at prepare, before anything changes; where the
+    path leads through a link on a node, the node checks where it really goes too
+    (source_path.py). Raises ValueError saying why."""
+    if not isinstance(path, str) or not path:
+        raise ValueError("the source path is empty")
+    shown = path.encode("utf-8", "backslashreplace").decode("utf-8")
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"source path {ascii(path)} is not UTF-8") from None
+    if "\0" in path:
+        raise ValueError(f"source path {shown!r} holds a NUL byte")
+    if not path.startswith("/"):
+        raise ValueError(f"source path {shown!r} is relative: it must be absolute")
+    parts = path.split("/")[1:]
+    if any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"source path {shown!r} is not normal (no '.', '..', '//' or "
+                         "trailing '/')")
+    if len(parts) < 2:
+        raise ValueError(f"source path {shown!r} is a folder right in /: a node only exposes "
+                         "a workspace at least two folders deep (e.g. /opt/NAME, /home/USER/NAME)")
+    if not any(path == a or path.startswith(a + "/") for a in ALLOWED_UNDER_SYSTEM):
+        for folder in SYSTEM_FOLDERS:
+            if path == folder or path.startswith(folder + "/"):
+                raise ValueError(f"source path {shown!r} is inside the system folder {folder}, "
+                                 "where no node exposes a workspace")
 
 
 class RequestError(Exception):
@@ -89,14 +134,29 @@ class Prepare:
     after_chunks: ClassVar[bool] = True
     name: str  # the workspace, UTF-8 (refs.check_workspace_name)
     version: bytes  # the manifest's chunk id
+    # The pushed folder's absolute path on the dev box, to expose the workspace at on this
+    # node too (push --at-source; check_source_path), or None: not exposed there.
+    source: str | None = None
+    # The source folder's "DEV:INO" on the dev box: a node that finds that very folder at
+    # the path (it shares the dev box's disk) leaves it quietly.
+    source_id: str | None = None
 
     @classmethod
-    def parse(cls, args: dict) -> Prepare:
+    def parse(cls, args: dict) -> Self:
         name, version = args.get("name"), args.get("version")
         if not isinstance(name, str) or not isinstance(version, str):
             raise RequestError(f"{cls.op}: name and version are required")
         check_workspace_name(name)
-        return cls(name, _version(cls.op, version))
+        source = args.get("source")
+        if source is not None:
+            if not isinstance(source, str):
+                raise RequestError(f"{cls.op}: source must be a path, not {source!r}")
+            check_source_path(source)
+        source_id = args.get("source_id")
+        if source_id is not None and not (isinstance(source_id, str)
+                                          and re.fullmatch(r"[0-9]+:[0-9]+", source_id)):
+            raise RequestError(f"{cls.op}: source_id must be 'DEV:INO', not {source_id!r}")
+        return cls(name, _version(cls.op, version), source, source_id)
 
 
 @dataclass(frozen=True)
