@@ -21,7 +21,7 @@ from pathlib import Path
 
 import trio
 
-from ..daemon.client.hosts import parse_hosts
+from ..daemon.client.hosts import resolve_target
 from ..daemon.wire.auth import resolve_token
 from .errors import MeshError
 from .hosts import HostInfo, Launcher, open_daemons
@@ -64,8 +64,10 @@ class HostMesh:
     @asynccontextmanager
     async def open(cls, spec: str | None = None, *,
                    token_file: str | None = None) -> AsyncIterator[HostMesh]:
-        """Connect to running daemons (SPEC and token resolved as for `monarch-fs push`)."""
-        async with cls._open(parse_hosts(spec), resolve_token(token_file)) as hosts:
+        """Connect to running daemons (SPEC and token resolved as for `monarch-fs push`: in a
+        SLURM job after `monarch-fs slurm up`, that job's daemons)."""
+        addrs, token_file = resolve_target(spec, token_file)
+        async with cls._open(addrs, resolve_token(token_file)) as hosts:
             yield hosts
 
     @classmethod

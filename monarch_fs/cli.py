@@ -229,12 +229,6 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
-def daemon_accepts(flag: str) -> bool:
-    """Whether `monarch-fs daemon` has an option `flag` (set by a newer daemon)."""
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return flag in sub.choices["daemon"]._option_string_actions
-
-
 def cmd_slurm(args: argparse.Namespace) -> int:
     extra = args.daemon_args
     if args.action == "node":
@@ -247,8 +241,7 @@ def cmd_slurm(args: argparse.Namespace) -> int:
     node_args = ["--mount", args.mount, *(["--state", args.state] if args.state else []),
                  "--", *extra]
     # (Said only inside a job: outside one, `up` fails in one line below.)
-    if (os.geteuid() == 0 and daemon_accepts(ROOT_PROCS_FLAG) and ROOT_PROCS_FLAG not in extra
-            and slurm.job_id() is not None):
+    if os.geteuid() == 0 and ROOT_PROCS_FLAG not in extra and slurm.job_id() is not None:
         # A root daemon refuses to launch processes without it; the job asked for root.
         node_args.append(ROOT_PROCS_FLAG)
         print(f"monarch-fs: running as root: the daemons run processes as root "
