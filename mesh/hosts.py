@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import trio
 
+from ..daemon.wire import identity
 from ..daemon.wire import protocol as p
 from ..daemon.wire.calls import Call, Calls
 from ..daemon.wire.transport import (
@@ -118,9 +119,12 @@ class HostLink:
         """Start a proc (spec: argv, env, cwd, workspace, version); returns {"proc", "pid"}.
         From then on its events go to on_event, starting with any that beat the reply."""
         try:
-            reply = await self.request("spawn", **spec)
+            signed = await identity.sign(self.chan, "spawn", spec)  # if the node asks who
+            reply = await self.request("spawn", **signed)
         except RemoteError as e:
             raise SpawnError(f"{self.info}: {e.message}") from None
+        except identity.IdentityError as e:
+            raise SpawnError(f"{self.info}: {e}") from None
         proc = reply["proc"]
         early = self._early.pop(proc, [])
         if self.lost:

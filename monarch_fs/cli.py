@@ -24,6 +24,7 @@ from .daemon.client.progress import Progress, fmt_bytes
 from .daemon.client.push import PushError, push, workspace_name
 from .daemon.client.status import remove, status
 from .daemon.node.procs import ROOT_PROCS_FLAG
+from .daemon.wire import identity
 from .daemon.wire.addresses import ENCRYPT_POLICIES
 from .daemon.wire.auth import (
     TokenError,
@@ -87,6 +88,12 @@ def cmd_daemon(args: argparse.Namespace, serve: Callable[[Any], Awaitable[Any]] 
         # is one line with the fix, and NodeDaemon.run tells a failure it could not foresee
         # the same way.
         check_mount(Path(args.mount), allow_other)
+        munge_socket = args.munge_socket or identity.munge_socket()
+        if args.identity == identity.MODE and not os.path.exists(munge_socket):
+            print(f"monarch-fs: error: {socket.gethostname()}: --identity munge: no munged "
+                  f"socket at {munge_socket}: start munged (package munge) or pass "
+                  "--munge-socket PATH", file=sys.stderr)
+            return 1
         transport = resolve_local(args.transport)  # --transport rdma without a device: exit 1
         log.info("transport: %s (%s)", transport.kind, transport.reason)
         limits = Limits(max_connections=args.max_connections,
@@ -96,6 +103,8 @@ def cmd_daemon(args: argparse.Namespace, serve: Callable[[Any], Awaitable[Any]] 
                             keep=args.keep, node_name=args.node_name, transport=transport,
                             store_raw=not args.store_compressed, encrypt=args.encrypt,
                             limits=limits, allow_root_procs=args.allow_root_procs,
+                            identity_mode="" if args.identity == "token" else args.identity,
+                            munge_socket=munge_socket,
                             max_entries=args.max_entries or settings.max_entries,
                             allow_other=allow_other)
         if serve is not None:
@@ -179,6 +188,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 continue
             ws = ", ".join(
                 f"{name}={vs[0][:12]}" + (f" (+{len(vs) - 1} older)" if len(vs) > 1 else "")
+                + (f" by {s.owners[name]}" if name in s.owners else "")
                 for name, vs in sorted(s.workspaces.items())) or "no workspaces"
             print(f"{n.host}  {s.node}  {ws}  store {fmt_bytes(s.store_bytes)}"
                   f" in {s.store_objects} objects  transport {s.transport.get('transport', 'tcp')}"
@@ -195,6 +205,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _procs_line(s: StatusReply) -> str:
+    if s.identity:
+        return (f"as the user who asks ({s.identity} credentials; root "
+                + ("allowed)" if s.root_procs else "refused)"))
     if s.root_procs:
         return f"as root ({ROOT_PROCS_FLAG})"
     if not s.procs_user:
@@ -383,6 +396,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="as root, run the processes `run` and meshes ask for (as root); without "
                         "it a root daemon refuses them, since anyone holding the token could "
                         "then run anything as root (the local `cluster up` passes it)")
+    d.add_argument("--identity", choices=["token", identity.MODE], default="token",
+                   help="munge: the requests that launch processes or publish carry a MUNGE "
+                        "credential; a root daemon runs each process as the user who asks, and "
+                        "a workspace belongs to who pushed it. token (default): the shared "
+                        "token only, processes run as the daemon's user")
+    d.add_argument("--munge-socket", metavar="PATH",
+                   help="munged's socket (default $MONARCH_FS_MUNGE_SOCKET, else "
+                        f"{identity.DEFAULT_SOCKET})")
     d.set_defaults(fn=cmd_daemon)
 
     hosts_help = ("host:port,host:port or @hostfile (default $MONARCH_FS_HOSTS, then the local "

@@ -62,6 +62,13 @@ class Settings:
         either, the local cluster's hosts file."""
         return self._str("MONARCH_FS_HOSTS")
 
+    @property
+    def munge_socket(self) -> str | None:
+        """MONARCH_FS_MUNGE_SOCKET: munged's socket, for the credentials a client makes and a
+        daemon with --identity munge checks when no --munge-socket is given (default
+        libmunge's /run/munge/munge.socket.2)."""
+        return self._str("MONARCH_FS_MUNGE_SOCKET")
+
     # ---- the daemon ---------------------------------------------------------------------------
 
     @property

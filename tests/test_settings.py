@@ -17,6 +17,7 @@ def test_defaults_when_unset_or_empty():
         s = Settings(env)
         assert s.home == Path("~/.monarch-fs").expanduser()
         assert s.token_file is None and s.hosts is None and s.rdma_device is None
+        assert s.munge_socket is None
         assert s.max_entries == 500_000 and s.pack_limit == 256 << 20
         assert s.no_open and s.passthrough
         assert s.rdma_gid_index is None and (s.rdma_slots, s.rdma_slot_size) == (16, 1 << 20)

@@ -21,7 +21,7 @@ from ...fs import chunk
 from ...fs.manifest import Kind
 from ...fs.scan import Snapshot, scan
 from ...fs.scan_cache import ScanCache
-from ..wire import bulk, topology
+from ..wire import bulk, identity, topology
 from ..wire.replies import CommitReply, PrepareReply
 from ..wire.requests import check_source_path, check_workspace_name
 from ..wire.transport import CONNECT_TIMEOUT, connect
@@ -173,11 +173,13 @@ class _Push:
             self.progress.update(steps)
 
         async def prepare(node: NodeLink) -> None:
-            PrepareReply.from_wire(await node.channel.request("prepare", **args))
+            signed = await identity.sign(node.channel, "prepare", args)  # if the node asks
+            PrepareReply.from_wire(await node.channel.request("prepare", **signed))
             step()
 
         async def commit(node: NodeLink) -> None:
-            reply = CommitReply.from_wire(await node.channel.request("commit", **args))
+            signed = await identity.sign(node.channel, "commit", args)
+            reply = CommitReply.from_wire(await node.channel.request("commit", **signed))
             self.warnings += [f"{node.addr}: {w}" for w in reply.warnings]
             step()
 

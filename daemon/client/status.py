@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from ..wire import identity
 from ..wire.replies import RemoveReply, StatusReply
 from ..wire.requests import check_workspace_name
 from ..wire.transport import connect, describe_failure
@@ -30,7 +31,8 @@ async def ask_all(hosts: Sequence[str], token: bytes, op: str,
             with trio.fail_after(TIMEOUT):
                 chan = await connect(host, token, timeout=TIMEOUT)
                 async with chan:
-                    results[host] = decode(await chan.request(op, **args))
+                    signed = await identity.sign(chan, op, args)  # if the node asks who
+                    results[host] = decode(await chan.request(op, **signed))
         except Exception as e:  # any failure is that node's answer, never the command's
             results[host] = e
 

@@ -30,6 +30,13 @@ naming the flag) unless it was started with --allow-root-procs. Without a way to
 (the shared token only says "someone holding the token"), a process runs as the daemon's own
 user, so a root daemon would run root processes for every holder of the token.
 
+With --identity munge (wire/identity.py), a request says who asks, and a root daemon runs the
+process as that user instead: the user's uid, primary gid and groups (initgroups' list), the
+user's HOME & co. in the clean environment, and, with no `cwd`, the user's home (else /). The
+working folder is entered as the user, after the switch, so it must be one the user can enter.
+A credential of root is refused unless --allow-root-procs; a user this node's password database
+does not know is refused (no groups to give it).
+
 Secrets (a proc mesh's token) never go into an environment, which any process of the same user
 can read in /proc/PID/environ for as long as the process lives (removing a variable from
 os.environ does not change that block). A spawn request carries them in `secrets` ({name:
@@ -56,6 +63,7 @@ from pathlib import Path
 
 import trio
 
+from ..wire.identity import Identity
 from ..wire.replies import SpawnReply
 from .dedicated_thread import DedicatedThread
 
@@ -128,13 +136,48 @@ def read_secrets() -> dict[str, str]:
     return json.loads(b"".join(chunks))
 
 
-def _die_with_parent(parent: int) -> Callable[[], None]:
-    def preexec() -> None:  # runs in the child between fork and exec
+def _die_with_parent(parent: int, enter: str | None = None) -> Callable[[], None]:
+    """What the child does between fork and exec, after Popen switched its user: ask for
+    SIGKILL when the daemon dies (after the switch, which clears that setting), and enter
+    `enter` as that user."""
+    def preexec() -> None:
         _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != parent:  # the daemon died before prctl took effect
             os._exit(1)
+        if enter is not None:
+            os.chdir(enter)
 
     return preexec
+
+
+@dataclass(frozen=True)
+class RunAs:
+    """The user a process runs as (--identity munge): who, and the groups it gets."""
+
+    uid: int
+    gid: int
+    name: str
+    home: str
+    groups: list[int]
+
+    @classmethod
+    def of(cls, who: Identity, allow_root: bool) -> RunAs:
+        """The user `who` names, or SpawnRefused saying why this daemon cannot run as it."""
+        if who.uid == 0 and not allow_root:
+            raise SpawnRefused(f"the MUNGE credential is root's (uid 0): this daemon starts no "
+                               f"process as root unless started with {ROOT_PROCS_FLAG}")
+        me = os.geteuid()
+        if me != 0 and who.uid != me:
+            raise SpawnRefused(f"this daemon runs as uid {me} and can start processes only as "
+                               f"itself, not as uid {who.uid}: run it as root to act for "
+                               "each user")
+        try:
+            pw = pwd.getpwuid(who.uid)
+        except KeyError:
+            raise SpawnRefused(f"uid {who.uid} (the MUNGE credential's) has no entry in this "
+                               "node's password database: add the user on every node") from None
+        return cls(who.uid, who.gid, pw.pw_name, pw.pw_dir,
+                   os.getgrouplist(pw.pw_name, who.gid))
 
 
 def describe_status(returncode: int) -> dict:
@@ -230,7 +273,8 @@ class ProcessTable:
             "{workspace}", pins.get("workspace", "{workspace}"))
 
     async def spawn(self, owner: object, emit: Emit, args: dict, pin: str | None,
-                    workspace: str = "") -> SpawnReply:
+                    workspace: str = "", who: Identity | None = None) -> SpawnReply:
+        """Start `args["argv"]`; as user `who` (--identity munge), else as this daemon's."""
         argv = args.get("argv")
         if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
             raise SpawnRefused("spawn: argv must be a non-empty list of strings")
@@ -241,16 +285,23 @@ class ProcessTable:
         if not isinstance(secrets, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in secrets.items()):
             raise SpawnRefused("spawn: secrets must be an object of strings")
-        if not procs_user(self.allow_root):  # checked here, on the one way to a fork
+        run_as = None if who is None else RunAs.of(who, self.allow_root)
+        if run_as is None and not procs_user(self.allow_root):  # on the one way to a fork
             raise SpawnRefused(ROOT_REFUSED)
         pins = {"workspace": pin} if pin else {}
         argv = [self.expand(a, pins) for a in argv]
-        env = base_env()
+        env = base_env(None if run_as is None else run_as.uid)
         env.update({str(k): self.expand(str(v), pins) for k, v in extra.items()})
         env["MONARCH_FS_MOUNT"] = str(self.mount)
         if pin:
             env["MONARCH_FS_WORKSPACE"] = pin
         cwd = self.expand(str(args["cwd"]), pins) if args.get("cwd") else None
+        enter = None
+        user: dict = {}
+        if run_as is not None:  # the child enters its folder as the user, after the switch
+            enter = cwd or (run_as.home if os.path.isdir(run_as.home) else "/")
+            cwd = None
+            user = {"user": run_as.uid, "group": run_as.gid, "extra_groups": run_as.groups}
         secrets_r = _secrets_pipe(secrets) if secrets else None
         if secrets_r is not None:
             env[SECRETS_FD_ENV] = str(secrets_r)
@@ -261,13 +312,15 @@ class ProcessTable:
                 popen = await self._forker.run(lambda: subprocess.Popen(
                     argv, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, env=env,
                     cwd=cwd, pass_fds=() if secrets_r is None else (secrets_r,),
-                    start_new_session=True, preexec_fn=_die_with_parent(os.getpid())),
-                    shield=True)
+                    start_new_session=True, preexec_fn=_die_with_parent(os.getpid(), enter),
+                    **user), shield=True)
             except (OSError, subprocess.SubprocessError) as e:
                 os.close(out_r)
                 os.close(err_r)
                 why = e.strerror if isinstance(e, OSError) and e.strerror else e
-                where = f" in {cwd}" if cwd else ""
+                if run_as is not None and not isinstance(e, OSError):  # preexec: the chdir
+                    why = f"user {run_as.name} cannot enter that folder"
+                where = f" in {cwd or enter}" if cwd or enter else ""
                 raise SpawnRefused(f"cannot start {argv[0]}{where}: {why}") from None
             finally:
                 os.close(out_w)
@@ -279,7 +332,8 @@ class ProcessTable:
         self.procs[proc.id] = proc
         self.nursery.start_soon(self._supervise, proc, trio.lowlevel.FdStream(out_r),
                                 trio.lowlevel.FdStream(err_r))
-        log.info("started proc %d (pid %d): %s", proc.id, popen.pid, " ".join(argv))
+        log.info("started proc %d (pid %d%s): %s", proc.id, popen.pid,
+                 "" if run_as is None else f", as {run_as.name}", " ".join(argv))
         return SpawnReply(proc.id, popen.pid)
 
     async def _supervise(self, proc: RunningProcess, stdout: trio.abc.ReceiveStream,

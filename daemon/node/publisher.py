@@ -194,21 +194,32 @@ class Publisher:
             except ValueError as e:
                 raise RequestError(str(e)) from None
 
-    async def prepare(self, name: str, version: bytes, source: str | None = None
-                      ) -> PrepareReply:
+    def _check_owner(self, name: str, owner: int | None, doing: str) -> None:
+        try:
+            self.refs.check_owner(name, owner, doing)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+
+    async def prepare(self, name: str, version: bytes, source: str | None = None,
+                      owner: int | None = None) -> PrepareReply:
+        """Phase one; `owner` is who asks (--identity munge), refused for another's workspace."""
+        self._check_owner(name, owner, "replace")
         self._check_source(source)
         await self._make_ready(name, version)
         self._prepared.add((name, version))
         return PrepareReply(version)
 
     async def commit(self, name: str, version: bytes, source: str | None = None,
-                     source_id: str | None = None) -> CommitReply:
+                     source_id: str | None = None, owner: int | None = None) -> CommitReply:
         """Publish `version` of `name`; with `source`, expose it at that path too (a warning
-        in the reply, not a failure, when this node cannot)."""
+        in the reply, not a failure, when this node cannot). With `owner` (who asks, under
+        --identity munge) it belongs to that user from then on; another's is refused."""
+        self._check_owner(name, owner, "replace")
         self._check_source(source)
         if (name, version) not in self._prepared:
             await self._make_ready(name, version)
         async with self._publish_lock:
+            self._check_owner(name, owner, "replace")  # again: another may have committed
             # Everything that can fail comes before the refs are saved, and nothing changes
             # before the save: a commit that fails leaves no trace in memory, on disk, or in
             # the mount (issue 16, finding 5). Backing files are only a cache of the store.
@@ -225,7 +236,7 @@ class Publisher:
             previous = self.refs.workspaces.get(name, [None])[0]
             old_source = self.refs.sources.get(name)
             try:
-                await self.refs.publish(name, versions, source)
+                await self.refs.publish(name, versions, source, owner)
             except OSError as e:
                 raise RequestError(f"cannot save {self.refs.path}: {e.strerror or e}; "
                                    f"{name!r} stays at its last version") from None
@@ -277,7 +288,8 @@ class Publisher:
             raise LookupError(f"workspace {name!r} has no version {version.hex()[:12]} here")
         return version
 
-    async def remove(self, name: str, users: Callable[[str], list[int]]) -> RemoveReply:
+    async def remove(self, name: str, users: Callable[[str], list[int]],
+                     owner: int | None = None) -> RemoveReply:
         """Delete a workspace (`monarch-fs rm`): the mount drops it at once, kernel entries
         included; its manifests leave memory, its backing files go, and a collect gives back
         its chunks (the open pack is sealed first, so that a collect may reach those in it).
@@ -290,6 +302,7 @@ class Publisher:
             versions = self.refs.workspaces.get(name)
             if not versions:
                 raise RequestError(f"no workspace {name!r} on this node")
+            self._check_owner(name, owner, "remove")
             pids = users(name)
             if pids:
                 shown = ", ".join(str(pid) for pid in pids[:5])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import time
 from pathlib import Path
 
@@ -18,6 +19,14 @@ import trio
 
 from ...fs.private_files import fsync_dir, replace_file
 from ..wire.requests import check_source_path, check_workspace_name
+
+
+def describe_user(uid: int) -> str:
+    """User `uid` as this node names it: "alice (uid 1001)", or "uid 1001"."""
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
 
 
 class Refs:
@@ -37,6 +46,9 @@ class Refs:
         # name -> the absolute path it was pushed from, where the node exposes it too
         # (push --at-source, source_path.py); saved as "sources" beside "workspaces".
         self.sources: dict[str, str] = {}
+        # name -> the uid of the user who pushed it (--identity munge), who alone may replace
+        # or remove it; saved as "owners". A workspace pushed without identity has none.
+        self.owners: dict[str, int] = {}
         self.problems: list[str] = []
         try:
             text = self.path.read_text(encoding="utf-8")
@@ -71,6 +83,14 @@ class Refs:
                 continue
             if name in self.workspaces:
                 self.sources[name] = source
+        owners = data.get("owners", {})
+        for name, uid in (owners.items() if isinstance(owners, dict) else ()):
+            if name in self.workspaces or name in self.held:
+                if isinstance(uid, int) and not isinstance(uid, bool) and uid >= 0:
+                    self.owners[name] = uid
+                else:
+                    self.problems.append(f"{self.path}: workspace {ascii(name)}: owner {uid!r} "
+                                         "is not a uid; anyone may replace it")
 
     def _set_aside(self, why: str) -> None:
         aside = self.path.with_name(f"{self.path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -93,18 +113,32 @@ class Refs:
         """What `name` serves once `version` is published: it first, the `keep` newest."""
         return ([version] + [v for v in self.workspaces.get(name, []) if v != version])[:keep]
 
-    async def publish(self, name: str, versions: list[bytes], source: str | None = None
-                      ) -> None:
-        """Save `versions` for `name` (pushed from `source`, None: not exposed there), then
-        take them in memory. Raises OSError, changing nothing, if the save fails."""
+    def check_owner(self, name: str, uid: int | None, doing: str) -> None:
+        """Refuse (ValueError, for the client) user `uid` `doing` workspace `name` that another
+        user pushed; None (no identity) is not checked."""
+        owner = self.owners.get(name)
+        if uid is None or owner is None or owner == uid:
+            return
+        raise ValueError(f"workspace {name!r} belongs to {describe_user(owner)}, who pushed it: "
+                         f"{describe_user(uid)} cannot {doing} it; push under another name "
+                         "(--name)")
+
+    async def publish(self, name: str, versions: list[bytes], source: str | None = None,
+                      owner: int | None = None) -> None:
+        """Save `versions` for `name` (pushed from `source`, None: not exposed there; by user
+        `owner`, None: no identity), then take them in memory. Raises OSError, changing
+        nothing, if the save fails."""
         new = {**self.workspaces, name: versions}
         held = {n: vs for n, vs in self.held.items() if n != name}
         sources = {n: s for n, s in self.sources.items() if n != name}
         if source is not None:
             sources[name] = source
+        owners = {n: u for n, u in self.owners.items() if n != name}
+        if owner is not None:
+            owners[name] = owner
         with trio.CancelScope(shield=True):  # memory follows the disk, even when cancelled
-            await self._save_in_thread({**held, **new}, sources)
-            self.workspaces, self.held, self.sources = new, held, sources
+            await self._save_in_thread({**held, **new}, sources, owners)
+            self.workspaces, self.held, self.sources, self.owners = new, held, sources, owners
 
     async def remove(self, name: str) -> list[bytes]:
         """Forget workspace `name`, persisted; returns the versions it had. Raises KeyError for
@@ -112,36 +146,41 @@ class Refs:
         versions = self.workspaces[name]
         rest = {n: vs for n, vs in self.workspaces.items() if n != name}
         sources = {n: s for n, s in self.sources.items() if n != name}
+        owners = {n: u for n, u in self.owners.items() if n != name}
         with trio.CancelScope(shield=True):
-            await self._save_in_thread({**self.held, **rest}, sources)
-            self.workspaces, self.sources = rest, sources
+            await self._save_in_thread({**self.held, **rest}, sources, owners)
+            self.workspaces, self.sources, self.owners = rest, sources, owners
         return versions
 
     async def _save_in_thread(self, workspaces: dict[str, list[bytes]],
-                              sources: dict[str, str]) -> None:
+                              sources: dict[str, str], owners: dict[str, int]) -> None:
         """The save fsyncs the file and its folder: off the trio thread, which also answers
         FUSE requests. The callers (a commit, a removal) hold the daemon's publish lock, so
         nothing changes this object meanwhile; memory is changed back on the trio thread."""
-        await trio.to_thread.run_sync(self._save, workspaces, sources)
+        await trio.to_thread.run_sync(self._save, workspaces, sources, owners)
 
-    def _save(self, workspaces: dict[str, list[bytes]], sources: dict[str, str]) -> None:
-        self._write(workspaces, sources)
+    def _save(self, workspaces: dict[str, list[bytes]], sources: dict[str, str],
+              owners: dict[str, int]) -> None:
+        self._write(workspaces, sources, owners)
         try:
             fsync_dir(self.path.parent)
         except OSError:
             # The new list is in place but may not survive a crash: put the old one back (best
             # effort), so the disk does not keep a commit that reported failure.
             try:
-                self._write({**self.held, **self.workspaces}, self.sources)
+                self._write({**self.held, **self.workspaces}, self.sources, self.owners)
             except OSError:
                 pass
             raise
 
-    def _write(self, workspaces: dict[str, list[bytes]], sources: dict[str, str]) -> None:
+    def _write(self, workspaces: dict[str, list[bytes]], sources: dict[str, str],
+               owners: dict[str, int]) -> None:
         """Replace the file by one holding `workspaces`; on failure the old file stays."""
         data: dict[str, dict] = {
             "workspaces": {n: [v.hex() for v in vs] for n, vs in workspaces.items()}}
         if sources:
             data["sources"] = sources
+        if owners:
+            data["owners"] = owners
         replace_file(self.path, json.dumps(data, indent=1).encode(),
                      self.path.with_suffix(".tmp"), fsync=True)

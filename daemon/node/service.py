@@ -22,7 +22,7 @@ from ...fs.manifest import DEFAULT_MAX_ENTRIES
 from ...fs.private_files import private_dir
 from ...fs.store import Store
 from ...settings import settings
-from ..wire import bulk
+from ..wire import bulk, identity
 from ..wire.addresses import parse_addr
 from ..wire.auth import NO_TOKEN_HELP, default_token_file
 from ..wire.limits import Limits, LogOnce, peer_host, serve_listeners
@@ -30,7 +30,7 @@ from ..wire.replies import COUNTERS, StatusReply
 from ..wire.transport import accept
 from .procs import ROOT_PROCS_FLAG, ProcessTable, procs_user
 from .publisher import KEEP_VERSIONS, Publisher
-from .refs import Refs
+from .refs import Refs, describe_user
 from .session import Session
 
 log = logging.getLogger("monarch_fs.daemon")
@@ -86,7 +86,8 @@ class NodeService:
                  addr: str = "", transport: bulk.LocalTransport | None = None,
                  store_raw: bool = True, encrypt: str = "auto", limits: Limits | None = None,
                  max_entries: int = DEFAULT_MAX_ENTRIES,
-                 allow_root_procs: bool = False) -> None:
+                 allow_root_procs: bool = False, identity_mode: str = "",
+                 munge_socket: str = identity.DEFAULT_SOCKET) -> None:
         if not token:  # anyone who reached the port could run anything as this daemon's user
             raise ValueError("a daemon needs a token to accept requests: "
                              + NO_TOKEN_HELP.format(default=default_token_file()))
@@ -120,6 +121,11 @@ class NodeService:
                                    mount=self.mount)
         # A root daemon runs no process unless its operator allowed it (procs.py).
         self.allow_root_procs = allow_root_procs
+        # "munge" (--identity munge): the requests that act for a user carry a MUNGE credential,
+        # checked against munged at `munge_socket`; processes run as that user, and a
+        # workspace belongs to who pushed it (wire/identity.py). "": the shared token only.
+        self.identity = identity_mode
+        self.munge_socket = munge_socket
         self.procs: ProcessTable | None = None  # while serving
         # root or unprivileged, as status tells (fs/mount_options.py); set by the mounting daemon
         self.mount_mode = "not mounted"
@@ -154,6 +160,7 @@ class NodeService:
         try:
             chan = await accept(stream, self.token, {"node": self.node_name, "addr": self.addr,
                                                      "max_entries": self.max_entries,
+                                                     "identity": self.identity,
                                                      **self.transport.info()},
                                 timeout=self.limits.handshake_timeout, encrypt=self.encrypt)
         except Exception as e:  # a line per peer address per minute, however many attempts
@@ -195,13 +202,19 @@ class NodeService:
             workspaces={n: [v.hex() for v in vs] for n, vs in self.refs.workspaces.items()},
             problems=self.publisher.all_problems(),
             root_procs=os.geteuid() == 0 and self.allow_root_procs,
-            procs_user=procs_user(self.allow_root_procs),
+            procs_user=(identity.ASKER if self.identity else procs_user(self.allow_root_procs)),
             mode=self.mount_mode,
+            identity=self.identity,
+            owners={n: describe_user(u) for n, u in self.refs.owners.items()},
         )
 
     def describe_procs(self) -> str:
         """One line for the log: as whom this node runs processes, or that it refuses them."""
         user = procs_user(self.allow_root_procs)
+        if self.identity:
+            return (f"processes: run as the user who asks ({self.identity} credentials, "
+                    f"{self.munge_socket}); as root "
+                    + ("too" if self.allow_root_procs else f"never (no {ROOT_PROCS_FLAG})"))
         if not user:
             return f"processes: refused (this daemon runs as root; {ROOT_PROCS_FLAG} allows them)"
         if os.geteuid() == 0:

@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ...fs.manifest import ManifestError
-from ..wire import bulk
+from ..wire import bulk, identity
 from ..wire import protocol as p
+from ..wire.identity import Identity, IdentityError
 from ..wire.replies import (
     BulkReply,
     CommitReply,
@@ -58,7 +59,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("monarch_fs.daemon")
 
-REFUSED = (RequestError, ValueError, ManifestError, SpawnRefused)
+REFUSED = (RequestError, ValueError, ManifestError, SpawnRefused, IdentityError)
 
 
 class Session:
@@ -82,6 +83,9 @@ class Session:
         self.own_missing: set[bytes] | None = None  # what this node lacks, once asked
         self.claimed = False  # told what this node has: no collect until commit
         self.bulk_rx: bulk.BulkReceiver | None = None  # an RDMA channel the client opened
+        # Who asks for the request being answered (--identity munge: its credential's user);
+        # requests are answered one at a time, so it is that request's.
+        self.asker: Identity | None = None
 
     @classmethod
     async def serve(cls, service: NodeService, chan: Channel) -> None:
@@ -162,6 +166,7 @@ class Session:
             if route is None:
                 raise RequestError(f"unknown request {msg.op!r}")
             kind, handler = route
+            self.asker = await self._identify(msg)
             value = await handler(self, kind.parse(msg.args))
         except REFUSED as e:
             await self.chan.send(p.Error(str(e), code="refused", id=msg.id))
@@ -171,14 +176,27 @@ class Session:
         else:
             await self.chan.send(p.Reply(msg.id, value.to_wire()))
 
+    async def _identify(self, msg: p.Request) -> Identity | None:
+        """Who asks, for the requests that act for a user on a daemon with --identity munge
+        (checked before anything else of the request); None otherwise."""
+        if self.service.identity != identity.MODE or msg.op not in identity.OPS:
+            return None
+        return await identity.verify(msg.args.get(identity.FIELD), msg.op, msg.args,
+                                     identity.session_id(self.chan), self.service.munge_socket)
+
+    @property
+    def _owner(self) -> int | None:
+        return None if self.asker is None else self.asker.uid
+
     async def _status(self, req: Status) -> StatusReply:
         return await self.service.status()
 
     async def _prepare(self, req: Prepare) -> PrepareReply:
-        return await self.publisher.prepare(req.name, req.version, req.source)
+        return await self.publisher.prepare(req.name, req.version, req.source, self._owner)
 
     async def _commit(self, req: Commit) -> CommitReply:
-        value = await self.publisher.commit(req.name, req.version, req.source, req.source_id)
+        value = await self.publisher.commit(req.name, req.version, req.source, req.source_id,
+                                            self._owner)
         if self.claimed:  # what it has is now retained
             self.claimed = False
             self.publisher.release_claim()
@@ -187,7 +205,7 @@ class Session:
         return value
 
     async def _remove(self, req: Remove) -> RemoveReply:
-        return await self.publisher.remove(req.name, self.procs.pinned_to)
+        return await self.publisher.remove(req.name, self.procs.pinned_to, self._owner)
 
     async def _relay(self, req: OpenRelay) -> RelayReply:
         s = self.service
@@ -232,7 +250,7 @@ class Session:
             await self.chan.send(p.Event(kind, data))
 
         return await self.procs.spawn(self.chan, emit, req.spec, pin,
-                                              workspace=req.workspace if pin else "")
+                                      workspace=req.workspace if pin else "", who=self.asker)
 
     async def _kill(self, req: Kill) -> KillReply:
         self.procs.kill(self.chan, req.proc, req.signal)

@@ -99,6 +99,8 @@ class StatusReply:
     mode: str = "unknown"
     root_procs: bool = False  # a root daemon started with --allow-root-procs
     procs_user: str = ""  # who the node's processes run as; "" when it refuses them (root)
+    identity: str = ""  # "munge": processes run as, and workspaces belong to, who asks
+    owners: dict[str, str] = field(default_factory=dict)  # workspace -> "alice (uid 1001)"
 
     def to_wire(self) -> dict[str, Any]:
         return {"node": self.node, "addr": self.addr, "mount": self.mount, **self.transport,
@@ -108,7 +110,8 @@ class StatusReply:
                 "backing_writing": self.backing_writing, "backing_waits": self.backing_waits,
                 "backing_error": self.backing_error, **self.counters,
                 "workspaces": self.workspaces, "problems": self.problems, "mode": self.mode,
-                "root_procs": self.root_procs, "procs_user": self.procs_user}
+                "root_procs": self.root_procs, "procs_user": self.procs_user,
+                "identity": self.identity, "owners": self.owners}
 
     @classmethod
     def from_wire(cls, value: Mapping[str, Any]) -> StatusReply:
@@ -126,6 +129,12 @@ class StatusReply:
         mode = value.get("mode", "unknown")
         if not isinstance(mode, str):
             raise MalformedReply(f"malformed {op} reply: 'mode' is {mode!r}")
+        identity = value.get("identity", "")
+        owners = value.get("owners", {})
+        if not isinstance(identity, str) or not isinstance(owners, dict) or not all(
+                isinstance(n, str) and isinstance(u, str) for n, u in owners.items()):
+            raise MalformedReply(f"malformed {op} reply: 'identity' or 'owners' is "
+                                 f"{identity!r}, {owners!r}")
         return cls(
             node=_get(op, value, "node", str), addr=_get(op, value, "addr", str),
             mount=_get(op, value, "mount", str),
@@ -140,7 +149,8 @@ class StatusReply:
             counters={k: _get(op, value, k, int) for k in COUNTERS if k in value},
             workspaces={n: list(vs) for n, vs in workspaces.items()}, problems=list(problems),
             mode=mode, root_procs=_get(op, value, "root_procs", bool),
-            procs_user=_get(op, value, "procs_user", str))
+            procs_user=_get(op, value, "procs_user", str), identity=identity,
+            owners=dict(owners))
 
 
 @dataclass(frozen=True)
