@@ -19,12 +19,10 @@ import socket
 import stat
 import subprocess
 import sys
-import sysconfig
-import tempfile
 from pathlib import Path
 
 import pytest
-from users import create_user, delete_user
+from users import SYSTEM_PYTHON, LocalUser
 
 from helpers import CLI_MODULE, mfs, mounted, wait_for
 from monarch_fs.daemon.node.notify import notify
@@ -34,18 +32,6 @@ from monarch_fs.fs.mount_options import mount_mode, user_allow_other
 
 REPO = Path(__file__).resolve().parent.parent
 UNIT = REPO / "daemon" / "node" / "monarch-fs.service"
-# This interpreter may sit where another user cannot reach it (pyenv under /root, 0700): the
-# test user runs the system's python3 of the same version, with this environment's packages.
-SYSTEM_PYTHON = "/usr/bin/python3"
-SITE_PACKAGES = sysconfig.get_paths()["purelib"]
-LAUNCH = ("import runpy, site, sys; "
-          # Debian's own packages (another msgpack, cryptography...) must not shadow this
-          # environment's
-          "sys.path[:] = [p for p in sys.path if 'dist-packages' not in p]; "
-          "site.addsitedir(sys.argv.pop(1)); sys.argv[0] = 'monarch-fs'; "
-          f"runpy.run_module({CLI_MODULE!r}, run_name='__main__', alter_sys=True)")
-
-
 def _why_not() -> str | None:
     if os.geteuid() != 0 or not shutil.which("useradd") or not os.path.exists(FUSE_DEVICE):
         return "switching users and /dev/fuse's mode need root, useradd and /dev/fuse"
@@ -111,46 +97,6 @@ def fuse_device_mode(mode: int):
         yield
     finally:
         os.chmod(FUSE_DEVICE, before)
-
-
-class LocalUser:
-    """A fresh local user and a folder of its own (its home) to run a daemon in."""
-
-    def __init__(self) -> None:
-        self.base = Path(tempfile.mkdtemp(prefix="mfs-unpriv-"))
-        self.base.chmod(0o755)
-        self.name = f"mfsu{secrets.token_hex(3)}"
-        self.home = self.base / "home"
-        self.pw, made = create_user(self.name, self.home)
-        assert made, f"user {self.name} already existed"
-
-    def close(self) -> None:
-        problem = delete_user(self.name)
-        shutil.rmtree(self.base, ignore_errors=True)
-        assert problem is None, problem
-
-    def env(self) -> dict[str, str]:
-        return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.home),
-                "USER": self.name, "LANG": "C.UTF-8"}
-
-    def popen(self, argv: list[str], **kw) -> subprocess.Popen:
-        return subprocess.Popen(argv, user=self.pw.pw_uid, group=self.pw.pw_gid,
-                                extra_groups=[], env=self.env(), cwd=self.home, **kw)
-
-    def run(self, argv: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
-        return subprocess.run(argv, user=self.pw.pw_uid, group=self.pw.pw_gid, extra_groups=[],
-                              env=self.env(), cwd=self.home, capture_output=True, text=True,
-                              timeout=timeout)
-
-    def daemon_argv(self, mount: Path, *flags: str, state: str = "state") -> list[str]:
-        token = self.home / "token"
-        if not token.exists():
-            write_new_token(token)
-            os.chown(token, self.pw.pw_uid, self.pw.pw_gid)
-        return [SYSTEM_PYTHON, "-I", "-c", LAUNCH, SITE_PACKAGES, "daemon",
-                "--listen", "127.0.0.1:0",
-                "--mount", str(mount), "--state", str(self.home / state),
-                "--token-file", str(token), "--node-name", "unpriv", *flags]
 
 
 @pytest.fixture

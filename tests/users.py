@@ -1,13 +1,21 @@
 """Local users for tests that need another identity than root: made with useradd, deleted with
-userdel by whoever made them (SlurmCluster, test_unprivileged). Root only."""
+userdel by whoever made them (SlurmCluster, test_unprivileged, test_identity). Root only.
+LocalUser is one with a home of its own, and CLI the monarch-fs command line it can run."""
 
 from __future__ import annotations
 
 import os
 import pwd
+import secrets
+import shutil
 import subprocess
+import sysconfig
+import tempfile
 import time
 from pathlib import Path
+
+from helpers import CLI_MODULE
+from monarch_fs.daemon.wire.auth import write_new_token
 
 
 class UserError(RuntimeError):
@@ -46,3 +54,58 @@ def delete_user(name: str) -> str | None:
             return f"user {name}: {out.stderr.decode(errors='replace').strip()}"
         time.sleep(0.1)
     return None
+
+
+# This interpreter may sit where another user cannot reach it (pyenv under /root, 0700): the
+# test user runs the system's python3 of the same version, with this environment's packages.
+SYSTEM_PYTHON = "/usr/bin/python3"
+SITE_PACKAGES = sysconfig.get_paths()["purelib"]
+LAUNCH = ("import runpy, site, sys; "
+          # Debian's own packages (another msgpack, cryptography...) must not shadow this
+          # environment's
+          "sys.path[:] = [p for p in sys.path if 'dist-packages' not in p]; "
+          "site.addsitedir(sys.argv.pop(1)); sys.argv[0] = 'monarch-fs'; "
+          f"runpy.run_module({CLI_MODULE!r}, run_name='__main__', alter_sys=True)")
+CLI = [SYSTEM_PYTHON, "-I", "-c", LAUNCH, SITE_PACKAGES]  # + monarch-fs ARGS, as any user
+
+
+class LocalUser:
+    """A fresh local user and a folder of its own (its home) to run a daemon in."""
+
+    def __init__(self, prefix: str = "unpriv") -> None:
+        self.base = Path(tempfile.mkdtemp(prefix=f"mfs-{prefix}-"))
+        self.base.chmod(0o755)
+        self.name = f"mfsu{secrets.token_hex(3)}"
+        self.home = self.base / "home"
+        self.pw, made = create_user(self.name, self.home)
+        assert made, f"user {self.name} already existed"
+
+    def close(self) -> None:
+        problem = delete_user(self.name)
+        shutil.rmtree(self.base, ignore_errors=True)
+        assert problem is None, problem
+
+    def env(self) -> dict[str, str]:
+        return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.home),
+                "USER": self.name, "LANG": "C.UTF-8"}
+
+    def popen(self, argv: list[str], **kw) -> subprocess.Popen:
+        return subprocess.Popen(argv, user=self.pw.pw_uid, group=self.pw.pw_gid,
+                                extra_groups=[], env=self.env(), cwd=self.home, **kw)
+
+    def run(self, argv: list[str], timeout: float = 60, env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess:
+        """`argv` as this user, in its home, with its environment plus `env`."""
+        return subprocess.run(argv, user=self.pw.pw_uid, group=self.pw.pw_gid, extra_groups=[],
+                              env={**self.env(), **(env or {})}, cwd=self.home,
+                              capture_output=True, text=True, timeout=timeout)
+
+    def daemon_argv(self, mount: Path, *flags: str, state: str = "state") -> list[str]:
+        token = self.home / "token"
+        if not token.exists():
+            write_new_token(token)
+            os.chown(token, self.pw.pw_uid, self.pw.pw_gid)
+        return [*CLI, "daemon",
+                "--listen", "127.0.0.1:0",
+                "--mount", str(mount), "--state", str(self.home / state),
+                "--token-file", str(token), "--node-name", "unpriv", *flags]
