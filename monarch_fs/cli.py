@@ -432,10 +432,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: $MONARCH_FS_HOME/scan-cache, so unchanged files are not read)")
     p.add_argument("--transport", choices=TRANSPORTS, default="auto", help=TRANSPORT_HELP)
     p.add_argument("--encrypt", choices=ENCRYPT_POLICIES, default="auto", help=ENCRYPT_HELP)
-    p.add_argument("--at-source", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--at-source", action=argparse.BooleanOptionalAction, default=None,
                    help="every node also exposes the workspace at SRC's absolute path (a link "
                         "to MOUNT/NAME), so a venv's scripts and pyvenv.cfg resolve as on this "
-                        "machine; never replaces what is there (default: on)")
+                        "machine; never replaces what is there (default: on where the path "
+                        "allows it, else a warning; --at-source makes that an error)")
     p.set_defaults(fn=cmd_push)
 
     s = sub.add_parser("status", help="what every node serves")

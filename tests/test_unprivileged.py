@@ -8,7 +8,6 @@ restoring the mode they found."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -22,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from users import SYSTEM_PYTHON, LocalUser
+from users import SYSTEM_PYTHON, LocalUser, fuse_device_mode
 
 from helpers import CLI_MODULE, mfs, mounted, wait_for
 from monarch_fs.daemon.node.notify import notify
@@ -87,17 +86,6 @@ def test_notify_sends_one_datagram_to_a_path_socket(tmp_path, monkeypatch):
 
 
 # ---- a test user and /dev/fuse -------------------------------------------------------------
-
-@contextlib.contextmanager
-def fuse_device_mode(mode: int):
-    """/dev/fuse with `mode` for the body; the mode it had, always, afterwards."""
-    before = stat.S_IMODE(os.stat(FUSE_DEVICE).st_mode)
-    os.chmod(FUSE_DEVICE, mode)
-    try:
-        yield
-    finally:
-        os.chmod(FUSE_DEVICE, before)
-
 
 @pytest.fixture
 def test_user():

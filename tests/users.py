@@ -4,10 +4,13 @@ LocalUser is one with a home of its own, and CLI the monarch-fs command line it 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import pwd
 import secrets
 import shutil
+import stat
 import subprocess
 import sysconfig
 import tempfile
@@ -16,6 +19,7 @@ from pathlib import Path
 
 from helpers import CLI_MODULE
 from monarch_fs.daemon.wire.auth import write_new_token
+from monarch_fs.fs.mount_check import FUSE_DEVICE
 
 
 class UserError(RuntimeError):
@@ -109,3 +113,30 @@ class LocalUser:
                 "--listen", "127.0.0.1:0",
                 "--mount", str(mount), "--state", str(self.home / state),
                 "--token-file", str(token), "--node-name", "unpriv", *flags]
+
+
+FUSE_DEVICE_LOCK = Path(tempfile.gettempdir()) / "monarch-fs-tests-dev-fuse.lock"
+
+
+@contextlib.contextmanager
+def fuse_device_mode(mode: int, timeout: float = 900):
+    """/dev/fuse with `mode` for the body, and the mode it had, always, afterwards. The mode is
+    the whole machine's: test runs in other processes (parallel checkouts) that change it too
+    take turns through an exclusive lock, so one never restores 0600 under another's feet."""
+    with open(FUSE_DEVICE_LOCK, "a") as lock:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{FUSE_DEVICE_LOCK}: held by another test for "
+                                       f"{timeout:g}s") from None
+                time.sleep(0.2)
+        before = stat.S_IMODE(os.stat(FUSE_DEVICE).st_mode)
+        os.chmod(FUSE_DEVICE, mode)
+        try:
+            yield
+        finally:
+            os.chmod(FUSE_DEVICE, before)

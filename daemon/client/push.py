@@ -238,17 +238,26 @@ async def push(
     cache_dir: str | os.PathLike[str] | None = None,
     transport: str | bulk.LocalTransport = "auto",
     encrypt: str = "auto",
-    at_source: bool = True,
+    at_source: bool | None = None,
 ) -> PushResult:
     """Push `src` to every host as workspace `name` (default: the folder's name). With
     `cache_dir`, the scan keeps a cache of the folder there, so unchanged files are not read.
     `encrypt` is the policy for the sessions with the nodes (addresses.encrypts). With
     `at_source`, every node also exposes the workspace at `src`'s absolute path (a link to
-    MOUNT/NAME), so a venv's scripts, which name that path, run there."""
+    MOUNT/NAME), so a venv's scripts, which name that path, run there; None (the default)
+    does so where the path allows it, and otherwise pushes without it and warns."""
     t0 = time.monotonic()
     progress = progress or Progress()
     name = workspace_name(src, name)
-    source = source_args(src) if at_source else {}
+    source: dict[str, str] = {}
+    unexposed: list[str] = []
+    if at_source is not False:
+        try:
+            source = source_args(src)
+        except ValueError as e:
+            if at_source:
+                raise
+            unexposed = [f"not exposed at its source path on the nodes: {e}"]
     if topology_kind not in topology.KINDS:
         raise ValueError(f"unknown topology {topology_kind!r}: use one of {topology.KINDS}")
 
@@ -295,5 +304,5 @@ async def push(
         transport=",".join(sorted({n.bulk.kind for n in job.nodes if n.bulk}
                                   or {n.transport[0] for n in job.healthy})) or "tcp",
         failed={n.addr: n.error for n in job.nodes if n.error},
-        warnings=snap.warnings + job.warnings,
+        warnings=unexposed + snap.warnings + job.warnings,
     )
