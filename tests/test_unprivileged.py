@@ -8,7 +8,6 @@ restoring the mode they found."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -19,12 +18,19 @@ import socket
 import stat
 import subprocess
 import sys
-import sysconfig
 import tempfile
 from pathlib import Path
 
 import pytest
-from users import create_user, delete_user
+from users import (
+    SITE_PACKAGES,
+    SYSTEM_PYTHON,
+    create_user,
+    delete_user,
+    fuse_device_mode,
+    launch_code,
+    system_python_reason,
+)
 
 from helpers import CLI_MODULE, mfs, mounted, wait_for
 from monarch_fs.daemon.node.notify import notify
@@ -34,30 +40,13 @@ from monarch_fs.fs.mount_options import mount_mode, user_allow_other
 
 REPO = Path(__file__).resolve().parent.parent
 UNIT = REPO / "daemon" / "node" / "monarch-fs.service"
-# This interpreter may sit where another user cannot reach it (pyenv under /root, 0700): the
-# test user runs the system's python3 of the same version, with this environment's packages.
-SYSTEM_PYTHON = "/usr/bin/python3"
-SITE_PACKAGES = sysconfig.get_paths()["purelib"]
-LAUNCH = ("import runpy, site, sys; "
-          # Debian's own packages (another msgpack, cryptography...) must not shadow this
-          # environment's
-          "sys.path[:] = [p for p in sys.path if 'dist-packages' not in p]; "
-          "site.addsitedir(sys.argv.pop(1)); sys.argv[0] = 'monarch-fs'; "
-          f"runpy.run_module({CLI_MODULE!r}, run_name='__main__', alter_sys=True)")
+LAUNCH = launch_code()
 
 
 def _why_not() -> str | None:
     if os.geteuid() != 0 or not shutil.which("useradd") or not os.path.exists(FUSE_DEVICE):
         return "switching users and /dev/fuse's mode need root, useradd and /dev/fuse"
-    try:
-        version = subprocess.run([SYSTEM_PYTHON, "-c", "import sys; print(sys.version_info[:2])"],
-                                 capture_output=True, text=True, timeout=30).stdout.strip()
-    except OSError:
-        version = "none"
-    if version != str(sys.version_info[:2]):
-        return (f"{SYSTEM_PYTHON} is {version}, not {sys.version_info[:2]}: no python for the "
-                "test user")
-    return None
+    return system_python_reason()
 
 
 needs_root = pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))
@@ -101,17 +90,6 @@ def test_notify_sends_one_datagram_to_a_path_socket(tmp_path, monkeypatch):
 
 
 # ---- a test user and /dev/fuse -------------------------------------------------------------
-
-@contextlib.contextmanager
-def fuse_device_mode(mode: int):
-    """/dev/fuse with `mode` for the body; the mode it had, always, afterwards."""
-    before = stat.S_IMODE(os.stat(FUSE_DEVICE).st_mode)
-    os.chmod(FUSE_DEVICE, mode)
-    try:
-        yield
-    finally:
-        os.chmod(FUSE_DEVICE, before)
-
 
 class LocalUser:
     """A fresh local user and a folder of its own (its home) to run a daemon in."""
