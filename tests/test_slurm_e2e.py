@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import pytest
 from users import SYSTEM_PYTHON, fuse_device_mode, system_python_reason, write_monarch_fs_command
 
 import slurm as slurm_cluster  # tests/slurm.py
+from monarch_fs.daemon.client import slurm as slurm_mod
 from netns import NetnsUnsupported
 
 REPO = Path(__file__).resolve().parent.parent
@@ -167,13 +169,11 @@ def _why_not() -> str | None:
 @pytest.mark.root
 @pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))
 def test_the_readme_sbatch_script_as_a_user_on_two_nodes():
-    fuse_mode = os.stat(FUSE_DEVICE).st_mode
     try:
         with slurm_cluster.SlurmCluster(n_nodes=2) as cluster:
-            run_readme_job(cluster)
+            run_readme_job(cluster)  # /dev/fuse's mode is restored by fuse_device_mode
     except NetnsUnsupported as e:
         pytest.skip(str(e))
-    assert os.stat(FUSE_DEVICE).st_mode == fuse_mode  # restored
 
 
 def run_readme_job(cluster: slurm_cluster.SlurmCluster) -> None:
@@ -248,3 +248,34 @@ def run_readme_job(cluster: slurm_cluster.SlurmCluster) -> None:
 def daemon_logs(home: Path) -> str:
     logs = sorted((home / ".monarch-fs" / "slurm").glob("*/daemons.*"))
     return "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-3000:]}" for p in logs)
+
+
+# ---- without a cluster ------------------------------------------------------------------------
+
+
+def test_the_nodes_run_the_command_that_ran_up(tmp_path, monkeypatch):
+    """A console script or wrapper (sys.argv[0], by path or found on PATH) is what srun starts
+    on every node; `python -m monarch_fs.cli` (argv[0] a .py file) is started the same way."""
+    wrapper = write_monarch_fs_command(tmp_path / "monarch-fs")
+    monkeypatch.setattr(sys, "argv", [str(wrapper), "slurm", "up"])
+    assert slurm_mod.this_command() == [str(wrapper)]
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}")
+    monkeypatch.setattr(sys, "argv", ["monarch-fs", "slurm", "up"])
+    assert slurm_mod.this_command() == [str(wrapper)]
+    assert slurm_mod.srun_argv(2, ["--mount", "/m"])[-5:] == [
+        str(wrapper), "slurm", "node", "--mount", "/m"]
+    cli_py = str(REPO / "monarch_fs" / "cli.py")
+    monkeypatch.setattr(sys, "argv", [cli_py, "slurm", "up"])
+    assert slurm_mod.this_command() == [sys.executable, "-m", "monarch_fs.cli"]
+
+
+def test_the_wrapper_runs_monarch_fs_as_another_python_would():
+    """The test's `monarch-fs` command works (here as root, with the system's python3)."""
+    if system_python_reason():
+        pytest.skip(str(system_python_reason()))
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        wrapper = write_monarch_fs_command(Path(d) / "monarch-fs")
+        out = subprocess.run([str(wrapper), "--help"], capture_output=True, text=True,
+                             timeout=60)
+    assert out.returncode == 0 and "slurm" in out.stdout, out.stderr
