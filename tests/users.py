@@ -4,6 +4,7 @@ userdel by whoever made them (SlurmCluster, test_unprivileged). Root only."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import pwd
 import shlex
@@ -100,12 +101,33 @@ def write_monarch_fs_command(path: Path) -> Path:
     return path
 
 
+# Tests of several pytest sessions may change /dev/fuse's mode at once: each would restore the
+# mode another one set. One at a time (an flock), so each finds, and restores, the real one.
+FUSE_MODE_LOCK = "/tmp/.monarch-fs-tests-dev-fuse.lock"
+FUSE_MODE_WAIT = 600.0
+
+
 @contextlib.contextmanager
 def fuse_device_mode(mode: int, device: str = "/dev/fuse") -> Iterator[None]:
-    """`device` with `mode` for the body; the mode it had, always, afterwards."""
-    before = stat.S_IMODE(os.stat(device).st_mode)
-    os.chmod(device, mode)
+    """`device` with `mode` for the body; the mode it had, always, afterwards. Waits while
+    another test (of any session) has changed it."""
+    fd = os.open(FUSE_MODE_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        yield
+        deadline = time.monotonic() + FUSE_MODE_WAIT
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise UserError(f"{device}: another test held {FUSE_MODE_LOCK} for "
+                                    f"{FUSE_MODE_WAIT:g}s") from None
+                time.sleep(0.1)
+        before = stat.S_IMODE(os.stat(device).st_mode)
+        os.chmod(device, mode)
+        try:
+            yield
+        finally:
+            os.chmod(device, before)
     finally:
-        os.chmod(device, before)
+        os.close(fd)  # releases the lock
