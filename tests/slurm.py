@@ -170,18 +170,22 @@ class SlurmCluster(Stood):
 
     def run_client(self, argv: list[str], user: str | None = None, *,
                    timeout: float = CLIENT_TIMEOUT, check: bool = False,
-                   cwd: str | os.PathLike[str] | None = None) -> subprocess.CompletedProcess:
+                   cwd: str | os.PathLike[str] | None = None,
+                   env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         """Run a SLURM client (srun, sbatch, squeue, scontrol...) in the controller's network
         namespace with this cluster's SLURM_CONF; as `user` (through runuser) when given. It
         starts in `cwd`: by default the user's home, or the cluster's folder for root (a job
-        step starts in its client's folder)."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+        step starts in its client's folder). `env` replaces the test's environment (which
+        sbatch and srun hand on to the job) when given."""
+        env = {k: v for k, v in (os.environ if env is None else env).items()
+               if not k.startswith("SLURM_")}
         env["SLURM_CONF"] = str(self.conf)
         prefix = ["ip", "netns", "exec", self.ctl_netns]
         if user is not None:
             # runuser keeps the environment but for HOME, SHELL, USER and LOGNAME; `env` makes
             # sure of the one variable that matters.
-            prefix += ["runuser", "-u", user, "--", "env", f"SLURM_CONF={self.conf}"]
+            prefix += [shutil.which("runuser") or "runuser", "-u", user, "--", "env",
+                       f"SLURM_CONF={self.conf}"]
             home = pwd.getpwnam(user).pw_dir
             cwd = cwd or (home if os.path.isdir(home) else None)
         return self._exec([*prefix, *argv], timeout, check, env=env, cwd=cwd or self.dir)
@@ -193,6 +197,22 @@ class SlurmCluster(Stood):
         slurmd = self._daemons[f"slurmd-{self.hostnames[i]}"]
         return self._exec(["nsenter", "--target", str(slurmd.pid), "--net", "--uts", *argv],
                           timeout, check)
+
+    def node_hide(self, i: int, path: str | os.PathLike[str]) -> None:
+        """Cover the folder `path` with an empty tmpfs (1777) in node `i`'s mount namespace
+        (its slurmd's, which every job step there inherits), so that node does not see what
+        the host and the other nodes see there, as a node without a shared home. It goes with
+        the namespace when the node's slurmd stops."""
+        slurmd = self._daemons[f"slurmd-{self.hostnames[i]}"]
+        self._exec(["nsenter", "--target", str(slurmd.pid), "--mount", "mount", "-t", "tmpfs",
+                    "-o", "mode=1777,size=64m", f"{self.id}-hide", str(path)],
+                   CLIENT_TIMEOUT, True)
+
+    def node_mounts(self, i: int) -> list[str]:
+        """The mount points node `i`'s mount namespace has (its slurmd's mountinfo)."""
+        slurmd = self._daemons[f"slurmd-{self.hostnames[i]}"]
+        with open(f"/proc/{slurmd.pid}/mountinfo") as f:
+            return [line.split()[4] for line in f]
 
     def node_states(self) -> dict[str, str]:
         """{hostname: state} as `sinfo` reports it ("idle", "alloc", "down*"...)."""

@@ -9,9 +9,11 @@ import fcntl
 import os
 import pwd
 import secrets
+import shlex
 import shutil
 import stat
 import subprocess
+import sys
 import sysconfig
 import tempfile
 import time
@@ -64,12 +66,44 @@ def delete_user(name: str) -> str | None:
 # test user runs the system's python3 of the same version, with this environment's packages.
 SYSTEM_PYTHON = "/usr/bin/python3"
 SITE_PACKAGES = sysconfig.get_paths()["purelib"]
-LAUNCH = ("import runpy, site, sys; "
-          # Debian's own packages (another msgpack, cryptography...) must not shadow this
-          # environment's
-          "sys.path[:] = [p for p in sys.path if 'dist-packages' not in p]; "
-          "site.addsitedir(sys.argv.pop(1)); sys.argv[0] = 'monarch-fs'; "
-          f"runpy.run_module({CLI_MODULE!r}, run_name='__main__', alter_sys=True)")
+def launch_code(argv0: str | None = None) -> str:
+    """`python -I -c CODE SITE_PACKAGES [ARGV0] ARGS...` runs monarch-fs from SITE_PACKAGES;
+    with `argv0`, the first argument after SITE_PACKAGES becomes sys.argv[0] (a wrapper's own
+    path, which `slurm up` then runs on every node)."""
+    name = "sys.argv.pop(1)" if argv0 else repr("monarch-fs")
+    # alter_sys would set sys.argv[0] to the module's file, hiding the wrapper's path
+    return ("import runpy, site, sys; "
+            # Debian's own packages (another msgpack, cryptography...) must not shadow this
+            # environment's
+            "sys.path[:] = [p for p in sys.path if 'dist-packages' not in p]; "
+            f"site.addsitedir(sys.argv.pop(1)); sys.argv[0] = {name}; "
+            f"runpy.run_module({CLI_MODULE!r}, run_name='__main__', alter_sys={not argv0})")
+
+
+def system_python_reason() -> str | None:
+    """Why a test user has no python to run monarch-fs with, or None."""
+    try:
+        version = subprocess.run([SYSTEM_PYTHON, "-c", "import sys; print(sys.version_info[:2])"],
+                                 capture_output=True, text=True, timeout=30).stdout.strip()
+    except OSError:
+        version = "none"
+    if version != str(sys.version_info[:2]):
+        return (f"{SYSTEM_PYTHON} is {version}, not {sys.version_info[:2]}: no python for the "
+                "test user")
+    return None
+
+
+def write_monarch_fs_command(path: Path) -> Path:
+    """A `monarch-fs` command any user can run (0755), as a user's own install would give:
+    a shell script that starts this environment's monarch-fs with SYSTEM_PYTHON."""
+    code = launch_code(argv0="$0")
+    path.write_text("#!/bin/sh\n"
+                    f'exec {SYSTEM_PYTHON} -I -c {shlex.quote(code)} {SITE_PACKAGES} "$0" "$@"\n')
+    path.chmod(0o755)
+    return path
+
+
+LAUNCH = launch_code()
 CLI = [SYSTEM_PYTHON, "-I", "-c", LAUNCH, SITE_PACKAGES]  # + monarch-fs ARGS, as any user
 
 

@@ -23,6 +23,7 @@ never clash, and node names need not resolve.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -95,12 +96,25 @@ class UpResult:
         return self.dir / "hosts"
 
 
+def this_command() -> list[str]:
+    """The command that started this `monarch-fs`, for the nodes to run: the console script
+    (or a wrapper that sets sys.argv[0] to itself) by its absolute path, so a user's own
+    install, venv or wrapper starts the daemons too; else this interpreter with -m."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    if argv0 and os.sep not in argv0:
+        argv0 = shutil.which(argv0) or ""
+    if (argv0 and not argv0.endswith(".py") and os.path.isfile(argv0)
+            and os.access(argv0, os.X_OK)):
+        return [os.path.abspath(argv0)]
+    return [sys.executable, "-m", "monarch_fs.cli"]
+
+
 def srun_argv(n_nodes: int, node_args: list[str]) -> list[str]:
     """One task per allocated node, alongside whatever else the job runs (--overlap), with
     stdin (the token) sent to every task."""
     return ["srun", f"--nodes={n_nodes}", f"--ntasks={n_nodes}", "--ntasks-per-node=1",
             "--overlap", "--input=all", "--kill-on-bad-exit=0", "--job-name=monarch-fs",
-            sys.executable, "-m", "monarch_fs.cli", "slurm", "node", *node_args]
+            *this_command(), "slurm", "node", *node_args]
 
 
 def _parse_line(line: str) -> tuple[str, list[str]] | None:
@@ -327,7 +341,6 @@ def prepare_node(task: NodeTask, mount_t: str, state_t: str | None,
 
 def remove_node_dirs(mount: Path, state: Path) -> None:
     """The job is over: its store goes with it (a mount still there is left alone)."""
-    import shutil
 
     if not os.path.ismount(mount):
         try:
