@@ -1,8 +1,8 @@
 """`monarch-fs slurm up` in a real SLURM job (tests/slurm.py: slurmctld and two slurmd, each node
 a network namespace with its own hostname): the daemons come up on both allocated nodes, a push,
 `status` and a 2 x 2 `run` use the job's hosts and token without being told, and when the job
-ends no daemon, mount or node folder is left. And, without a cluster, how the job's hosts become
-the default and what `slurm up` says outside a job."""
+ends (or is cancelled) no daemon, mount or node folder is left. And, without a cluster, how the
+job's hosts become the default and what `slurm up` says outside a job."""
 
 from __future__ import annotations
 
@@ -48,6 +48,15 @@ grep -c " {mounts}-$SLURM_JOB_ID-" /proc/self/mountinfo | sed 's/^/mounts after 
 {mfs} status 2>&1 | sed 's/^/after down: /'
 """
 
+# a job that never ends on its own: scancel ends it
+CANCELLED = """\
+#!/bin/sh
+export MONARCH_FS_HOME={home}
+{mfs} slurm up --mount '{mounts}-{{job}}-{{node}}' || exit 1
+touch {marker}
+sleep 600
+"""
+
 HELLO = """\
 import os, socket, time
 print(f"host={socket.gethostname()} rank={os.environ['RANK']}/{os.environ['WORLD_SIZE']} "
@@ -68,9 +77,14 @@ def daemon_pids(cluster) -> list[int]:
     return pids
 
 
-def mounts_under(prefix: str) -> list[str]:
+def mounts_under(cluster, prefix: str) -> list[str]:
+    """Mount points under `prefix` here and in each node's mount namespace (`ip netns exec`
+    gives every node its own: a node's mounts do not show here)."""
     with open("/proc/self/mountinfo") as f:
-        return [line.split()[4] for line in f if line.split()[4].startswith(prefix)]
+        points = [line.split()[4] for line in f]
+    for i in range(len(cluster.hostnames)):
+        points += cluster.node_mounts(i)
+    return [p for p in points if p.startswith(prefix)]
 
 
 @pytest.mark.netns
@@ -120,10 +134,10 @@ def test_slurm_up_push_status_run_and_the_job_end_leaves_nothing():
             # the job has ended: SLURM stopped the daemons' step with SIGTERM; each daemon
             # unmounted and its node removed the mount point and the store
             deadline = time.monotonic() + 45
-            while daemon_pids(cluster) or mounts_under(mounts):
+            while daemon_pids(cluster) or mounts_under(cluster, mounts):
                 assert time.monotonic() < deadline, (
                     f"left after the job: daemons {daemon_pids(cluster)}, mounts "
-                    f"{mounts_under(mounts)}\n" + tail_logs(work))
+                    f"{mounts_under(cluster, mounts)}\n" + tail_logs(work))
                 time.sleep(0.2)
             deadline = time.monotonic() + 10
             while leftovers := [p for p in Path("/tmp").iterdir()
@@ -148,6 +162,30 @@ def test_slurm_up_push_status_run_and_the_job_end_leaves_nothing():
             # the job's hosts are gone with its daemons: no stale default
             assert "after down: monarch-fs: error: no hosts" in out, out
             assert not daemon_pids(cluster)
+
+            # a third job, cancelled while its daemons serve: scancel ends it, and with it
+            # the daemons and their mounts
+            marker = work / "up"
+            script.write_text(CANCELLED.format(home=work / "home", mfs=MONARCH_FS,
+                                               mounts=mounts, marker=marker))
+            job = cluster.run_client(["sbatch", "--parsable", "--nodes=2",
+                                      f"--output={work / 'job3.out'}", str(script)], timeout=60)
+            assert job.returncode == 0, job.stderr
+            job_id = job.stdout.strip().split(";")[0]
+            deadline = time.monotonic() + 60
+            while not marker.exists():
+                assert time.monotonic() < deadline, "the daemons never came up\n" + tail_logs(work)
+                time.sleep(0.2)
+            assert len(mounts_under(cluster, f"{mounts}-{job_id}-")) == 2, tail_logs(work)
+            assert daemon_pids(cluster)
+            cancel = cluster.run_client(["scancel", job_id], timeout=60)
+            assert cancel.returncode == 0, cancel.stderr
+            deadline = time.monotonic() + 45
+            while daemon_pids(cluster) or mounts_under(cluster, mounts):
+                assert time.monotonic() < deadline, (
+                    f"left after scancel: daemons {daemon_pids(cluster)}, mounts "
+                    f"{mounts_under(cluster, mounts)}\n" + tail_logs(work))
+                time.sleep(0.2)
     except NetnsUnsupported as e:
         pytest.skip(str(e))
 
