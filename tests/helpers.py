@@ -209,15 +209,20 @@ def start_daemon(d: Path, *flags: str, env: dict | None = None) -> Daemon:
     return daemon
 
 
+def terminate(proc: subprocess.Popen, timeout: float = 20) -> None:
+    """SIGTERM a process this test started (by its pid), SIGKILL if it outlives `timeout`."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def stop_daemon(daemon: Daemon) -> None:
     """SIGTERM it (by its pid), and check its mount is gone."""
-    if daemon.proc.poll() is None:
-        daemon.proc.terminate()
-        try:
-            daemon.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            daemon.proc.kill()
-            daemon.proc.wait()
+    terminate(daemon.proc)
     if mounted(daemon.mnt):
         subprocess.run(["fusermount3", "-u", "-z", str(daemon.mnt)], check=False)
         raise AssertionError(f"{daemon.mnt} was left mounted")

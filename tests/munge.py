@@ -13,6 +13,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from helpers import terminate
+
 
 class Munged:
     """munged in the foreground (its pid is the one we started), ready once a credential it
@@ -53,11 +55,5 @@ class Munged:
 
     def close(self) -> None:
         """SIGTERM (by pid), SIGKILL after 10 s."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, timeout=10)
         self.log.close()

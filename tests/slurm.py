@@ -208,6 +208,18 @@ class SlurmCluster(Stood):
                     "-o", "mode=1777,size=64m", f"{self.id}-hide", str(path)],
                    CLIENT_TIMEOUT, True)
 
+    def monarch_pids(self) -> list[int]:
+        """The monarch-fs processes (daemons, clients) running in the cluster's namespaces."""
+        found = []
+        for pid in self.namespace_pids():
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"monarch_fs" in cmdline or b"monarch-fs" in cmdline:
+                found.append(pid)
+        return found
+
     def node_mounts(self, i: int) -> list[str]:
         """The mount points node `i`'s mount namespace has (its slurmd's mountinfo)."""
         slurmd = self._daemons[f"slurmd-{self.hostnames[i]}"]

@@ -64,19 +64,6 @@ print(f"host={socket.gethostname()} rank={os.environ['RANK']}/{os.environ['WORLD
 """
 
 
-def daemon_pids(cluster) -> list[int]:
-    """The monarch-fs processes running in the cluster's namespaces (the daemons)."""
-    pids = []
-    for pid in cluster.namespace_pids():
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"monarch_fs" in cmdline or b"monarch-fs" in cmdline:
-            pids.append(pid)
-    return pids
-
-
 def mounts_under(cluster, prefix: str) -> list[str]:
     """Mount points under `prefix` here and in each node's mount namespace (`ip netns exec`
     gives every node its own: a node's mounts do not show here)."""
@@ -133,12 +120,7 @@ def test_slurm_up_push_status_run_and_the_job_end_leaves_nothing():
 
             # the job has ended: SLURM stopped the daemons' step with SIGTERM; each daemon
             # unmounted and its node removed the mount point and the store
-            deadline = time.monotonic() + 45
-            while daemon_pids(cluster) or mounts_under(cluster, mounts):
-                assert time.monotonic() < deadline, (
-                    f"left after the job: daemons {daemon_pids(cluster)}, mounts "
-                    f"{mounts_under(cluster, mounts)}\n" + tail_logs(work))
-                time.sleep(0.2)
+            all_gone(cluster, mounts, "the job", work)
             deadline = time.monotonic() + 10
             while leftovers := [p for p in Path("/tmp").iterdir()
                                 if p.name.startswith(f"{cluster.id}-mnt")]:
@@ -161,7 +143,7 @@ def test_slurm_up_push_status_run_and_the_job_end_leaves_nothing():
             assert "mounts after down: 0" in out, out
             # the job's hosts are gone with its daemons: no stale default
             assert "after down: monarch-fs: error: no hosts" in out, out
-            assert not daemon_pids(cluster)
+            assert not cluster.monarch_pids()
 
             # a third job, cancelled while its daemons serve: scancel ends it, and with it
             # the daemons and their mounts
@@ -177,17 +159,22 @@ def test_slurm_up_push_status_run_and_the_job_end_leaves_nothing():
                 assert time.monotonic() < deadline, "the daemons never came up\n" + tail_logs(work)
                 time.sleep(0.2)
             assert len(mounts_under(cluster, f"{mounts}-{job_id}-")) == 2, tail_logs(work)
-            assert daemon_pids(cluster)
+            assert cluster.monarch_pids()
             cancel = cluster.run_client(["scancel", job_id], timeout=60)
             assert cancel.returncode == 0, cancel.stderr
-            deadline = time.monotonic() + 45
-            while daemon_pids(cluster) or mounts_under(cluster, mounts):
-                assert time.monotonic() < deadline, (
-                    f"left after scancel: daemons {daemon_pids(cluster)}, mounts "
-                    f"{mounts_under(cluster, mounts)}\n" + tail_logs(work))
-                time.sleep(0.2)
+            all_gone(cluster, mounts, "scancel", work)
     except NetnsUnsupported as e:
         pytest.skip(str(e))
+
+
+def all_gone(cluster, mounts: str, after: str, work: Path, timeout: float = 45) -> None:
+    """Wait (bounded) until no monarch-fs process runs in the cluster and no mount is left."""
+    deadline = time.monotonic() + timeout
+    while cluster.monarch_pids() or mounts_under(cluster, mounts):
+        assert time.monotonic() < deadline, (
+            f"left after {after}: daemons {cluster.monarch_pids()}, mounts "
+            f"{mounts_under(cluster, mounts)}\n" + tail_logs(work))
+        time.sleep(0.2)
 
 
 def tail_logs(work: Path) -> str:

@@ -70,18 +70,6 @@ def adapt(script: str, mfs: Path, mounts: str) -> str:
     return out
 
 
-def monarch_pids(pids: list[int]) -> list[int]:
-    found = []
-    for pid in pids:
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"monarch_fs" in cmdline or b"monarch-fs" in cmdline:
-            found.append(pid)
-    return found
-
-
 def pids_of_uid(uid: int) -> list[int]:
     """Every process on the machine running as `uid`."""
     found = []
@@ -232,7 +220,7 @@ def run_readme_job(cluster: slurm_cluster.SlurmCluster) -> None:
                 f"node{i}:{m}" for i in range(2) for m in cluster.node_mounts(i)
                 if m.startswith(mounts)]
             leftovers = {k: v for k, v in {
-                "daemons": monarch_pids(cluster.namespace_pids()),
+                "daemons": cluster.monarch_pids(),
                 "mounts": mounted,
                 "processes in the namespaces": describe(extra),
                 f"processes of {user.pw_name}": describe(pids_of_uid(user.pw_uid)),

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from users import SYSTEM_PYTHON, LocalUser, fuse_device_mode
+from users import LocalUser, fuse_device_mode, system_python_reason
 
 from helpers import CLI_MODULE, mfs, mounted, wait_for
 from monarch_fs.daemon.node.notify import notify
@@ -34,15 +34,7 @@ UNIT = REPO / "daemon" / "node" / "monarch-fs.service"
 def _why_not() -> str | None:
     if os.geteuid() != 0 or not shutil.which("useradd") or not os.path.exists(FUSE_DEVICE):
         return "switching users and /dev/fuse's mode need root, useradd and /dev/fuse"
-    try:
-        version = subprocess.run([SYSTEM_PYTHON, "-c", "import sys; print(sys.version_info[:2])"],
-                                 capture_output=True, text=True, timeout=30).stdout.strip()
-    except OSError:
-        version = "none"
-    if version != str(sys.version_info[:2]):
-        return (f"{SYSTEM_PYTHON} is {version}, not {sys.version_info[:2]}: no python for the "
-                "test user")
-    return None
+    return system_python_reason()
 
 
 needs_root = pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))
