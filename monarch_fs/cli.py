@@ -25,7 +25,6 @@ from .daemon.client.push import PushError, push, workspace_name
 from .daemon.client.status import remove, status
 from .daemon.node.procs import ROOT_PROCS_FLAG
 from .daemon.wire import identity
-from .daemon.wire.addresses import ENCRYPT_POLICIES
 from .daemon.wire.auth import (
     TokenError,
     default_token_file,
@@ -33,19 +32,15 @@ from .daemon.wire.auth import (
     resolve_token,
     write_new_token,
 )
-from .daemon.wire.bulk import TRANSPORTS, resolve_local
+from .daemon.wire.bulk import resolve_local
 from .daemon.wire.limits import Limits
 from .daemon.wire.replies import StatusReply
-from .fs.manifest import DEFAULT_MAX_ENTRIES
 from .fs.scan import SourceChanged
+from .options import build_parser
 from .settings import settings
 
 log = logging.getLogger("monarch_fs")
-TRANSPORT_HELP = ("how chunk payloads travel: auto (RDMA when both ends have a usable device, "
-                  "else TCP, saying why), tcp, or rdma (an error without a device)")
-ENCRYPT_HELP = ("encrypt sessions (every frame is authenticated either way): auto (links that "
-                "leave this machine; loopback is not), on, or off; a client asks, a daemon "
-                "requires, and either is enough")
+
 
 
 class BarProgress(Progress):
@@ -359,170 +354,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     return trio.run(run_job, hosts, token, job, local)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="monarch-fs", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log debug detail")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    d = sub.add_parser("daemon", help="run a node daemon: serve the mount, accept pushes")
-    d.add_argument("--listen", required=True, metavar="HOST:PORT")
-    d.add_argument("--mount", required=True, metavar="DIR")
-    d.add_argument("--state", required=True, metavar="DIR")
-    d.add_argument("--token-file", metavar="F")
-    d.add_argument("--keep", type=int, default=3, help="versions kept per workspace (default 3)")
-    d.add_argument("--store-compressed", action="store_true",
-                   help="keep chunks zstd-compressed on disk (less disk, slower cold reads)")
-    d.add_argument("--ready-file", help="write {addr, pid} here once mounted and listening")
-    d.add_argument("--node-name", default="", help="name reported in status (default hostname)")
-    d.add_argument("--transport", choices=TRANSPORTS, default="auto", help=TRANSPORT_HELP)
-    d.add_argument("--encrypt", choices=ENCRYPT_POLICIES, default="auto", help=ENCRYPT_HELP)
-    d.add_argument("--max-connections", type=int, default=Limits.max_connections, metavar="N",
-                   help="open connections in all; more are refused at once "
-                        f"(default {Limits.max_connections})")
-    d.add_argument("--max-connections-per-peer", type=int, default=Limits.max_per_peer,
-                   metavar="N", help="open connections from one address; more are refused at "
-                                     f"once (default {Limits.max_per_peer})")
-    d.add_argument("--handshake-timeout", type=float, default=Limits.handshake_timeout,
-                   metavar="S", help="drop a peer that has not authenticated S seconds after "
-                                     f"connecting (default {Limits.handshake_timeout:g})")
-    d.add_argument("--allow-other", choices=["auto", "yes", "no"], default="auto",
-                   help="let other users read the mount: auto (as root, or as a normal user "
-                        "where /etc/fuse.conf has user_allow_other), yes (an error where it "
-                        "cannot), no (only this user)")
-    d.add_argument("--max-entries", type=int, metavar="N",
-                   help="refuse a snapshot of more than N files, folders and links "
-                        f"(default $MONARCH_FS_MAX_ENTRIES, else {DEFAULT_MAX_ENTRIES:,})")
-    d.add_argument(ROOT_PROCS_FLAG, action="store_true",
-                   help="as root, run the processes `run` and meshes ask for (as root); without "
-                        "it a root daemon refuses them, since anyone holding the token could "
-                        "then run anything as root (the local `cluster up` passes it)")
-    d.add_argument("--identity", choices=["token", identity.MODE], default="token",
-                   help="munge: the requests that launch processes or publish carry a MUNGE "
-                        "credential; a root daemon runs each process as the user who asks, and "
-                        "a workspace belongs to who pushed it. token (default): the shared "
-                        "token only, processes run as the daemon's user")
-    d.add_argument("--munge-socket", metavar="PATH",
-                   help="munged's socket (default $MONARCH_FS_MUNGE_SOCKET, else "
-                        f"{identity.DEFAULT_SOCKET})")
-    d.set_defaults(fn=cmd_daemon)
-
-    hosts_help = ("host:port,host:port or @hostfile (default $MONARCH_FS_HOSTS, then the local "
-                  "cluster)")
-    p = sub.add_parser("push", help="push a folder to every node and publish it")
-    p.add_argument("src", metavar="SRC")
-    p.add_argument("--hosts", metavar="SPEC", help=hosts_help)
-    p.add_argument("--name", help="workspace name (default: the folder's name)")
-    p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
-                   help="skip names or relative paths matching GLOB (repeatable)")
-    p.add_argument("--topology", choices=["auto", "chain", "tree", "star"], default="auto",
-                   help="how chunks fan out: nodes relay along a chain or tree (default auto: "
-                        "star for one node or small payloads, else chain)")
-    p.add_argument("--fanout", type=int, default=2, metavar="K", help="children per tree node")
-    p.add_argument("--allow-partial", action="store_true",
-                   help="route around failed nodes and publish on the healthy ones")
-    p.add_argument("--timeout", type=float, default=60.0, metavar="S",
-                   help="a node making no progress for S seconds has failed (default 60)")
-    p.add_argument("--token-file", metavar="F")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object (with --watch: one per push, one per line)")
-    p.add_argument("--watch", action="store_true",
-                   help="keep watching SRC and push again after every change (Ctrl-C stops)")
-    p.add_argument("--no-cache", action="store_true",
-                   help="hash every file: do not use or update the scan cache "
-                        "(default: $MONARCH_FS_HOME/scan-cache, so unchanged files are not read)")
-    p.add_argument("--transport", choices=TRANSPORTS, default="auto", help=TRANSPORT_HELP)
-    p.add_argument("--encrypt", choices=ENCRYPT_POLICIES, default="auto", help=ENCRYPT_HELP)
-    p.add_argument("--at-source", action=argparse.BooleanOptionalAction, default=None,
-                   help="every node also exposes the workspace at SRC's absolute path (a link "
-                        "to MOUNT/NAME), so a venv's scripts and pyvenv.cfg resolve as on this "
-                        "machine; never replaces what is there (default: on where the path "
-                        "allows it, else a warning; --at-source makes that an error)")
-    p.set_defaults(fn=cmd_push)
-
-    s = sub.add_parser("status", help="what every node serves")
-    s.add_argument("--hosts", metavar="SPEC", help=hosts_help)
-    s.add_argument("--token-file", metavar="F")
-    s.add_argument("--json", action="store_true")
-    s.set_defaults(fn=cmd_status)
-
-    rm = sub.add_parser("rm", help="delete a workspace on every node",
-                        description="Delete workspace NAME on every node: it leaves the mount at "
-                                    "once and its disk is given back (a file held open keeps "
-                                    "reading until closed). A node refuses while a process "
-                                    "started with --workspace NAME runs there.")
-    rm.add_argument("name", metavar="NAME")
-    rm.add_argument("--hosts", metavar="SPEC", help=hosts_help)
-    rm.add_argument("--token-file", metavar="F")
-    rm.add_argument("--json", action="store_true",
-                    help="print one list: per node host, removed, versions, error")
-    rm.set_defaults(fn=cmd_rm)
-
-    r = sub.add_parser(
-        "run", help="run a command on every proc of every host (SPMD, torchrun-style)",
-        description="Run CMD on K procs per host with RANK, WORLD_SIZE, LOCAL_RANK, "
-                    "LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set as torchrun does; "
-                    "output lines are prefixed with their rank. When a rank fails, the others "
-                    "are stopped and the whole group restarts (up to --max-restarts times). "
-                    "Exit status: 0 if every rank exited 0, else the first failing rank's exit "
-                    "code (128+N for signal N) in the last attempt, 1 if the job could not be "
-                    "launched. {mount} and {workspace} in CMD, --cwd expand on each node.")
-    r.add_argument("--hosts", metavar="SPEC", help=hosts_help)
-    r.add_argument("--per-host", type=int, default=1, metavar="K", help="procs per host")
-    r.add_argument("--max-restarts", type=int, default=0, metavar="R",
-                   help="restart the whole group up to R times after a failure (default 0)")
-    r.add_argument("--cwd", metavar="DIR", help="working directory on the nodes "
-                   "(default: {workspace} with --workspace, else the daemon's)")
-    r.add_argument("--workspace", metavar="NAME",
-                   help="pin the procs to the version of workspace NAME that the first host "
-                        "serves now, the same on every node; {workspace} is its folder")
-    r.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                   help="set NAME in every proc's environment (repeatable); procs start from "
-                        "a small clean environment, not the daemon's (see the README)")
-    r.add_argument("--token-file", metavar="F")
-    r.add_argument("--transport", choices=TRANSPORTS, default="auto",
-                   help="auto (RDMA when this host and a node both have a usable device, else "
-                        "TCP, saying why), tcp, or rdma (an error naming the host without one). "
-                        "run moves no bulk data itself: ranks get MONARCH_FS_TRANSPORT "
-                        "(tcp, rdma-rc, rdma-srd) and the summary names it")
-    r.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS")
-    r.set_defaults(fn=cmd_run)
-
-    c = sub.add_parser("cluster", help="start or stop a local cluster on loopback")
-    c.add_argument("action", choices=["up", "down"])
-    c.add_argument("--nodes", type=int, default=3)
-    c.add_argument("--dir", help="cluster folder (default ~/.monarch-fs/cluster)")
-    c.add_argument("--no-root-procs", action="store_true",
-                   help=f"as root, start the daemons without {ROOT_PROCS_FLAG}: they then "
-                        "refuse to run processes")
-    c.set_defaults(fn=cmd_cluster)
-
-    sl = sub.add_parser(
-        "slurm", help="start or stop the daemons of this SLURM job (in sbatch or salloc)",
-        description="up: one daemon per allocated node through srun; returns once every node "
-                    "is mounted, and writes the job's hosts and a fresh token to "
-                    "$MONARCH_FS_HOME/slurm/$SLURM_JOB_ID (push, status and run then use them "
-                    "by default). The daemons unmount and stop when the job ends, or at down. "
-                    "Options after -- go to every daemon: slurm up [options] -- --keep 5.")
-    sl.add_argument("action", choices=["up", "down", "node"],
-                    help="node is what srun runs on each node; up starts it")
-    sl.add_argument("--mount", default=slurm.DEFAULT_MOUNT, metavar="DIR",
-                    help="each node's mount point; {job} and {node} expand "
-                         f"(default {slurm.DEFAULT_MOUNT})")
-    sl.add_argument("--state", metavar="DIR",
-                    help="each node's store, node-local and removed at the end (default "
-                         "MOUNT.state)")
-    sl.add_argument("--timeout", type=float, default=slurm.UP_TIMEOUT, metavar="S",
-                    help=f"up: give up when a node is not mounted after S seconds "
-                         f"(default {slurm.UP_TIMEOUT:g})")
-    sl.set_defaults(fn=cmd_slurm)
-
-    t = sub.add_parser("token", help="make a cluster token (every daemon and client needs one)")
-    t.add_argument("action", choices=["new"])
-    t.add_argument("path", nargs="?", metavar="PATH",
-                   help="where to write it, mode 0600 (default $MONARCH_FS_HOME/cluster/token)")
-    t.add_argument("--force", action="store_true", help="replace an existing token file")
-    t.set_defaults(fn=cmd_token)
-    return parser
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "daemon": cmd_daemon, "push": cmd_push, "status": cmd_status, "rm": cmd_rm,
+    "run": cmd_run, "cluster": cmd_cluster, "slurm": cmd_slurm, "token": cmd_token,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -542,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     if not serves:
         logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     try:
-        return args.fn(args)
+        return COMMANDS[args.command](args)
     except (PushError, HostsError, TokenError, cluster.ClusterError, slurm.SlurmError,
             ValueError, OSError) as e:
         print(f"monarch-fs: error: {e}", file=sys.stderr)
