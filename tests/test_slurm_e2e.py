@@ -24,10 +24,10 @@ from users import SYSTEM_PYTHON, fuse_device_mode, system_python_reason, write_m
 
 import slurm as slurm_cluster  # tests/slurm.py
 from monarch_fs.daemon.client import slurm as slurm_mod
+from monarch_fs.fs.mount_check import FUSE_DEVICE
 from netns import NetnsUnsupported
 
 REPO = Path(__file__).resolve().parent.parent
-FUSE_DEVICE = "/dev/fuse"
 
 # A package with a console script, installed into the venv: what a user's training code is.
 # (setup.py: Debian's venv has setuptools but not wheel, so pip installs it the legacy way.)

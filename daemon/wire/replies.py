@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self, TypeVar
 
 from .protocol import ProtocolError
+from .requests import from_hex
 
 # What crossed a node since it started (NodeService.counters); `status` reports each.
 COUNTERS = ("chunks_received", "bytes_received", "chunks_stored", "chunks_forwarded",
@@ -56,12 +57,11 @@ def _number(op: str, value: Mapping[str, Any], key: str) -> float:
 
 
 def _hex(op: str, key: str, text: object) -> bytes:
-    if not isinstance(text, str):
-        raise MalformedReply(f"malformed {op} reply: {key!r} is {text!r}")
-    try:
-        return bytes.fromhex(text)
-    except ValueError:
-        raise MalformedReply(f"malformed {op} reply: {key!r} is {text!r}, not hex") from None
+    got = from_hex(text)
+    if got is None:
+        why = ", not hex" if isinstance(text, str) else ""
+        raise MalformedReply(f"malformed {op} reply: {key!r} is {text!r}{why}")
+    return got
 
 
 def _failures(op: str, value: Mapping[str, Any]) -> dict[str, str]:

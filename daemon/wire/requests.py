@@ -90,13 +90,23 @@ class RequestError(Exception):
     """A request was refused; the message goes back to the client as is."""
 
 
-def _version(op: str, value: object) -> bytes:
+def from_hex(value: object) -> bytes | None:
+    """The bytes a hex string on the wire stands for; None if it is not one."""
     if not isinstance(value, str):
-        raise RequestError(f"{op}: name and version are required")
+        return None
     try:
         return bytes.fromhex(value)
     except ValueError:
-        raise RequestError(f"{op}: bad version {value!r}") from None
+        return None
+
+
+def _version(op: str, value: object) -> bytes:
+    if not isinstance(value, str):
+        raise RequestError(f"{op}: name and version are required")
+    version = from_hex(value)
+    if version is None:
+        raise RequestError(f"{op}: bad version {value!r}")
+    return version
 
 
 def _int(op: str, args: dict, key: str, default: int) -> int:
