@@ -122,8 +122,10 @@ def cmd_push(args: argparse.Namespace) -> int:
     cache_dir = None if args.no_cache else scan_cache_dir()
     transport = resolve_local(args.transport)  # --transport rdma without a device: exit 1
 
-    def run(progress: Progress | None = None):
-        return push(
+    async def run(progress: Progress | None = None):
+        if args.compile:
+            await compile_first(args.src)
+        return await push(
             args.src, hosts, token, name=args.name, excludes=args.exclude, progress=progress,
             topology_kind=args.topology, fanout=args.fanout, allow_partial=args.allow_partial,
             timeout=args.timeout, cache_dir=cache_dir, transport=transport,
@@ -161,6 +163,17 @@ def cmd_push(args: argparse.Namespace) -> int:
               f"{result.chunks_total}), "
               f"{result.topology}, {result.transport})")
     return 0
+
+
+async def compile_first(src: str) -> None:
+    """push --compile: byte-compile SRC in a worker thread (it can take a minute for a big venv)
+    and say which files would not compile."""
+    from .daemon.client.bytecode import compile_tree
+
+    done = await trio.to_thread.run_sync(compile_tree, src)
+    if done.failures:
+        print(f"warning: --compile: {done.failures} files under {src} did not compile with "
+              f"{done.python} (they are pushed as they are)", file=sys.stderr)
 
 
 def target(args: argparse.Namespace) -> tuple[list[str], bytes]:

@@ -99,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "to MOUNT/NAME), so a venv's scripts and pyvenv.cfg resolve as on this "
                         "machine; never replaces what is there (default: on where the path "
                         "allows it, else a warning; --at-source makes that an error)")
+    p.add_argument("--compile", action="store_true",
+                   help="byte-compile SRC's Python modules before sending (compileall, as pip "
+                        "does; with the venv's own bin/python when SRC has pyvenv.cfg): writes "
+                        "__pycache__ into SRC. The mount is read-only, so modules pushed "
+                        "without .pyc are compiled again by every import on every node")
 
     s = sub.add_parser("status", help="what every node serves")
     s.add_argument("--hosts", metavar="SPEC", help=hosts_help)

@@ -25,6 +25,7 @@ from ..wire import bulk, identity, topology
 from ..wire.replies import CommitReply, PrepareReply
 from ..wire.requests import check_source_path, check_workspace_name
 from ..wire.transport import CONNECT_TIMEOUT, connect
+from . import bytecode
 from .links import STALL_TIMEOUT, NodeLink, each
 from .progress import Progress
 from .stream import Payload, Stream
@@ -304,5 +305,6 @@ async def push(
         transport=",".join(sorted({n.bulk.kind for n in job.nodes if n.bulk}
                                   or {n.transport[0] for n in job.healthy})) or "tcp",
         failed={n.addr: n.error for n in job.nodes if n.error},
-        warnings=unexposed + snap.warnings + job.warnings,
+        warnings=unexposed + snap.warnings + bytecode.warnings(snap.manifest, src)
+        + job.warnings,
     )
