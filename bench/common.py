@@ -260,15 +260,17 @@ class LocalCluster:
     folder, so scan caches of earlier runs never make a cold push look warm. The benchmarks
     launch no processes through the daemons, so they run without --allow-root-procs."""
 
-    def __init__(self, directory: Path, nodes: int = 1):
+    def __init__(self, directory: Path, nodes: int = 1, home: Path | None = None):
         self.dir = Path(directory)
         self.nodes = nodes
-        self.home = self.dir / "home"
+        # `home`: a $MONARCH_FS_HOME kept across clusters (the dev box's scan cache and store),
+        # for pushes of what the dev box has pushed before to nodes that have nothing.
+        self.home = Path(home) if home else self.dir / "home"
         self.cli = mfs_cli()
 
     def __enter__(self) -> "LocalCluster":
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.home.mkdir(exist_ok=True)
+        self.home.mkdir(parents=True, exist_ok=True)
         try:
             cluster.up(self.nodes, self.dir, root_procs=False)
         except BaseException:
@@ -298,6 +300,16 @@ class LocalCluster:
         env = {**os.environ, "MONARCH_FS_HOME": str(self.home)}
         seconds, proc = run(cmd, env=env, timeout=timeout)
         return seconds, last_json(proc.stdout)
+
+    def push_args(self, src: Path, *args: str) -> tuple[list[str], dict]:
+        """The `monarch-fs push` command line for this cluster and its environment, for a
+        bench that runs it itself (to read its output as it comes)."""
+        cmd = [self.cli, "push", str(src), "--hosts", f"@{self.dir / 'hosts'}",
+               "--token-file", str(self.dir / "token"), *args]
+        return cmd, {**os.environ, "MONARCH_FS_HOME": str(self.home)}
+
+    def state(self, node: int = 0) -> Path:
+        return self.dir / f"node-{node}" / "state"
 
     def mount(self, node: int = 0) -> Path:
         return self.dir / f"node-{node}" / "mnt"
@@ -409,6 +421,32 @@ def workload_main(argv: list[str] | None, doc: str,
         remove_work(work)
     print(json.dumps(result, indent=1))
     return 0
+
+
+def disk_bytes(root: Path) -> int:
+    """Bytes of disk the files under `root` take (allocated blocks, as `du` counts them; hard
+    links once), without crossing into other file systems (a mount inside it)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    dev = os.lstat(root).st_dev
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if os.lstat(os.path.join(dirpath, d)).st_dev == dev]
+        for name in filenames:
+            st = os.lstat(os.path.join(dirpath, name))
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """CPU seconds (user + system) processes `pids` have used so far, summed
+    (/proc/PID/stat)."""
+    total = 0.0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return total
 
 
 def fmt_bytes(n: float) -> str:

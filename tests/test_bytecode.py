@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from helpers import Cluster
 
 pytestmark = pytest.mark.mount

@@ -1,0 +1,441 @@
+#!/usr/bin/env python3
+"""Cold start on a fresh allocation (issue 19): from `monarch-fs push` of a venv the dev box has
+pushed before, to nodes that have nothing, until the first `import torch` is done there.
+
+    .venv/bin/python -m bench.cold_start_bench            # torch venv, 1 and 8 nodes (~5 min)
+    .venv/bin/python -m bench.cold_start_bench --quick    # sympy, small data (~1-2 min)
+
+What it reports, next to the issue's targets:
+
+1. push of the staged torch venv (import_bench.ensure_venv: the project's venv with fresh
+   bytecode) to a fresh 1-node cluster, when the dev box has pushed it before: a warm-up push to
+   another cluster fills a $MONARCH_FS_HOME (scan cache, and the dev box's store where there is
+   one) that the measured pushes keep. Wall clock of the CLI, interpreter start included.
+2. cold start, default mode: from the start of that push to the end of the first
+   `VENV/bin/python -c "import torch"` on the node's mount (import_bench's fresh interpreter).
+3. the same in the usable-early mode, when `push --help` offers `--early`: the import starts
+   when push prints its `{"event": "usable"}` line; both the import's end and the push's
+   `complete_seconds` are reported. Without the flag: "not available", never a figure.
+4. what users would do instead: the venv already on local disk (import only, page cache
+   dropped), `rsync -a` of the venv to a fresh local folder and the import from there (the
+   source warm, as for the pushes), and Monarch 0.7 remotemount's 9.6 s, quoted from the issue.
+5. the node's disk per content byte: allocated blocks of its state folder (store, backing
+   files; not the mount), once the daemon has finished writing, over the files' bytes.
+6. daemon CPU seconds per GB ingested and MB/s of content, for 1 GiB of incompressible data to 1
+   and to 8 local nodes: /proc/PID/stat of every daemon, summed, over content x nodes.
+7. (root: network namespaces, tests/netns.py) item 2 on 8 hosts behind 1 Gbit/s links against
+   1 host behind the same link: until every host has finished its first import, one run each.
+   Node stores go to tmpfs when the machine has the memory for them, else to disk (said).
+
+Cases 2-4 alternate in rounds (common.rounds), each cold-start run on its own fresh cluster.
+The dev box's files stay in the page cache (it pushed them before); the local-disk import runs
+with the page cache dropped. Figures from a shared 2-core machine: read the spread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.netns import NetCluster, NetnsUnsupported
+
+from . import import_bench
+from .common import (
+    DEFAULT_CACHE,
+    BenchError,
+    LocalCluster,
+    MiB,
+    PageCache,
+    cpu_seconds,
+    disk_bytes,
+    fmt_bytes,
+    last_json,
+    log,
+    mfs_cli,
+    remove_work,
+    rounds,
+    run,
+    summary,
+    sync,
+    workload_main,
+)
+
+NAME = "venv"
+MONARCH_REMOTEMOUNT_S = 9.6  # Monarch 0.7 remotemount, push/open + first import (issue 19)
+TARGETS = {"push_s": 1.5, "cold_s": 5.0, "early_s": 3.5, "disk_ratio": 1.1, "cpu_per_gb": 1.0,
+           "hosts_ratio": 1.3}
+SHM = "/dev/shm"
+SETTLE_TIMEOUT = 120.0
+# The child each import runs: the wall clock at its end, so a run that overlaps a push still
+# gives the moment its import was done.
+CHILD = """\
+import json, time
+import {module} as m
+print(json.dumps({{"end": time.time(), "file": m.__file__}}))
+"""
+
+
+# ---- imports ------------------------------------------------------------------------------
+
+def start_import(root: Path, module: str, prefix: list[str] | None = None) -> subprocess.Popen:
+    """`ROOT/bin/python -c "import MODULE"` in a fresh interpreter (behind `prefix`, e.g.
+    nsenter into a node), as import_bench runs it."""
+    return subprocess.Popen([*(prefix or []), str(root / "bin" / "python"), "-W", "ignore", "-c",
+                             CHILD.format(module=module)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=import_bench.child_env())
+
+
+def import_end(proc: subprocess.Popen, root: Path, timeout: float = 300) -> float:
+    """When the import of `start_import` was done (time.time()); checks it came from `root`."""
+    out, err = proc.communicate(timeout=timeout)
+    if proc.returncode != 0:
+        raise BenchError(f"import from {root} exited {proc.returncode}: {err.strip()[-1500:]}")
+    got = json.loads(out.strip().splitlines()[-1])
+    if not got["file"].startswith(str(root) + "/"):
+        raise BenchError(f"the import came from {got['file']}, not from {root}")
+    return float(got["end"])
+
+
+def early_available() -> bool:
+    """Whether this monarch-fs has the usable-early mode (`push --early`)."""
+    _, proc = run([mfs_cli(), "push", "--help"], timeout=60)
+    return "--early" in proc.stdout
+
+
+def settled(cl: LocalCluster, timeout: float = SETTLE_TIMEOUT) -> None:
+    """Wait until every daemon of `cl` has finished writing what it received (backing files
+    are written after the publish): disk and CPU figures are read after that."""
+    deadline = time.monotonic() + timeout
+    while True:
+        _, proc = run([cl.cli, "status", "--hosts", f"@{cl.dir / 'hosts'}", "--token-file",
+                       str(cl.dir / "token"), "--json"], timeout=60)
+        nodes = json.loads(proc.stdout)
+        if all(n.get("backing_writing", 0) == 0 for n in nodes):
+            return
+        if time.monotonic() > deadline:
+            raise BenchError(f"daemons still writing backing files after {timeout:g}s")
+        time.sleep(0.2)
+
+
+# ---- cold start on a local cluster --------------------------------------------------------
+
+class ColdStart:
+    """Cold-start runs, each on a fresh 1-node cluster sharing the dev box's `home`."""
+
+    def __init__(self, work: Path, home: Path, venv: Path, module: str,
+                 excludes: tuple[str, ...]):
+        self.work = work
+        self.home = home
+        self.venv = venv
+        self.module = module
+        self.patterns = excludes
+        self.excludes = [a for p in excludes for a in ("--exclude", p)]
+        self.runs: dict[str, list[dict]] = {"default": [], "early": []}
+        self.count = 0
+
+    def warm_up(self) -> dict:
+        """The push that fills the dev box's home; its own cluster, removed afterwards."""
+        d = self.work / "warm-up"
+        try:
+            with LocalCluster(d, 1, home=self.home) as cl:
+                seconds, pushed = cl.push(self.venv, NAME, self.patterns)
+        finally:
+            remove_work(d)
+        return {"seconds": round(seconds, 2), **pushed}
+
+    def once(self, early: bool) -> float:
+        """One cold start: seconds from the push's start to the import's end."""
+        self.count += 1
+        d = self.work / f"cold-{self.count}"
+        try:
+            with LocalCluster(d, 1, home=self.home) as cl:
+                rec = self._measure(cl, early)
+                settled(cl)
+                rec["node_disk_bytes"] = disk_bytes(cl.state())
+        finally:
+            remove_work(d)
+        self.runs["early" if early else "default"].append(rec)
+        return rec["import_done_s"]
+
+    def _measure(self, cl: LocalCluster, early: bool) -> dict:
+        cmd, env = cl.push_args(self.venv, "--json", "--name", NAME, *self.excludes,
+                                *(["--early"] if early else []))
+        root = cl.mount() / NAME
+        errors = cl.dir / "push.stderr"
+        sync()
+        with open(errors, "w") as err:
+            t0 = time.time()
+            push = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+            imp = usable = result = None
+            assert push.stdout is not None
+            for line in push.stdout:
+                if not line.startswith("{"):
+                    continue
+                obj = json.loads(line)
+                if obj.get("event") == "usable":
+                    usable = time.time() - t0
+                    imp = start_import(root, self.module)
+                else:
+                    result = obj
+            rc = push.wait()
+            pushed_s = time.time() - t0
+        if rc != 0 or result is None:
+            if imp is not None:
+                imp.kill()
+                imp.wait()
+            raise BenchError(f"push exited {rc}: {errors.read_text()[-2000:]}")
+        if imp is None:
+            if early:
+                raise BenchError("push --early printed no usable line")
+            imp = start_import(root, self.module)
+        done = import_end(imp, root) - t0
+        rec = {"push_s": round(pushed_s, 3), "import_done_s": round(done, 3),
+               "bytes": result["bytes"], "files": result["files"],
+               "bytes_sent": result["bytes_sent"]}
+        if early:
+            rec.update(usable_s=round(usable or 0.0, 3),
+                       usable_seconds=result.get("usable_seconds"),
+                       complete_seconds=result.get("complete_seconds"))
+        return rec
+
+
+def local_import(venv: Path, module: str, page_cache: PageCache) -> float:
+    page_cache.drop()
+    t0 = time.time()
+    return import_end(start_import(venv, module), venv) - t0
+
+
+def rsync_then_import(venv: Path, dest: Path, module: str) -> float:
+    shutil.rmtree(dest, ignore_errors=True)
+    t0 = time.time()
+    try:
+        run(["rsync", "-a", f"{venv}/", f"{dest}/"], timeout=900)
+        return import_end(start_import(dest, module), dest) - t0
+    finally:
+        shutil.rmtree(dest, ignore_errors=True)
+
+
+# ---- ingest -------------------------------------------------------------------------------
+
+def incompressible(cache: Path, size_mb: int) -> Path:
+    """A folder holding one file of `size_mb` MiB of random bytes (made once, then reused)."""
+    d = cache / f"ingest-{size_mb}"
+    f = d / "data.bin"
+    if not (f.exists() and f.stat().st_size == size_mb * MiB):
+        d.mkdir(parents=True, exist_ok=True)
+        with open(d / "data.partial", "wb") as out:
+            for _ in range(size_mb):
+                out.write(os.urandom(MiB))
+        os.replace(d / "data.partial", f)
+    return d
+
+
+def ingest(work: Path, src: Path, nodes: int) -> dict:
+    """Push `src` to a fresh cluster of `nodes`: the daemons' CPU and the push's wall clock."""
+    d = work / f"ingest-{nodes}"
+    try:
+        with LocalCluster(d, nodes) as cl:
+            pids = [cl.pid(i) for i in range(nodes)]
+            cpu0 = cpu_seconds(pids)
+            seconds, pushed = cl.push(src, "ingest")
+            settled(cl)
+            cpu = cpu_seconds(pids) - cpu0
+    finally:
+        remove_work(d)
+    content = pushed["bytes"]
+    return {"nodes": nodes, "bytes": content, "push_s": round(seconds, 3),
+            "daemon_cpu_s": round(cpu, 2),
+            "cpu_s_per_gb": round(cpu / (content * nodes / 1e9), 3),
+            "mb_s_per_node": round(content / 1e6 / seconds, 1),
+            "mb_s_all_nodes": round(content * nodes / 1e6 / seconds, 1)}
+
+
+# ---- hosts behind links -------------------------------------------------------------------
+
+def mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def stores_dir(content: int, hosts: int, work: Path) -> Path:
+    """Where the netns nodes keep their stores, the same for every host count: tmpfs when the
+    machine has the memory for the largest cluster (today's 1.7x per content byte, with room),
+    else `work` on disk."""
+    need = 2 * content * hosts
+    return Path(SHM) if os.path.isdir(SHM) and mem_available() > 1.5 * need else work
+
+
+def netns_cold(venv: Path, home: Path, n: int, rate: str, module: str,
+               excludes: tuple[str, ...], base: Path) -> dict:
+    """Item 2 on `n` namespaced hosts: push start until every host's first import is done."""
+    workdir = base / f"coldstart-netns-{os.getpid()}-{n}"
+    try:
+        with NetCluster(n, rate=rate, workdir=workdir) as c:
+            argv = c.push_argv(venv, "--json", "--name", NAME, "--timeout", "300",
+                               *[a for p in excludes for a in ("--exclude", p)])
+            t0 = time.time()
+            proc = c.run_devbox(argv, timeout=1800, env={"MONARCH_FS_HOME": str(home)})
+            pushed_s = time.time() - t0
+            if proc.returncode != 0:
+                raise BenchError(f"push to {n} hosts failed: {proc.stderr.strip()[-2000:]}")
+            root = Path(c.mount) / NAME
+            imports = [start_import(root, module, ["nsenter", "--target", str(node.pid),
+                                                   "--mount", "--net"]) for node in c.nodes]
+            ends = [import_end(p, root) - t0 for p in imports]
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return {"hosts": n, "push_s": round(pushed_s, 3), "all_imported_s": round(max(ends), 3),
+            "first_imported_s": round(min(ends), 3), "stores_on": str(base),
+            "pushed": last_json(proc.stdout)}
+
+
+# ---- the whole workload -------------------------------------------------------------------
+
+def measure(work: Path, cache: Path = DEFAULT_CACHE, module: str = "torch",
+            excludes: tuple[str, ...] = (), runs: int = 3, ingest_mb: int = 1024,
+            ingest_nodes: tuple[int, ...] = (1, 8), hosts: tuple[int, ...] = (1, 8),
+            rate: str = "1gbit", page_cache: PageCache | None = None) -> dict:
+    page_cache = page_cache or PageCache()
+    venv, staged = import_bench.ensure_venv(cache)
+    home = work / "devbox-home"
+    cold = ColdStart(work, home, venv, module, excludes)
+    warm_up = cold.warm_up()
+    log(f"  warm-up push: {warm_up['files']:,} files, {fmt_bytes(warm_up['bytes'])} in "
+        f"{warm_up['seconds']:.2f}s")
+    has_early = early_available()
+    sides = {"default": lambda: cold.once(False),
+             "local": lambda: local_import(venv, module, page_cache),
+             "rsync": lambda: rsync_then_import(venv, work / "rsync-copy", module)}
+    if has_early:
+        sides["early"] = lambda: cold.once(True)
+    log(f"  cold start ({runs} rounds{', usable-early mode too' if has_early else ''}) ...")
+    out = rounds(runs, sides)
+    res: dict = {"module": module, "venv": {**staged, "path": str(venv),
+                                            "excludes": list(excludes)},
+                 "warm_up_push": warm_up, "page_cache": page_cache.describe()}
+    res["sides"] = {k: summary([round(s, 3) for s in v]) for k, v in out.items()}
+    res["cold_runs"] = cold.runs
+    res["push_s"] = summary([r["push_s"] for r in cold.runs["default"]])
+    res["early"] = ({"import_done_s": summary([r["import_done_s"] for r in cold.runs["early"]]),
+                     "usable_s": summary([r["usable_s"] for r in cold.runs["early"]]),
+                     "complete_s": summary([r["complete_seconds"] or r["push_s"]
+                                            for r in cold.runs["early"]])}
+                    if has_early else "not available")
+    last = cold.runs["default"][-1]
+    res["disk"] = {"content_bytes": last["bytes"], "node_disk_bytes": last["node_disk_bytes"],
+                   "ratio": round(last["node_disk_bytes"] / last["bytes"], 3)}
+    log(f"  default {res['sides']['default']['median']:.2f}s, local "
+        f"{res['sides']['local']['median']:.2f}s, rsync {res['sides']['rsync']['median']:.2f}s"
+        + (f", early {res['sides']['early']['median']:.2f}s" if has_early else ""))
+
+    src = incompressible(cache, ingest_mb)
+    res["ingest"] = []
+    for n in ingest_nodes:
+        res["ingest"].append(ingest(work, src, n))
+        r = res["ingest"][-1]
+        log(f"  ingest {fmt_bytes(r['bytes'])} to {n} nodes: {r['push_s']:.2f}s, daemon CPU "
+            f"{r['cpu_s_per_gb']:.2f} s/GB, {r['mb_s_per_node']:.0f} MB/s per node")
+
+    try:
+        base = stores_dir(last["bytes"], max(hosts), work)
+        res["hosts"] = [netns_cold(venv, home, n, rate, module, excludes, base) for n in hosts]
+        one, many = res["hosts"][0], res["hosts"][-1]
+        res["hosts_ratio"] = round(many["all_imported_s"] / one["all_imported_s"], 3)
+        res["rate"] = rate
+        log(f"  {many['hosts']} hosts behind {rate}: {many['all_imported_s']:.2f}s, "
+            f"1 host {one['all_imported_s']:.2f}s ({res['hosts_ratio']:.2f}x)")
+    except NetnsUnsupported as e:
+        res["hosts"] = {"skipped": f"network namespaces unavailable: {e}"}
+    return res
+
+
+# ---- the report ---------------------------------------------------------------------------
+
+def _met(value: float, target: float) -> str:
+    return "**met**" if value <= target else "**not met**"
+
+
+def table(res: dict) -> list[str]:
+    """The issue's targets next to this run's figures (markdown lines)."""
+    s, t = res["sides"], TARGETS
+    cold, local, rsync = s["default"]["median"], s["local"]["median"], s["rsync"]["median"]
+    push = res["push_s"]["median"]
+    mod = res["module"]
+    lines = ["| what (issue 19) | target | this run | |", "| --- | --- | --- | --- |",
+             f"| push of the venv ({fmt_bytes(res['disk']['content_bytes'])}) to a fresh node, "
+             f"dev box pushed it before | <= {t['push_s']} s | {push:.2f} s "
+             f"({len(res['push_s']['runs'])} runs, "
+             f"{res['push_s']['min']:.2f}-{res['push_s']['max']:.2f}) | "
+             f"{_met(push, t['push_s'])} |",
+             f"| cold start to the first `import {mod}` done, default mode | <= {t['cold_s']} s "
+             f"(Monarch {MONARCH_REMOTEMOUNT_S} s) | {cold:.2f} s "
+             f"({s['default']['min']:.2f}-{s['default']['max']:.2f}); "
+             f"{cold / MONARCH_REMOTEMOUNT_S:.2f}x Monarch, {cold / local:.2f}x local import, "
+             f"{cold / rsync:.2f}x rsync + import | {_met(cold, t['cold_s'])} |"]
+    if isinstance(res["early"], dict):
+        e = res["early"]
+        v = e["import_done_s"]["median"]
+        lines.append(f"| the same, usable-early mode | <= {t['early_s']} s | {v:.2f} s (usable "
+                     f"{e['usable_s']['median']:.2f} s, complete {e['complete_s']['median']:.2f}"
+                     f" s); {v / local:.2f}x local import | {_met(v, t['early_s'])} |")
+    else:
+        lines.append(f"| the same, usable-early mode | <= {t['early_s']} s | not available "
+                     "(push has no --early) | n/a |")
+    d = res["disk"]
+    lines.append(f"| node disk per pushed content byte | <= {t['disk_ratio']}x | "
+                 f"{d['ratio']:.2f}x ({fmt_bytes(d['node_disk_bytes'])} for "
+                 f"{fmt_bytes(d['content_bytes'])}) | {_met(d['ratio'], t['disk_ratio'])} |")
+    for r in res["ingest"]:
+        target = f"<= {t['cpu_per_gb']} s" if r["nodes"] == 1 else "(reported)"
+        verdict = _met(r["cpu_s_per_gb"], t["cpu_per_gb"]) if r["nodes"] == 1 else ""
+        lines.append(f"| daemon CPU per GB ingested, incompressible, {r['nodes']} node"
+                     f"{'s' * (r['nodes'] > 1)} | {target} | {r['cpu_s_per_gb']:.2f} s/GB; "
+                     f"{r['mb_s_per_node']:.0f} MB/s of content per node "
+                     f"({fmt_bytes(r['bytes'])} in {r['push_s']:.2f} s) | {verdict} |")
+    h = res["hosts"]
+    if isinstance(h, list):
+        one, many = h[0], h[-1]
+        lines.append(f"| cold start on {many['hosts']} netns hosts behind {res['rate']} links, "
+                     f"against 1 host | <= {t['hosts_ratio']}x | {res['hosts_ratio']:.2f}x "
+                     f"({many['all_imported_s']:.2f} s vs {one['all_imported_s']:.2f} s; "
+                     f"stores on {many['stores_on']}) | "
+                     f"{_met(res['hosts_ratio'], t['hosts_ratio'])} |")
+    else:
+        lines.append(f"| cold start on netns hosts, against 1 host | <= {t['hosts_ratio']}x | "
+                     f"skipped ({h['skipped']}) | n/a |")
+    lines += ["", f"Sides (median seconds until `import {mod}` is done): monarch-fs push + "
+              f"import {cold:.2f} s; local disk, import only (page cache dropped) {local:.2f} s;"
+              f" `rsync -a` to a fresh local folder + import {rsync:.2f} s; Monarch 0.7 "
+              f"remotemount {MONARCH_REMOTEMOUNT_S} s (quoted from the issue, not measured)."]
+    return lines
+
+
+OPTIONS = [
+    ("--quick", {"action": "store_true", "help": "sympy without torch, 256 MiB, 2 nodes"}),
+    ("--rate", {"default": "1gbit", "help": "the netns links (tc units)"}),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    def run_it(work: Path, a) -> dict:
+        q = a.quick
+        res = measure(work, a.cache, "sympy" if q else "torch",
+                      ("torch", "torchgen", "functorch") if q else (),
+                      runs=1 if q else a.cold_runs, ingest_mb=256 if q else 1024,
+                      ingest_nodes=(1, 2) if q else (1, 8), hosts=(1, 2) if q else (1, 8),
+                      rate=a.rate)
+        print("\n".join(table(res)), file=sys.stderr)
+        return res
+
+    return workload_main(argv, __doc__, OPTIONS, run_it)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
