@@ -49,6 +49,7 @@ from . import import_bench
 from .common import (
     DEFAULT_CACHE,
     BenchError,
+    CpuMeter,
     LocalCluster,
     MiB,
     PageCache,
@@ -56,6 +57,7 @@ from .common import (
     disk_bytes,
     fmt_bytes,
     last_json,
+    loadavg,
     log,
     mfs_cli,
     remove_work,
@@ -304,7 +306,8 @@ def netns_cold(venv: Path, home: Path, n: int, rate: str, module: str,
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return {"hosts": n, "push_s": round(pushed_s, 3), "all_imported_s": round(max(ends), 3),
-            "first_imported_s": round(min(ends), 3), "stores_on": str(base),
+            "first_imported_s": round(min(ends), 3),
+            "stores_on": f"tmpfs {SHM}" if str(base) == SHM else f"disk ({base})",
             "pushed": last_json(proc.stdout)}
 
 
@@ -315,6 +318,7 @@ def measure(work: Path, cache: Path = DEFAULT_CACHE, module: str = "torch",
             ingest_nodes: tuple[int, ...] = (1, 8), hosts: tuple[int, ...] = (1, 8),
             rate: str = "1gbit", page_cache: PageCache | None = None) -> dict:
     page_cache = page_cache or PageCache()
+    load0, busy = loadavg(), CpuMeter()
     venv, staged = import_bench.ensure_venv(cache)
     home = work / "devbox-home"
     cold = ColdStart(work, home, venv, module, excludes)
@@ -368,6 +372,7 @@ def measure(work: Path, cache: Path = DEFAULT_CACHE, module: str = "torch",
             f"1 host {one['all_imported_s']:.2f}s ({res['hosts_ratio']:.2f}x)")
     except NetnsUnsupported as e:
         res["hosts"] = {"skipped": f"network namespaces unavailable: {e}"}
+    res["machine_load"] = {"loadavg": [load0, loadavg()], "cpu_busy_pct": busy.busy()}
     return res
 
 
@@ -431,6 +436,11 @@ def table(res: dict) -> list[str]:
                   f"{c['daemon']['median']:.2f} s, push and import processes "
                   f"{c['push_and_import']['median']:.2f} s (the wall clock moves with the "
                   "machine's load; these far less)."]
+    if "machine_load" in res:
+        m = res["machine_load"]
+        lines += ["", f"The machine's load average went {m['loadavg'][0]:.1f} -> "
+                  f"{m['loadavg'][1]:.1f}; its CPUs were {m['cpu_busy_pct']:.0f}% busy over the "
+                  "workload (every process, not only ours)."]
     lines += ["", f"Sides (median seconds until `import {mod}` is done): monarch-fs push + "
               f"import {cold:.2f} s; local disk, import only (page cache dropped) {local:.2f} s;"
               f" `rsync -a` to a fresh local folder + import {rsync:.2f} s; Monarch 0.7 "
