@@ -8,7 +8,7 @@ threads feed a bounded queue per root, drained by one sender per root.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import trio
 
@@ -17,6 +17,7 @@ from ...fs.scan import SourceChanged
 from ..wire import bulk, topology
 from ..wire.replies import FlushReply, RelayReply
 from ..wire.transport import describe_failure
+from .controller_store import ControllerStore, as_raw
 from .links import NODE_ERRORS, NodeLink, each
 from .progress import Progress
 
@@ -64,18 +65,37 @@ def interleave(ids: list[bytes], sizes: dict[bytes, int]) -> list[bytes]:
 @dataclass
 class Payload:
     """What a push sends: the snapshot's chunk ids in folder order, then its manifest (chunk id
-    `version`), their sizes, and how to read a chunk's bytes."""
+    `version`), their sizes, and how to obtain a chunk's blob: from the dev box's store when it
+    holds it (no read, hash or compression), else read from the source (checked against its
+    id) and compressed, and then kept in the store. Roots in `raw_roots` (links faster than
+    the codec, see links.py's choice) get every chunk raw; the nodes below a root receive
+    what the root received, forwarded as it arrives."""
 
     ids: list[bytes]
     version: bytes
     manifest_bytes: bytes
     sizes: dict[bytes, int]
     read_chunk: Callable[[bytes], bytes]
+    store: ControllerStore | None = None
+    raw_roots: set[str] = field(default_factory=set)
+
+    def read(self, cid: bytes) -> bytes:
+        return self.manifest_bytes if cid == self.version else self.read_chunk(cid)
 
     def encoded(self, cids: list[bytes]) -> Batch:
-        """Read and compress `cids` (on a worker thread: it reads the source files)."""
-        return [(cid, chunk.encode(self.manifest_bytes if cid == self.version
-                                   else self.read_chunk(cid))) for cid in cids]
+        """The wire form of `cids` (on a worker thread: it may read the source files)."""
+        if self.store is not None:
+            return [(cid, self.store.blob(cid, self.read)) for cid in cids]
+        return [(cid, chunk.encode(self.read(cid))) for cid in cids]
+
+    def raw(self, cids: list[bytes], blobs: Batch | None) -> Batch:
+        """`cids` in raw form: the store's blobs decompressed (a chunk stored raw as is), or
+        read from the source without compressing when there is no store. Decoding the stored
+        blob rather than re-reading the source keeps the promise that a push of stored
+        content reads nothing of the source, and checks the bytes against their id either way."""
+        if blobs is not None:
+            return [(cid, as_raw(cid, blob)) for cid, blob in blobs]
+        return [(cid, bytes([chunk.RAW]) + self.read(cid)) for cid in cids]
 
 
 class Stream:
@@ -147,15 +167,22 @@ class Stream:
 
         async def encoder() -> None:
             while cids := next_batch():
+                raw_needed = any(r.addr in pl.raw_roots for r in live)
+                zstd_needed = any(r.addr not in pl.raw_roots for r in live)
                 try:
-                    blobs = await trio.to_thread.run_sync(pl.encoded, cids)
-                except (SourceChanged, OSError) as e:
+                    blobs = (await trio.to_thread.run_sync(pl.encoded, cids)
+                             if zstd_needed or pl.store is not None else None)
+                    raws = (await trio.to_thread.run_sync(pl.raw, cids, blobs)
+                            if raw_needed else None)
+                except (SourceChanged, OSError, chunk.CorruptChunk) as e:
                     local_error.append(e)
                     nursery.cancel_scope.cancel()
                     return
                 for r in live:
                     wanted = wants[r.addr]
-                    mine = [(cid, blob) for cid, blob in blobs if cid in wanted]
+                    form = raws if r.addr in pl.raw_roots else blobs
+                    assert form is not None
+                    mine = [(cid, blob) for cid, blob in form if cid in wanted]
                     if mine and r.error is None:
                         try:
                             await queues[r.addr][0].send(mine)
