@@ -29,6 +29,7 @@ from ...fs.chunk import RAW, CorruptChunk, decode, encode
 from ...fs.manifest import Manifest
 from ...fs.private_files import replace_file
 from ...fs.store import Store, StoreBusy
+from ...settings import settings
 
 RECORD = "snapshots.json"
 BUSY_WAIT = 2.0  # seconds a push waits for a store another push holds
@@ -77,7 +78,7 @@ class ControllerStore:
         self.store = store
         self.root = store.root
         self.bound = bound
-        self.hits = 0  # chunks this push sent from the store (approximate across threads)
+        self.hits = 0  # blobs (chunks, manifest) this push sent from the store
         self.added = 0  # chunks added after publishing (the nodes had them already)
 
     @classmethod
@@ -87,7 +88,8 @@ class ControllerStore:
         deadline = trio.current_time() + wait
         while True:
             try:
-                return cls(await trio.to_thread.run_sync(Store, root), bound), None
+                store = await trio.to_thread.run_sync(Store, root, settings.pack_limit)
+                return cls(store, bound), None
             except StoreBusy:
                 if trio.current_time() >= deadline:
                     return None, (f"the dev box store {root} is in use by another push; "
@@ -131,8 +133,10 @@ class ControllerStore:
             held.remove(oldest)
             dropped.append(f"dev box store over its bound: dropped {oldest.workspace} "
                            f"{oldest.version[:12]}")
+            # Read before collecting: collect holds the store's lock while it asks for them.
+            live = list(self._live(held))
             self.store.seal()
-            self.store.collect(lambda: self._live(held))
+            self.store.collect(lambda: live)
         self._write(held)
         return dropped
 
