@@ -136,7 +136,7 @@ class ControllerStore:
             # Read before collecting: collect holds the store's lock while it asks for them.
             live = list(self._live(held))
             self.store.seal()
-            self.store.collect(lambda live=live: live)
+            self.store.collect(live.copy)
         self._write(held)
         return dropped
 
