@@ -11,8 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
+import trio
 
 from helpers import mfs, tree
+from monarch_fs.daemon.client import link_codec
+from monarch_fs.daemon.wire.auth import resolve_token
+from monarch_fs.daemon.wire.transport import connect
 from monarch_fs.fs.store import Store
 from monarch_fs.settings import settings
 
@@ -136,3 +140,21 @@ def test_no_store_and_compress_off(tmp_path, fresh_cluster):
     assert [(x["compression"], x["why"]) for x in r["links"]] == [("none", "--compress off")]
     assert not (settings.store_dir / "packs").exists()
     assert tree(c.mnt(0) / "env") == tree(src)
+
+
+def test_a_link_off_loopback_is_probed(tmp_path, fresh_cluster):
+    """Off loopback, the choice rests on a real probe over the push's session: its measured
+    rate is reported, and compared with decompression's (the label is the only thing that is
+    not loopback here: the session is a real one to a real daemon)."""
+    c = fresh_cluster(1)
+    token = resolve_token(c.token_file)
+
+    async def main() -> link_codec.LinkChoice:
+        async with await connect(c.hosts[0], token) as chan:
+            return await link_codec.choose("auto", "10.0.0.7:7000", chan)
+
+    choice = trio.run(main)
+    assert choice.rate_mib_s is not None and choice.rate_mib_s > 0
+    limit = link_codec.codec_rate() * link_codec.SAVED / (1 << 20)
+    assert choice.compression == ("zstd" if choice.rate_mib_s < limit else "none")
+    assert "decompression rate x bytes saved" in choice.why
