@@ -100,15 +100,16 @@ class ControllerStore:
 
     # ---- the blobs a push sends (worker threads) ---------------------------------------------
 
-    def blob(self, cid: bytes, read: Callable[[bytes], bytes]) -> bytes:
-        """The wire form of a chunk: from the store, else read (`read` verifies the bytes
-        against the id), compressed, and added without decoding it again."""
-        if self.store.has(cid):
-            self.hits += 1
-            return self.store.get_blob(cid)
-        blob = encode(read(cid))
+    def get(self, cid: bytes) -> bytes | None:
+        """A chunk's wire form, if the store holds it."""
+        if not self.store.has(cid):
+            return None
+        self.hits += 1
+        return self.store.get_blob(cid)
+
+    def add(self, cid: bytes, blob: bytes) -> None:
+        """Keep a blob just encoded from bytes checked against `cid` (not decoded again)."""
         self.store.put_blob(cid, blob, verified=True)
-        return blob
 
     def fill(self, ids: Iterable[bytes], read: Callable[[bytes], bytes]) -> int:
         """Add the chunks of `ids` the store lacks (those the nodes already had); how many."""

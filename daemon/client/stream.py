@@ -68,7 +68,7 @@ class Payload:
     `version`), their sizes, and how to obtain a chunk's blob: from the dev box's store when it
     holds it (no read, hash or compression), else read from the source (checked against its
     id) and compressed, and then kept in the store. Roots in `raw_roots` (links faster than
-    the codec, see links.py's choice) get every chunk raw; the nodes below a root receive
+    the codec, link_codec.py) get every chunk raw; the nodes below a root receive
     what the root received, forwarded as it arrives."""
 
     ids: list[bytes]
@@ -82,20 +82,33 @@ class Payload:
     def read(self, cid: bytes) -> bytes:
         return self.manifest_bytes if cid == self.version else self.read_chunk(cid)
 
-    def encoded(self, cids: list[bytes]) -> Batch:
-        """The wire form of `cids` (on a worker thread: it may read the source files)."""
-        if self.store is not None:
-            return [(cid, self.store.blob(cid, self.read)) for cid in cids]
-        return [(cid, chunk.encode(self.read(cid))) for cid in cids]
-
-    def raw(self, cids: list[bytes], blobs: Batch | None) -> Batch:
-        """`cids` in raw form: the store's blobs decompressed (a chunk stored raw as is), or
-        read from the source without compressing when there is no store. Decoding the stored
-        blob rather than re-reading the source keeps the promise that a push of stored
-        content reads nothing of the source, and checks the bytes against their id either way."""
-        if blobs is not None:
-            return [(cid, as_raw(cid, blob)) for cid, blob in blobs]
-        return [(cid, bytes([chunk.RAW]) + self.read(cid)) for cid in cids]
+    def encoded(self, cids: list[bytes], zstd: bool = True,
+                raw: bool = False) -> tuple[Batch, Batch]:
+        """(wire form, raw form) of `cids`, each only if asked (else empty), on a worker
+        thread: a chunk the store holds comes from it (raw: decompressed and checked here,
+        once, so the source is not read even for a raw link); any other is read from the
+        source (checked against its id), compressed if a zstd link or the store wants it, and
+        kept in the store."""
+        blobs: Batch = []
+        raws: Batch = []
+        store = self.store
+        for cid in cids:
+            blob = store.get(cid) if store is not None else None
+            if blob is not None:
+                if raw:
+                    raws.append((cid, as_raw(cid, blob)))
+            else:
+                data = self.read(cid)
+                if zstd or store is not None:
+                    blob = chunk.encode(data)
+                    if store is not None:
+                        store.add(cid, blob)
+                if raw:
+                    raws.append((cid, bytes([chunk.RAW]) + data))
+            if zstd:
+                assert blob is not None
+                blobs.append((cid, blob))
+        return blobs, raws
 
 
 class Stream:
@@ -170,10 +183,8 @@ class Stream:
                 raw_needed = any(r.addr in pl.raw_roots for r in live)
                 zstd_needed = any(r.addr not in pl.raw_roots for r in live)
                 try:
-                    blobs = (await trio.to_thread.run_sync(pl.encoded, cids)
-                             if zstd_needed or pl.store is not None else None)
-                    raws = (await trio.to_thread.run_sync(pl.raw, cids, blobs)
-                            if raw_needed else None)
+                    blobs, raws = await trio.to_thread.run_sync(pl.encoded, cids, zstd_needed,
+                                                                raw_needed)
                 except (SourceChanged, OSError, chunk.CorruptChunk) as e:
                     local_error.append(e)
                     nursery.cancel_scope.cancel()
@@ -181,7 +192,6 @@ class Stream:
                 for r in live:
                     wanted = wants[r.addr]
                     form = raws if r.addr in pl.raw_roots else blobs
-                    assert form is not None
                     mine = [(cid, blob) for cid, blob in form if cid in wanted]
                     if mine and r.error is None:
                         try:
