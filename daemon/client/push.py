@@ -105,7 +105,9 @@ class _Push:
         self.sizes = {cid: src.length for cid, src in snap.sources.items()}
         self.sizes[self.version] = len(manifest_bytes)
         self.payload = Payload(self.ids, self.version, manifest_bytes, self.sizes,
-                               snap.read_chunk, store)
+                               snap.read_chunk, store,
+                               vouched=frozenset(c for c, src in snap.sources.items()
+                                                 if src.cached is not None))
         self.compress = compress
         self.links: dict[str, LinkChoice] = {}  # per root, chosen when it first gets chunks
         self.chunks_sent = 0  # chunk copies that left the dev box (relays forward the rest)
