@@ -19,9 +19,10 @@ from typing import Any
 import trio
 
 from .daemon.client import cluster, slurm
+from .daemon.client.controller_store import Summary, read_summary
 from .daemon.client.hosts import HostsError, resolve_target
 from .daemon.client.progress import Progress, fmt_bytes
-from .daemon.client.push import PushError, push, workspace_name
+from .daemon.client.push import PushError, PushResult, push, workspace_name
 from .daemon.client.status import remove, status
 from .daemon.node.procs import ROOT_PROCS_FLAG
 from .daemon.wire import identity
@@ -129,7 +130,9 @@ def cmd_push(args: argparse.Namespace) -> int:
             args.src, hosts, token, name=args.name, excludes=args.exclude, progress=progress,
             topology_kind=args.topology, fanout=args.fanout, allow_partial=args.allow_partial,
             timeout=args.timeout, cache_dir=cache_dir, transport=transport,
-            encrypt=args.encrypt, at_source=args.at_source)
+            encrypt=args.encrypt, at_source=args.at_source,
+            store_dir=None if args.no_store else settings.store_dir,
+            store_bound=settings.store_bound, compress=args.compress)
 
     if args.watch:
         from .daemon.client.watch import watch
@@ -162,6 +165,8 @@ def cmd_push(args: argparse.Namespace) -> int:
               f"{fmt_bytes(result.bytes_sent)} ({result.chunks_sent} chunks; the snapshot has "
               f"{result.chunks_total}), "
               f"{result.topology}, {result.transport})")
+        for line in link_lines(result):
+            print(line)
     return 0
 
 
@@ -176,6 +181,13 @@ async def compile_first(src: str) -> None:
               f"{done.python} (they are pushed as they are)", file=sys.stderr)
 
 
+def link_lines(result: PushResult) -> list[str]:
+    """The compression of each link, when it is not what the link's kind makes obvious (zstd
+    off loopback, none on it)."""
+    return [f"  {c['host']}: compression {c['compression']} ({c['why']})" for c in result.links
+            if not c["why"].startswith("loopback")]
+
+
 def target(args: argparse.Namespace) -> tuple[list[str], bytes]:
     """The hosts and token a client command talks to: --hosts and --token-file, else the
     environment's, else this SLURM job's (`slurm up`), else the local cluster's."""
@@ -184,11 +196,16 @@ def target(args: argparse.Namespace) -> tuple[list[str], bytes]:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    held = read_summary(settings.store_dir, settings.store_bound)
+    if args.store:
+        print(json.dumps(held.to_json()) if args.json else store_line(held))
+        return 0
     hosts, token = target(args)
     nodes = trio.run(status, hosts, token)
     if args.json:
         print(json.dumps([n.to_json() for n in nodes]))
     else:
+        print(store_line(held))
         for n in nodes:
             s = n.reply
             if s is None:
@@ -210,6 +227,14 @@ def cmd_status(args: argparse.Namespace) -> int:
             for problem in s.problems:
                 print(f"{n.host}  problem: {problem}")
     return 0 if all(n.reachable for n in nodes) else 1
+
+
+def store_line(held: Summary) -> str:
+    """The dev box store as `status` shows it, as of its last push."""
+    kept = ", ".join(f"{h.workspace}={h.version[:12]}" for h in
+                     sorted(held.snapshots, key=lambda h: -h.pushed)) or "no snapshots"
+    return (f"dev box store {held.path}: {fmt_bytes(held.bytes)} in {held.objects} objects "
+            f"(bound {fmt_bytes(held.bound)}); {kept}")
 
 
 def _procs_line(s: StatusReply) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from .daemon.client import slurm
+from .daemon.client.link_codec import POLICIES as COMPRESS_POLICIES
 from .daemon.node.procs import ROOT_PROCS_FLAG
 from .daemon.wire import identity
 from .daemon.wire.addresses import ENCRYPT_POLICIES
@@ -92,6 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cache", action="store_true",
                    help="hash every file: do not use or update the scan cache "
                         "(default: $MONARCH_FS_HOME/scan-cache, so unchanged files are not read)")
+    p.add_argument("--no-store", action="store_true",
+                   help="neither send from nor add to the dev box store ($MONARCH_FS_STORE, "
+                        "default $MONARCH_FS_HOME/store), which keeps what push sent so a later "
+                        "push of unchanged content reads nothing of SRC")
+    p.add_argument("--compress", choices=COMPRESS_POLICIES, default="auto",
+                   help="zstd on each link from this machine: auto (measured per link: none on "
+                        "loopback or where the link is faster than decompressing; reported in "
+                        "--json under links), on, or off")
     p.add_argument("--transport", choices=TRANSPORTS, default="auto", help=TRANSPORT_HELP)
     p.add_argument("--encrypt", choices=ENCRYPT_POLICIES, default="auto", help=ENCRYPT_HELP)
     p.add_argument("--at-source", action=argparse.BooleanOptionalAction, default=None,
@@ -105,10 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "__pycache__ into SRC. The mount is read-only, so modules pushed "
                         "without .pyc are compiled again by every import on every node")
 
-    s = sub.add_parser("status", help="what every node serves")
+    s = sub.add_parser("status", help="what every node serves, and the dev box store")
     s.add_argument("--hosts", metavar="SPEC", help=hosts_help)
     s.add_argument("--token-file", metavar="F")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true",
+                   help="print one list, an object per node (with --store: one object)")
+    s.add_argument("--store", action="store_true",
+                   help="only the dev box store: objects, bytes, bound and the snapshots it "
+                        "holds (asks no node)")
 
     rm = sub.add_parser("rm", help="delete a workspace on every node",
                         description="Delete workspace NAME on every node: it leaves the mount at "

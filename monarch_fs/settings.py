@@ -47,8 +47,24 @@ class Settings:
     @property
     def home(self) -> Path:
         """MONARCH_FS_HOME (~/.monarch-fs): the local cluster (`cluster/`: its token, hosts
-        file and nodes) and push's scan caches (`scan-cache/`)."""
+        file and nodes), push's scan caches (`scan-cache/`) and the dev box store (`store/`)."""
         return Path(self._str("MONARCH_FS_HOME") or "~/.monarch-fs").expanduser()
+
+    @property
+    def store_dir(self) -> Path:
+        """MONARCH_FS_STORE: the dev box's store of what push sent (default HOME/store), from
+        which later pushes of unchanged content send without reading the source."""
+        raw = self._str("MONARCH_FS_STORE")
+        return Path(raw).expanduser() if raw else self.home / "store"
+
+    @property
+    def store_bound(self) -> int:
+        """MONARCH_FS_STORE_MIB (20480, i.e. 20 GiB), in bytes: the dev box store's size bound;
+        after a push over it, the least recently pushed snapshots are dropped (never the one
+        just pushed). 0 keeps only the snapshot just pushed."""
+        from .daemon.client.controller_store import DEFAULT_BOUND
+
+        return max(0, self._int("MONARCH_FS_STORE_MIB", DEFAULT_BOUND >> 20)) << 20
 
     @property
     def token_file(self) -> str | None:

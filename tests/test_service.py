@@ -40,6 +40,7 @@ from monarch_fs.daemon.wire.requests import (
     Kill,
     OpenRelay,
     Prepare,
+    Probe,
     Remove,
     RequestError,
     Spawn,
@@ -219,7 +220,7 @@ async def test_a_corrupt_chunk_refuses_the_requests_after_it(tmp_path):
 
 def test_every_op_has_one_route_and_parses_its_arguments():
     assert set(ROUTES) == {"status", "prepare", "commit", "remove", "relay", "flush", "bulk",
-                           "spawn", "kill", "free_port"}
+                           "spawn", "kill", "free_port", "probe"}
     version = "ab" * 16
     assert Prepare.parse({"name": "ws", "version": version}) == Prepare(
         "ws", bytes.fromhex(version))
@@ -231,6 +232,7 @@ def test_every_op_has_one_route_and_parses_its_arguments():
     assert Flush.parse({}) == Flush(0) and Flush.parse({"bulk_chunks": 3}) == Flush(3)
     assert Kill.parse({"proc": 2}) == Kill(2, 15)
     assert Bulk.parse({"kind": "rc", "qp": {}}).setup == {"kind": "rc", "qp": {}}
+    assert Probe.parse({"pad": "xyz"}) == Probe(3) and Probe.parse({}) == Probe(0)
     spawn = Spawn.parse({"argv": ["x"], "workspace": "ws", "version": version})
     assert (spawn.workspace, spawn.version) == ("ws", bytes.fromhex(version))
     assert Spawn.parse({"argv": ["x"]}).version is None

@@ -16,16 +16,21 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import trio
 
 from ...fs import chunk
 from ...fs.manifest import Kind
-from ...fs.scan import Snapshot, scan
+from ...fs.scan import Snapshot, SourceChanged, scan
 from ...fs.scan_cache import ScanCache
 from ..wire import bulk, identity, topology
 from ..wire.replies import CommitReply, PrepareReply
 from ..wire.requests import check_source_path, check_workspace_name
 from ..wire.transport import CONNECT_TIMEOUT, connect
-from . import bytecode
+from . import bytecode, link_codec
+from .controller_store import ControllerStore
+from .link_codec import LinkChoice
 from .links import STALL_TIMEOUT, NodeLink, each
 from .progress import Progress
 from .stream import Payload, Stream
@@ -65,6 +70,8 @@ class PushResult:
     topology: str = "star"
     transport: str = "tcp"  # how chunk payloads left the dev box: tcp, rdma-rc or rdma-srd
     failed: dict[str, str] = field(default_factory=dict)  # --allow-partial: nodes left behind
+    links: list[dict] = field(default_factory=list)  # per root: link_codec.LinkChoice
+    store: dict = field(default_factory=dict)  # the dev box store: used, sent_from, added
     warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -83,7 +90,8 @@ class _Push:
     requested = "tcp"
 
     def __init__(self, snap: Snapshot, hosts: Sequence[str], token: bytes, progress: Progress,
-                 timeout: float, allow_partial: bool, encrypt: str = "auto"):
+                 timeout: float, allow_partial: bool, encrypt: str = "auto",
+                 store: ControllerStore | None = None, compress: str = "auto"):
         self.snap = snap
         self.token = token
         self.encrypt = encrypt
@@ -97,7 +105,11 @@ class _Push:
         self.sizes = {cid: src.length for cid, src in snap.sources.items()}
         self.sizes[self.version] = len(manifest_bytes)
         self.payload = Payload(self.ids, self.version, manifest_bytes, self.sizes,
-                               snap.read_chunk)
+                               snap.read_chunk, store,
+                               vouched=frozenset(c for c, src in snap.sources.items()
+                                                 if src.cached is not None))
+        self.compress = compress
+        self.links: dict[str, LinkChoice] = {}  # per root, chosen when it first gets chunks
         self.chunks_sent = 0  # chunk copies that left the dev box (relays forward the rest)
         self.bytes_sent = 0
         self.warnings: list[str] = []  # from the nodes' commits
@@ -152,6 +164,7 @@ class _Push:
         kind = topology.choose(kind, len(lacking), payload)
         roots = topology.plan([n.addr for n in lacking], kind, fanout)
         by_addr = {n.addr: n for n in self.nodes}
+        await self.choose_compression([by_addr[r["addr"]] for r in roots])
         stream = Stream(self.payload, self.nodes, self.local, self.timeout, self.progress)
         try:
             await stream.run([(by_addr[r["addr"]], r["children"]) for r in roots])
@@ -159,6 +172,16 @@ class _Push:
             self.chunks_sent += stream.chunks_sent
             self.bytes_sent += stream.bytes_sent
         return kind
+
+    async def choose_compression(self, roots: list[NodeLink]) -> None:
+        """zstd or raw for each root's link (link_codec.py); the nodes below a root get what
+        it forwards, as it arrives."""
+        async def one(root: NodeLink) -> None:
+            self.links[root.addr] = await link_codec.choose(self.compress, root.addr,
+                                                           root.channel)
+
+        await each([r for r in roots if r.addr not in self.links], one, self.timeout)
+        self.payload.raw_roots = {a for a, c in self.links.items() if c.compression == "none"}
 
     async def publish(self, name: str, source: dict[str, str]) -> None:
         """Prepare on every node, then commit on every node; `source` (path, id) asks each to
@@ -192,6 +215,18 @@ class _Push:
     async def aclose(self) -> None:
         for node in self.nodes:
             await bulk.close_peer(node.bulk, node.chan)
+
+
+def keep(store: ControllerStore, snap: Snapshot, job: _Push, name: str) -> list[str]:
+    """After publishing: add to the dev box store the chunks it lacks (those no node needed),
+    record the snapshot and apply the bound; the lines to report. Blocking."""
+    lines: list[str] = []
+    try:
+        store.added = store.fill(job.ids + [job.version], job.payload.read)
+    except (SourceChanged, OSError) as e:  # published already: the next push reads it again
+        lines.append(f"the dev box store misses some chunks of this push: {e}")
+    files = sum(e.size for e in snap.manifest if e.kind == Kind.FILE)
+    return lines + store.finish(job.version, name, files)
 
 
 def workspace_name(src: str | os.PathLike[str], name: str | None) -> str:
@@ -240,13 +275,19 @@ async def push(
     transport: str | bulk.LocalTransport = "auto",
     encrypt: str = "auto",
     at_source: bool | None = None,
+    store_dir: str | os.PathLike[str] | None = None,
+    store_bound: int = 0,
+    compress: str = "auto",
 ) -> PushResult:
     """Push `src` to every host as workspace `name` (default: the folder's name). With
     `cache_dir`, the scan keeps a cache of the folder there, so unchanged files are not read.
     `encrypt` is the policy for the sessions with the nodes (addresses.encrypts). With
     `at_source`, every node also exposes the workspace at `src`'s absolute path (a link to
     MOUNT/NAME), so a venv's scripts, which name that path, run there; None (the default)
-    does so where the path allows it, and otherwise pushes without it and warns."""
+    does so where the path allows it, and otherwise pushes without it and warns. With
+    `store_dir`, chunks are sent from the dev box's store there and kept in it
+    (controller_store.py; `store_bound` bytes). `compress` (auto, on, off) is the policy for
+    each link (link_codec.py)."""
     t0 = time.monotonic()
     progress = progress or Progress()
     name = workspace_name(src, name)
@@ -259,6 +300,8 @@ async def push(
             if at_source:
                 raise
             unexposed = [f"not exposed at its source path on the nodes: {e}"]
+    if compress not in link_codec.POLICIES:
+        raise ValueError(f"unknown compression {compress!r}: use one of {link_codec.POLICIES}")
     if topology_kind not in topology.KINDS:
         raise ValueError(f"unknown topology {topology_kind!r}: use one of {topology.KINDS}")
 
@@ -267,7 +310,11 @@ async def push(
         progress.phase("hashing", total) if done == 0 else progress.update(done)),
         cache=ScanCache.for_folder(cache_dir, src) if cache_dir else None)
 
-    job = _Push(snap, hosts, token, progress, timeout, allow_partial, encrypt)
+    store: ControllerStore | None = None
+    if store_dir is not None:
+        store, busy = await ControllerStore.open(Path(store_dir), store_bound)
+        unexposed += [busy] if busy else []
+    job = _Push(snap, hosts, token, progress, timeout, allow_partial, encrypt, store, compress)
     job.requested = transport if isinstance(transport, str) else transport.requested
     job.local = (transport if isinstance(transport, bulk.LocalTransport)
                  else bulk.resolve_local(transport))
@@ -287,8 +334,12 @@ async def push(
             await job.broadcast("star", fanout)
             job.check("sending chunks")
         await job.publish(name, source)
+        if store is not None:
+            unexposed += await trio.to_thread.run_sync(keep, store, snap, job, name)
     finally:
         await job.aclose()
+        if store is not None:
+            store.close()
 
     files = [e for e in snap.manifest if e.kind == Kind.FILE]
     return PushResult(
@@ -305,6 +356,9 @@ async def push(
         transport=",".join(sorted({n.bulk.kind for n in job.nodes if n.bulk}
                                   or {n.transport[0] for n in job.healthy})) or "tcp",
         failed={n.addr: n.error for n in job.nodes if n.error},
+        links=[c.to_json() for c in job.links.values()],
+        store=({"path": str(store.root), "sent_from_store": store.hits, "added": store.added}
+               if store is not None else {}),
         warnings=unexposed + snap.warnings + bytecode.warnings(snap.manifest, src)
         + job.warnings,
     )

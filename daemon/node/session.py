@@ -30,6 +30,7 @@ from ..wire.replies import (
     KillReply,
     NodeReply,
     PrepareReply,
+    ProbeReply,
     RelayReply,
     RemoveReply,
     SpawnReply,
@@ -44,6 +45,7 @@ from ..wire.requests import (
     NodeRequest,
     OpenRelay,
     Prepare,
+    Probe,
     Remove,
     RequestError,
     Spawn,
@@ -259,6 +261,9 @@ class Session:
     async def _free_port(self, req: FreePort) -> FreePortReply:
         return FreePortReply(free_port())
 
+    async def _probe(self, req: Probe) -> ProbeReply:
+        return ProbeReply(req.size)
+
 
 # A handler takes its own request class (the route's), so the table types it loosely.
 Handler = Callable[[Session, Any], Awaitable[NodeReply]]
@@ -274,6 +279,7 @@ _HANDLERS: list[tuple[type[NodeRequest], Handler]] = [
     (Spawn, Session._spawn),
     (Kill, Session._kill),
     (FreePort, Session._free_port),
+    (Probe, Session._probe),
 ]
 # The one dispatch table: every op a node answers, its request class and its handler.
 ROUTES: dict[str, tuple[type[NodeRequest], Handler]] = {

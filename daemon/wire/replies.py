@@ -306,5 +306,20 @@ class FreePortReply:
         return cls(_get(cls.op, value, "port", int))
 
 
+@dataclass(frozen=True)
+class ProbeReply:
+    """How many bytes of padding the probe carried."""
+
+    op: ClassVar[str] = "probe"
+    size: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"size": self.size}
+
+    @classmethod
+    def from_wire(cls, value: Mapping[str, Any]) -> ProbeReply:
+        return cls(_get(cls.op, value, "size", int))
+
+
 NodeReply = (StatusReply | PrepareReply | CommitReply | RemoveReply | RelayReply | FlushReply
-             | BulkReply | SpawnReply | KillReply | FreePortReply)
+             | BulkReply | SpawnReply | KillReply | FreePortReply | ProbeReply)

@@ -299,5 +299,22 @@ class FreePort(_NoArguments):
     after_chunks: ClassVar[bool] = False
 
 
+@dataclass(frozen=True)
+class Probe:
+    """Padding the node only counts: the push times two of them, small and large, to measure
+    the link's rate against the codec's (daemon/client/link_codec.py)."""
+
+    op: ClassVar[str] = "probe"
+    after_chunks: ClassVar[bool] = False
+    size: int
+
+    @classmethod
+    def parse(cls, args: dict) -> Probe:
+        pad = args.get("pad", "")
+        if not isinstance(pad, str):
+            raise RequestError(f"probe: pad must be a string, not {type(pad).__name__}")
+        return cls(len(pad))
+
+
 NodeRequest = (Status | Prepare | Commit | Remove | OpenRelay | Flush | Bulk | Spawn | Kill
-               | FreePort)
+               | FreePort | Probe)

@@ -1,0 +1,170 @@
+"""The dev box's own content-addressed store: every chunk a push sent, in the form it goes on the
+wire, so a later push of unchanged content to fresh nodes sends it again without re-reading,
+re-hashing or re-compressing it.
+
+It is a node's Store (fs/store.py, the same pack format) at $MONARCH_FS_HOME/store, plus a small
+record, `snapshots.json`, of the snapshots pushed (version, workspace, when, bytes) and the
+store's size as of the last push, which `status` reads without taking the store's lock. The scan
+cache still says which files are unchanged (their chunk ids, unread); this is where their chunks
+are found. After a push, when the packs exceed the bound (MONARCH_FS_STORE_MIB, default 20
+GiB), the least recently pushed snapshots are forgotten, never the one just pushed, and a
+collect frees what only they used.
+
+A Store is owned by one process at a time (an exclusive lock): a push that finds it busy (a
+`push --watch` pushing right now) waits briefly, then pushes without it and says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import trio
+
+from ...fs.chunk import RAW, CorruptChunk, decode, encode
+from ...fs.manifest import Manifest
+from ...fs.private_files import replace_file
+from ...fs.store import Store, StoreBusy
+from ...settings import settings
+
+RECORD = "snapshots.json"
+BUSY_WAIT = 2.0  # seconds a push waits for a store another push holds
+DEFAULT_BOUND = 20 << 30  # a torch venv is ~0.5 GiB in the store: some 40 of them
+
+
+@dataclass
+class Held:
+    """One snapshot the store holds: what `status` lists, and what GC drops first (oldest)."""
+
+    version: str  # hex
+    workspace: str
+    pushed: float  # time.time() of its last push
+    bytes: int  # content bytes of its files
+
+
+@dataclass
+class Summary:
+    """The record as `status` reports it (read without opening the store)."""
+
+    path: str
+    objects: int
+    bytes: int
+    bound: int
+    snapshots: list[Held]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def read_summary(root: Path, bound: int) -> Summary:
+    """What the store held after its last push; an absent or damaged record is an empty one."""
+    try:
+        data = json.loads((root / RECORD).read_text())
+        held = [Held(**h) for h in data["snapshots"]]
+        objects, size = int(data["objects"]), int(data["bytes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        held, objects, size = [], 0, 0
+    return Summary(str(root), objects, size, bound, held)
+
+
+class ControllerStore:
+    """The dev box's store, open for one push (see the module docstring)."""
+
+    def __init__(self, store: Store, bound: int):
+        self.store = store
+        self.root = store.root
+        self.bound = bound
+        self.hits = 0  # blobs (chunks, manifest) this push sent from the store
+        self.added = 0  # chunks added after publishing (the nodes had them already)
+
+    @classmethod
+    async def open(cls, root: Path, bound: int,
+                   wait: float = BUSY_WAIT) -> tuple[ControllerStore | None, str | None]:
+        """The store, or (None, the one-line reason the push goes on without it)."""
+        deadline = trio.current_time() + wait
+        while True:
+            try:
+                store = await trio.to_thread.run_sync(Store, root, settings.pack_limit)
+                return cls(store, bound), None
+            except StoreBusy:
+                if trio.current_time() >= deadline:
+                    return None, (f"the dev box store {root} is in use by another push; "
+                                  "pushed without it (every chunk read and compressed)")
+                await trio.sleep(0.1)
+            except OSError as e:
+                return None, f"the dev box store {root} cannot be opened ({e}); pushed without it"
+
+    # ---- the blobs a push sends (worker threads) ---------------------------------------------
+
+    def get(self, cid: bytes) -> bytes | None:
+        """A chunk's wire form, if the store holds it."""
+        if not self.store.has(cid):
+            return None
+        self.hits += 1
+        return self.store.get_blob(cid)
+
+    def add(self, cid: bytes, blob: bytes) -> None:
+        """Keep a blob just encoded from bytes checked against `cid` (not decoded again)."""
+        self.store.put_blob(cid, blob, verified=True)
+
+    def fill(self, ids: Iterable[bytes], read: Callable[[bytes], bytes]) -> int:
+        """Add the chunks of `ids` the store lacks (those the nodes already had); how many."""
+        added = 0
+        for cid in self.store.missing(ids):
+            self.store.put_blob(cid, encode(read(cid)), verified=True)
+            added += 1
+        return added
+
+    # ---- after a push --------------------------------------------------------------------------
+
+    def finish(self, version: bytes, workspace: str, content_bytes: int) -> list[str]:
+        """Record the snapshot just pushed, then drop the least recently pushed others while
+        the packs exceed the bound; returns a line per snapshot dropped. Blocking."""
+        self.store.sync()
+        summary = read_summary(self.root, self.bound)
+        held = [h for h in summary.snapshots if h.version != version.hex()]
+        held.append(Held(version.hex(), workspace, time.time(), content_bytes))
+        dropped: list[str] = []
+        while self.store.usage()[1] > self.bound and len(held) > 1:
+            oldest = min(held[:-1], key=lambda h: h.pushed)
+            held.remove(oldest)
+            dropped.append(f"dev box store over its bound: dropped {oldest.workspace} "
+                           f"{oldest.version[:12]}")
+            # Read before collecting: collect holds the store's lock while it asks for them.
+            live = list(self._live(held))
+            self.store.seal()
+            self.store.collect(live.copy)
+        self._write(held)
+        return dropped
+
+    def _live(self, held: list[Held]) -> Iterable[Iterable[bytes]]:
+        """The chunk ids of each held snapshot, and its manifest's id."""
+        for h in held:
+            version = bytes.fromhex(h.version)
+            yield [version]
+            try:
+                manifest = Manifest.decode(decode(version, self.store.get_blob(version)))
+            except (KeyError, ValueError, CorruptChunk):
+                continue  # not held (the nodes had it): its chunks are not kept live
+            yield manifest.chunk_ids()
+
+    def _write(self, held: list[Held]) -> None:
+        objects, size = self.store.usage()
+        data = {"objects": objects, "bytes": size, "snapshots": [asdict(h) for h in held]}
+        replace_file(self.root / RECORD, json.dumps(data).encode(),
+                     self.root / f"{RECORD}.{os.getpid()}.tmp")
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def as_raw(cid: bytes, blob: bytes) -> bytes:
+    """The same chunk in raw form, for a link faster than the codec: decompressed (and checked
+    against its id) here, once, rather than on every node behind the link."""
+    if blob[0] == RAW:
+        return blob
+    return bytes([RAW]) + bytes(decode(cid, blob))

@@ -1,0 +1,167 @@
+"""The dev box store: a push of content pushed before, to fresh nodes, sends it from the store
+without reading the source; the store keeps to its bound; a busy store never fails a push; and
+each link's compression is chosen and reported, the bytes arriving right either way."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from helpers import mfs, tree
+from monarch_fs.daemon.client import link_codec
+from monarch_fs.daemon.wire.auth import resolve_token
+from monarch_fs.daemon.wire.transport import connect
+from monarch_fs.fs.store import Store
+from monarch_fs.settings import settings
+
+pytestmark = pytest.mark.mount
+
+
+def make_src(root: Path, seed: int = 0, size: int = 9 << 20) -> Path:
+    """A folder of text-like small files and one large random file of several chunks, old
+    enough (mtime and ctime) for the scan cache to vouch for it."""
+    root.mkdir(parents=True)
+    (root / "pkg").mkdir()
+    for i in range(40):
+        (root / "pkg" / f"m{i}.py").write_text(f"# module {seed}.{i}\n" + "x = 1\n" * (200 + i))
+    (root / "big.bin").write_bytes(os.urandom(size))
+    os.sync()
+    time.sleep(2.2)  # the scan cache records no file changed less than 2 s before a scan
+    return root
+
+
+def resident_bytes(root: Path) -> int:
+    """How much of the folder's file content is in the page cache (fincore, util-linux)."""
+    files = [str(p) for p in root.rglob("*") if p.is_file()]
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *files],
+                         capture_output=True, text=True, check=True).stdout
+    return sum(int(line) for line in out.split())
+
+
+def evict(root: Path) -> None:
+    for p in root.rglob("*"):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def store_status() -> dict:
+    return json.loads(mfs("status", "--store", "--json").stdout)
+
+
+def test_push_to_fresh_nodes_sends_from_the_store_without_reading_the_source(
+        tmp_path, fresh_cluster):
+    """The second push runs in a new process (the store survives a restart of the client),
+    to a node that has nothing, over a zstd link: every chunk comes from the store, and not a
+    page of the source is read."""
+    src = make_src(tmp_path / "env")
+    want = tree(src)
+    first = fresh_cluster(1)
+    r1 = first.push_json(src, "--compress", "on")
+    assert [c["compression"] for c in r1["links"]] == ["zstd"]
+    assert r1["bytes_sent"] < r1["bytes"]  # the text compressed
+    assert tree(first.mnt(0) / "env") == want
+    held = store_status()
+    assert [h["version"] for h in held["snapshots"]] == [r1["version"]]
+
+    os.sync()
+    evict(src)
+    assert resident_bytes(src) == 0
+    second = fresh_cluster(1)
+    r2 = second.push_json(src, "--compress", "on")
+    assert resident_bytes(src) == 0, "the push read the source"
+    assert r2["version"] == r1["version"]
+    # every chunk, and the manifest
+    assert r2["store"]["sent_from_store"] == r2["chunks_sent"] + 1 == r2["chunks_total"] + 1
+    assert r2["bytes_sent"] == r1["bytes_sent"]
+    assert tree(second.mnt(0) / "env") == want
+
+    # Loopback goes raw: chunks of files the scan cache vouches for are read from the source
+    # (cheaper than decompressing the stored blob), checked against their ids.
+    third = fresh_cluster(1)
+    r3 = third.push_json(src)
+    [link] = r3["links"]
+    assert (link["compression"], link["rate_mib_s"]) == ("none", None)
+    assert link["why"].startswith("loopback")
+    assert r3["bytes_sent"] >= r3["bytes"]
+    assert tree(third.mnt(0) / "env") == want
+
+
+def test_bound_drops_the_least_recently_pushed(tmp_path, fresh_cluster, monkeypatch):
+    """Over the bound, older snapshots go and the store shrinks below it; the one just pushed
+    stays, and is still sent from the store."""
+    monkeypatch.setenv("MONARCH_FS_STORE_MIB", "3")
+    monkeypatch.setenv("MONARCH_FS_PACK_MIB", "1")
+    c = fresh_cluster(1)
+    versions = []
+    for i in range(4):
+        src = make_src(tmp_path / f"ws{i}", seed=i, size=1 << 20)
+        versions.append(c.push_json(src, "--name", f"ws{i}")["version"])
+    held = store_status()
+    kept = [h["version"] for h in held["snapshots"]]
+    assert versions[-1] in kept and versions[0] not in kept
+    assert len(kept) < 4
+    assert held["bound"] == 3 << 20
+    packs = sum(p.stat().st_size for p in (settings.store_dir / "packs").glob("*.pack"))
+    assert packs == held["bytes"] <= 3 << 20
+    line = mfs("status", "--store").stdout
+    assert f"ws3={versions[-1][:12]}" in line and "ws0" not in line
+
+    fresh = fresh_cluster(1)
+    r = fresh.push_json(tmp_path / "ws3", "--name", "ws3", "--compress", "on")
+    assert r["store"]["sent_from_store"] == r["chunks_total"] + 1
+    assert tree(fresh.mnt(0) / "ws3") == tree(tmp_path / "ws3")
+
+
+def test_a_busy_store_does_not_fail_a_push(tmp_path, fresh_cluster):
+    """Another push holding the store (push --watch): this one waits briefly, then pushes
+    without it and says so in one line."""
+    src = make_src(tmp_path / "env", size=1 << 20)
+    c = fresh_cluster(1)
+    holder = Store(settings.store_dir)
+    try:
+        out = c.push(src)
+    finally:
+        holder.close()
+    result = json.loads(out.stdout)
+    assert result["store"] == {}
+    [warning] = [w for w in out.stderr.splitlines() if "dev box store" in w]
+    assert "in use by another push; pushed without it" in warning
+    assert tree(c.mnt(0) / "env") == tree(src)
+
+
+def test_no_store_and_compress_off(tmp_path, fresh_cluster):
+    src = make_src(tmp_path / "env", size=1 << 20)
+    c = fresh_cluster(1)
+    r = c.push_json(src, "--no-store", "--compress", "off")
+    assert r["store"] == {}
+    assert [(x["compression"], x["why"]) for x in r["links"]] == [("none", "--compress off")]
+    assert not (settings.store_dir / "packs").exists()
+    assert tree(c.mnt(0) / "env") == tree(src)
+
+
+def test_a_link_off_loopback_is_probed(tmp_path, fresh_cluster):
+    """Off loopback, the choice rests on a real probe over the push's session: its measured
+    rate is reported, and compared with decompression's (the label is the only thing that is
+    not loopback here: the session is a real one to a real daemon)."""
+    c = fresh_cluster(1)
+    token = resolve_token(c.token_file)
+
+    async def main() -> link_codec.LinkChoice:
+        async with await connect(c.hosts[0], token) as chan:
+            return await link_codec.choose("auto", "10.0.0.7:7000", chan)
+
+    choice = trio.run(main)
+    assert choice.rate_mib_s is not None and choice.rate_mib_s > 0
+    limit = link_codec.codec_rate() * link_codec.SAVED / (1 << 20)
+    assert choice.compression == ("zstd" if choice.rate_mib_s < limit else "none")
+    assert "decompression rate x bytes saved" in choice.why
