@@ -107,8 +107,8 @@ class Stream:
             if root.bulk is None:
                 root.bulk = await bulk.open_sender(chan, root.transport[0], self.local,
                                                    chan.info)
-            reply = RelayReply.from_wire(
-                await chan.request("relay", children=children, timeout=self.timeout))
+            reply = RelayReply.from_wire(await chan.request(
+                "relay", children=children, timeout=self.timeout, version=pl.version.hex()))
             self._blame(reply.failed)
             # negotiate() learned what each node lacks: ask the subtree only about those ids
             # (an id no node below lacks cannot come back), so neither the root nor the nodes
@@ -126,7 +126,10 @@ class Stream:
         order = interleave([c for c in pl.ids if any(c in wants[r.addr] for r in live)],
                            pl.sizes)
         if any(pl.version in wants[r.addr] for r in live):
-            order.append(pl.version)  # the manifest goes last: it names everything before it
+            # The manifest goes first: it tells each node where every large file's chunks go,
+            # so they are written once, in place (fs/file_objects.py). Nothing is published
+            # before prepare checks that every chunk it names has arrived.
+            order.insert(0, pl.version)
         self.progress.phase("sending", sum(pl.sizes[c] for r in live for c in wants[r.addr]))
         sent = 0
         local_error: list[BaseException] = []
