@@ -262,7 +262,9 @@ class BackingFiles:
         return removed
 
     def usage(self) -> tuple[int, int]:
-        """(files, bytes); (0, 0) if the folder cannot be listed (the copies say why)."""
+        """(files, bytes) passthrough can bind: the store's file objects and the copies here;
+        the copies alone if the folder cannot be listed (the copies say why)."""
+        objects = self.store.objects.usage() if self.store is not None else (0, 0)
         sizes = []
         try:
             for p in self._files():
@@ -271,5 +273,5 @@ class BackingFiles:
                 except FileNotFoundError:
                     pass  # pruned meanwhile
         except OSError:
-            return 0, 0
-        return len(sizes), sum(sizes)
+            return objects
+        return len(sizes) + objects[0], sum(sizes) + objects[1]

@@ -265,14 +265,9 @@ class FileObjects:
         return len(dead), self.drop(dead)
 
     def usage(self) -> tuple[int, int]:
-        """(objects, bytes allocated on disk)."""
-        total = 0
-        for p in self.root.iterdir():
-            try:
-                total += p.stat().st_blocks * 512
-            except FileNotFoundError:
-                pass
-        return len(self.objects), total
+        """(complete objects, their bytes)."""
+        done = [o.size for o in list(self.objects.values()) if o.recorded]
+        return len(done), sum(done)
 
     def close(self) -> None:
         for obj in self.objects.values():

@@ -362,9 +362,9 @@ class Store:
         return packs + objects, freed + more
 
     def usage(self) -> tuple[int, int]:
-        """(objects, bytes on disk): packs and file objects."""
-        return (len(self), sum(p.stat().st_size for p in self.packs.glob("*.pack"))
-                + self.objects.usage()[1])
+        """(objects, bytes of packs on disk). File objects are counted as backing files
+        (BackingFiles.usage): they are what passthrough binds."""
+        return len(self), sum(p.stat().st_size for p in self.packs.glob("*.pack"))
 
     def close(self) -> None:
         self.objects.close()
