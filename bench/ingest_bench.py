@@ -53,7 +53,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=int, default=1024)
     ap.add_argument("--nodes", type=int, default=1)
-    ap.add_argument("--profile", help="node 0's profile to this file: perf record if it ends in .data, else py-spy's collapsed stacks")
+    ap.add_argument("--profile", help=("node 0's profile to this file: perf record if it "
+                                       "ends in .data, else py-spy's collapsed stacks"))
     args = ap.parse_args()
     mfs_cli()
     with tempfile.TemporaryDirectory(dir="/work") as tmp:

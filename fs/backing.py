@@ -262,8 +262,8 @@ class BackingFiles:
         return removed
 
     def usage(self) -> tuple[int, int]:
-        """(files, bytes) passthrough can bind: the store's file objects and the copies here;
-        the copies alone if the folder cannot be listed (the copies say why)."""
+        """(files, bytes) passthrough can bind: the store's file objects and the copies here
+        (the file objects alone if this folder cannot be listed: the copies say why)."""
         objects = self.store.objects.usage() if self.store is not None else (0, 0)
         sizes = []
         try:

@@ -29,7 +29,7 @@ import ctypes
 import errno
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,7 +100,7 @@ class FileObjects:
 
     # ---- writing ------------------------------------------------------------------------
 
-    def expect(self, key: str, size: int, chunks: list[bytes], chunk_size: int,
+    def expect(self, key: str, size: int, chunks: Sequence[bytes], chunk_size: int,
                have: Callable[[bytes], bool]) -> bool:
         """Prepare the file object `key` (unless it exists): its chunks not in the store yet
         (`have`) will be written there as they arrive. False if nothing is to arrive for it
@@ -144,7 +144,7 @@ class FileObjects:
                 self._pending.setdefault(cid, []).extend(places)
             raise
         with self._lock:
-            for obj, off, length in places:
+            for obj, off, _ in places:
                 obj.written.add(off)
             self.index.setdefault(cid, places[0])
         return True

@@ -32,7 +32,7 @@ import errno
 import fcntl
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from . import collect as collection
@@ -156,7 +156,8 @@ class Store:
     def ids(self) -> list[bytes]:
         return list({**dict.fromkeys(self._index), **dict.fromkeys(self.objects.index)})
 
-    def expect_file(self, key: str, size: int, chunks: list[bytes], chunk_size: int) -> bool:
+    def expect_file(self, key: str, size: int, chunks: Sequence[bytes], chunk_size: int
+                    ) -> bool:
         """A large file's chunks that arrive from now on are written once, into its file
         object (fs/file_objects.py), not a pack; False if none is to arrive."""
         return self.objects.expect(key, size, chunks, chunk_size, self.has)

@@ -163,7 +163,7 @@ def test_a_full_copies_folder_does_not_matter_to_a_pushed_file(tmp_path):
     for files whose chunks were on the node before) being full changes nothing."""
     import subprocess
 
-    from helpers import mfs, start_cluster, stop_cluster, umount_tmpfs
+    from helpers import start_cluster, stop_cluster, umount_tmpfs
 
     node = tmp_path / "cluster" / "node-0"
     backing = node / "state" / "backing"  # the copies' folder
