@@ -69,6 +69,9 @@ class FileObjects:
         self.objects: dict[str, FileObject] = {}
         self.index: dict[bytes, tuple[FileObject, int, int]] = {}  # id -> (object, offset, length)
         self._pending: dict[bytes, list[tuple[FileObject, int, int]]] = {}  # expected, not in
+        # Descriptors of dropped objects, closed at the next collect: a read that found the
+        # object just before must not read another file that reused the number.
+        self._retired: list[int] = []
         self.problems: list[str] = []
         recorded = {p.name[:-len(IDS)] for p in root.glob("*" + IDS)}
         for p in root.iterdir():  # anything not recorded may be torn: it goes
@@ -248,9 +251,7 @@ class FileObjects:
             (self.root / (obj.key + IDS)).unlink(missing_ok=True)
             for name in (obj.key, obj.key + PART):
                 (self.root / name).unlink(missing_ok=True)
-            os.close(obj.fd)
-            if obj.direct >= 0:
-                os.close(obj.direct)
+            self._retired += [fd for fd in (obj.fd, obj.direct) if fd >= 0]
             freed += obj.size if obj.written else 0
         if gone:
             fsync_dir(self.root)
@@ -258,6 +259,9 @@ class FileObjects:
 
     def collect(self, live: Iterable[Iterable[bytes]]) -> tuple[int, int]:
         """Delete the recorded file objects none of whose chunks is live; (objects, bytes)."""
+        for fd in self._retired:  # any read that used them finished long ago
+            os.close(fd)
+        self._retired.clear()
         index = self.index
         used = {cid for group in live for cid in group if cid in index}
         dead = [o for o in self.objects.values()
@@ -271,9 +275,10 @@ class FileObjects:
 
     def close(self) -> None:
         for obj in self.objects.values():
-            os.close(obj.fd)
-            if obj.direct >= 0:
-                os.close(obj.direct)
+            self._retired += [fd for fd in (obj.fd, obj.direct) if fd >= 0]
+        for fd in self._retired:
+            os.close(fd)
+        self._retired.clear()
         self.objects.clear()
         self.index.clear()
 

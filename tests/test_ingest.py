@@ -120,3 +120,13 @@ def test_removing_a_workspace_deletes_its_file_objects(fresh_cluster, tmp_path):
              "the removed workspace's file object to be collected")
     assert (c.mnt(0) / "kept" / "big.bin").read_bytes() == (tmp_path / "kept" / "big.bin"
                                                              ).read_bytes()
+
+
+def test_the_relay_request_names_the_manifest_or_nothing():
+    """Older clients send no `version`: every chunk goes to a pack, as before."""
+    from monarch_fs.daemon.wire.requests import OpenRelay, RequestError
+
+    assert OpenRelay.parse({"children": []}).version is None
+    assert OpenRelay.parse({"version": "ab" * 16}).version == bytes.fromhex("ab" * 16)
+    with pytest.raises(RequestError, match="relay: bad version"):
+        OpenRelay.parse({"version": "not hex"})
