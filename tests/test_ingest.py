@@ -33,6 +33,11 @@ def disk(folder: Path) -> int:
                for d, _, names in os.walk(folder) for n in names)
 
 
+def listing(folder: Path) -> list[tuple[str, int]]:
+    return [(os.path.join(d, n), os.lstat(os.path.join(d, n)).st_blocks * 512)
+            for d, _, names in os.walk(folder) for n in names]
+
+
 def settled(c) -> None:
     wait_for(lambda: all(n["backing_writing"] == 0 for n in c.status()), 30,
              "the backing copies to finish")
@@ -51,7 +56,8 @@ def test_a_large_file_takes_its_size_once_on_the_node(fresh_cluster, tmp_path):
     content = len(big) + 300 * 1024
     for i in range(2):
         used = disk(state(c, i))
-        assert used <= 1.1 * content, f"node-{i}: {used} bytes on disk for {content} of content"
+        assert used <= 1.1 * content, (f"node-{i}: {used} bytes on disk for {content} of "
+                                       f"content: {listing(state(c, i))}")
         assert len([n for n in files(c, i) if n.endswith(".ids")]) == 2
         assert (c.mnt(i) / "ws" / "model.bin").read_bytes() == big
     if c.status()[0]["fuse"] == "passthrough":

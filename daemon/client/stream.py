@@ -148,24 +148,34 @@ class Stream:
                     break
             return batch
 
+        async def encode(cids: list[bytes]) -> bool:
+            """Read, compress and queue `cids` for every root that wants them; False on a
+            local error (the push is cancelled)."""
+            try:
+                blobs = await trio.to_thread.run_sync(pl.encoded, cids)
+            except (SourceChanged, OSError) as e:
+                local_error.append(e)
+                nursery.cancel_scope.cancel()
+                return False
+            for r in live:
+                wanted = wants[r.addr]
+                mine = [(cid, blob) for cid, blob in blobs if cid in wanted]
+                if mine and r.error is None:
+                    try:
+                        await queues[r.addr][0].send(mine)
+                    except trio.BrokenResourceError:
+                        pass  # that root failed; its sender said why
+            return True
+
         async def encoder() -> None:
-            while cids := next_batch():
-                try:
-                    blobs = await trio.to_thread.run_sync(pl.encoded, cids)
-                except (SourceChanged, OSError) as e:
-                    local_error.append(e)
-                    nursery.cancel_scope.cancel()
-                    return
-                for r in live:
-                    wanted = wants[r.addr]
-                    mine = [(cid, blob) for cid, blob in blobs if cid in wanted]
-                    if mine and r.error is None:
-                        try:
-                            await queues[r.addr][0].send(mine)
-                        except trio.BrokenResourceError:
-                            pass  # that root failed; its sender said why
+            while (cids := next_batch()) and await encode(cids):
+                pass
 
         async def encoders() -> None:
+            # The manifest alone, queued before the parallel encoders start: they finish their
+            # batches in any order, and a chunk sent ahead of it would miss its file object.
+            if order and order[0] == pl.version and not await encode([next(todo)]):
+                return
             async with trio.open_nursery() as inner:
                 for _ in range(_ENCODERS):
                     inner.start_soon(encoder)
