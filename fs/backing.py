@@ -24,6 +24,11 @@ them, deletes them all and writes them again from the store; until then the daem
 files itself. Files below MIN_SIZE stay in the chunk store only: for them a FUSE read
 is one request, and a second copy on disk buys nothing.
 
+Since a push sends the manifest first, a large file that arrives whole is written once, straight
+into its file object in the store (fs/file_objects.py), and that is what passthrough binds
+(`ready`): no copy is made. The copy here is the fallback, for files whose chunks were on the
+node before the push said where they go (older versions, an older daemon or client).
+
 Like the store, the folder is private to the daemon's user (0700, files 0400): a backing file is
 the content of a pushed file whatever its mode, and the mount is the only way others read it.
 """
@@ -40,7 +45,7 @@ import trio
 import xxhash
 
 from .chunk import CorruptChunk
-from .manifest import Entry, Kind
+from .manifest import Entry, Kind, Manifest
 from .private_files import PRIVATE_FILE, fsync_dir, private_dir
 from .store import Store
 
@@ -59,6 +64,13 @@ def key(entry: Entry) -> str:
     return xxhash.xxh3_128_hexdigest(b"".join(entry.chunks))
 
 
+def place_files(store: Store, manifest: Manifest) -> int:
+    """Tell the store where the chunks of `manifest`'s large files go, before they arrive, so
+    that each is written once, into its file object; how many file objects will be written."""
+    return sum(store.expect_file(key(e), e.size, e.chunks, manifest.chunk_size)
+               for e in manifest.entries if wanted(e))
+
+
 @dataclass
 class _Copy:
     """One backing file to write: queued, then running, then done (with an error or not)."""
@@ -73,8 +85,9 @@ class BackingFiles:
     """Large files of served versions, kept whole on local disk for passthrough: a cache of
     the store, written after a publish, trusted after a clean stop only."""
 
-    def __init__(self, root: str | os.PathLike[str]):
+    def __init__(self, root: str | os.PathLike[str], store: Store | None = None):
         self.root = Path(root)
+        self.store = store  # its file objects are backing files already (ready)
         private_dir(self.root)
         marker = self.root / _CLEAN
         self.trusted = marker.exists()  # else: whatever is here may not have reached the disk
@@ -180,7 +193,10 @@ class BackingFiles:
         return self.root / key(entry)
 
     def ready(self, entry: Entry) -> Path | None:
-        """The backing file for `entry`, if it is there and whole."""
+        """The backing file for `entry`, if it is there and whole: its file object in the
+        store, else a copy here."""
+        if self.store is not None and (obj := self.store.file_object(key(entry))) is not None:
+            return obj
         return self._whole(self.path(entry), entry.size)
 
     @staticmethod
@@ -196,6 +212,8 @@ class BackingFiles:
         for e in entries:
             if not wanted(e) or (k := key(e)) in out:
                 continue
+            if self.store is not None and self.store.file_object(k) is not None:
+                continue  # written once, in the store
             if self._whole(self.root / k, e.size) is None:
                 out[k] = e
         return list(out.values())
@@ -244,7 +262,9 @@ class BackingFiles:
         return removed
 
     def usage(self) -> tuple[int, int]:
-        """(files, bytes); (0, 0) if the folder cannot be listed (the copies say why)."""
+        """(files, bytes) passthrough can bind: the store's file objects and the copies here
+        (the file objects alone if this folder cannot be listed: the copies say why)."""
+        objects = self.store.objects.usage() if self.store is not None else (0, 0)
         sizes = []
         try:
             for p in self._files():
@@ -253,5 +273,5 @@ class BackingFiles:
                 except FileNotFoundError:
                     pass  # pruned meanwhile
         except OSError:
-            return 0, 0
-        return len(sizes), sum(sizes)
+            return objects
+        return len(sizes) + objects[0], sum(sizes) + objects[1]

@@ -5,6 +5,7 @@ and a directory entry on every node (~300 us each here); appending to a pack cos
 
     store/packs/00000001.pack  records: b"MFSR", chunk id (16 bytes), blob length (u32), blob
     store/packs/00000001.idx   (sealed packs) id, offset, length per record
+    store/files/<key>          large files, written once, in place (fs/file_objects.py)
     store/lock                 held by the one process that owns the store
 
 (fs/pack.py describes the records and the index.)
@@ -31,12 +32,13 @@ import errno
 import fcntl
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from . import collect as collection
 from . import pack
 from .chunk import ID_SIZE, RAW, CorruptChunk, chunk_id, decode, encode, raw_size
+from .file_objects import FileObjects
 from .pack import IDX, MAGIC, PACK_SHIFT, RECORD, loc, unloc
 from .private_files import PRIVATE_FILE, fsync_dir, private_dir
 
@@ -72,12 +74,14 @@ class Store:
             os.close(self._lockfd)
             raise StoreBusy(f"store {self.root} is in use by another process") from None
         self._index: dict[bytes, int] = {}  # id -> pack.loc(pack, offset, length)
+        # Large files' chunks, stored once as the file itself (what passthrough binds).
+        self.objects = FileObjects(self.root / "files")
         self._readers: dict[int, int] = {}
         self._retired: list[int] = []  # readers of deleted packs, closed at the next collect
         self._lock = threading.Lock()
         # Packs that could not be read at start: reported, never written to or collected (what
         # they hold may come back once the fault is fixed); their objects count as missing.
-        self.problems: list[str] = []
+        self.problems: list[str] = list(self.objects.problems)
         self._unreadable: set[int] = set()
         numbers = []
         for p in self.packs.glob("*.pack"):
@@ -140,17 +144,27 @@ class Store:
     # ---- objects ------------------------------------------------------------------------
 
     def has(self, cid: bytes) -> bool:
-        return cid in self._index
+        return cid in self._index or cid in self.objects.index
 
     def missing(self, ids: Iterable[bytes]) -> list[bytes]:
-        index = self._index
-        return [cid for cid in ids if cid not in index]
+        index, objects = self._index, self.objects.index
+        return [cid for cid in ids if cid not in index and cid not in objects]
 
     def __len__(self) -> int:
-        return len(self._index)
+        return len(self._index) + sum(c not in self._index for c in self.objects.index)
 
     def ids(self) -> list[bytes]:
-        return list(self._index)
+        return list({**dict.fromkeys(self._index), **dict.fromkeys(self.objects.index)})
+
+    def expect_file(self, key: str, size: int, chunks: Sequence[bytes], chunk_size: int
+                    ) -> bool:
+        """A large file's chunks that arrive from now on are written once, into its file
+        object (fs/file_objects.py), not a pack; False if none is to arrive."""
+        return self.objects.expect(key, size, chunks, chunk_size, self.has)
+
+    def file_object(self, key: str) -> Path | None:
+        """The complete, durable file object `key` (passthrough binds it), if there is one."""
+        return self.objects.path(key)
 
     def put_blob(self, cid: bytes, blob: bytes | memoryview, *, raw: bool = False,
                  verified: bool = False) -> bool:
@@ -163,15 +177,17 @@ class Store:
         """
         if len(cid) != ID_SIZE:
             raise CorruptChunk(f"chunk id {cid.hex()} is not {ID_SIZE} bytes")
-        if cid in self._index:
+        if self.has(cid):
             return False
-        if verified and not raw:
+        if verified and not raw and not self.objects.wants(cid):
             parts: list[bytes | memoryview] = [blob]
         else:
             data = decode(cid, blob)
+            if self.objects.wants(cid) and self.objects.place(cid, data):
+                return True  # raw, at its offset in its file: readable from now on
             parts = [RAW_CODEC, data] if raw and blob[0] != RAW else [blob]
         with self._lock:
-            if cid in self._index:
+            if self.has(cid):
                 return False
             self._append(cid, parts)
         return True
@@ -263,10 +279,14 @@ class Store:
         """Append a chunk stored raw to `dst_fd`, copied inside the kernel (it was verified
         when it arrived); False, copying nothing, if it is stored compressed or the kernel
         cannot copy between these two files."""
-        fd, off, length = self._reader(cid)
-        if os.pread(fd, 1, off) != RAW_CODEC:
-            return False
-        off, left = off + 1, length - 1
+        if cid in self.objects.index:
+            fd, off, left = self.objects.where(cid)
+            length = left + 1
+        else:
+            fd, off, length = self._reader(cid)
+            if os.pread(fd, 1, off) != RAW_CODEC:
+                return False
+            off, left = off + 1, length - 1
         while left:
             try:
                 n = os.copy_file_range(fd, dst_fd, left, off)
@@ -281,6 +301,15 @@ class Store:
 
     def get(self, cid: bytes) -> bytes | memoryview:
         """The verified raw bytes of a chunk. KeyError if absent, CorruptChunk if damaged."""
+        if cid in self.objects.index:
+            try:
+                data = self.objects.read(cid)
+            except KeyError:  # dropped meanwhile: it may still be in a pack
+                pass
+            else:
+                if chunk_id(data) != cid:
+                    raise CorruptChunk(f"chunk {cid.hex()}: its file object holds other bytes")
+                return data
         return decode(cid, self.get_blob(cid))
 
     def sync(self) -> None:
@@ -288,10 +317,24 @@ class Store:
         names the packs (a sealed pack was flushed when it was sealed). Only the store's own
         files: a syncfs would also wait for everything else written to this filesystem (backing
         files, or the other nodes' stores of a local cluster)."""
+        self.objects.sync(self._fill, self._spill)
         with self._lock:
             os.fdatasync(self._fd)
             self._durable = self._size
         fsync_dir(self.packs)
+
+    def _fill(self, cid: bytes) -> bytes | memoryview | None:
+        """A chunk's verified bytes for a file object that lacks it, if the store has it."""
+        try:
+            return self.get(cid)
+        except (KeyError, CorruptChunk):
+            return None
+
+    def _spill(self, cid: bytes, data: bytes) -> None:
+        """Copy a chunk of a file object that cannot be completed to the open pack, raw."""
+        with self._lock:
+            if cid not in self._index:
+                self._append(cid, [RAW_CODEC, data])
 
     def cut_back(self) -> int:
         """Drop the records appended to the open pack since it was last made durable (`sync`,
@@ -300,10 +343,11 @@ class Store:
         collect reaches them: the disk stayed full. No published or prepared version loses
         anything (each was made durable first); the dropped objects leave the index, so
         `missing` reports them and a later push sends them again."""
+        freed_objects = self.objects.cut_back()
         with self._lock:
             cut = self._durable
             if self._size <= cut:
-                return 0
+                return freed_objects
             os.ftruncate(self._fd, cut)
             n, kept = self._cur, []
             for record in self._records:
@@ -314,19 +358,23 @@ class Store:
                     del self._index[cid]
             self._records = kept
             freed, self._size = self._size - cut, cut
-        return freed
+        return freed + freed_objects
 
     def collect(self, live: collection.Live) -> tuple[int, int]:
         """Free the space of objects outside `live()`; (packs deleted, bytes freed). Deletes
         the sealed packs no live object is in, compacts those mostly dead: see
         fs/collect.py. Blocking: run it in a worker thread."""
-        return collection.collect(self, live)
+        packs, freed = collection.collect(self, live)
+        objects, more = self.objects.collect(live())
+        return packs + objects, freed + more
 
     def usage(self) -> tuple[int, int]:
-        """(objects, bytes on disk)."""
-        return len(self._index), sum(p.stat().st_size for p in self.packs.glob("*.pack"))
+        """(objects, bytes of packs on disk). File objects are counted as backing files
+        (BackingFiles.usage): they are what passthrough binds."""
+        return len(self), sum(p.stat().st_size for p in self.packs.glob("*.pack"))
 
     def close(self) -> None:
+        self.objects.close()
         for fd in [self._fd, *self._readers.values(), *self._retired, self._lockfd]:
             os.close(fd)
         self._readers.clear()

@@ -26,7 +26,17 @@ def passthrough_opens(root) -> int:
 
 
 def backing_dir(c, i: int = 0):
+    """Where the files passthrough binds are: a pushed large file is written once, as a file
+    object of the store (fs/file_objects.py); the copies folder is only a fallback."""
+    return c.dir / f"node-{i}" / "state" / "store" / "files"
+
+
+def copies_dir(c, i: int = 0):
     return c.dir / f"node-{i}" / "state" / "backing"
+
+
+def file_objects(c, i: int = 0) -> list[str]:
+    return sorted(n for n in os.listdir(backing_dir(c, i)) if not n.endswith(".ids"))
 
 
 def written(c) -> None:
@@ -58,7 +68,8 @@ def push_one_file(c, tmp_path, name: str, size: int) -> tuple[bytes, str]:
     (src / name).write_bytes(data)
     c.push(src)
     written(c)
-    (backing,) = os.listdir(backing_dir(c))
+    (backing,) = file_objects(c)
+    assert os.listdir(copies_dir(c)) == []  # written once: no copy
     return data, backing
 
 
@@ -118,67 +129,45 @@ def test_open_file_keeps_its_version_after_publish_and_prune(one_node, tmp_path)
             (src / "lib.so").write_bytes(data)
             c.push(src)
         written(c)
-        assert len(os.listdir(backing_dir(c))) == 3  # the dropped version's file is gone
+        # The dropped versions' file objects go, but the one a reader holds stays (its
+        # chunks are the store's, as held_chunks says) until the kernel forgets the file.
+        wait_for(lambda: len(file_objects(c)) == 4, 20,
+                 "the dropped version's file object to be collected")
         assert f.read() == versions[0][MiB:]
         f.seek(0)
         assert f.read(4096) == versions[0][:4096]
     finally:
         f.close()
     assert (c.mnt(0) / "ws" / "lib.so").read_bytes() == versions[-1]
-    assert c.status()[0]["backing_files"] == 3
+    # The closed file's object goes once the kernel forgets the file (held_chunks).
+    assert c.status()[0]["backing_files"] == len(file_objects(c)) in (3, 4)
 
 
-def test_missing_backing_file_is_served_by_the_daemon_then_written_again(one_node, tmp_path):
-    """Backing files are a copy: if one is gone, the file is read from the chunk store (correct,
-    only slower), and a restarted daemon writes what the versions it serves lack."""
-    c = one_node
-    data, name = push_one_file(c, tmp_path, "model.bin", 3 * MiB)
-    os.unlink(backing_dir(c) / name)
-
-    root = c.mnt(0)
-    before, opened = mount_ops(root), passthrough_opens(root)
-    with open(root / "ws" / "model.bin", "rb") as f:
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # no page cache left over
-        assert f.read() == data
-    assert passthrough_opens(root) == opened
-    assert mount_ops(root).get("read", 0) > before.get("read", 0)
-
-    os.kill(c.pid(0), signal.SIGTERM)
-    wait_for(lambda: not cluster_mod.running_node(c.dir, 0), 20, "node-0 to stop")
-    cluster_mod.restart_node(c.dir, 0)
-    wait_for(lambda: (backing_dir(c) / name).exists(), 20, "the backing file to be rewritten")
-    assert (backing_dir(c) / name).read_bytes() == data
-    opened = passthrough_opens(root)
-    assert (root / "ws" / "model.bin").read_bytes() == data
-    assert passthrough_opens(root) == opened + 1
-
-
-def test_after_a_crash_backing_files_are_not_trusted(one_node, tmp_path):
-    """Backing files are flushed only when the daemon stops cleanly. After a crash one may hold
-    anything: the restarted daemon deletes them all and writes them again from the store."""
+def test_a_file_object_survives_a_crash_and_is_bound_again(one_node, tmp_path):
+    """A file object is recorded only once its data is flushed (at prepare), and never written
+    after: a daemon killed after the publish trusts it at restart, and binds it again."""
     c = one_node
     data, name = push_one_file(c, tmp_path, "weights.bin", 2 * MiB)
     os.kill(c.pid(0), signal.SIGKILL)
     wait_for(lambda: not cluster_mod.running_node(c.dir, 0), 20, "node-0 to die")
-    damaged = backing_dir(c) / name
-    os.chmod(damaged, 0o644)
-    with open(damaged, "r+b") as f:  # what a torn write could leave
-        f.write(b"\0" * 4096)
     cluster_mod.restart_node(c.dir, 0)
-    wait_for(lambda: (backing_dir(c) / name).exists()
-             and (backing_dir(c) / name).read_bytes() == data, 20, "the file to be rewritten")
-    assert (c.mnt(0) / "ws" / "weights.bin").read_bytes() == data
+    assert file_objects(c) == [name]
+    root = c.mnt(0)
+    opened = passthrough_opens(root)
+    assert (root / "ws" / "weights.bin").read_bytes() == data
+    assert passthrough_opens(root) == opened + 1
+    assert os.listdir(copies_dir(c)) == []
 
 
-def test_full_disk_while_writing_backing_files_serves_from_the_store(tmp_path):
-    """Backing files are written after the publish: no room for one leaves that file read
-    through the daemon (correct, only slower), no partial file behind, and `status` says why."""
+def test_a_full_copies_folder_does_not_matter_to_a_pushed_file(tmp_path):
+    """A pushed large file is written once, into the store: the copies folder (the fallback
+    for files whose chunks were on the node before) being full changes nothing."""
     import subprocess
 
-    from helpers import mfs, start_cluster, stop_cluster, umount_tmpfs
+    from helpers import start_cluster, stop_cluster, umount_tmpfs
 
     node = tmp_path / "cluster" / "node-0"
-    backing = node / "state" / "backing"
+    backing = node / "state" / "backing"  # the copies' folder
     backing.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(backing)], check=True)
     try:
@@ -191,24 +180,13 @@ def test_full_disk_while_writing_backing_files_serves_from_the_store(tmp_path):
             (src / "big").write_bytes(big)
             c.push(src)
             written(c)
-            error = c.status()[0]["backing_error"]
-            assert "backing file of big" in error and "No space left on device" in error
-            out = mfs("status", "--hosts", c.hostfile, "--token-file", c.token_file)
-            assert "backing file of big" in out.stdout, out.stdout
-            assert os.listdir(backing) == []  # no partial file left behind
+            assert c.status()[0]["backing_error"] is None
+            assert os.listdir(backing) == []
             root = c.mnt(0)
             opened, before = passthrough_opens(root), mount_ops(root)
             assert (root / "ws" / "big").read_bytes() == big
-            assert passthrough_opens(root) == opened
-            assert mount_ops(root).get("read", 0) > before.get("read", 0)
-
-            # A later version whose files fit gets its backing files, and the warning goes.
-            (src / "big").write_bytes(os.urandom(MIN_SIZE))
-            c.push(src)
-            written(c)
-            assert c.status()[0]["backing_error"] is None
-            assert (root / "ws" / "big").read_bytes() == (src / "big").read_bytes()
             assert passthrough_opens(root) == opened + 1
+            assert mount_ops(root).get("read", 0) == before.get("read", 0)
         finally:
             stop_cluster(c)
     finally:
@@ -257,13 +235,13 @@ def test_concurrent_first_opens_share_one_backing_file(one_node, tmp_path):
     assert mount_ops(c.mnt(0)).get("read", 0) == 0
 
 
-def test_a_broken_backing_folder_is_reported_not_fatal(one_node, tmp_path):
-    """The copies run in the background of the daemon: an error from the backing folder itself
-    (here it was replaced by a file) is reported by `status`, and the daemon keeps serving."""
+def test_a_broken_copies_folder_is_not_fatal(one_node, tmp_path):
+    """The copies folder replaced by a file: a pushed large file, written once into the store,
+    is still served with passthrough, and the daemon keeps serving."""
     import shutil
 
     c = one_node
-    folder = backing_dir(c)
+    folder = copies_dir(c)
     shutil.rmtree(folder)
     folder.write_text("not a folder")
     try:
@@ -272,9 +250,10 @@ def test_a_broken_backing_folder_is_reported_not_fatal(one_node, tmp_path):
         data = os.urandom(2 * MiB)
         (src / "lib.so").write_bytes(data)
         c.push(src)
-        wait_for(lambda: c.status()[0]["backing_error"], 20, "the error to be reported")
-        assert "Not a directory" in c.status()[0]["backing_error"]
-        assert (c.mnt(0) / "ws" / "lib.so").read_bytes() == data  # served by the daemon
+        written(c)
+        opened = passthrough_opens(c.mnt(0))
+        assert (c.mnt(0) / "ws" / "lib.so").read_bytes() == data
+        assert passthrough_opens(c.mnt(0)) == opened + 1
         assert cluster_mod.running_node(c.dir, 0)
     finally:
         folder.unlink()

@@ -447,3 +447,109 @@ def test_raw_store_keeps_compressed_blobs_decompressed(tmp_path):
     assert s.get(chunk_id(data)) == data
     with pytest.raises(CorruptChunk):  # still verified before it is written
         s.put_blob(chunk_id(b"other"), blob, raw=True)
+
+
+# ---- file objects: a large file written once, in place (fs/file_objects.py) ------------------
+
+CS = 64 * 1024  # the smallest chunk size a manifest allows
+
+
+def _file(n: int, tail: int = 100) -> tuple[bytes, list[bytes], list[bytes]]:
+    data = os.urandom(n * CS + tail)
+    pieces = [data[i:i + CS] for i in range(0, len(data), CS)]
+    return data, pieces, [chunk_id(p) for p in pieces]
+
+
+def test_a_large_file_is_written_once_and_readable_while_it_arrives(tmp_path):
+    s = Store(tmp_path / "store")
+    data, pieces, ids = _file(3)
+    assert s.expect_file("k", len(data), ids, CS)
+    s.put_blob(ids[1], chunk.encode(pieces[1]))
+    assert bytes(s.get(ids[1])) == pieces[1]  # readable before the file is complete
+    assert s.missing(ids) == [ids[0], ids[2], ids[3]]
+    for i in (0, 2, 3):
+        s.put_blob(ids[i], chunk.encode(pieces[i]))
+    assert s.usage()[1] == 0  # nothing went to a pack
+    assert s.file_object("k") is None  # not durable yet
+    s.sync()
+    path = s.file_object("k")
+    assert path is not None and path.read_bytes() == data
+    s.close()
+    s = Store(tmp_path / "store")  # recorded: trusted at start
+    assert s.file_object("k") == path and all(bytes(s.get(c)) == p for c, p in zip(ids, pieces))
+
+
+def test_an_unrecorded_file_object_is_deleted_at_start(tmp_path):
+    """A crash before sync: the partial file goes, its chunks are missing, nothing torn shows."""
+    s = Store(tmp_path / "store")
+    data, pieces, ids = _file(2)
+    s.expect_file("k", len(data), ids, CS)
+    s.put_blob(ids[0], chunk.encode(pieces[0]))
+    s.close()
+    s = Store(tmp_path / "store")
+    assert os.listdir(tmp_path / "store" / "files") == []
+    assert s.missing(ids) == ids and s.file_object("k") is None
+
+
+def test_a_file_object_is_completed_from_chunks_already_in_the_store(tmp_path):
+    s = Store(tmp_path / "store")
+    data, pieces, ids = _file(2)
+    s.put(pieces[0])  # from an older version, in a pack
+    assert s.expect_file("k", len(data), ids, CS)
+    for i in (1, 2):
+        s.put_blob(ids[i], chunk.encode(pieces[i]))
+    s.sync()
+    path = s.file_object("k")
+    assert path is not None and path.read_bytes() == data
+
+
+def test_an_incomplete_file_object_leaves_its_chunks_durable_in_a_pack(tmp_path):
+    """A sync while a file object lacks a chunk the store does not have (another push still
+    arriving): the chunks it holds are copied to the pack, so a prepare that counted on them is
+    not undone by a crash."""
+    s = Store(tmp_path / "store")
+    data, pieces, ids = _file(2)
+    s.expect_file("k", len(data), ids, CS)
+    s.put_blob(ids[0], chunk.encode(pieces[0]))
+    s.sync()
+    s.close()
+    s = Store(tmp_path / "store")
+    assert bytes(s.get(ids[0])) == pieces[0] and s.missing(ids) == ids[1:]
+
+
+def test_cut_back_drops_unrecorded_file_objects(tmp_path):
+    s = Store(tmp_path / "store")
+    data, pieces, ids = _file(2)
+    s.expect_file("k", len(data), ids, CS)
+    s.put_blob(ids[0], chunk.encode(pieces[0]))
+    assert s.cut_back() == len(data)
+    assert s.missing(ids) == ids and os.listdir(tmp_path / "store" / "files") == []
+
+
+def test_a_damaged_file_object_is_an_error_never_wrong_bytes(tmp_path):
+    s = Store(tmp_path / "store")
+    data, pieces, ids = _file(1)
+    s.expect_file("k", len(data), ids, CS)
+    for c, p in zip(ids, pieces):
+        s.put_blob(c, chunk.encode(p))
+    s.sync()
+    path = s.file_object("k")
+    assert path is not None
+    os.chmod(path, 0o600)
+    _flip(path, 10, 0x01)
+    with pytest.raises(CorruptChunk):
+        s.get(ids[0])
+
+
+def test_collect_deletes_file_objects_no_live_chunk_uses(tmp_path):
+    s = Store(tmp_path / "store")
+    kept, dropped = _file(1), _file(1)
+    for key, (data, pieces, ids) in (("kept", kept), ("dropped", dropped)):
+        s.expect_file(key, len(data), ids, CS)
+        for c, p in zip(ids, pieces):
+            s.put_blob(c, chunk.encode(p))
+    s.sync()
+    s.collect(lambda: [kept[2]])
+    assert s.file_object("kept") is not None and s.file_object("dropped") is None
+    assert s.missing(dropped[2]) == dropped[2] and not s.missing(kept[2])
+    assert sorted(os.listdir(tmp_path / "store" / "files")) == ["kept", "kept.ids"]

@@ -156,8 +156,8 @@ class Stream:
             if root.bulk is None:
                 root.bulk = await bulk.open_sender(chan, root.transport[0], self.local,
                                                    chan.info)
-            reply = RelayReply.from_wire(
-                await chan.request("relay", children=children, timeout=self.timeout))
+            reply = RelayReply.from_wire(await chan.request(
+                "relay", children=children, timeout=self.timeout, version=pl.version.hex()))
             self._blame(reply.failed)
             # negotiate() learned what each node lacks: ask the subtree only about those ids
             # (an id no node below lacks cannot come back), so neither the root nor the nodes
@@ -175,7 +175,10 @@ class Stream:
         order = interleave([c for c in pl.ids if any(c in wants[r.addr] for r in live)],
                            pl.sizes)
         if any(pl.version in wants[r.addr] for r in live):
-            order.append(pl.version)  # the manifest goes last: it names everything before it
+            # The manifest goes first: it tells each node where every large file's chunks go,
+            # so they are written once, in place (fs/file_objects.py). Nothing is published
+            # before prepare checks that every chunk it names has arrived.
+            order.insert(0, pl.version)
         self.progress.phase("sending", sum(pl.sizes[c] for r in live for c in wants[r.addr]))
         sent = 0
         local_error: list[BaseException] = []
@@ -194,28 +197,39 @@ class Stream:
                     break
             return batch
 
+        async def encode(cids: list[bytes]) -> bool:
+            """Read (and compress, for the roots that take zstd) `cids` and queue them for
+            every root that wants them, each in its form; False on a local error (the push
+            is cancelled)."""
+            raw_needed = any(r.addr in pl.raw_roots for r in live)
+            zstd_needed = any(r.addr not in pl.raw_roots for r in live)
+            try:
+                blobs, raws = await trio.to_thread.run_sync(pl.encoded, cids, zstd_needed,
+                                                            raw_needed)
+            except (SourceChanged, OSError, chunk.CorruptChunk) as e:
+                local_error.append(e)
+                nursery.cancel_scope.cancel()
+                return False
+            for r in live:
+                wanted = wants[r.addr]
+                form = raws if r.addr in pl.raw_roots else blobs
+                mine = [(cid, blob) for cid, blob in form if cid in wanted]
+                if mine and r.error is None:
+                    try:
+                        await queues[r.addr][0].send(mine)
+                    except trio.BrokenResourceError:
+                        pass  # that root failed; its sender said why
+            return True
+
         async def encoder() -> None:
-            while cids := next_batch():
-                raw_needed = any(r.addr in pl.raw_roots for r in live)
-                zstd_needed = any(r.addr not in pl.raw_roots for r in live)
-                try:
-                    blobs, raws = await trio.to_thread.run_sync(pl.encoded, cids, zstd_needed,
-                                                                raw_needed)
-                except (SourceChanged, OSError, chunk.CorruptChunk) as e:
-                    local_error.append(e)
-                    nursery.cancel_scope.cancel()
-                    return
-                for r in live:
-                    wanted = wants[r.addr]
-                    form = raws if r.addr in pl.raw_roots else blobs
-                    mine = [(cid, blob) for cid, blob in form if cid in wanted]
-                    if mine and r.error is None:
-                        try:
-                            await queues[r.addr][0].send(mine)
-                        except trio.BrokenResourceError:
-                            pass  # that root failed; its sender said why
+            while (cids := next_batch()) and await encode(cids):
+                pass
 
         async def encoders() -> None:
+            # The manifest alone, queued before the parallel encoders start: they finish their
+            # batches in any order, and a chunk sent ahead of it would miss its file object.
+            if order and order[0] == pl.version and not await encode([next(todo)]):
+                return
             async with trio.open_nursery() as inner:
                 for _ in range(_ENCODERS):
                     inner.start_soon(encoder)

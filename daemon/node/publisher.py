@@ -3,11 +3,13 @@ files and the store's garbage collection.
 
 A push is staged, then published in two phases: chunks land in the store as they arrive (never
 visible in the mount); `prepare` checks that the manifest and every chunk it names are present
-and makes the store durable; `commit` switches the workspace, starts writing the backing files
-passthrough reads large files from (fs/backing.py), and returns once the kernel has dropped
-every changed entry. A failed or abandoned push leaves the last good version serving; what it
-sent is reused, except after this node failed to store a chunk (a full disk): then the open
-pack is cut back to its last durable record, so the space comes back at once.
+and makes the store durable (which records the large files written once, in place, as file
+objects: fs/file_objects.py); `commit` switches the workspace, starts copying the backing files
+that have no file object (their chunks were on the node before the manifest said where they go:
+fs/backing.py), and returns once the kernel has dropped every changed entry. A failed or
+abandoned push leaves the last good version serving; what it sent is reused, except after this
+node failed to store a chunk (a full disk): then the open pack is cut back to its last durable
+record and unrecorded file objects are dropped, so the space comes back at once.
 
 Blocking work (manifest decodes, the store's and refs.json's fsyncs, backing file copies)
 runs on worker threads: the trio thread also answers every FUSE request.

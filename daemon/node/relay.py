@@ -78,8 +78,10 @@ class Relay:
 
     def __init__(self, token: bytes, children: Sequence[dict], timeout: float,
                  nursery: trio.Nursery, counters: dict[str, int],
-                 local: bulk.LocalTransport | None = None, encrypt: str = "auto"):
+                 local: bulk.LocalTransport | None = None, encrypt: str = "auto",
+                 version: bytes | None = None):
         self.token = token
+        self.version = version  # the manifest's id, which comes first: told to each child
         self.encrypt = encrypt  # the node's policy, for its links to its children
         self.counters = counters
         # Chunks go to each child over the best bulk transport both ends have (RDMA or TCP),
@@ -120,8 +122,9 @@ class Relay:
             policy = "tcp" if self.local.kind == bulk.TCP else "auto"
             kind, _ = bulk.choose_for_peer(self.local, policy, child.chan.info)
             child.bulk = await bulk.open_sender(child.chan, kind, self.local, child.chan.info)
+            extra = {} if self.version is None else {"version": self.version.hex()}
             reply = RelayReply.from_wire(await child.chan.request(
-                "relay", children=child.children, timeout=self.timeout))
+                "relay", children=child.children, timeout=self.timeout, **extra))
             self.failures.update(reply.failed)
             self.nursery.start_soon(self._sender, child, child.bulk)
 

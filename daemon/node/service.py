@@ -108,7 +108,7 @@ class NodeService:
         # A pack is deleted once nothing in it is used, so smaller packs
         # (MONARCH_FS_PACK_MIB) give space back sooner, for more files.
         self.store = Store(self.state / "store", pack_limit=settings.pack_limit)
-        self.backing = BackingFiles(self.state / "backing")
+        self.backing = BackingFiles(self.state / "backing", self.store)
         self.fs = SnapshotFS(self.store.get, self.backing, self.store.get_if_cached)
         self.node_name = node_name or socket.gethostname()
         self.addr = addr  # the bound address, once listening

@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ...fs.manifest import ManifestError
+from ...fs.backing import place_files
+from ...fs.chunk import CorruptChunk, decode
+from ...fs.manifest import Manifest, ManifestError
 from ..wire import bulk, identity
 from ..wire import protocol as p
 from ..wire.identity import Identity, IdentityError
@@ -82,6 +84,9 @@ class Session:
         self.writes = ChunkWrites(service.store, raw=service.store_raw,
                                   counters=service.counters, limiter=service.write_limiter)
         self.relay: Relay | None = None
+        # The manifest's chunk id, when the client said which it is (OpenRelay.version): it
+        # comes first, and says where each large file's chunks go (fs/file_objects.py).
+        self.version: bytes | None = None
         self.own_missing: set[bytes] | None = None  # what this node lacks, once asked
         self.claimed = False  # told what this node has: no collect until commit
         self.bulk_rx: bulk.BulkReceiver | None = None  # an RDMA channel the client opened
@@ -137,8 +142,31 @@ class Session:
         self.counters["bytes_received"] += len(blob)
         if self.relay is not None:
             await self.relay.forward(cid, blob)
+        if cid == self.version:
+            self.version = None
+            await self._place_files(cid, blob)
         if self.own_missing is None or cid in self.own_missing:
             await self.writes.start(self.nursery, p.PutChunk(cid, blob))
+
+    async def _place_files(self, cid: bytes, blob: bytes | memoryview) -> None:
+        """The manifest arrived ahead of the files: tell the store where each large file's
+        chunks go, before any of them is written. Decoded on a worker thread (verified against
+        its id); one that does not decode places nothing, and prepare says why."""
+        service = self.service
+        if not service.store_raw:  # --store-compressed: every chunk to a pack, compressed
+            return
+
+        def place() -> int:
+            manifest = Manifest.decode(decode(cid, blob), max_entries=service.max_entries)
+            return place_files(service.store, manifest)
+
+        try:
+            placed = await trio.to_thread.run_sync(place)
+        except (CorruptChunk, ManifestError, OSError) as e:
+            log.info("manifest %s: large files go to packs: %s", cid.hex()[:12], e)
+            return
+        if placed:
+            log.debug("manifest %s: %d large files written in place", cid.hex()[:12], placed)
 
     async def _query_missing(self, ids: list[bytes]) -> None:
         own = await self.publisher.missing(ids)
@@ -211,8 +239,9 @@ class Session:
 
     async def _relay(self, req: OpenRelay) -> RelayReply:
         s = self.service
+        self.version = req.version
         self.relay = Relay(s.token, req.children, req.timeout, self.nursery, self.counters,
-                           s.transport, s.encrypt)
+                           s.transport, s.encrypt, version=req.version)
         return RelayReply(await self.relay.open())
 
     async def _flush(self, req: Flush) -> FlushReply:

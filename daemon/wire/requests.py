@@ -198,12 +198,16 @@ class Remove:
 class OpenRelay:
     """Make this session a hop of a broadcast: connect to `children` (each
     {"addr": "host:port", "children": [...]}, opening its own subtree) and forward to them
-    the chunks their subtrees lack. `timeout` is the seconds to wait on one hop."""
+    the chunks their subtrees lack. `timeout` is the seconds to wait on one hop. `version`,
+    if given, is the chunk id of the push's manifest, which comes first: the node decodes it on
+    arrival and writes each large file's chunks once, into its file object (absent from older
+    clients: every chunk goes to a pack)."""
 
     op: ClassVar[str] = "relay"
     after_chunks: ClassVar[bool] = False
     children: list[dict] = field(default_factory=list)
     timeout: float = 60.0
+    version: bytes | None = None
 
     @classmethod
     def parse(cls, args: dict) -> OpenRelay:
@@ -215,7 +219,9 @@ class OpenRelay:
         timeout = args.get("timeout", 60)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
             raise RequestError(f"relay: timeout must be a number of seconds, not {timeout!r}")
-        return cls(children, float(timeout))
+        version = args.get("version")
+        return cls(children, float(timeout),
+                   None if version is None else _version("relay", version))
 
 
 @dataclass(frozen=True)

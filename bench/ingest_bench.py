@@ -1,0 +1,108 @@
+"""Node ingest: one large incompressible file pushed to N fresh local nodes over loopback.
+
+Reports MB/s of content (wall time of the push), the daemons' CPU seconds per GB of content
+(utime + stime from /proc/PID/stat around the push, summed over the nodes and divided by the
+content each one ingested) and the node disk per content byte (store + backing files, once the
+backing copies are done).
+
+    python -m bench.ingest_bench --mib 1024 --nodes 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import LocalCluster, mfs_cli, run
+
+
+def cpu_seconds(pid: int, which: tuple[int, ...] = (11, 12)) -> float:
+    """utime + stime of a process (fields 14 and 15 of /proc/PID/stat), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(fields[i]) for i in which) / os.sysconf("SC_CLK_TCK")
+
+
+def disk_bytes(folder: Path) -> int:
+    """Bytes allocated under `folder` (st_blocks: what the disk really holds)."""
+    total = 0
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def status(c: LocalCluster) -> list[dict]:
+    _, proc = run([c.cli, "status", "--hosts", f"@{c.dir / 'hosts'}", "--token-file",
+                   str(c.dir / "token"), "--json"], env={**os.environ,
+                                                        "MONARCH_FS_HOME": str(c.home)})
+    out = json.loads(proc.stdout[proc.stdout.index("{") if proc.stdout.lstrip()[:1] == "{"
+                                 else proc.stdout.index("["):])
+    return out["nodes"] if isinstance(out, dict) else out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mib", type=int, default=1024)
+    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--profile", help=("node 0's profile to this file: perf record if it "
+                                       "ends in .data, else py-spy's collapsed stacks"))
+    args = ap.parse_args()
+    mfs_cli()
+    with tempfile.TemporaryDirectory(dir="/work") as tmp:
+        src = Path(tmp) / "src"
+        src.mkdir()
+        with open(src / "big.bin", "wb") as f:
+            for _ in range(args.mib):
+                f.write(os.urandom(1 << 20))
+        content = args.mib << 20
+        with LocalCluster(Path(tmp) / "cluster", nodes=args.nodes) as c:
+            pids = [c.pid(i) for i in range(args.nodes)]
+            spy = None
+            if args.profile:  # a profiling aid only: py-spy, if installed
+                cmd = (["perf", "record", "-g", "-p", str(pids[0]), "-o", args.profile]
+                       if args.profile.endswith(".data") else
+                       ["py-spy", "record", "-p", str(pids[0]), "-f", "raw",
+                        "-o", args.profile, "-r", "250", "--threads"])
+                spy = subprocess.Popen(cmd,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                time.sleep(1)
+            before = [cpu_seconds(p) for p in pids]
+            user_before = [cpu_seconds(p, (11,)) for p in pids]
+            seconds, result = c.push(src)
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)
+                spy.wait()
+            after = [cpu_seconds(p) for p in pids]
+            user = sum(cpu_seconds(p, (11,)) - b for p, b in zip(pids, user_before))
+            deadline = time.monotonic() + 120  # backing copies run after the commit
+            while time.monotonic() < deadline:
+                if all(not n.get("backing_writing") for n in status(c)):
+                    break
+                time.sleep(0.5)
+            settled = [cpu_seconds(p) for p in pids]
+            disk = [disk_bytes(c.dir / f"node-{i}" / "state") for i in range(args.nodes)]
+            cpu = sum(a - b for a, b in zip(after, before))
+            cpu_all = sum(a - b for a, b in zip(settled, before))
+            gb = content * args.nodes / 1e9
+            print(json.dumps({
+                "nodes": args.nodes, "content_mib": args.mib, "push_s": round(seconds, 2),
+                "MB_per_s": round(content / 1e6 / seconds, 1),
+                "daemon_cpu_s_per_gb_push": round(cpu / gb, 2),
+                "of_which_user": round(user / gb, 2),
+                "daemon_cpu_s_per_gb_incl_backing": round(cpu_all / gb, 2),
+                "disk_per_content_byte": round(max(disk) / content, 3),
+                "exit": result.get("ok", result.get("status")),
+            }))
+
+
+if __name__ == "__main__":
+    main()
