@@ -22,7 +22,7 @@ import logging
 import os
 import stat
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import pyfuse3
 import trio
@@ -53,9 +53,10 @@ class SnapshotFS(OpenMode):
 
     def __init__(self, load_chunk: Callable[[bytes], bytes | memoryview],
                  backing: BackingFiles | None = None,
-                 load_cached: Callable[[bytes], bytes | memoryview | None] | None = None):
+                 load_cached: Callable[[bytes], bytes | memoryview | None] | None = None,
+                 fetch: Callable[[bytes], Awaitable[None]] | None = None):
         super().__init__(backing)
-        self.chunks = ChunkCache(load_chunk, CHUNK_CACHE_BYTES, load_cached)
+        self.chunks = ChunkCache(load_chunk, CHUNK_CACHE_BYTES, load_cached, fetch)
         self.table = InodeTable()
         self.nursery: trio.Nursery | None = None  # for prefetches, set while serving
         self.ops: Counter[str] = Counter()  # requests served, by operation (user.monarch.ops)

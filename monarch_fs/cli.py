@@ -127,7 +127,16 @@ def cmd_push(args: argparse.Namespace) -> int:
             args.src, hosts, token, name=args.name, excludes=args.exclude, progress=progress,
             topology_kind=args.topology, fanout=args.fanout, allow_partial=args.allow_partial,
             timeout=args.timeout, cache_dir=cache_dir, transport=transport,
-            encrypt=args.encrypt, at_source=args.at_source)
+            encrypt=args.encrypt, at_source=args.at_source, early=args.early,
+            on_usable=usable)
+
+    def usable(seconds: float, nodes: int) -> None:
+        """push --early: the version is served everywhere (the rest still streams)."""
+        if args.json:
+            print(json.dumps({"event": "usable", "seconds": seconds, "nodes": nodes}),
+                  flush=True)
+        else:
+            print(f"usable on {nodes} nodes after {seconds:.2f} s", flush=True)
 
     if args.watch:
         from .daemon.client.watch import watch
@@ -160,6 +169,9 @@ def cmd_push(args: argparse.Namespace) -> int:
               f"{fmt_bytes(result.bytes_sent)} ({result.chunks_sent} chunks; the snapshot has "
               f"{result.chunks_total}), "
               f"{result.topology}, {result.transport})")
+        if result.usable_seconds is not None and result.complete_seconds is not None:
+            print(f"usable after {result.usable_seconds:.2f}s, complete after "
+                  f"{result.complete_seconds:.2f}s")
     return 0
 
 

@@ -8,14 +8,22 @@ durably). Only when every node has prepared is any node asked to `commit`. A nod
 be reached, refuses, stalls or dies fails the push and no node switches, unless `allow_partial`
 is set: then the push routes around it, publishes on the healthy nodes and reports the others.
 What did arrive is kept either way, so the next push sends less.
+
+push --early publishes sooner: while the chunks stream (the manifest first, then those the
+first reads need), every node is asked to prepare and commit with `early`, which waits for the
+manifest and those chunks only; the version is usable then, and a read of a chunk that has not
+arrived fetches it ahead of the stream (daemon/node/fetch.py). Once the stream is flushed, a
+prepare and commit without `early` check every chunk, durably: the version is complete.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+
+import trio
 
 from ...fs import chunk
 from ...fs.manifest import Kind
@@ -27,7 +35,7 @@ from ..wire.requests import check_source_path, check_workspace_name
 from ..wire.transport import CONNECT_TIMEOUT, connect
 from .links import STALL_TIMEOUT, NodeLink, each
 from .progress import Progress
-from .stream import Payload, Stream
+from .stream import LARGE_CHUNK, Payload, Stream
 
 
 class PushError(Exception):
@@ -65,9 +73,16 @@ class PushResult:
     transport: str = "tcp"  # how chunk payloads left the dev box: tcp, rdma-rc or rdma-srd
     failed: dict[str, str] = field(default_factory=dict)  # --allow-partial: nodes left behind
     warnings: list[str] = field(default_factory=list)
+    # push --early: seconds from the start until every node served the version (usable) and
+    # until every node held all of it (complete); None (and left out of --json) otherwise.
+    usable_seconds: float | None = None
+    complete_seconds: float | None = None
+    first_reads: int | None = None  # push --early: files sent first (the nodes' first reads)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items()
+                if v is not None or k not in ("usable_seconds", "complete_seconds",
+                                              "first_reads")}
 
     def left_behind(self) -> list[str]:
         """The warning lines for the nodes an --allow-partial push left behind."""
@@ -100,6 +115,9 @@ class _Push:
         self.chunks_sent = 0  # chunk copies that left the dev box (relays forward the rest)
         self.bytes_sent = 0
         self.warnings: list[str] = []  # from the nodes' commits
+        self.started = time.monotonic()
+        self.usable_seconds: float | None = None  # push --early
+        self.complete_seconds: float | None = None
 
     @property
     def healthy(self) -> list[NodeLink]:
@@ -142,8 +160,9 @@ class _Push:
 
         await each(self.nodes, ask, self.timeout)
 
-    async def broadcast(self, kind: str, fanout: int) -> str:
-        """Send every healthy node what it lacks along a `kind` plan; returns the kind used."""
+    async def broadcast(self, kind: str, fanout: int, head: list[bytes] | None = None) -> str:
+        """Send every healthy node what it lacks along a `kind` plan; returns the kind used.
+        With `head` (push --early), those chunks go first, and nodes may want chunks."""
         lacking = [n for n in self.healthy if n.missing]
         if not lacking:
             return "none"
@@ -151,7 +170,8 @@ class _Push:
         kind = topology.choose(kind, len(lacking), payload)
         roots = topology.plan([n.addr for n in lacking], kind, fanout)
         by_addr = {n.addr: n for n in self.nodes}
-        stream = Stream(self.payload, self.nodes, self.local, self.timeout, self.progress)
+        stream = Stream(self.payload, self.nodes, self.local, self.timeout, self.progress,
+                        head, self.token, self.encrypt)
         try:
             await stream.run([(by_addr[r["addr"]], r["children"]) for r in roots])
         finally:
@@ -159,18 +179,24 @@ class _Push:
             self.bytes_sent += stream.bytes_sent
         return kind
 
-    async def publish(self, name: str, source: dict[str, str]) -> None:
+    async def publish(self, name: str, source: dict[str, str],
+                      early: list[bytes] | None = None) -> None:
         """Prepare on every node, then commit on every node; `source` (path, id) asks each to
         expose the workspace at that path too. What a node could not do but committed anyway
-        comes back as warnings, "HOST: ..." (`self.warnings`)."""
-        args = {"name": name, "version": self.version.hex(), **source}
-        self.progress.phase("publishing", 2 * len(self.healthy), "steps")
+        comes back as warnings, "HOST: ..." (`self.warnings`). With `early` (push --early,
+        while the chunks stream), each node waits for the manifest and those chunks only."""
+        args: dict = {"name": name, "version": self.version.hex(), **source}
+        if early is not None:  # the node waits for them, a little less long than we do
+            args.update(early=[c.hex() for c in early], wait=self.timeout * 0.9)
+        else:
+            self.progress.phase("publishing", 2 * len(self.healthy), "steps")
         steps = 0
 
         def step() -> None:
             nonlocal steps
             steps += 1
-            self.progress.update(steps)
+            if early is None:  # while streaming, the bar shows the bytes sent
+                self.progress.update(steps)
 
         async def prepare(node: NodeLink) -> None:
             signed = await identity.sign(node.channel, "prepare", args)  # if the node asks
@@ -187,6 +213,51 @@ class _Push:
         self.check("preparing")
         await each(self.nodes, commit, self.timeout)
         self.check("committing", [n.addr for n in self.healthy])
+
+    def first_read_chunks(self, paths: Sequence[bytes]) -> list[bytes]:
+        """The chunks push --early sends first and waits for: those of the files in `paths`
+        (the nodes' first reads of earlier publishes: first_reads.py), in that order. Without
+        such a list, the small files (under stream.LARGE_CHUNK): cheap in bytes, while each
+        would cost a round trip if fetched on demand; a large file's chunks are few and are
+        worth fetching on demand, ahead of the stream."""
+        files = {e.path: e for e in self.snap.manifest if e.kind == Kind.FILE}
+        if paths:
+            chosen = [files[p] for p in paths if p in files]
+        else:
+            chosen = [e for e in files.values() if e.size < LARGE_CHUNK]
+        return list(dict.fromkeys(c for e in chosen for c in e.chunks))
+
+    async def push_early(self, name: str, source: dict[str, str], kind: str, fanout: int,
+                         head: list[bytes], usable: Callable[[float, int], None]) -> str:
+        """Stream (manifest, `head`, the rest) and meanwhile publish early on every node; call
+        `usable(seconds, nodes)` once every node serves the version; then, once the stream is
+        flushed, publish again without `early`: every chunk is checked, durably. Returns the
+        topology kind used."""
+        used = "none"
+        streamed = trio.Event()
+
+        async def stream() -> None:
+            nonlocal used
+            try:
+                used = await self.broadcast(kind, fanout, head)
+            finally:
+                streamed.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stream)
+            await self.publish(name, source, early=head)
+            self.usable_seconds = round(time.monotonic() - self.started, 3)
+            usable(self.usable_seconds, len(self.healthy))
+            await streamed.wait()
+        published = [n.addr for n in self.healthy]
+        self.check("sending chunks", published)
+        if self.allow_partial:  # as in push(): what a failed relay parent left behind
+            await self.negotiate()
+            await self.broadcast("star", fanout)
+            self.check("sending chunks", published)
+        await self.publish(name, source)
+        self.complete_seconds = round(time.monotonic() - self.started, 3)
+        return used
 
     async def aclose(self) -> None:
         for node in self.nodes:
@@ -239,13 +310,18 @@ async def push(
     transport: str | bulk.LocalTransport = "auto",
     encrypt: str = "auto",
     at_source: bool | None = None,
+    early: bool = False,
+    on_usable: Callable[[float, int], None] | None = None,
 ) -> PushResult:
     """Push `src` to every host as workspace `name` (default: the folder's name). With
     `cache_dir`, the scan keeps a cache of the folder there, so unchanged files are not read.
     `encrypt` is the policy for the sessions with the nodes (addresses.encrypts). With
     `at_source`, every node also exposes the workspace at `src`'s absolute path (a link to
     MOUNT/NAME), so a venv's scripts, which name that path, run there; None (the default)
-    does so where the path allows it, and otherwise pushes without it and warns."""
+    does so where the path allows it, and otherwise pushes without it and warns. With
+    `early`, the version is published as soon as every node holds the manifest and the
+    chunks the first reads need (see the module docstring); `on_usable(seconds, nodes)` is
+    called then."""
     t0 = time.monotonic()
     progress = progress or Progress()
     name = workspace_name(src, name)
@@ -267,6 +343,8 @@ async def push(
         cache=ScanCache.for_folder(cache_dir, src) if cache_dir else None)
 
     job = _Push(snap, hosts, token, progress, timeout, allow_partial, encrypt)
+    job.started = t0
+    head: list[bytes] | None = None
     job.requested = transport if isinstance(transport, str) else transport.requested
     job.local = (transport if isinstance(transport, bulk.LocalTransport)
                  else bulk.resolve_local(transport))
@@ -277,15 +355,20 @@ async def push(
         job.check("checking the snapshot's size")
         await job.negotiate()
         job.check("negotiating")
-        used = await job.broadcast(topology_kind, fanout)
-        job.check("sending chunks")
-        if allow_partial:
-            # Nodes whose relay parent failed are healthy but incomplete: send them the rest
-            # directly, once.
-            await job.negotiate()
-            await job.broadcast("star", fanout)
+        if early:
+            head = job.first_read_chunks([])
+            used = await job.push_early(name, source, topology_kind, fanout, head,
+                                        on_usable or (lambda seconds, nodes: None))
+        else:
+            used = await job.broadcast(topology_kind, fanout)
             job.check("sending chunks")
-        await job.publish(name, source)
+            if allow_partial:
+                # Nodes whose relay parent failed are healthy but incomplete: send them the
+                # rest directly, once.
+                await job.negotiate()
+                await job.broadcast("star", fanout)
+                job.check("sending chunks")
+            await job.publish(name, source)
     finally:
         await job.aclose()
 
@@ -305,4 +388,6 @@ async def push(
                                   or {n.transport[0] for n in job.healthy})) or "tcp",
         failed={n.addr: n.error for n in job.nodes if n.error},
         warnings=unexposed + snap.warnings + job.warnings,
+        usable_seconds=job.usable_seconds,
+        complete_seconds=job.complete_seconds,
     )

@@ -32,6 +32,7 @@ from ...fs.store import Store
 from ..wire.replies import CommitReply, PrepareReply, RemoveReply
 from ..wire.requests import RequestError
 from . import source_path
+from .fetch import Fetcher
 from .refs import Refs
 
 log = logging.getLogger("monarch_fs.daemon")
@@ -51,8 +52,13 @@ class Publisher:
 
     def __init__(self, store: Store, refs: Refs, backing: BackingFiles, fs: SnapshotFS, *,
                  keep: int, max_entries: int, counters: dict[str, int],
-                 mount: str | os.PathLike[str] | None = None) -> None:
+                 mount: str | os.PathLike[str] | None = None,
+                 fetcher: Fetcher | None = None) -> None:
         self.store = store
+        self.fetcher = fetcher  # an early prepare waits on it for the first-read chunks
+        # Workspace -> the version it serves that was published early (push --early) and is
+        # not known complete yet; a prepare and commit without `early` complete it.
+        self.incomplete: dict[str, bytes] = {}
         # Where the mount is: a workspace exposed at its source path links to MOUNT/NAME
         # (source_path.py). None: nothing is exposed there (a service built without a mount).
         self.mount = Path(mount) if mount is not None else None
@@ -70,7 +76,7 @@ class Publisher:
         # Background work (backing files, collects); set while the service runs.
         self.nursery: trio.Nursery | None = None
         self._manifests: dict[bytes, Manifest] = {}
-        self._prepared: set[tuple[str, bytes]] = set()
+        self._prepared: set[tuple[str, bytes, bool]] = set()  # (name, version, early)
         # The version each workspace is being prepared for: its backing files are kept.
         self._pinned: dict[str, bytes] = {}
         self._removing: set[str] = set()  # no new process may pin these
@@ -152,8 +158,15 @@ class Publisher:
             return await trio.to_thread.run_sync(self.store.missing, ids)
 
     async def _check_complete(self, version: bytes) -> None:
+        manifest = await self._checked_manifest(version)
+        missing = await trio.to_thread.run_sync(self.store.missing, manifest.chunk_ids())
+        if missing:
+            raise RequestError(f"version {version.hex()[:12]}: {len(missing)} chunks missing")
+
+    async def _checked_manifest(self, version: bytes) -> Manifest:
+        """The manifest of a version being prepared; RequestError saying why it cannot be."""
         try:
-            manifest = await self.manifest(version)
+            return await self.manifest(version)
         except KeyError:
             raise RequestError(f"version {version.hex()[:12]}: manifest not received") from None
         except TooManyEntries as e:  # a ManifestError: first
@@ -163,20 +176,34 @@ class Publisher:
             ) from None
         except (CorruptChunk, ManifestError) as e:
             raise RequestError(f"version {version.hex()[:12]}: {e}") from None
-        missing = await trio.to_thread.run_sync(self.store.missing, manifest.chunk_ids())
-        if missing:
-            raise RequestError(f"version {version.hex()[:12]}: {len(missing)} chunks missing")
 
-    async def _make_ready(self, name: str, version: bytes) -> None:
-        """Everything a publish of `version` needs: every chunk, durable in the store. The
-        version is pinned (kept from collection) meanwhile, and stays pinned if it is ready.
-        Checked and synced under the collect lock: a cut back in between could drop a chunk
-        found present but not yet durable."""
+    async def _check_early(self, version: bytes, early: tuple[bytes, ...]) -> None:
+        """An early publish's check: the manifest and the first-read chunks are here (the
+        rest streams on, and a read of a missing chunk fetches it: fetch.py)."""
+        await self._checked_manifest(version)
+        missing = await trio.to_thread.run_sync(self.store.missing, early)
+        if missing:
+            raise RequestError(f"version {version.hex()[:12]}: {len(missing)} of the "
+                               f"{len(early)} chunks the first reads need did not arrive")
+
+    async def _make_ready(self, name: str, version: bytes,
+                          early: tuple[bytes, ...] | None = None, wait: float = 0.0) -> None:
+        """Everything a publish of `version` needs: every chunk (with `early`: the manifest
+        and those chunks, waited for up to `wait` seconds first, outside the lock, as they
+        arrive on another session), durable in the store. The version is pinned (kept from
+        collection) meanwhile, and stays pinned if it is ready. Checked and synced under the
+        collect lock: a cut back in between could drop a chunk found present but not yet
+        durable."""
         before = self._pinned.get(name)
         self._pinned[name] = version
         try:
+            if early is not None and wait and self.fetcher is not None:
+                await self.fetcher.wait([version, *early], wait)
             async with self._gc_lock:
-                await self._check_complete(version)
+                if early is None:
+                    await self._check_complete(version)
+                else:
+                    await self._check_early(version, early)
                 await trio.to_thread.run_sync(self.store.sync)
         except BaseException:
             if before is None:
@@ -201,23 +228,29 @@ class Publisher:
             raise RequestError(str(e)) from None
 
     async def prepare(self, name: str, version: bytes, source: str | None = None,
-                      owner: int | None = None) -> PrepareReply:
-        """Phase one; `owner` is who asks (--identity munge), refused for another's workspace."""
+                      owner: int | None = None, early: tuple[bytes, ...] | None = None,
+                      wait: float = 0.0) -> PrepareReply:
+        """Phase one; `owner` is who asks (--identity munge), refused for another's workspace.
+        With `early` (push --early), only the manifest and those chunks must be here."""
         self._check_owner(name, owner, "replace")
         self._check_source(source)
-        await self._make_ready(name, version)
-        self._prepared.add((name, version))
+        await self._make_ready(name, version, early, wait)
+        self._prepared.add((name, version, early is not None))
         return PrepareReply(version)
 
     async def commit(self, name: str, version: bytes, source: str | None = None,
-                     source_id: str | None = None, owner: int | None = None) -> CommitReply:
+                     source_id: str | None = None, owner: int | None = None,
+                     early: tuple[bytes, ...] | None = None,
+                     wait: float = 0.0) -> CommitReply:
         """Publish `version` of `name`; with `source`, expose it at that path too (a warning
         in the reply, not a failure, when this node cannot). With `owner` (who asks, under
-        --identity munge) it belongs to that user from then on; another's is refused."""
+        --identity munge) it belongs to that user from then on; another's is refused. With
+        `early`, the version is served incomplete (see prepare) and gets no backing files
+        until a commit without it: passthrough must never bind a partial file."""
         self._check_owner(name, owner, "replace")
         self._check_source(source)
-        if (name, version) not in self._prepared:
-            await self._make_ready(name, version)
+        if (name, version, early is not None) not in self._prepared:
+            await self._make_ready(name, version, early, wait)
         async with self._publish_lock:
             self._check_owner(name, owner, "replace")  # again: another may have committed
             # Everything that can fail comes before the refs are saved, and nothing changes
@@ -226,7 +259,7 @@ class Publisher:
             versions = self.refs.next_versions(name, version, self.keep)
             staged = await self.fs.stage(name.encode(),
                                          [(v, await self.manifest(v)) for v in versions])
-            if self.fs.passthrough and self.nursery is not None:
+            if self.fs.passthrough and self.nursery is not None and early is None:
                 # Backing files are a cache of the store (fs/backing.py), written in the
                 # background from the commit on: not at prepare, where the copies slowed the
                 # other nodes' prepares (4.5 s vs 4.2 s for 3 hosts on one 2-core machine) and
@@ -242,7 +275,11 @@ class Publisher:
                                    f"{name!r} stays at its last version") from None
             await self.fs.switch(staged)
             self.workspace_problems.pop(name, None)
-            self._prepared.discard((name, version))
+            self._prepared.discard((name, version, early is not None))
+            if early is not None:
+                self.incomplete[name] = version
+            else:
+                self.incomplete.pop(name, None)
             if self._pinned.get(name) == version:
                 del self._pinned[name]
             self._drop_manifests()
@@ -318,6 +355,7 @@ class Publisher:
                 self._removing.discard(name)
             await self._relink(name, source, None, None)
             await self.fs.remove_workspace(name.encode())
+            self.incomplete.pop(name, None)
             self._drop_manifests()
             await self._prune_backing()
         try:

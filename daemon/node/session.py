@@ -50,6 +50,7 @@ from ..wire.requests import (
     Status,
 )
 from ..wire.transport import Channel, ConnectionLost
+from .fetch import Upstream
 from .procs import SpawnRefused, free_port
 from .relay import Relay
 from .writes import ChunkWrites
@@ -78,8 +79,10 @@ class Session:
         self.nursery = nursery  # this connection's writes, relay senders and RDMA receiver
         self.counters = service.counters
         self.writes = ChunkWrites(service.store, raw=service.store_raw,
-                                  counters=service.counters, limiter=service.write_limiter)
+                                  counters=service.counters, limiter=service.write_limiter,
+                                  on_stored=service.fetcher.stored)
         self.relay: Relay | None = None
+        self.upstream: Upstream | None = None  # push --early: this peer streams to us
         self.own_missing: set[bytes] | None = None  # what this node lacks, once asked
         self.claimed = False  # told what this node has: no collect until commit
         self.bulk_rx: bulk.BulkReceiver | None = None  # an RDMA channel the client opened
@@ -115,6 +118,8 @@ class Session:
                 await self._dispatch(msg)
 
     async def _close(self) -> None:
+        if self.upstream is not None:
+            self.service.fetcher.remove(self.upstream)  # its readers' wants fail now
         if self.claimed:
             self.publisher.release_claim()
         if self.relay is not None:
@@ -137,6 +142,8 @@ class Session:
             await self.relay.forward(cid, blob)
         if self.own_missing is None or cid in self.own_missing:
             await self.writes.start(self.nursery, p.PutChunk(cid, blob))
+            if self.service.fetcher.wanted(cid):  # a reader waits: no waiting for a batch
+                await self.writes.hurry(self.nursery)
 
     async def _query_missing(self, ids: list[bytes]) -> None:
         own = await self.publisher.missing(ids)
@@ -192,11 +199,12 @@ class Session:
         return await self.service.status()
 
     async def _prepare(self, req: Prepare) -> PrepareReply:
-        return await self.publisher.prepare(req.name, req.version, req.source, self._owner)
+        return await self.publisher.prepare(req.name, req.version, req.source, self._owner,
+                                            req.early, req.wait)
 
     async def _commit(self, req: Commit) -> CommitReply:
         value = await self.publisher.commit(req.name, req.version, req.source, req.source_id,
-                                            self._owner)
+                                            self._owner, req.early, req.wait)
         if self.claimed:  # what it has is now retained
             self.claimed = False
             self.publisher.release_claim()
@@ -210,7 +218,10 @@ class Session:
     async def _relay(self, req: OpenRelay) -> RelayReply:
         s = self.service
         self.relay = Relay(s.token, req.children, req.timeout, self.nursery, self.counters,
-                           s.transport, s.encrypt)
+                           s.transport, s.encrypt, s.fetcher if req.wants else None)
+        if req.wants and self.upstream is None:  # reads here may ask this peer for chunks
+            self.upstream = Upstream(self.chan.peer, self.chan.send, req.timeout)
+            s.fetcher.add(self.upstream)
         return RelayReply(await self.relay.open())
 
     async def _flush(self, req: Flush) -> FlushReply:
