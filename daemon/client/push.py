@@ -78,11 +78,12 @@ class PushResult:
     usable_seconds: float | None = None
     complete_seconds: float | None = None
     first_reads: int | None = None  # push --early: files sent first (the nodes' first reads)
+    chunks_wanted: int | None = None  # push --early: sent ahead of the stream, for a reader
 
     def to_json(self) -> dict:
         return {k: v for k, v in asdict(self).items()
                 if v is not None or k not in ("usable_seconds", "complete_seconds",
-                                              "first_reads")}
+                                              "first_reads", "chunks_wanted")}
 
     def left_behind(self) -> list[str]:
         """The warning lines for the nodes an --allow-partial push left behind."""
@@ -116,6 +117,8 @@ class _Push:
         self.bytes_sent = 0
         self.warnings: list[str] = []  # from the nodes' commits
         self.started = time.monotonic()
+        self.chunks_wanted = 0  # push --early: sent ahead of the stream, for a node's reader
+        self.first_reads = 0  # push --early: files whose chunks went first
         self.usable_seconds: float | None = None  # push --early
         self.complete_seconds: float | None = None
 
@@ -177,6 +180,7 @@ class _Push:
         finally:
             self.chunks_sent += stream.chunks_sent
             self.bytes_sent += stream.bytes_sent
+            self.chunks_wanted += stream.wanted
         return kind
 
     async def publish(self, name: str, source: dict[str, str],
@@ -225,6 +229,7 @@ class _Push:
             chosen = [files[p] for p in paths if p in files]
         else:
             chosen = [e for e in files.values() if e.size < LARGE_CHUNK]
+        self.first_reads = len(chosen)
         return list(dict.fromkeys(c for e in chosen for c in e.chunks))
 
     async def push_early(self, name: str, source: dict[str, str], kind: str, fanout: int,
@@ -390,4 +395,6 @@ async def push(
         warnings=unexposed + snap.warnings + job.warnings,
         usable_seconds=job.usable_seconds,
         complete_seconds=job.complete_seconds,
+        first_reads=job.first_reads if early else None,
+        chunks_wanted=job.chunks_wanted if early else None,
     )
