@@ -88,3 +88,55 @@ def test_early_read_of_a_late_chunk_is_fetched_and_correct(fresh_cluster, tmp_pa
     assert out["usable_seconds"] <= out["complete_seconds"]
     assert incomplete(c) == [[]]
     assert tree(c.mnt(0) / "ws") == tree(src)
+
+
+def test_dev_box_killed_mid_stream_gives_eio_never_wrong_bytes(fresh_cluster, tmp_path):
+    c = fresh_cluster(1)
+    src = tmp_path / "ws"
+    big = make_tree(src, 256)
+    push = start_early_push(c, src)
+    wait_usable(push)
+    os.kill(push.pid, signal.SIGSTOP)  # frozen, so it cannot finish before it dies
+    os.kill(push.pid, signal.SIGKILL)
+    push.communicate()
+    f = c.mnt(0) / "ws" / "big.bin"
+    failed = 0
+    for off in range(len(big) - CHUNK, -1, -CHUNK):  # the latest chunks first
+        t0 = time.monotonic()
+        try:
+            data = read_at(f, off, CHUNK)
+        except OSError as e:
+            assert e.errno == errno.EIO, e
+            failed += 1
+        else:
+            assert data == big[off:off + CHUNK], f"wrong bytes at {off}"
+        assert time.monotonic() - t0 < 10, "a read of a missing chunk must fail promptly"
+    assert failed, "the dev box died before the end: some chunk must be missing"
+    assert (c.mnt(0) / "ws" / "small.txt").read_text() == "hello\n"  # present: still read
+    assert incomplete(c) == [["ws"]]
+    log = (c.dir / "node-0" / "log").read_text(errors="replace")
+    assert "node-0: chunk " in log and "is not available" in log, log[-2000:]
+    # A normal push of the same version completes it.
+    out = c.push_json(src)
+    assert out["nodes"] == 1
+    assert incomplete(c) == [[]]
+    assert read_at(f, 0, len(big)) == big
+
+
+def test_want_on_a_chain_child_is_served_through_its_parent(fresh_cluster, tmp_path):
+    c = fresh_cluster(2)
+    src = tmp_path / "ws"
+    big = make_tree(src, 192)
+    push = start_early_push(c, src, "--topology", "chain")
+    try:
+        wait_usable(push)
+        last = len(big) - CHUNK
+        # node 1 is the chain's child: its only upstream is node 0's relay session
+        assert read_at(c.mnt(1) / "ws" / "big.bin", last, CHUNK) == big[last:]
+    finally:
+        out = finish(push)
+    assert out["topology"] == "chain" and out["nodes"] == 2
+    assert out["chunks_wanted"] >= 1, out  # the parent lacked it too and wanted it upstream
+    assert incomplete(c) == [[], []]
+    for i in range(2):
+        assert tree(c.mnt(i) / "ws") == tree(src)
