@@ -128,7 +128,7 @@ def cmd_push(args: argparse.Namespace) -> int:
             topology_kind=args.topology, fanout=args.fanout, allow_partial=args.allow_partial,
             timeout=args.timeout, cache_dir=cache_dir, transport=transport,
             encrypt=args.encrypt, at_source=args.at_source, early=args.early,
-            on_usable=usable)
+            on_usable=usable, first_reads_dir=home_dir() / "first-reads")
 
     def usable(seconds: float, nodes: int) -> None:
         """push --early: the version is served everywhere (the rest still streams)."""

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import CLI_MODULE, Cluster, tree, wait_for
+from helpers import CLI_MODULE, Cluster, tree
 
 MiB = 1 << 20
 CHUNK = 4 * MiB
@@ -140,3 +140,25 @@ def test_want_on_a_chain_child_is_served_through_its_parent(fresh_cluster, tmp_p
     assert incomplete(c) == [[], []]
     for i in range(2):
         assert tree(c.mnt(i) / "ws") == tree(src)
+
+
+def test_first_reads_of_earlier_publishes_go_first(fresh_cluster, tmp_path):
+    c = fresh_cluster(1)
+    src = tmp_path / "ws"
+    src.mkdir()
+    (src / "small.txt").write_text("hello\n")
+    first = os.urandom(8 * MiB)
+    (src / "first.bin").write_bytes(first)
+    (src / "later.bin").write_bytes(os.urandom(8 * MiB))
+    c.push(src)
+    assert (c.mnt(0) / "ws" / "first.bin").read_bytes() == first  # the job's first read
+    (src / "new.bin").write_bytes(os.urandom(8 * MiB))
+    out = finish(start_early_push(c, src))
+    assert out["first_reads"] == 1, out  # first.bin, not the small files
+    kept = Path(os.environ["MONARCH_FS_HOME"]) / "first-reads" / "ws.json"
+    assert json.loads(kept.read_text())["paths"] == ["first.bin"]
+    # Fresh nodes know nothing; the dev box still does.
+    fresh = fresh_cluster(1)
+    out = finish(start_early_push(fresh, src))
+    assert out["first_reads"] == 1, out
+    assert tree(fresh.mnt(0) / "ws") == tree(src)

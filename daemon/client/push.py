@@ -22,6 +22,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import trio
 
@@ -33,6 +34,7 @@ from ..wire import bulk, identity, topology
 from ..wire.replies import CommitReply, PrepareReply
 from ..wire.requests import check_source_path, check_workspace_name
 from ..wire.transport import CONNECT_TIMEOUT, connect
+from . import first_reads
 from .links import STALL_TIMEOUT, NodeLink, each
 from .progress import Progress
 from .stream import LARGE_CHUNK, Payload, Stream
@@ -225,9 +227,8 @@ class _Push:
         would cost a round trip if fetched on demand; a large file's chunks are few and are
         worth fetching on demand, ahead of the stream."""
         files = {e.path: e for e in self.snap.manifest if e.kind == Kind.FILE}
-        if paths:
-            chosen = [files[p] for p in paths if p in files]
-        else:
+        chosen = [files[p] for p in paths if p in files]
+        if not chosen:  # no list, or none of its files is in this snapshot
             chosen = [e for e in files.values() if e.size < LARGE_CHUNK]
         self.first_reads = len(chosen)
         return list(dict.fromkeys(c for e in chosen for c in e.chunks))
@@ -317,6 +318,7 @@ async def push(
     at_source: bool | None = None,
     early: bool = False,
     on_usable: Callable[[float, int], None] | None = None,
+    first_reads_dir: str | os.PathLike[str] | None = None,
 ) -> PushResult:
     """Push `src` to every host as workspace `name` (default: the folder's name). With
     `cache_dir`, the scan keeps a cache of the folder there, so unchanged files are not read.
@@ -326,7 +328,8 @@ async def push(
     does so where the path allows it, and otherwise pushes without it and warns. With
     `early`, the version is published as soon as every node holds the manifest and the
     chunks the first reads need (see the module docstring); `on_usable(seconds, nodes)` is
-    called then."""
+    called then. The first reads are the nodes' (first_reads.py), merged with those kept in
+    `first_reads_dir` on the dev box."""
     t0 = time.monotonic()
     progress = progress or Progress()
     name = workspace_name(src, name)
@@ -361,7 +364,10 @@ async def push(
         await job.negotiate()
         job.check("negotiating")
         if early:
-            head = job.first_read_chunks([])
+            lists = await first_reads.learn(job.healthy, name, timeout)
+            paths = (first_reads.known(Path(first_reads_dir), name, lists)
+                     if first_reads_dir else first_reads.merge(lists))
+            head = job.first_read_chunks(paths)
             used = await job.push_early(name, source, topology_kind, fanout, head,
                                         on_usable or (lambda seconds, nodes: None))
         else:

@@ -29,6 +29,7 @@ from ..wire.limits import Limits, LogOnce, peer_host, serve_listeners
 from ..wire.replies import COUNTERS, StatusReply
 from ..wire.transport import accept
 from .fetch import Fetcher
+from .first_reads import FirstReads
 from .procs import ROOT_PROCS_FLAG, ProcessTable, procs_user
 from .publisher import KEEP_VERSIONS, Publisher
 from .refs import Refs, describe_user
@@ -115,6 +116,9 @@ class NodeService:
         self.fetcher = Fetcher(self.store, self.node_name)
         self.fs = SnapshotFS(self.store.get, self.backing, self.store.get_if_cached,
                              self.fetcher.fetch)
+        # What is read first after each publish: push --early sends it first.
+        self.first_reads = FirstReads(self.state / "first-reads")
+        self.fs.on_read = self.first_reads.note
         self.addr = addr  # the bound address, once listening
         self.started = time.time()
         # What crossed this node since it started: a push's edges carry only what is lacking.

@@ -25,6 +25,7 @@ from ..wire.identity import Identity, IdentityError
 from ..wire.replies import (
     BulkReply,
     CommitReply,
+    FirstReadsReply,
     FlushReply,
     FreePortReply,
     KillReply,
@@ -38,6 +39,7 @@ from ..wire.replies import (
 from ..wire.requests import (
     Bulk,
     Commit,
+    FirstReads,
     Flush,
     FreePort,
     Kill,
@@ -51,6 +53,7 @@ from ..wire.requests import (
 )
 from ..wire.transport import Channel, ConnectionLost
 from .fetch import Upstream
+from .first_reads import encode_paths
 from .procs import SpawnRefused, free_port
 from .relay import Relay
 from .writes import ChunkWrites
@@ -205,6 +208,7 @@ class Session:
     async def _commit(self, req: Commit) -> CommitReply:
         value = await self.publisher.commit(req.name, req.version, req.source, req.source_id,
                                             self._owner, req.early, req.wait)
+        self.service.first_reads.published(req.name, req.version)
         if self.claimed:  # what it has is now retained
             self.claimed = False
             self.publisher.release_claim()
@@ -270,6 +274,9 @@ class Session:
     async def _free_port(self, req: FreePort) -> FreePortReply:
         return FreePortReply(free_port())
 
+    async def _first_reads(self, req: FirstReads) -> FirstReadsReply:
+        return FirstReadsReply(encode_paths(await self.service.first_reads.paths(req.name)))
+
 
 # A handler takes its own request class (the route's), so the table types it loosely.
 Handler = Callable[[Session, Any], Awaitable[NodeReply]]
@@ -285,6 +292,7 @@ _HANDLERS: list[tuple[type[NodeRequest], Handler]] = [
     (Spawn, Session._spawn),
     (Kill, Session._kill),
     (FreePort, Session._free_port),
+    (FirstReads, Session._first_reads),
 ]
 # The one dispatch table: every op a node answers, its request class and its handler.
 ROUTES: dict[str, tuple[type[NodeRequest], Handler]] = {

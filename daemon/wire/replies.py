@@ -311,5 +311,24 @@ class FreePortReply:
         return cls(_get(cls.op, value, "port", int))
 
 
+@dataclass(frozen=True)
+class FirstReadsReply:
+    """The paths this node read first in a workspace, in order (push --early sends them
+    first); strings, with surrogate escapes for names that are not UTF-8."""
+
+    op: ClassVar[str] = "first_reads"
+    paths: list[str]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"paths": self.paths}
+
+    @classmethod
+    def from_wire(cls, value: Mapping[str, Any]) -> FirstReadsReply:
+        paths = _get(cls.op, value, "paths", list)
+        if not all(isinstance(p, str) for p in paths):
+            raise MalformedReply(f"malformed {cls.op} reply: 'paths' holds a non-string")
+        return cls(list(paths))
+
+
 NodeReply = (StatusReply | PrepareReply | CommitReply | RemoveReply | RelayReply | FlushReply
-             | BulkReply | SpawnReply | KillReply | FreePortReply)
+             | BulkReply | SpawnReply | KillReply | FreePortReply | FirstReadsReply)

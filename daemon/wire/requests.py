@@ -210,6 +210,24 @@ class Remove:
 
 
 @dataclass(frozen=True)
+class FirstReads:
+    """The files this node read first after workspace `name`'s latest publishes, in order
+    (daemon/node/first_reads.py): what push --early sends first."""
+
+    op: ClassVar[str] = "first_reads"
+    after_chunks: ClassVar[bool] = False
+    name: str
+
+    @classmethod
+    def parse(cls, args: dict) -> FirstReads:
+        name = args.get("name")
+        if not isinstance(name, str):
+            raise RequestError("first_reads: a workspace name is required")
+        check_workspace_name(name)
+        return cls(name)
+
+
+@dataclass(frozen=True)
 class OpenRelay:
     """Make this session a hop of a broadcast: connect to `children` (each
     {"addr": "host:port", "children": [...]}, opening its own subtree) and forward to them
@@ -318,4 +336,4 @@ class FreePort(_NoArguments):
 
 
 NodeRequest = (Status | Prepare | Commit | Remove | OpenRelay | Flush | Bulk | Spawn | Kill
-               | FreePort)
+               | FreePort | FirstReads)
