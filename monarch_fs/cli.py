@@ -196,6 +196,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             ws = ", ".join(
                 f"{name}={vs[0][:12]}" + (f" (+{len(vs) - 1} older)" if len(vs) > 1 else "")
                 + (f" by {s.owners[name]}" if name in s.owners else "")
+                + (" (incomplete: push --early still streaming)" if name in s.incomplete else "")
                 for name, vs in sorted(s.workspaces.items())) or "no workspaces"
             print(f"{n.host}  {s.node}  {ws}  store {fmt_bytes(s.store_bytes)}"
                   f" in {s.store_objects} objects  transport {s.transport.get('transport', 'tcp')}"
