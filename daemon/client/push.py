@@ -28,7 +28,7 @@ import trio
 
 from ...fs import chunk
 from ...fs.manifest import Kind
-from ...fs.scan import Snapshot, scan
+from ...fs.scan import Snapshot, SourceChanged, scan
 from ...fs.scan_cache import ScanCache
 from ..wire import bulk, identity, topology
 from ..wire.replies import CommitReply, PrepareReply
@@ -240,21 +240,28 @@ class _Push:
         flushed, publish again without `early`: every chunk is checked, durably. Returns the
         topology kind used."""
         used = "none"
-        streamed = trio.Event()
+        failed: list[Exception] = []  # raised here, not as a group out of the nursery
 
         async def stream() -> None:
             nonlocal used
             try:
                 used = await self.broadcast(kind, fanout, head)
-            finally:
-                streamed.set()
+            except SourceChanged as e:
+                failed.append(e)
+                nursery.cancel_scope.cancel()
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(stream)
-            await self.publish(name, source, early=head)
-            self.usable_seconds = round(time.monotonic() - self.started, 3)
-            usable(self.usable_seconds, len(self.healthy))
-            await streamed.wait()
+            try:
+                await self.publish(name, source, early=head)
+            except PushError as e:
+                failed.append(e)
+                nursery.cancel_scope.cancel()
+            else:
+                self.usable_seconds = round(time.monotonic() - self.started, 3)
+                usable(self.usable_seconds, len(self.healthy))
+        if failed:
+            raise failed[0]
         published = [n.addr for n in self.healthy]
         self.check("sending chunks", published)
         if self.allow_partial:  # as in push(): what a failed relay parent left behind

@@ -191,8 +191,8 @@ class Stream:
             if manifest:
                 order.append(pl.version)  # the manifest goes last: it names everything before
         else:  # the manifest and the first reads' chunks first: the version is usable then
-            first = set(self.head)
-            head = [c for c in dict.fromkeys(self.head) if c in set(needed)]
+            first, wanted = set(self.head), set(needed)
+            head = [c for c in dict.fromkeys(self.head) if c in wanted]
             order = ([pl.version] if manifest else []) + head + interleave(
                 [c for c in needed if c not in first], pl.sizes)
         self.progress.phase("sending", sum(pl.sizes[c] for r in live for c in wants[r.addr]))

@@ -49,7 +49,8 @@ class Fetcher:
         self.store = store
         self.host = host  # this node, as the log names it
         self.upstreams: list[Upstream] = []
-        self._waiting: dict[bytes, trio.Event] = {}
+        self._waiting: dict[bytes, trio.Event] = {}  # a reader waits: write it at once
+        self._arriving: dict[bytes, trio.Event] = {}  # an early prepare waits: in due course
         self.fetched = 0  # chunks a reader waited for and got
         self.failed = 0
 
@@ -71,11 +72,12 @@ class Fetcher:
 
     def stored(self, cids: list[bytes]) -> None:
         """These chunks are in the store now: wake whoever waits for them."""
-        if self._waiting:
-            for cid in cids:
-                event = self._waiting.pop(cid, None)
-                if event is not None:
-                    event.set()
+        for waiting in (self._waiting, self._arriving):
+            if waiting:
+                for cid in cids:
+                    event = waiting.pop(cid, None)
+                    if event is not None:
+                        event.set()
 
     async def wait(self, cids: list[bytes], timeout: float) -> list[bytes]:
         """Wait (without asking anyone) until every one of `cids` is stored, or `timeout`
@@ -83,8 +85,8 @@ class Fetcher:
         need come first in the stream."""
         with trio.move_on_after(timeout):
             for cid in self.store.missing(cids):
-                event = self._waiting.setdefault(cid, trio.Event())
-                await event.wait()
+                if not self.store.has(cid):  # stored while this waited for the ones before
+                    await self._arriving.setdefault(cid, trio.Event()).wait()
         return self.store.missing(cids)
 
     async def fetch(self, cid: bytes) -> None:
