@@ -19,10 +19,12 @@ from pathlib import Path
 import pytest
 
 from helpers import CLI_MODULE, Cluster, tree
+from monarch_fs.daemon.wire import frames
+from monarch_fs.daemon.wire.protocol import ProtocolError, Want
+from test_protocol import ready_pair
 
 MiB = 1 << 20
 CHUNK = 4 * MiB
-pytestmark = pytest.mark.mount
 
 
 def start_early_push(c: Cluster, src: Path, *args: str) -> subprocess.Popen:
@@ -70,6 +72,19 @@ def incomplete(c: Cluster) -> list[list[str]]:
     return [n.get("incomplete", []) for n in c.status()]
 
 
+def test_want_goes_node_to_pusher_only_with_whole_ids():
+    w = ready_pair()
+    want = Want([b"\x01" * 16, b"\x02" * 16])
+    assert w.deliver(w.server, want) == want  # the node (server) asks the pusher (client)
+    with pytest.raises(ProtocolError):
+        w.client.send(want)
+    with pytest.raises(ProtocolError, match="16 bytes"):
+        w.server.send(Want([b"short"]))
+    with pytest.raises(ProtocolError, match="not a list of ids"):
+        frames.decode(frames.FrameType.WANT, b"\x01" * 17)
+
+
+@pytest.mark.mount
 def test_early_read_of_a_late_chunk_is_fetched_and_correct(fresh_cluster, tmp_path):
     c = fresh_cluster(1)
     src = tmp_path / "ws"
@@ -90,6 +105,7 @@ def test_early_read_of_a_late_chunk_is_fetched_and_correct(fresh_cluster, tmp_pa
     assert tree(c.mnt(0) / "ws") == tree(src)
 
 
+@pytest.mark.mount
 def test_dev_box_killed_mid_stream_gives_eio_never_wrong_bytes(fresh_cluster, tmp_path):
     c = fresh_cluster(1)
     src = tmp_path / "ws"
@@ -123,6 +139,7 @@ def test_dev_box_killed_mid_stream_gives_eio_never_wrong_bytes(fresh_cluster, tm
     assert read_at(f, 0, len(big)) == big
 
 
+@pytest.mark.mount
 def test_want_on_a_chain_child_is_served_through_its_parent(fresh_cluster, tmp_path):
     c = fresh_cluster(2)
     src = tmp_path / "ws"
@@ -142,6 +159,7 @@ def test_want_on_a_chain_child_is_served_through_its_parent(fresh_cluster, tmp_p
         assert tree(c.mnt(i) / "ws") == tree(src)
 
 
+@pytest.mark.mount
 def test_first_reads_of_earlier_publishes_go_first(fresh_cluster, tmp_path):
     c = fresh_cluster(1)
     src = tmp_path / "ws"
