@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
+from test_protocol import ready_pair
 
 from helpers import CLI_MODULE, Cluster, tree
 from monarch_fs.daemon.wire import frames
 from monarch_fs.daemon.wire.protocol import ProtocolError, Want
-from test_protocol import ready_pair
 
 MiB = 1 << 20
 CHUNK = 4 * MiB
