@@ -135,7 +135,11 @@ class Stream:
                         raise p.ProtocolError(f"{root.addr}: unexpected {type(msg).__name__} "
                                               "while streaming")
                     known = [c for c in msg.ids if c in self.payload.sizes]
-                    if known:
+                    if not known:
+                        continue
+                    # Shielded: a send cut off mid-frame by the flush's cancel would break the
+                    # channel the flush goes on.
+                    with trio.CancelScope(shield=True), trio.fail_after(self.timeout):
                         batch = await trio.to_thread.run_sync(self.payload.encoded, known)
                         await chan.send_many([p.PutChunk(cid, blob) for cid, blob in batch])
                         self.wanted += len(batch)
