@@ -265,7 +265,7 @@ class Channel:
         """Ask the peer which of `ids` it (and, in a relay session, its subtree) lacks."""
         await self.send(QueryMissing(ids))
         reply = await self.receive()
-        while isinstance(reply, Want):  # push --early: asked before it knew; sent anyway
+        while isinstance(reply, Want):  # push --early: a want before the stream; it brings it
             reply = await self.receive()
         if not isinstance(reply, MissingIds):
             raise ProtocolError(f"expected missing chunk ids, got {type(reply).__name__}")
