@@ -5,12 +5,16 @@ zstd chunk would be read, decompressed and verified dozens of times. Loads run i
 (disk, decompression and hashing must not stall the FUSE loop), and concurrent readers of one
 chunk share a single load; except that a `load_cached` function, which must never block (a small
 chunk already in the page cache), is tried first on the caller's thread.
+
+A chunk the store lacks (a version published before all of it arrived: push --early) is
+handed to `fetch`, which returns once the chunk is stored (asking whoever streams it to send it
+first) or raises; the chunk is then loaded, and verified, from the store like any other.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -23,8 +27,10 @@ class ChunkCache:
 
     def __init__(self, load: Callable[[bytes], bytes | memoryview],
                  max_bytes: int = 128 * 1024 * 1024,
-                 load_cached: Callable[[bytes], bytes | memoryview | None] | None = None):
+                 load_cached: Callable[[bytes], bytes | memoryview | None] | None = None,
+                 fetch: Callable[[bytes], Awaitable[None]] | None = None):
         self._load = load
+        self.fetch = fetch  # a missing chunk: wait until it is stored, or raise
         self._load_cached = load_cached
         self._max = max_bytes
         self._bytes = 0
@@ -66,7 +72,13 @@ class ChunkCache:
                 return data
         done = self._loading[cid] = trio.Event()
         try:
-            data = await trio.to_thread.run_sync(self._load, cid, limiter=self._limiter)
+            try:
+                data = await trio.to_thread.run_sync(self._load, cid, limiter=self._limiter)
+            except KeyError:
+                if self.fetch is None:
+                    raise
+                await self.fetch(cid)  # stored now, or it raised
+                data = await trio.to_thread.run_sync(self._load, cid, limiter=self._limiter)
         finally:
             del self._loading[cid]
             done.set()

@@ -22,7 +22,7 @@ import logging
 import os
 import stat
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import pyfuse3
 import trio
@@ -53,9 +53,10 @@ class SnapshotFS(OpenMode):
 
     def __init__(self, load_chunk: Callable[[bytes], bytes | memoryview],
                  backing: BackingFiles | None = None,
-                 load_cached: Callable[[bytes], bytes | memoryview | None] | None = None):
+                 load_cached: Callable[[bytes], bytes | memoryview | None] | None = None,
+                 fetch: Callable[[bytes], Awaitable[None]] | None = None):
         super().__init__(backing)
-        self.chunks = ChunkCache(load_chunk, CHUNK_CACHE_BYTES, load_cached)
+        self.chunks = ChunkCache(load_chunk, CHUNK_CACHE_BYTES, load_cached, fetch)
         self.table = InodeTable()
         self.nursery: trio.Nursery | None = None  # for prefetches, set while serving
         self.ops: Counter[str] = Counter()  # requests served, by operation (user.monarch.ops)
@@ -65,6 +66,9 @@ class SnapshotFS(OpenMode):
         # Called when the kernel forgets a file that no served version has any more (removed
         # or dropped while a reader held it): held_chunks() no longer counts its chunks.
         self.on_orphan_forgotten: Callable[[], None] | None = None
+        # Told (workspace, path) of each open or read: the daemon records the first reads
+        # after a publish (push --early sends them first). Must be cheap: it is on every read.
+        self.on_read: Callable[[bytes, bytes], None] | None = None
 
     @property
     def workspaces(self) -> dict[bytes, list[Tree]]:
@@ -218,6 +222,8 @@ class SnapshotFS(OpenMode):
         await self._decided()  # the first opens, while check_passthrough() runs
         if self.no_open:
             raise pyfuse3.FUSEError(errno.ENOSYS)  # no-open: reads come with the inode
+        if self.on_read is not None:
+            self.on_read(node.ws, node.entry.path)
         backing_id = await self._backing_id(inode, node) if self.passthrough else 0
         node.opens += 1
         if backing_id:
@@ -231,6 +237,8 @@ class SnapshotFS(OpenMode):
         # the node (and the content it was opened with) outlives any publish.
         node = self.table.node(fh)
         entry, chunk_size = node.entry, node.chunk_size
+        if self.on_read is not None:
+            self.on_read(node.ws, entry.path)
         end = min(off + size, entry.size)
         parts = []
         chunks = entry.chunks

@@ -244,6 +244,17 @@ class Store:
         raise KeyError(cid.hex())
 
     def get_blob(self, cid: bytes) -> bytes:
+        """The chunk as it is stored and sent: a pack's record, or (a chunk of a file object,
+        checked against its id) its raw form."""
+        if cid in self.objects.index:
+            try:
+                data = self.objects.read(cid)
+            except KeyError:  # dropped meanwhile: it may still be in a pack
+                pass
+            else:
+                if chunk_id(data) != cid:
+                    raise CorruptChunk(f"chunk {cid.hex()}: its file object holds other bytes")
+                return RAW_CODEC + bytes(data)
         fd, off, length = self._reader(cid)
         blob = os.pread(fd, length, off)
         if len(blob) != length:

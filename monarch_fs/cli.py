@@ -132,7 +132,16 @@ def cmd_push(args: argparse.Namespace) -> int:
             timeout=args.timeout, cache_dir=cache_dir, transport=transport,
             encrypt=args.encrypt, at_source=args.at_source,
             store_dir=None if args.no_store else settings.store_dir,
-            store_bound=settings.store_bound, compress=args.compress)
+            store_bound=settings.store_bound, compress=args.compress, early=args.early,
+            on_usable=usable, first_reads_dir=home_dir() / "first-reads")
+
+    def usable(seconds: float, nodes: int) -> None:
+        """push --early: the version is served everywhere (the rest still streams)."""
+        if args.json:
+            print(json.dumps({"event": "usable", "seconds": seconds, "nodes": nodes}),
+                  flush=True)
+        else:
+            print(f"usable on {nodes} nodes after {seconds:.2f} s", flush=True)
 
     if args.watch:
         from .daemon.client.watch import watch
@@ -167,6 +176,9 @@ def cmd_push(args: argparse.Namespace) -> int:
               f"{result.topology}, {result.transport})")
         for line in link_lines(result):
             print(line)
+        if result.usable_seconds is not None and result.complete_seconds is not None:
+            print(f"usable after {result.usable_seconds:.2f}s, complete after "
+                  f"{result.complete_seconds:.2f}s")
     return 0
 
 
@@ -214,6 +226,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             ws = ", ".join(
                 f"{name}={vs[0][:12]}" + (f" (+{len(vs) - 1} older)" if len(vs) > 1 else "")
                 + (f" by {s.owners[name]}" if name in s.owners else "")
+                + (" (incomplete: push --early still streaming)" if name in s.incomplete else "")
                 for name, vs in sorted(s.workspaces.items())) or "no workspaces"
             print(f"{n.host}  {s.node}  {ws}  store {fmt_bytes(s.store_bytes)}"
                   f" in {s.store_objects} objects  transport {s.transport.get('transport', 'tcp')}"

@@ -85,9 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="route around failed nodes and publish on the healthy ones")
     p.add_argument("--timeout", type=float, default=60.0, metavar="S",
                    help="a node making no progress for S seconds has failed (default 60)")
+    p.add_argument("--early", action="store_true",
+                   help="publish as soon as every node holds the manifest and the files the "
+                        "nodes read first after earlier pushes (else the small files); the "
+                        "rest streams on, and a read of a chunk not there yet fetches it first. "
+                        "Prints when the version became usable and when complete")
     p.add_argument("--token-file", metavar="F")
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object (with --watch: one per push, one per line)")
+                   help="print one JSON object (with --watch: one per push, one per line; "
+                        'with --early, first {"event": "usable", ...} when usable)')
     p.add_argument("--watch", action="store_true",
                    help="keep watching SRC and push again after every change (Ctrl-C stops)")
     p.add_argument("--no-cache", action="store_true",

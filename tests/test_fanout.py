@@ -22,9 +22,11 @@ MiB = 1024 * 1024
 
 
 def objects(c: Cluster, i: int) -> int:
-    """Bytes in node i's packs: grows as chunks land (read from outside, while it runs)."""
-    packs = c.dir / f"node-{i}" / "state" / "store" / "packs"
-    return sum(p.stat().st_size for p in packs.glob("*.pack")) if packs.exists() else 0
+    """Bytes in node i's packs and file objects (large files, written in place: counted by
+    the blocks they hold): grows as chunks land (read from outside, while it runs)."""
+    store = c.dir / f"node-{i}" / "state" / "store"
+    packs = sum(p.stat().st_size for p in store.glob("packs/*.pack"))
+    return packs + sum(p.stat().st_blocks * 512 for p in store.glob("files/*"))
 
 
 def stats(c: Cluster) -> list[dict]:

@@ -220,7 +220,7 @@ async def test_a_corrupt_chunk_refuses_the_requests_after_it(tmp_path):
 
 def test_every_op_has_one_route_and_parses_its_arguments():
     assert set(ROUTES) == {"status", "prepare", "commit", "remove", "relay", "flush", "bulk",
-                           "spawn", "kill", "free_port", "probe"}
+                           "spawn", "kill", "free_port", "probe", "first_reads"}
     version = "ab" * 16
     assert Prepare.parse({"name": "ws", "version": version}) == Prepare(
         "ws", bytes.fromhex(version))
@@ -228,6 +228,9 @@ def test_every_op_has_one_route_and_parses_its_arguments():
     assert Remove.parse({"name": "ws"}) == Remove("ws")
     assert Status.parse({}) == Status() and FreePort.parse({}) == FreePort()
     assert OpenRelay.parse({}) == OpenRelay([], 60.0)
+    assert OpenRelay.parse({"wants": True}).wants
+    early = Prepare.parse({"name": "ws", "version": version, "early": ["cd" * 16], "wait": 2})
+    assert (early.early, early.wait) == ((bytes.fromhex("cd" * 16),), 2.0)
     assert OpenRelay.parse({"children": [{"addr": "h:1"}], "timeout": 5}).timeout == 5.0
     assert Flush.parse({}) == Flush(0) and Flush.parse({"bulk_chunks": 3}) == Flush(3)
     assert Kill.parse({"proc": 2}) == Kill(2, 15)
@@ -237,6 +240,7 @@ def test_every_op_has_one_route_and_parses_its_arguments():
     assert (spawn.workspace, spawn.version) == ("ws", bytes.fromhex(version))
     assert Spawn.parse({"argv": ["x"]}).version is None
     for kind, args in [(Prepare, {"name": 1, "version": version}), (OpenRelay, {"timeout": "x"}),
+                       (Prepare, {"name": "ws", "version": version, "early": ["zz"]}),
                        (Bulk, {}), (Kill, {"proc": None}), (Spawn, {"workspace": 3})]:
         with pytest.raises((RequestError, ValueError)):
             kind.parse(args)

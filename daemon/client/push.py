@@ -8,13 +8,19 @@ durably). Only when every node has prepared is any node asked to `commit`. A nod
 be reached, refuses, stalls or dies fails the push and no node switches, unless `allow_partial`
 is set: then the push routes around it, publishes on the healthy nodes and reports the others.
 What did arrive is kept either way, so the next push sends less.
+
+push --early publishes sooner: while the chunks stream (the manifest first, then those the
+first reads need), every node is asked to prepare and commit with `early`, which waits for the
+manifest and those chunks only; the version is usable then, and a read of a chunk that has not
+arrived fetches it ahead of the stream (daemon/node/fetch.py). Once the stream is flushed, a
+prepare and commit without `early` check every chunk, durably: the version is complete.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -28,12 +34,12 @@ from ..wire import bulk, identity, topology
 from ..wire.replies import CommitReply, PrepareReply
 from ..wire.requests import check_source_path, check_workspace_name
 from ..wire.transport import CONNECT_TIMEOUT, connect
-from . import bytecode, link_codec
+from . import bytecode, first_reads, link_codec
 from .controller_store import ControllerStore
 from .link_codec import LinkChoice
 from .links import STALL_TIMEOUT, NodeLink, each
 from .progress import Progress
-from .stream import Payload, Stream
+from .stream import LARGE_CHUNK, Payload, Stream
 
 
 class PushError(Exception):
@@ -73,9 +79,17 @@ class PushResult:
     links: list[dict] = field(default_factory=list)  # per root: link_codec.LinkChoice
     store: dict = field(default_factory=dict)  # the dev box store: used, sent_from, added
     warnings: list[str] = field(default_factory=list)
+    # push --early: seconds from the start until every node served the version (usable) and
+    # until every node held all of it (complete); None (and left out of --json) otherwise.
+    usable_seconds: float | None = None
+    complete_seconds: float | None = None
+    first_reads: int | None = None  # push --early: files sent first (the nodes' first reads)
+    chunks_wanted: int | None = None  # push --early: sent ahead of the stream, for a reader
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items()
+                if v is not None or k not in ("usable_seconds", "complete_seconds",
+                                              "first_reads", "chunks_wanted")}
 
     def left_behind(self) -> list[str]:
         """The warning lines for the nodes an --allow-partial push left behind."""
@@ -113,6 +127,11 @@ class _Push:
         self.chunks_sent = 0  # chunk copies that left the dev box (relays forward the rest)
         self.bytes_sent = 0
         self.warnings: list[str] = []  # from the nodes' commits
+        self.started = time.monotonic()
+        self.chunks_wanted = 0  # push --early: sent ahead of the stream, for a node's reader
+        self.first_reads = 0  # push --early: files whose chunks went first
+        self.usable_seconds: float | None = None  # push --early
+        self.complete_seconds: float | None = None
 
     @property
     def healthy(self) -> list[NodeLink]:
@@ -155,8 +174,9 @@ class _Push:
 
         await each(self.nodes, ask, self.timeout)
 
-    async def broadcast(self, kind: str, fanout: int) -> str:
-        """Send every healthy node what it lacks along a `kind` plan; returns the kind used."""
+    async def broadcast(self, kind: str, fanout: int, head: list[bytes] | None = None) -> str:
+        """Send every healthy node what it lacks along a `kind` plan; returns the kind used.
+        With `head` (push --early), those chunks go first, and nodes may want chunks."""
         lacking = [n for n in self.healthy if n.missing]
         if not lacking:
             return "none"
@@ -165,12 +185,14 @@ class _Push:
         roots = topology.plan([n.addr for n in lacking], kind, fanout)
         by_addr = {n.addr: n for n in self.nodes}
         await self.choose_compression([by_addr[r["addr"]] for r in roots])
-        stream = Stream(self.payload, self.nodes, self.local, self.timeout, self.progress)
+        stream = Stream(self.payload, self.nodes, self.local, self.timeout, self.progress,
+                        head, self.token, self.encrypt)
         try:
             await stream.run([(by_addr[r["addr"]], r["children"]) for r in roots])
         finally:
             self.chunks_sent += stream.chunks_sent
             self.bytes_sent += stream.bytes_sent
+            self.chunks_wanted += stream.wanted
         return kind
 
     async def choose_compression(self, roots: list[NodeLink]) -> None:
@@ -183,18 +205,24 @@ class _Push:
         await each([r for r in roots if r.addr not in self.links], one, self.timeout)
         self.payload.raw_roots = {a for a, c in self.links.items() if c.compression == "none"}
 
-    async def publish(self, name: str, source: dict[str, str]) -> None:
+    async def publish(self, name: str, source: dict[str, str],
+                      early: list[bytes] | None = None) -> None:
         """Prepare on every node, then commit on every node; `source` (path, id) asks each to
         expose the workspace at that path too. What a node could not do but committed anyway
-        comes back as warnings, "HOST: ..." (`self.warnings`)."""
-        args = {"name": name, "version": self.version.hex(), **source}
-        self.progress.phase("publishing", 2 * len(self.healthy), "steps")
+        comes back as warnings, "HOST: ..." (`self.warnings`). With `early` (push --early,
+        while the chunks stream), each node waits for the manifest and those chunks only."""
+        args: dict = {"name": name, "version": self.version.hex(), **source}
+        if early is not None:  # the node waits for them, a little less long than we do
+            args.update(early=[c.hex() for c in early], wait=self.timeout * 0.9)
+        else:
+            self.progress.phase("publishing", 2 * len(self.healthy), "steps")
         steps = 0
 
         def step() -> None:
             nonlocal steps
             steps += 1
-            self.progress.update(steps)
+            if early is None:  # while streaming, the bar shows the bytes sent
+                self.progress.update(steps)
 
         async def prepare(node: NodeLink) -> None:
             signed = await identity.sign(node.channel, "prepare", args)  # if the node asks
@@ -211,6 +239,58 @@ class _Push:
         self.check("preparing")
         await each(self.nodes, commit, self.timeout)
         self.check("committing", [n.addr for n in self.healthy])
+
+    def first_read_chunks(self, paths: Sequence[bytes]) -> list[bytes]:
+        """The chunks push --early sends first and waits for: those of the files in `paths`
+        (the nodes' first reads of earlier publishes: first_reads.py), in that order. Without
+        such a list, the small files (under stream.LARGE_CHUNK): cheap in bytes, while each
+        would cost a round trip if fetched on demand; a large file's chunks are few and are
+        worth fetching on demand, ahead of the stream."""
+        files = {e.path: e for e in self.snap.manifest if e.kind == Kind.FILE}
+        chosen = [files[p] for p in paths if p in files]
+        if not chosen:  # no list, or none of its files is in this snapshot
+            chosen = [e for e in files.values() if e.size < LARGE_CHUNK]
+        self.first_reads = len(chosen)
+        return list(dict.fromkeys(c for e in chosen for c in e.chunks))
+
+    async def push_early(self, name: str, source: dict[str, str], kind: str, fanout: int,
+                         head: list[bytes], usable: Callable[[float, int], None]) -> str:
+        """Stream (manifest, `head`, the rest) and meanwhile publish early on every node; call
+        `usable(seconds, nodes)` once every node serves the version; then, once the stream is
+        flushed, publish again without `early`: every chunk is checked, durably. Returns the
+        topology kind used."""
+        used = "none"
+        failed: list[Exception] = []  # raised here, not as a group out of the nursery
+
+        async def stream() -> None:
+            nonlocal used
+            try:
+                used = await self.broadcast(kind, fanout, head)
+            except SourceChanged as e:
+                failed.append(e)
+                nursery.cancel_scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stream)
+            try:
+                await self.publish(name, source, early=head)
+            except PushError as e:
+                failed.append(e)
+                nursery.cancel_scope.cancel()
+            else:
+                self.usable_seconds = round(time.monotonic() - self.started, 3)
+                usable(self.usable_seconds, len(self.healthy))
+        if failed:
+            raise failed[0]
+        published = [n.addr for n in self.healthy]
+        self.check("sending chunks", published)
+        if self.allow_partial:  # as in push(): what a failed relay parent left behind
+            await self.negotiate()
+            await self.broadcast("star", fanout)
+            self.check("sending chunks", published)
+        await self.publish(name, source)
+        self.complete_seconds = round(time.monotonic() - self.started, 3)
+        return used
 
     async def aclose(self) -> None:
         for node in self.nodes:
@@ -278,6 +358,9 @@ async def push(
     store_dir: str | os.PathLike[str] | None = None,
     store_bound: int = 0,
     compress: str = "auto",
+    early: bool = False,
+    on_usable: Callable[[float, int], None] | None = None,
+    first_reads_dir: str | os.PathLike[str] | None = None,
 ) -> PushResult:
     """Push `src` to every host as workspace `name` (default: the folder's name). With
     `cache_dir`, the scan keeps a cache of the folder there, so unchanged files are not read.
@@ -287,7 +370,10 @@ async def push(
     does so where the path allows it, and otherwise pushes without it and warns. With
     `store_dir`, chunks are sent from the dev box's store there and kept in it
     (controller_store.py; `store_bound` bytes). `compress` (auto, on, off) is the policy for
-    each link (link_codec.py)."""
+    each link (link_codec.py). With `early`, the version is published as soon as every node
+    holds the manifest and the chunks the first reads need (see the module docstring);
+    `on_usable(seconds, nodes)` is called then. The first reads are the nodes'
+    (first_reads.py), merged with those kept in `first_reads_dir` on the dev box."""
     t0 = time.monotonic()
     progress = progress or Progress()
     name = workspace_name(src, name)
@@ -315,6 +401,8 @@ async def push(
         store, busy = await ControllerStore.open(Path(store_dir), store_bound)
         unexposed += [busy] if busy else []
     job = _Push(snap, hosts, token, progress, timeout, allow_partial, encrypt, store, compress)
+    job.started = t0
+    head: list[bytes] | None = None
     job.requested = transport if isinstance(transport, str) else transport.requested
     job.local = (transport if isinstance(transport, bulk.LocalTransport)
                  else bulk.resolve_local(transport))
@@ -325,15 +413,23 @@ async def push(
         job.check("checking the snapshot's size")
         await job.negotiate()
         job.check("negotiating")
-        used = await job.broadcast(topology_kind, fanout)
-        job.check("sending chunks")
-        if allow_partial:
-            # Nodes whose relay parent failed are healthy but incomplete: send them the rest
-            # directly, once.
-            await job.negotiate()
-            await job.broadcast("star", fanout)
+        if early:
+            lists = await first_reads.learn(job.healthy, name, timeout)
+            paths = (first_reads.known(Path(first_reads_dir), name, lists)
+                     if first_reads_dir else first_reads.merge(lists))
+            head = job.first_read_chunks(paths)
+            used = await job.push_early(name, source, topology_kind, fanout, head,
+                                        on_usable or (lambda seconds, nodes: None))
+        else:
+            used = await job.broadcast(topology_kind, fanout)
             job.check("sending chunks")
-        await job.publish(name, source)
+            if allow_partial:
+                # Nodes whose relay parent failed are healthy but incomplete: send them the
+                # rest directly, once.
+                await job.negotiate()
+                await job.broadcast("star", fanout)
+                job.check("sending chunks")
+            await job.publish(name, source)
         if store is not None:
             unexposed += await trio.to_thread.run_sync(keep, store, snap, job, name)
     finally:
@@ -361,4 +457,8 @@ async def push(
                if store is not None else {}),
         warnings=unexposed + snap.warnings + bytecode.warnings(snap.manifest, src)
         + job.warnings,
+        usable_seconds=job.usable_seconds,
+        complete_seconds=job.complete_seconds,
+        first_reads=job.first_reads if early else None,
+        chunks_wanted=job.chunks_wanted if early else None,
     )

@@ -3,6 +3,13 @@ root, then read and compress each chunk once and send it to every root whose sub
 then flush. What to send where was planned before (push.py: who lacks what, which topology);
 this is only the moving of bytes, with its order (`interleave`) and its pipeline: encoder
 threads feed a bounded queue per root, drained by one sender per root.
+
+push --early (`head` given) streams on a data connection per root of its own, so the push's
+control channels stay free to publish while the chunks flow. The manifest goes first, then the
+chunks the first reads need (`head`), then the rest; and the roots may send `Want`s on it: a
+reader of the early-published version needs a chunk that has not arrived. A wanted chunk is
+read, encoded and sent at once on that connection, ahead of the queues (its relay tree forwards
+wants up to the root: daemon/node/relay.py).
 """
 
 from __future__ import annotations
@@ -15,8 +22,9 @@ import trio
 from ...fs import chunk
 from ...fs.scan import SourceChanged
 from ..wire import bulk, topology
+from ..wire import protocol as p
 from ..wire.replies import FlushReply, RelayReply
-from ..wire.transport import describe_failure
+from ..wire.transport import CONNECT_TIMEOUT, Channel, connect, describe_failure
 from .controller_store import ControllerStore, as_raw
 from .links import NODE_ERRORS, NodeLink, each
 from .progress import Progress
@@ -131,14 +139,21 @@ class Stream:
     """Moves a payload to the roots of a plan (see the module docstring); counts what left."""
 
     def __init__(self, payload: Payload, nodes: Sequence[NodeLink], local: bulk.LocalTransport,
-                 timeout: float, progress: Progress):
+                 timeout: float, progress: Progress, head: list[bytes] | None = None,
+                 token: bytes = b"", encrypt: str = "auto"):
         self.payload = payload
+        self.head = head  # push --early: what goes right after the manifest (module docstring)
+        self.token = token  # for the data connections of push --early
+        self.encrypt = encrypt
+        self.wanted = 0  # chunks sent ahead of the stream because a node's reader wanted them
         self.by_addr = {n.addr: n for n in nodes}
         self.local = local
         self.timeout = timeout
         self.progress = progress
         self.chunks_sent = 0  # chunk copies that left the dev box (relays forward the rest)
         self.bytes_sent = 0
+        self.data: dict[str, Channel] = {}  # push --early: each root's data connection
+        self.senders: dict[str, bulk.BulkSender] = {}  # each root's bulk sender
 
     def _blame(self, failed: dict[str, str]) -> None:
         for addr, cause in failed.items():
@@ -148,16 +163,68 @@ class Stream:
     async def run(self, roots: list[tuple[NodeLink, list[dict]]]) -> None:
         """Open a relay session on each root, then read and compress each chunk once and stream
         it to every root whose subtree lacks it."""
+        async with trio.open_nursery() as readers:  # push --early: the roots' wants
+            try:
+                await self._run(roots, readers)
+            finally:
+                readers.cancel_scope.cancel()
+                for addr, chan in self.data.items():
+                    await bulk.close_peer(self.senders.get(addr), chan)
+
+    async def _read_wants(self, root: NodeLink, chan: Channel, *,
+                          task_status: trio.TaskStatus[trio.CancelScope]) -> None:
+        """Send each chunk a root wants at once, ahead of the queues, until cancelled (before
+        the flush, which reads this channel)."""
+        with trio.CancelScope() as scope:
+            task_status.started(scope)
+            try:
+                while True:
+                    msg = await chan.next_message()
+                    if not isinstance(msg, p.Want):
+                        raise p.ProtocolError(f"{root.addr}: unexpected {type(msg).__name__} "
+                                              "while streaming")
+                    known = [c for c in msg.ids if c in self.payload.sizes]
+                    if not known:
+                        continue
+                    # Shielded: a send cut off mid-frame by the flush's cancel would break the
+                    # channel the flush goes on.
+                    with trio.CancelScope(shield=True), trio.fail_after(self.timeout):
+                        raw = root.addr in self.payload.raw_roots
+                        blobs, raws = await trio.to_thread.run_sync(self.payload.encoded, known,
+                                                                    not raw, raw)
+                        batch = raws if raw else blobs
+                        await chan.send_many([p.PutChunk(cid, blob) for cid, blob in batch])
+                        self.wanted += len(batch)
+                        self.bytes_sent += sum(len(blob) for _, blob in batch)
+            except SourceChanged as e:  # the dev box cannot read it as scanned any more
+                root.fail(f"cannot send a wanted chunk: {e}")
+            except NODE_ERRORS as e:
+                root.fail(e, self.timeout)
+
+    async def _run(self, roots: list[tuple[NodeLink, list[dict]]],
+                   readers: trio.Nursery) -> None:
         pl = self.payload
         wants: dict[str, set[bytes]] = {}
+        early = self.head is not None
+        reading: dict[str, trio.CancelScope] = {}
 
         async def open_session(root: NodeLink, children: list[dict]) -> None:
-            chan = root.channel
-            if root.bulk is None:
-                root.bulk = await bulk.open_sender(chan, root.transport[0], self.local,
-                                                   chan.info)
+            if early:  # a connection of its own, so the control channel can publish meanwhile
+                chan = self.data[root.addr] = await connect(
+                    root.addr, self.token, encrypt=self.encrypt,
+                    timeout=min(CONNECT_TIMEOUT, self.timeout))
+                self.senders[root.addr] = await bulk.open_sender(chan, root.transport[0],
+                                                                 self.local, chan.info)
+            else:
+                chan = root.channel
+                if root.bulk is None:
+                    root.bulk = await bulk.open_sender(chan, root.transport[0], self.local,
+                                                       chan.info)
+                self.senders[root.addr] = root.bulk
+            extra = {"wants": True} if early else {}
             reply = RelayReply.from_wire(await chan.request(
-                "relay", children=children, timeout=self.timeout, version=pl.version.hex()))
+                "relay", children=children, timeout=self.timeout, version=pl.version.hex(),
+                **extra))
             self._blame(reply.failed)
             # negotiate() learned what each node lacks: ask the subtree only about those ids
             # (an id no node below lacks cannot come back), so neither the root nor the nodes
@@ -166,19 +233,27 @@ class Stream:
             lacking = set().union(*(self.by_addr[a].missing for a in below))
             ids = [c for c in pl.ids + [pl.version] if c in lacking]
             wants[root.addr] = set(await chan.query_missing(ids))
+            if early:
+                reading[root.addr] = await readers.start(self._read_wants, root, chan)
 
         children_of = {r.addr: c for r, c in roots}
         levels = {r.addr: topology.patience(c) for r, c in roots}
         await each([r for r, _ in roots], lambda r: open_session(r, children_of[r.addr]),
                    self.timeout, levels)
         live = [r for r, _ in roots if r.error is None and r.addr in wants]
-        order = interleave([c for c in pl.ids if any(c in wants[r.addr] for r in live)],
-                           pl.sizes)
-        if any(pl.version in wants[r.addr] for r in live):
-            # The manifest goes first: it tells each node where every large file's chunks go,
-            # so they are written once, in place (fs/file_objects.py). Nothing is published
-            # before prepare checks that every chunk it names has arrived.
-            order.insert(0, pl.version)
+        needed = [c for c in pl.ids if any(c in wants[r.addr] for r in live)]
+        # The manifest goes first: it tells each node where every large file's chunks go, so
+        # they are written once, in place (fs/file_objects.py). Nothing is published before
+        # prepare checks that every chunk it names has arrived (push --early: the first
+        # reads' chunks, next, and the rest on demand).
+        manifest = [pl.version] if any(pl.version in wants[r.addr] for r in live) else []
+        if self.head is None:
+            order = manifest + interleave(needed, pl.sizes)
+        else:  # the first reads' chunks next: the version is usable once they are there
+            first, wanted = set(self.head), set(needed)
+            head = [c for c in dict.fromkeys(self.head) if c in wanted]
+            order = manifest + head + interleave([c for c in needed if c not in first],
+                                                 pl.sizes)
         self.progress.phase("sending", sum(pl.sizes[c] for r in live for c in wants[r.addr]))
         sent = 0
         local_error: list[BaseException] = []
@@ -240,7 +315,7 @@ class Stream:
             nonlocal sent
             async with queues[root.addr][1] as receive:
                 try:
-                    out = root.sender
+                    out = self.senders[root.addr]
                     async for batch in receive:
                         with trio.fail_after(self.timeout * levels[root.addr]):
                             await out.send_chunks(batch)
@@ -263,7 +338,10 @@ class Stream:
             raise SourceChanged(describe_failure(e, self.timeout))
 
         async def flush(root: NodeLink) -> None:
-            extra = await root.sender.flush()  # RDMA: the node waits for that many chunks
-            self._blame(FlushReply.from_wire(await root.channel.request("flush", **extra)).failed)
+            if root.addr in reading:  # the flush's reply comes on the wants' channel
+                reading[root.addr].cancel()
+            chan = self.data.get(root.addr) or root.channel
+            extra = await self.senders[root.addr].flush()  # RDMA: the node waits for them
+            self._blame(FlushReply.from_wire(await chan.request("flush", **extra)).failed)
 
         await each(live, flush, self.timeout, levels)

@@ -29,11 +29,12 @@ from ...fs.backing import key as backing_key
 from ...fs.backing import wanted as backing_wanted
 from ...fs.chunk import CorruptChunk
 from ...fs.fuse_ops import SnapshotFS
-from ...fs.manifest import Manifest, ManifestError, TooManyEntries
+from ...fs.manifest import Entry, Manifest, ManifestError, TooManyEntries
 from ...fs.store import Store
 from ..wire.replies import CommitReply, PrepareReply, RemoveReply
 from ..wire.requests import RequestError
 from . import source_path
+from .fetch import Fetcher
 from .refs import Refs
 
 log = logging.getLogger("monarch_fs.daemon")
@@ -53,8 +54,13 @@ class Publisher:
 
     def __init__(self, store: Store, refs: Refs, backing: BackingFiles, fs: SnapshotFS, *,
                  keep: int, max_entries: int, counters: dict[str, int],
-                 mount: str | os.PathLike[str] | None = None) -> None:
+                 mount: str | os.PathLike[str] | None = None,
+                 fetcher: Fetcher | None = None) -> None:
         self.store = store
+        self.fetcher = fetcher  # an early prepare waits on it for the first-read chunks
+        # Workspace -> the version it serves that was published early (push --early) and is
+        # not known complete yet; a prepare and commit without `early` complete it.
+        self.incomplete: dict[str, bytes] = {}
         # Where the mount is: a workspace exposed at its source path links to MOUNT/NAME
         # (source_path.py). None: nothing is exposed there (a service built without a mount).
         self.mount = Path(mount) if mount is not None else None
@@ -72,7 +78,7 @@ class Publisher:
         # Background work (backing files, collects); set while the service runs.
         self.nursery: trio.Nursery | None = None
         self._manifests: dict[bytes, Manifest] = {}
-        self._prepared: set[tuple[str, bytes]] = set()
+        self._prepared: set[tuple[str, bytes, bool]] = set()  # (name, version, early)
         # The version each workspace is being prepared for: its backing files are kept.
         self._pinned: dict[str, bytes] = {}
         self._removing: set[str] = set()  # no new process may pin these
@@ -154,8 +160,15 @@ class Publisher:
             return await trio.to_thread.run_sync(self.store.missing, ids)
 
     async def _check_complete(self, version: bytes) -> None:
+        manifest = await self._checked_manifest(version)
+        missing = await trio.to_thread.run_sync(self.store.missing, manifest.chunk_ids())
+        if missing:
+            raise RequestError(f"version {version.hex()[:12]}: {len(missing)} chunks missing")
+
+    async def _checked_manifest(self, version: bytes) -> Manifest:
+        """The manifest of a version being prepared; RequestError saying why it cannot be."""
         try:
-            manifest = await self.manifest(version)
+            return await self.manifest(version)
         except KeyError:
             raise RequestError(f"version {version.hex()[:12]}: manifest not received") from None
         except TooManyEntries as e:  # a ManifestError: first
@@ -165,20 +178,34 @@ class Publisher:
             ) from None
         except (CorruptChunk, ManifestError) as e:
             raise RequestError(f"version {version.hex()[:12]}: {e}") from None
-        missing = await trio.to_thread.run_sync(self.store.missing, manifest.chunk_ids())
-        if missing:
-            raise RequestError(f"version {version.hex()[:12]}: {len(missing)} chunks missing")
 
-    async def _make_ready(self, name: str, version: bytes) -> None:
-        """Everything a publish of `version` needs: every chunk, durable in the store. The
-        version is pinned (kept from collection) meanwhile, and stays pinned if it is ready.
-        Checked and synced under the collect lock: a cut back in between could drop a chunk
-        found present but not yet durable."""
+    async def _check_early(self, version: bytes, early: tuple[bytes, ...]) -> None:
+        """An early publish's check: the manifest and the first-read chunks are here (the
+        rest streams on, and a read of a missing chunk fetches it: fetch.py)."""
+        await self._checked_manifest(version)
+        missing = await trio.to_thread.run_sync(self.store.missing, early)
+        if missing:
+            raise RequestError(f"version {version.hex()[:12]}: {len(missing)} of the "
+                               f"{len(early)} chunks the first reads need did not arrive")
+
+    async def _make_ready(self, name: str, version: bytes,
+                          early: tuple[bytes, ...] | None = None, wait: float = 0.0) -> None:
+        """Everything a publish of `version` needs: every chunk (with `early`: the manifest
+        and those chunks, waited for up to `wait` seconds first, outside the lock, as they
+        arrive on another session), durable in the store. The version is pinned (kept from
+        collection) meanwhile, and stays pinned if it is ready. Checked and synced under the
+        collect lock: a cut back in between could drop a chunk found present but not yet
+        durable."""
         before = self._pinned.get(name)
         self._pinned[name] = version
         try:
+            if early is not None and wait and self.fetcher is not None:
+                await self.fetcher.wait([version, *early], wait)
             async with self._gc_lock:
-                await self._check_complete(version)
+                if early is None:
+                    await self._check_complete(version)
+                else:
+                    await self._check_early(version, early)
                 await trio.to_thread.run_sync(self.store.sync)
         except BaseException:
             if before is None:
@@ -203,23 +230,29 @@ class Publisher:
             raise RequestError(str(e)) from None
 
     async def prepare(self, name: str, version: bytes, source: str | None = None,
-                      owner: int | None = None) -> PrepareReply:
-        """Phase one; `owner` is who asks (--identity munge), refused for another's workspace."""
+                      owner: int | None = None, early: tuple[bytes, ...] | None = None,
+                      wait: float = 0.0) -> PrepareReply:
+        """Phase one; `owner` is who asks (--identity munge), refused for another's workspace.
+        With `early` (push --early), only the manifest and those chunks must be here."""
         self._check_owner(name, owner, "replace")
         self._check_source(source)
-        await self._make_ready(name, version)
-        self._prepared.add((name, version))
+        await self._make_ready(name, version, early, wait)
+        self._prepared.add((name, version, early is not None))
         return PrepareReply(version)
 
     async def commit(self, name: str, version: bytes, source: str | None = None,
-                     source_id: str | None = None, owner: int | None = None) -> CommitReply:
+                     source_id: str | None = None, owner: int | None = None,
+                     early: tuple[bytes, ...] | None = None,
+                     wait: float = 0.0) -> CommitReply:
         """Publish `version` of `name`; with `source`, expose it at that path too (a warning
         in the reply, not a failure, when this node cannot). With `owner` (who asks, under
-        --identity munge) it belongs to that user from then on; another's is refused."""
+        --identity munge) it belongs to that user from then on; another's is refused. With
+        `early`, the version is served incomplete (see prepare) and gets no backing files
+        until a commit without it: passthrough must never bind a partial file."""
         self._check_owner(name, owner, "replace")
         self._check_source(source)
-        if (name, version) not in self._prepared:
-            await self._make_ready(name, version)
+        if (name, version, early is not None) not in self._prepared:
+            await self._make_ready(name, version, early, wait)
         async with self._publish_lock:
             self._check_owner(name, owner, "replace")  # again: another may have committed
             # Everything that can fail comes before the refs are saved, and nothing changes
@@ -234,7 +267,10 @@ class Publisher:
                 # other nodes' prepares (4.5 s vs 4.2 s for 3 hosts on one 2-core machine) and
                 # would compete with the store's fsync on a real disk. Queued before the switch,
                 # so an open of a new file waits for its copy rather than missing passthrough.
-                await self.nursery.start(self._write_backing, await self.manifest(version))
+                entries = (await self.manifest(version)).entries
+                if early is not None:  # only the files that are whole: never a partial one
+                    entries = await trio.to_thread.run_sync(self._whole_files, entries)
+                await self.nursery.start(self._write_backing, entries)
             previous = self.refs.workspaces.get(name, [None])[0]
             old_source = self.refs.sources.get(name)
             try:
@@ -244,7 +280,11 @@ class Publisher:
                                    f"{name!r} stays at its last version") from None
             await self.fs.switch(staged)
             self.workspace_problems.pop(name, None)
-            self._prepared.discard((name, version))
+            self._prepared.discard((name, version, early is not None))
+            if early is not None:
+                self.incomplete[name] = version
+            else:
+                self.incomplete.pop(name, None)
             if self._pinned.get(name) == version:
                 del self._pinned[name]
             self._drop_manifests()
@@ -320,6 +360,7 @@ class Publisher:
                 self._removing.discard(name)
             await self._relink(name, source, None, None)
             await self.fs.remove_workspace(name.encode())
+            self.incomplete.pop(name, None)
             self._drop_manifests()
             await self._prune_backing()
         try:
@@ -332,13 +373,19 @@ class Publisher:
 
     # ---- backing files --------------------------------------------------------------------
 
-    async def _write_backing(self, manifest: Manifest, *,
+    def _whole_files(self, entries: list[Entry]) -> list[Entry]:
+        """The files of an early version (push --early) whose chunks have all arrived (the
+        first reads': their opens are passthrough at once); the rest get their backing files
+        at the commit that completes the version. Blocking: a worker thread."""
+        return [e for e in entries if backing_wanted(e) and not self.store.missing(e.chunks)]
+
+    async def _write_backing(self, entries: list[Entry], *,
                              task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                              ) -> None:
-        """Write the backing files `manifest` lacks; a file that cannot be written is served
+        """Write the backing files `entries` lack; a file that cannot be written is served
         from the chunk store, and `status` says why. Started once the copies are queued."""
         try:
-            failed = await self.backing.write_missing(manifest.entries, self.store,
+            failed = await self.backing.write_missing(entries, self.store,
                                                       task_status=task_status)
         except OSError as e:  # the folder itself (this runs in the background: never fatal)
             failed = [f"backing files in {self.backing.root}: {e.strerror or e}"]
@@ -357,7 +404,7 @@ class Publisher:
             nursery.start_soon(self._collect)
             if self.fs.passthrough:
                 for versions in list(self.refs.workspaces.values()):
-                    await self._write_backing(await self.manifest(versions[0]))
+                    await self._write_backing((await self.manifest(versions[0])).entries)
                 await self._prune_backing()
 
     async def _prune_backing(self) -> None:

@@ -7,6 +7,11 @@ A relay session runs inside one connection: `relay` opens the children (recursiv
 opens its own), `QueryMissing` learns what each subtree lacks, `PutChunk`s flow down, and `flush`
 waits until every queue has drained and every descendant has flushed, returning the failures seen
 anywhere below as {addr: cause}.
+
+In a push --early session (`fetcher` given) a child may send a `Want` for chunks a reader of it
+needs: they go to it at once on its control channel, ahead of its queue, from this node's store
+(fetched from upstream first if this node lacks them too). Its wants are read from when the
+subtree was queried until the flush, which reads its reply on the same channel.
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ from collections.abc import Awaitable, Callable, Sequence
 import trio
 
 from ..wire import bulk
+from ..wire import protocol as p
 from ..wire.replies import FlushReply, RelayReply
 from ..wire.topology import patience
 from ..wire.transport import CONNECT_TIMEOUT, Channel, ConnectError, connect, describe_failure
+from .fetch import ChunkUnavailable, Fetcher
 
 log = logging.getLogger("monarch_fs.relay")
 
@@ -47,6 +54,9 @@ class _Child:
         self.filling: Batch = []
         self.filling_bytes = 0
         self.done = trio.Event()
+        self.reading = trio.CancelScope()  # its wants, until the flush (push --early)
+        self.read_done = trio.Event()
+        self.read_done.set()
 
     def link(self) -> tuple[Channel, bulk.BulkSender]:
         """The child's control channel and bulk sender. `open` sets both before anything else
@@ -79,9 +89,10 @@ class Relay:
     def __init__(self, token: bytes, children: Sequence[dict], timeout: float,
                  nursery: trio.Nursery, counters: dict[str, int],
                  local: bulk.LocalTransport | None = None, encrypt: str = "auto",
-                 version: bytes | None = None):
+                 version: bytes | None = None, fetcher: Fetcher | None = None):
         self.token = token
         self.version = version  # the manifest's id, which comes first: told to each child
+        self.fetcher = fetcher  # push --early: children may want chunks ahead of the stream
         self.encrypt = encrypt  # the node's policy, for its links to its children
         self.counters = counters
         # Chunks go to each child over the best bulk transport both ends have (RDMA or TCP),
@@ -122,7 +133,10 @@ class Relay:
             policy = "tcp" if self.local.kind == bulk.TCP else "auto"
             kind, _ = bulk.choose_for_peer(self.local, policy, child.chan.info)
             child.bulk = await bulk.open_sender(child.chan, kind, self.local, child.chan.info)
-            extra = {} if self.version is None else {"version": self.version.hex()}
+            extra: dict[str, str | bool] = ({} if self.version is None
+                                             else {"version": self.version.hex()})
+            if self.fetcher is not None:
+                extra["wants"] = True
             reply = RelayReply.from_wire(await child.chan.request(
                 "relay", children=child.children, timeout=self.timeout, **extra))
             self.failures.update(reply.failed)
@@ -138,6 +152,11 @@ class Relay:
             child.need = set(await chan.query_missing(ids))
 
         await self._each(ask)
+        if self.fetcher is not None:
+            for child in self.children:
+                if child.error is None:
+                    child.read_done = trio.Event()
+                    self.nursery.start_soon(self._read_wants, child)
         return set().union(*(c.need for c in self.children if c.error is None))
 
     async def forward(self, cid: bytes, blob: bytes | memoryview) -> None:
@@ -167,8 +186,43 @@ class Relay:
         finally:
             child.done.set()
 
+    async def _read_wants(self, child: _Child) -> None:
+        """Answer the child's wants until the flush (push --early); see the module docstring."""
+        try:
+            with child.reading:
+                chan, _ = child.link()
+                while True:
+                    msg = await chan.next_message()
+                    if isinstance(msg, p.Want):
+                        for cid in msg.ids:
+                            self.nursery.start_soon(self._send_wanted, child, cid)
+                    else:
+                        raise p.ProtocolError(f"unexpected {type(msg).__name__} while streaming")
+        except Exception as e:
+            self._fail(child, e)
+        finally:
+            child.read_done.set()
+
+    async def _send_wanted(self, child: _Child, cid: bytes) -> None:
+        fetcher = self.fetcher
+        if fetcher is None or child.error is not None:
+            return
+        try:
+            await fetcher.fetch(cid)  # from upstream, if this node lacks it too
+            blob = await trio.to_thread.run_sync(fetcher.store.get_blob, cid)
+            chan, _ = child.link()
+            await chan.send(p.PutChunk(cid, blob))
+            self.counters["chunks_forwarded"] += 1
+        except ChunkUnavailable:
+            pass  # logged; the child gives up when its own upstream (this session) ends
+        except Exception as e:
+            self._fail(child, e)
+
     async def flush(self) -> dict[str, str]:
         """Wait until everything queued went out and every subtree flushed; all failures below."""
+        for child in self.children:
+            child.reading.cancel()  # the flush reads the child's channel now
+            await child.read_done.wait()
         for child in self.children:
             if child.filling and child.error is None:
                 await self._queue(child, child.take())
@@ -188,5 +242,6 @@ class Relay:
 
     async def aclose(self) -> None:
         for child in self.children:
+            child.reading.cancel()
             child.send.close()
             await bulk.close_peer(child.bulk, child.chan)

@@ -28,6 +28,8 @@ from ..wire.auth import NO_TOKEN_HELP, default_token_file
 from ..wire.limits import Limits, LogOnce, peer_host, serve_listeners
 from ..wire.replies import COUNTERS, StatusReply
 from ..wire.transport import accept
+from .fetch import Fetcher
+from .first_reads import FirstReads
 from .procs import ROOT_PROCS_FLAG, ProcessTable, procs_user
 from .publisher import KEEP_VERSIONS, Publisher
 from .refs import Refs, describe_user
@@ -109,8 +111,14 @@ class NodeService:
         # (MONARCH_FS_PACK_MIB) give space back sooner, for more files.
         self.store = Store(self.state / "store", pack_limit=settings.pack_limit)
         self.backing = BackingFiles(self.state / "backing", self.store)
-        self.fs = SnapshotFS(self.store.get, self.backing, self.store.get_if_cached)
         self.node_name = node_name or socket.gethostname()
+        # Chunks a reader needs before they arrive (push --early): asked of the pushers.
+        self.fetcher = Fetcher(self.store, self.node_name)
+        self.fs = SnapshotFS(self.store.get, self.backing, self.store.get_if_cached,
+                             self.fetcher.fetch)
+        # What is read first after each publish: push --early sends it first.
+        self.first_reads = FirstReads(self.state / "first-reads")
+        self.fs.on_read = self.first_reads.note
         self.addr = addr  # the bound address, once listening
         self.started = time.time()
         # What crossed this node since it started: a push's edges carry only what is lacking.
@@ -118,7 +126,7 @@ class NodeService:
         self.refs = Refs(self.state / "refs.json")
         self.publisher = Publisher(self.store, self.refs, self.backing, self.fs, keep=keep,
                                    max_entries=max_entries, counters=self.counters,
-                                   mount=self.mount)
+                                   mount=self.mount, fetcher=self.fetcher)
         # A root daemon runs no process unless its operator allowed it (procs.py).
         self.allow_root_procs = allow_root_procs
         # "munge" (--identity munge): the requests that act for a user carry a MUNGE credential,
@@ -206,6 +214,7 @@ class NodeService:
             mode=self.mount_mode,
             identity=self.identity,
             owners={n: describe_user(u) for n, u in self.refs.owners.items()},
+            incomplete=sorted(self.publisher.incomplete),
         )
 
     def describe_procs(self) -> str:

@@ -27,6 +27,7 @@ from ..wire.identity import Identity, IdentityError
 from ..wire.replies import (
     BulkReply,
     CommitReply,
+    FirstReadsReply,
     FlushReply,
     FreePortReply,
     KillReply,
@@ -41,6 +42,7 @@ from ..wire.replies import (
 from ..wire.requests import (
     Bulk,
     Commit,
+    FirstReads,
     Flush,
     FreePort,
     Kill,
@@ -54,6 +56,8 @@ from ..wire.requests import (
     Status,
 )
 from ..wire.transport import Channel, ConnectionLost
+from .fetch import Upstream
+from .first_reads import encode_paths
 from .procs import SpawnRefused, free_port
 from .relay import Relay
 from .writes import ChunkWrites
@@ -82,11 +86,13 @@ class Session:
         self.nursery = nursery  # this connection's writes, relay senders and RDMA receiver
         self.counters = service.counters
         self.writes = ChunkWrites(service.store, raw=service.store_raw,
-                                  counters=service.counters, limiter=service.write_limiter)
+                                  counters=service.counters, limiter=service.write_limiter,
+                                  on_stored=service.fetcher.stored)
         self.relay: Relay | None = None
         # The manifest's chunk id, when the client said which it is (OpenRelay.version): it
         # comes first, and says where each large file's chunks go (fs/file_objects.py).
         self.version: bytes | None = None
+        self.upstream: Upstream | None = None  # push --early: this peer streams to us
         self.own_missing: set[bytes] | None = None  # what this node lacks, once asked
         self.claimed = False  # told what this node has: no collect until commit
         self.bulk_rx: bulk.BulkReceiver | None = None  # an RDMA channel the client opened
@@ -122,6 +128,8 @@ class Session:
                 await self._dispatch(msg)
 
     async def _close(self) -> None:
+        if self.upstream is not None:
+            self.service.fetcher.remove(self.upstream)  # its readers' wants fail now
         if self.claimed:
             self.publisher.release_claim()
         if self.relay is not None:
@@ -147,6 +155,8 @@ class Session:
             await self._place_files(cid, blob)
         if self.own_missing is None or cid in self.own_missing:
             await self.writes.start(self.nursery, p.PutChunk(cid, blob))
+            if self.service.fetcher.wanted(cid):  # a reader waits: no waiting for a batch
+                await self.writes.hurry(self.nursery)
 
     async def _place_files(self, cid: bytes, blob: bytes | memoryview) -> None:
         """The manifest arrived ahead of the files: tell the store where each large file's
@@ -222,11 +232,13 @@ class Session:
         return await self.service.status()
 
     async def _prepare(self, req: Prepare) -> PrepareReply:
-        return await self.publisher.prepare(req.name, req.version, req.source, self._owner)
+        return await self.publisher.prepare(req.name, req.version, req.source, self._owner,
+                                            req.early, req.wait)
 
     async def _commit(self, req: Commit) -> CommitReply:
         value = await self.publisher.commit(req.name, req.version, req.source, req.source_id,
-                                            self._owner)
+                                            self._owner, req.early, req.wait)
+        self.service.first_reads.published(req.name, req.version)
         if self.claimed:  # what it has is now retained
             self.claimed = False
             self.publisher.release_claim()
@@ -241,7 +253,11 @@ class Session:
         s = self.service
         self.version = req.version
         self.relay = Relay(s.token, req.children, req.timeout, self.nursery, self.counters,
-                           s.transport, s.encrypt, version=req.version)
+                           s.transport, s.encrypt, version=req.version,
+                           fetcher=s.fetcher if req.wants else None)
+        if req.wants and self.upstream is None:  # reads here may ask this peer for chunks
+            self.upstream = Upstream(self.chan.peer, self.chan.send, req.timeout)
+            s.fetcher.add(self.upstream)
         return RelayReply(await self.relay.open())
 
     async def _flush(self, req: Flush) -> FlushReply:
@@ -293,6 +309,9 @@ class Session:
     async def _probe(self, req: Probe) -> ProbeReply:
         return ProbeReply(req.size)
 
+    async def _first_reads(self, req: FirstReads) -> FirstReadsReply:
+        return FirstReadsReply(encode_paths(await self.service.first_reads.paths(req.name)))
+
 
 # A handler takes its own request class (the route's), so the table types it loosely.
 Handler = Callable[[Session, Any], Awaitable[NodeReply]]
@@ -309,6 +328,7 @@ _HANDLERS: list[tuple[type[NodeRequest], Handler]] = [
     (Kill, Session._kill),
     (FreePort, Session._free_port),
     (Probe, Session._probe),
+    (FirstReads, Session._first_reads),
 ]
 # The one dispatch table: every op a node answers, its request class and its handler.
 ROUTES: dict[str, tuple[type[NodeRequest], Handler]] = {

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import trio
 
 from ...fs.chunk import CorruptChunk
@@ -27,8 +29,10 @@ class ChunkWrites:
     the sender."""
 
     def __init__(self, store: Store, *, raw: bool, counters: dict[str, int],
-                 limiter: trio.CapacityLimiter) -> None:
+                 limiter: trio.CapacityLimiter,
+                 on_stored: Callable[[list[bytes]], None] | None = None) -> None:
         self.store = store
+        self.on_stored = on_stored  # told each batch's ids once written (fetch.Fetcher.stored)
         self.raw = raw  # keep chunks decompressed (NodeService.store_raw)
         self.counters = counters
         self.limiter = limiter
@@ -44,6 +48,11 @@ class ChunkWrites:
         self._batch.append(msg)
         self._batch_bytes += len(msg.blob)
         if self._batch_bytes >= WRITE_BATCH_BYTES or len(self._batch) >= WRITE_BATCH_CHUNKS:
+            await self._launch(nursery)
+
+    async def hurry(self, nursery: trio.Nursery) -> None:
+        """Write what is batched now: a reader waits for a chunk in it (push --early)."""
+        if self._batch:
             await self._launch(nursery)
 
     async def _launch(self, nursery: trio.Nursery) -> None:
@@ -78,6 +87,8 @@ class ChunkWrites:
             self.counters["chunks_stored"] += stored
             self.errors += errors
             self.store_failed |= store_failed
+            if self.on_stored is not None:
+                self.on_stored([msg.cid for msg in batch])
         finally:
             self.limiter.release_on_behalf_of(token)
             self.pending -= 1

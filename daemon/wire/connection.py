@@ -80,10 +80,11 @@ class Closed:
 NEED_DATA = NeedData()
 CLOSED = Closed()
 
-# What may flow once both sides are authenticated; Event only goes server -> client.
+# What may flow once both sides are authenticated; Event and Want only go server -> client
+# (a node asks the peer that streams to it for chunks: protocol.Want).
 _DATA = {FrameType.REQUEST, FrameType.REPLY, FrameType.QUERY_MISSING, FrameType.MISSING_IDS,
          FrameType.PUT_CHUNK, FrameType.DATA}  # fmt: skip
-_READY_FROM = {Role.CLIENT: _DATA, Role.SERVER: _DATA | {FrameType.EVENT}}
+_READY_FROM = {Role.CLIENT: _DATA, Role.SERVER: _DATA | {FrameType.EVENT, FrameType.WANT}}
 
 
 class Connection:

@@ -5,7 +5,7 @@ from the header alone, before any payload is buffered (connection.py does). Payl
 
 * Request, Reply, Error, Event (and Welcome's info): a JSON object, shape-checked on receipt so
   no KeyError or TypeError escapes to the layer above;
-* QueryMissing, MissingIds: chunk ids back to back;
+* QueryMissing, MissingIds, Want: chunk ids back to back;
 * PutChunk: the chunk id, then the blob;
 * Data: a part count (u32), one length (u64) per part, then the parts;
 * Hello, Auth, Welcome: handshake.py.
@@ -48,6 +48,7 @@ class FrameType(enum.IntEnum):
     PUT_CHUNK = 9
     EVENT = 10
     DATA = 11
+    WANT = 12
 
 
 FRAME_TYPES: dict[type, FrameType] = {
@@ -55,6 +56,7 @@ FRAME_TYPES: dict[type, FrameType] = {
     p.Error: FrameType.ERROR, p.Request: FrameType.REQUEST, p.Reply: FrameType.REPLY,
     p.QueryMissing: FrameType.QUERY_MISSING, p.MissingIds: FrameType.MISSING_IDS,
     p.PutChunk: FrameType.PUT_CHUNK, p.Event: FrameType.EVENT, p.Data: FrameType.DATA,
+    p.Want: FrameType.WANT,
 }  # fmt: skip
 HANDSHAKE = (FrameType.HELLO, FrameType.AUTH, FrameType.WELCOME)
 LARGE = (FrameType.PUT_CHUNK, FrameType.DATA)  # payloads kept as views, maybe received in place
@@ -117,7 +119,7 @@ def encode(msg: p.Message, *, early: bool) -> list[Buffer]:
         return frame(FrameType.REPLY, json_payload({"id": msg.id, "value": msg.value}))
     if isinstance(msg, p.Event):
         return frame(FrameType.EVENT, json_payload({"kind": msg.kind, "data": msg.data}))
-    if isinstance(msg, (p.QueryMissing, p.MissingIds)):
+    if isinstance(msg, (p.QueryMissing, p.MissingIds, p.Want)):
         ftype = FRAME_TYPES[type(msg)]
         if any(len(i) != p.ID_SIZE for i in msg.ids):
             raise p.ProtocolError(f"{ftype.name}: ids must be {p.ID_SIZE} bytes")
@@ -136,7 +138,8 @@ def encode(msg: p.Message, *, early: bool) -> list[Buffer]:
 
 
 def decode(ftype: FrameType, payload: bytes) -> p.Message:
-    """The message in a whole Error, Request, Reply, Event, QueryMissing or MissingIds payload."""
+    """The message in a whole Error, Request, Reply, Event, QueryMissing, MissingIds or Want
+    payload."""
     if ftype is FrameType.ERROR:
         o = parse_json(ftype, payload, {"message": _str, "code": _str})
         if o.get("id") is not None and not _is_int(o["id"]):
@@ -155,6 +158,8 @@ def decode(ftype: FrameType, payload: bytes) -> p.Message:
         return p.QueryMissing(_split_ids(ftype, payload))
     if ftype is FrameType.MISSING_IDS:
         return p.MissingIds(_split_ids(ftype, payload))
+    if ftype is FrameType.WANT:
+        return p.Want(_split_ids(ftype, payload))
     raise ValueError(f"{ftype.name} is not decoded here")
 
 

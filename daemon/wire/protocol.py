@@ -11,7 +11,8 @@ A session, in order:
     client -> Auth              the client's nonce and its proof that it knows the token
     server -> Welcome           the server's proof, and what the node offers   [sealed]
     then, both ways and sealed: Request / Reply / Error, QueryMissing / MissingIds,
-    PutChunk, Data; and Event from the server only.
+    PutChunk, Data; Event from the server only; Want from a node to the peer that streams
+    chunks to it (its relay parent or the dev box), in a push --early relay session only.
 
 An Error may be sent at any time, also to explain why a connection is being dropped.
 """
@@ -170,6 +171,20 @@ class PutChunk:
 
 
 @dataclass(frozen=True)
+class Want:
+    """A node asks the peer that streams it chunks (in a relay session opened with
+    `wants`) to send these chunks now, ahead of the rest: a reader of a version published
+    early (push --early) needs them. The answer is the chunks themselves, as PutChunk frames
+    (or nothing, if the peer cannot have them: the node then gives up after its timeout).
+
+    Fields:
+      ids: chunk ids, ID_SIZE bytes each.
+    """
+
+    ids: list[bytes]
+
+
+@dataclass(frozen=True)
 class Event:
     """Something the server tells the client unasked (server to client only): a spawned
     process's output and exit.
@@ -203,5 +218,5 @@ class Data:
 
 Message = (
     Hello | Auth | Welcome | Error | Request | Reply | QueryMissing | MissingIds | PutChunk | Event
-    | Data
+    | Data | Want
 )

@@ -101,6 +101,9 @@ class StatusReply:
     procs_user: str = ""  # who the node's processes run as; "" when it refuses them (root)
     identity: str = ""  # "munge": processes run as, and workspaces belong to, who asks
     owners: dict[str, str] = field(default_factory=dict)  # workspace -> "alice (uid 1001)"
+    # Workspaces serving a version published early (push --early) whose chunks have not all
+    # arrived yet: a read of a missing chunk fetches it, or fails with EIO.
+    incomplete: list[str] = field(default_factory=list)
 
     def to_wire(self) -> dict[str, Any]:
         return {"node": self.node, "addr": self.addr, "mount": self.mount, **self.transport,
@@ -111,7 +114,8 @@ class StatusReply:
                 "backing_error": self.backing_error, **self.counters,
                 "workspaces": self.workspaces, "problems": self.problems, "mode": self.mode,
                 "root_procs": self.root_procs, "procs_user": self.procs_user,
-                "identity": self.identity, "owners": self.owners}
+                "identity": self.identity, "owners": self.owners,
+                "incomplete": self.incomplete}
 
     @classmethod
     def from_wire(cls, value: Mapping[str, Any]) -> StatusReply:
@@ -150,7 +154,8 @@ class StatusReply:
             workspaces={n: list(vs) for n, vs in workspaces.items()}, problems=list(problems),
             mode=mode, root_procs=_get(op, value, "root_procs", bool),
             procs_user=_get(op, value, "procs_user", str), identity=identity,
-            owners=dict(owners))
+            owners=dict(owners), incomplete=[str(n) for n in value.get("incomplete", [])
+                                             if isinstance(n, str)])
 
 
 @dataclass(frozen=True)
@@ -321,5 +326,26 @@ class ProbeReply:
         return cls(_get(cls.op, value, "size", int))
 
 
+
+@dataclass(frozen=True)
+class FirstReadsReply:
+    """The paths this node read first in a workspace, in order (push --early sends them
+    first); strings, with surrogate escapes for names that are not UTF-8."""
+
+    op: ClassVar[str] = "first_reads"
+    paths: list[str]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"paths": self.paths}
+
+    @classmethod
+    def from_wire(cls, value: Mapping[str, Any]) -> FirstReadsReply:
+        paths = _get(cls.op, value, "paths", list)
+        if not all(isinstance(p, str) for p in paths):
+            raise MalformedReply(f"malformed {cls.op} reply: 'paths' holds a non-string")
+        return cls(list(paths))
+
+
+
 NodeReply = (StatusReply | PrepareReply | CommitReply | RemoveReply | RelayReply | FlushReply
-             | BulkReply | SpawnReply | KillReply | FreePortReply | ProbeReply)
+             | BulkReply | SpawnReply | KillReply | FreePortReply | ProbeReply | FirstReadsReply)

@@ -150,6 +150,12 @@ class Prepare:
     # The source folder's "DEV:INO" on the dev box: a node that finds that very folder at
     # the path (it shares the dev box's disk) leaves it quietly.
     source_id: str | None = None
+    # push --early: the chunks the first reads need (ids). When given, the node checks the
+    # manifest and these (waiting for them up to `wait` seconds: they stream first), not
+    # every chunk, and serves the version as incomplete; a later prepare and commit without
+    # it (the push's end, or a normal push) find it complete.
+    early: tuple[bytes, ...] | None = None
+    wait: float = 0.0
 
     @classmethod
     def parse(cls, args: dict) -> Self:
@@ -166,7 +172,16 @@ class Prepare:
         if source_id is not None and not (isinstance(source_id, str)
                                           and re.fullmatch(r"[0-9]+:[0-9]+", source_id)):
             raise RequestError(f"{cls.op}: source_id must be 'DEV:INO', not {source_id!r}")
-        return cls(name, _version(cls.op, version), source, source_id)
+        early = args.get("early")
+        ids = None
+        if early is not None:
+            ids = tuple(from_hex(i) or b"" for i in early) if isinstance(early, list) else None
+            if ids is None or any(len(i) != 16 for i in ids):
+                raise RequestError(f"{cls.op}: early must be a list of chunk ids")
+        wait = args.get("wait", 0.0)
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 3600:
+            raise RequestError(f"{cls.op}: wait must be a number of seconds, not {wait!r}")
+        return cls(name, _version(cls.op, version), source, source_id, ids, float(wait))
 
 
 @dataclass(frozen=True)
@@ -195,19 +210,39 @@ class Remove:
 
 
 @dataclass(frozen=True)
+class FirstReads:
+    """The files this node read first after workspace `name`'s latest publishes, in order
+    (daemon/node/first_reads.py): what push --early sends first."""
+
+    op: ClassVar[str] = "first_reads"
+    after_chunks: ClassVar[bool] = False
+    name: str
+
+    @classmethod
+    def parse(cls, args: dict) -> FirstReads:
+        name = args.get("name")
+        if not isinstance(name, str):
+            raise RequestError("first_reads: a workspace name is required")
+        check_workspace_name(name)
+        return cls(name)
+
+
+@dataclass(frozen=True)
 class OpenRelay:
     """Make this session a hop of a broadcast: connect to `children` (each
     {"addr": "host:port", "children": [...]}, opening its own subtree) and forward to them
     the chunks their subtrees lack. `timeout` is the seconds to wait on one hop. `version`,
     if given, is the chunk id of the push's manifest, which comes first: the node decodes it on
     arrival and writes each large file's chunks once, into its file object (absent from older
-    clients: every chunk goes to a pack)."""
+    clients: every chunk goes to a pack). With `wants` (push --early) the node may send
+    protocol.Want on this session, and asks its children to do the same."""
 
     op: ClassVar[str] = "relay"
     after_chunks: ClassVar[bool] = False
     children: list[dict] = field(default_factory=list)
     timeout: float = 60.0
     version: bytes | None = None
+    wants: bool = False
 
     @classmethod
     def parse(cls, args: dict) -> OpenRelay:
@@ -221,7 +256,8 @@ class OpenRelay:
             raise RequestError(f"relay: timeout must be a number of seconds, not {timeout!r}")
         version = args.get("version")
         return cls(children, float(timeout),
-                   None if version is None else _version("relay", version))
+                   None if version is None else _version("relay", version),
+                   args.get("wants") is True)
 
 
 @dataclass(frozen=True)
@@ -323,4 +359,4 @@ class Probe:
 
 
 NodeRequest = (Status | Prepare | Commit | Remove | OpenRelay | Flush | Bulk | Spawn | Kill
-               | FreePort | Probe)
+               | FreePort | Probe | FirstReads)

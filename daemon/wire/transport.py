@@ -29,6 +29,7 @@ from .protocol import (
     Reply,
     Request,
     TruncatedFrame,
+    Want,
     Welcome,
 )
 
@@ -253,6 +254,8 @@ class Channel:
                     self._calls.fail(msg.id, error)
                 elif isinstance(msg, Event):
                     self.events.append(msg)
+                elif isinstance(msg, Want):
+                    pass  # push --early: a want sent as the stream ended; it is all there now
                 else:
                     raise ProtocolError(
                         f"{self.peer}: unexpected {type(msg).__name__} awaiting reply")
@@ -262,6 +265,8 @@ class Channel:
         """Ask the peer which of `ids` it (and, in a relay session, its subtree) lacks."""
         await self.send(QueryMissing(ids))
         reply = await self.receive()
+        while isinstance(reply, Want):  # push --early: a want before the stream; it brings it
+            reply = await self.receive()
         if not isinstance(reply, MissingIds):
             raise ProtocolError(f"expected missing chunk ids, got {type(reply).__name__}")
         return reply.ids

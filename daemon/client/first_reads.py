@@ -1,0 +1,71 @@
+"""What push --early sends first: the files the nodes read first after earlier publishes of a
+workspace (recorded by each daemon: daemon/node/first_reads.py), merged across the nodes and
+kept on the dev box ($MONARCH_FS_HOME/first-reads/NAME.json), so that a push to the fresh nodes
+of a new allocation, which have recorded nothing, still knows them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import trio
+
+from ...fs.private_files import private_dir
+from ..node.first_reads import MAX_PATHS, decode_paths, encode_paths
+from ..wire.replies import FirstReadsReply
+from .links import NODE_ERRORS, NodeLink
+
+
+def merge(lists: Sequence[Sequence[bytes]], limit: int = MAX_PATHS) -> list[bytes]:
+    """One list from several, each path once: round robin over the lists, so every node's
+    first reads come early, in each node's order."""
+    out: dict[bytes, None] = {}
+    for i in range(max((len(x) for x in lists), default=0)):
+        for x in lists:
+            if i < len(x):
+                out.setdefault(x[i], None)
+    return list(out)[:limit]
+
+
+async def learn(nodes: Sequence[NodeLink], name: str, timeout: float) -> list[list[bytes]]:
+    """Each healthy node's first reads of `name` (none from a node that cannot say: an older
+    daemon, or one that fails; the push finds out about a failed node in its own steps)."""
+    found: list[list[bytes]] = []
+
+    async def ask(node: NodeLink) -> None:
+        try:
+            with trio.fail_after(timeout):
+                reply = await node.channel.request("first_reads", name=name)
+            found.append(decode_paths(FirstReadsReply.from_wire(reply).paths))
+        except NODE_ERRORS:
+            pass
+
+    async with trio.open_nursery() as nursery:
+        for node in nodes:
+            if node.error is None:
+                nursery.start_soon(ask, node)
+    return found
+
+
+def known(folder: Path, name: str, fresh: Sequence[Sequence[bytes]]) -> list[bytes]:
+    """The list to send first: the nodes' fresh lists, then what the dev box kept from earlier
+    pushes; saved back when the nodes told something."""
+    path = folder / f"{name}.json"
+    try:
+        kept = decode_paths(json.loads(path.read_text())["paths"])
+    except (OSError, ValueError, KeyError, TypeError):
+        kept = []
+    if not any(fresh):
+        return kept
+    merged = merge([merge(fresh), kept])
+    try:
+        private_dir(folder)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"paths": encode_paths(merged)}))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a cache: the next push asks the nodes again
+    return merged

@@ -1,0 +1,182 @@
+"""push --early: a version is served as soon as every node holds its manifest and the chunks
+its first reads need; a read of a chunk that has not arrived fetches it ahead of the stream,
+and one that cannot be had fails with EIO, never with wrong bytes.
+
+Real daemons, real mounts, real pushes (the CLI in a subprocess this test starts); every read
+is made from this process, never from a daemon's serving thread."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_protocol import ready_pair
+
+from helpers import CLI_MODULE, Cluster, tree
+from monarch_fs.daemon.wire import frames
+from monarch_fs.daemon.wire.protocol import ProtocolError, Want
+
+MiB = 1 << 20
+CHUNK = 4 * MiB
+
+
+def start_early_push(c: Cluster, src: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", CLI_MODULE, "push", str(src), "--hosts", c.hostfile,
+         "--token-file", c.token_file, "--json", "--early", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_usable(push: subprocess.Popen) -> dict:
+    """The push's first line: {"event": "usable", ...}."""
+    assert push.stdout is not None
+    line = push.stdout.readline()
+    if not line:
+        raise AssertionError(f"push ended before usable: {push.wait()} {push.stderr.read()}")
+    event = json.loads(line)
+    assert event["event"] == "usable", event
+    return event
+
+
+def finish(push: subprocess.Popen) -> dict:
+    out, err = push.communicate(timeout=120)
+    assert push.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def make_tree(src: Path, big_mib: int) -> bytes:
+    """A small file (sent first) and a large random file (streamed after the publish)."""
+    src.mkdir()
+    (src / "small.txt").write_text("hello\n")
+    big = os.urandom(big_mib * MiB)
+    (src / "big.bin").write_bytes(big)
+    return big
+
+
+def read_at(path: Path, offset: int, size: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.pread(fd, size, offset)
+    finally:
+        os.close(fd)
+
+
+def incomplete(c: Cluster) -> list[list[str]]:
+    return [n.get("incomplete", []) for n in c.status()]
+
+
+def test_want_goes_node_to_pusher_only_with_whole_ids():
+    w = ready_pair()
+    want = Want([b"\x01" * 16, b"\x02" * 16])
+    assert w.deliver(w.server, want) == want  # the node (server) asks the pusher (client)
+    with pytest.raises(ProtocolError):
+        w.client.send(want)
+    with pytest.raises(ProtocolError, match="16 bytes"):
+        w.server.send(Want([b"short"]))
+    with pytest.raises(ProtocolError, match="not a list of ids"):
+        frames.decode(frames.FrameType.WANT, b"\x01" * 17)
+
+
+@pytest.mark.mount
+def test_early_read_of_a_late_chunk_is_fetched_and_correct(fresh_cluster, tmp_path):
+    c = fresh_cluster(1)
+    src = tmp_path / "ws"
+    big = make_tree(src, 192)
+    push = start_early_push(c, src)
+    try:
+        event = wait_usable(push)
+        assert event["nodes"] == 1
+        f = c.mnt(0) / "ws" / "big.bin"
+        last = len(big) - CHUNK  # the last chunk streams last: read it first
+        assert read_at(f, last, CHUNK) == big[last:]
+        assert (c.mnt(0) / "ws" / "small.txt").read_text() == "hello\n"
+    finally:
+        out = finish(push)
+    assert out["chunks_wanted"] >= 1, out  # the read came before the stream brought it
+    assert out["usable_seconds"] <= out["complete_seconds"]
+    assert incomplete(c) == [[]]
+    assert tree(c.mnt(0) / "ws") == tree(src)
+
+
+@pytest.mark.mount
+def test_dev_box_killed_mid_stream_gives_eio_never_wrong_bytes(fresh_cluster, tmp_path):
+    c = fresh_cluster(1)
+    src = tmp_path / "ws"
+    big = make_tree(src, 256)
+    push = start_early_push(c, src)
+    wait_usable(push)
+    os.kill(push.pid, signal.SIGSTOP)  # frozen, so it cannot finish before it dies
+    os.kill(push.pid, signal.SIGKILL)
+    push.communicate()
+    f = c.mnt(0) / "ws" / "big.bin"
+    failed = 0
+    for off in range(len(big) - CHUNK, -1, -CHUNK):  # the latest chunks first
+        t0 = time.monotonic()
+        try:
+            data = read_at(f, off, CHUNK)
+        except OSError as e:
+            assert e.errno == errno.EIO, e
+            failed += 1
+        else:
+            assert data == big[off:off + CHUNK], f"wrong bytes at {off}"
+        assert time.monotonic() - t0 < 10, "a read of a missing chunk must fail promptly"
+    assert failed, "the dev box died before the end: some chunk must be missing"
+    assert (c.mnt(0) / "ws" / "small.txt").read_text() == "hello\n"  # present: still read
+    assert incomplete(c) == [["ws"]]
+    log = (c.dir / "node-0" / "log").read_text(errors="replace")
+    assert "node-0: chunk " in log and "is not available" in log, log[-2000:]
+    # A normal push of the same version completes it.
+    out = c.push_json(src)
+    assert out["nodes"] == 1
+    assert incomplete(c) == [[]]
+    assert read_at(f, 0, len(big)) == big
+
+
+@pytest.mark.mount
+def test_want_on_a_chain_child_is_served_through_its_parent(fresh_cluster, tmp_path):
+    c = fresh_cluster(2)
+    src = tmp_path / "ws"
+    big = make_tree(src, 192)
+    push = start_early_push(c, src, "--topology", "chain")
+    try:
+        wait_usable(push)
+        last = len(big) - CHUNK
+        # node 1 is the chain's child: its only upstream is node 0's relay session
+        assert read_at(c.mnt(1) / "ws" / "big.bin", last, CHUNK) == big[last:]
+    finally:
+        out = finish(push)
+    assert out["topology"] == "chain" and out["nodes"] == 2
+    assert out["chunks_wanted"] >= 1, out  # the parent lacked it too and wanted it upstream
+    assert incomplete(c) == [[], []]
+    for i in range(2):
+        assert tree(c.mnt(i) / "ws") == tree(src)
+
+
+@pytest.mark.mount
+def test_first_reads_of_earlier_publishes_go_first(fresh_cluster, tmp_path):
+    c = fresh_cluster(1)
+    src = tmp_path / "ws"
+    src.mkdir()
+    (src / "small.txt").write_text("hello\n")
+    first = os.urandom(8 * MiB)
+    (src / "first.bin").write_bytes(first)
+    (src / "later.bin").write_bytes(os.urandom(8 * MiB))
+    c.push(src)
+    assert (c.mnt(0) / "ws" / "first.bin").read_bytes() == first  # the job's first read
+    (src / "new.bin").write_bytes(os.urandom(8 * MiB))
+    out = finish(start_early_push(c, src))
+    assert out["first_reads"] == 1, out  # first.bin, not the small files
+    kept = Path(os.environ["MONARCH_FS_HOME"]) / "first-reads" / "ws.json"
+    assert json.loads(kept.read_text())["paths"] == ["first.bin"]
+    # Fresh nodes know nothing; the dev box still does.
+    fresh = fresh_cluster(1)
+    out = finish(start_early_push(fresh, src))
+    assert out["first_reads"] == 1, out
+    assert tree(fresh.mnt(0) / "ws") == tree(src)
