@@ -193,7 +193,7 @@ class Stream:
                         blobs, raws = await trio.to_thread.run_sync(self.payload.encoded, known,
                                                                     not raw, raw)
                         batch = raws if raw else blobs
-                        await chan.send_many([p.PutChunk(cid, blob) for cid, blob in batch])
+                        await chan.send_many(bulk.frames_for(batch))
                         self.wanted += len(batch)
                         self.bytes_sent += sum(len(blob) for _, blob in batch)
             except SourceChanged as e:  # the dev box cannot read it as scanned any more

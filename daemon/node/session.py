@@ -122,6 +122,9 @@ class Session:
                 return
             if isinstance(msg, p.PutChunk):
                 await self.on_chunk(msg.cid, msg.blob)
+            elif isinstance(msg, p.PutChunks):
+                for one in msg.chunks:
+                    await self.on_chunk(one.cid, one.blob)
             elif isinstance(msg, p.QueryMissing):
                 await self._query_missing(msg.ids)
             elif isinstance(msg, p.Request):

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import trio
 
 from . import protocol as p
+from .frames import MAX_BATCH_CHUNKS
 from .rdma_format import RC, SRD, TCP
 
 log = logging.getLogger("monarch_fs.transport")
@@ -145,6 +146,37 @@ class BulkReceiver(abc.ABC):
 # ---- TCP: PutChunk frames on the control channel ------------------------------------------------
 
 
+# A chunk this small travels with its neighbours in one PutChunks frame (a frame each cost more
+# than the bytes: see protocol.PutChunks); larger ones get a PutChunk frame each, received in
+# place (and written from there: connection.py).
+SMALL_CHUNK = 64 * 1024
+_GROUP_BYTES = 1 << 20
+
+
+def frames_for(batch: Sequence[tuple[bytes, bytes | memoryview]]) -> list[p.Message]:
+    """The messages that carry `batch`, in its order: runs of small chunks grouped."""
+    out: list[p.Message] = []
+    group: list[p.PutChunk] = []
+    size = 0
+    for cid, blob in batch:
+        if len(blob) >= SMALL_CHUNK:
+            if group:
+                out.append(p.PutChunks(tuple(group)))
+                group, size = [], 0
+            out.append(p.PutChunk(cid, blob))
+            continue
+        group.append(p.PutChunk(cid, blob))
+        size += len(blob)
+        if size >= _GROUP_BYTES or len(group) >= MAX_BATCH_CHUNKS:
+            out.append(p.PutChunks(tuple(group)))
+            group, size = [], 0
+    if len(group) == 1:
+        out.append(group[0])
+    elif group:
+        out.append(p.PutChunks(tuple(group)))
+    return out
+
+
 class TcpBulkSender(BulkSender):
     """The PutChunk-over-Channel path: frames share the control connection, so they are
     ordered with the control messages and flush needs no extra arguments."""
@@ -159,7 +191,7 @@ class TcpBulkSender(BulkSender):
         await self.send_chunks([(cid, blob)])
 
     async def send_chunks(self, batch: Sequence[tuple[bytes, bytes | memoryview]]) -> None:
-        await self.chan.send_many([p.PutChunk(cid, blob) for cid, blob in batch])
+        await self.chan.send_many(frames_for(batch))
         self.chunks_sent += len(batch)
         self.bytes_sent += sum(len(blob) for _, blob in batch)
 
@@ -189,6 +221,9 @@ class TcpBulkReceiver(BulkReceiver):
                 msg = await self.chan.receive()
                 if isinstance(msg, p.PutChunk):
                     await self._delivered(msg.cid, msg.blob)
+                elif isinstance(msg, p.PutChunks):
+                    for one in msg.chunks:
+                        await self._delivered(one.cid, one.blob)
                 elif isinstance(msg, p.Request) and msg.op == "flush":
                     await self.chan.send(p.Reply(msg.id, {"delivered": self.chunks_delivered}))
                 else:

@@ -83,7 +83,7 @@ CLOSED = Closed()
 # What may flow once both sides are authenticated; Event and Want only go server -> client
 # (a node asks the peer that streams to it for chunks: protocol.Want).
 _DATA = {FrameType.REQUEST, FrameType.REPLY, FrameType.QUERY_MISSING, FrameType.MISSING_IDS,
-         FrameType.PUT_CHUNK, FrameType.DATA}  # fmt: skip
+         FrameType.PUT_CHUNK, FrameType.PUT_CHUNKS, FrameType.DATA}  # fmt: skip
 _READY_FROM = {Role.CLIENT: _DATA, Role.SERVER: _DATA | {FrameType.EVENT, FrameType.WANT}}
 
 

@@ -7,6 +7,7 @@ from the header alone, before any payload is buffered (connection.py does). Payl
   no KeyError or TypeError escapes to the layer above;
 * QueryMissing, MissingIds, Want: chunk ids back to back;
 * PutChunk: the chunk id, then the blob;
+* PutChunks: a count (u32), (chunk id, blob length u32) per chunk, then the blobs;
 * Data: a part count (u32), one length (u64) per part, then the parts;
 * Hello, Auth, Welcome: handshake.py.
 
@@ -26,12 +27,14 @@ from . import protocol as p
 MAX_FRAME = 80 * 1024 * 1024
 MAX_HANDSHAKE_FRAME = 4096  # what a peer may send before it has authenticated
 MAX_DATA_PARTS = 4096
+MAX_BATCH_CHUNKS = 4096  # chunks in one PUT_CHUNKS frame
 MAX_EARLY_ERROR = 500  # characters of an Error message sent during the handshake
 
 HEADER = struct.Struct("<IB")  # payload length, frame type
 VERSION = struct.Struct("<I")
 _COUNT = struct.Struct("<I")  # DATA: number of parts, then one u64 length per part
 _LENGTH = struct.Struct("<Q")
+_BATCH_ENTRY = struct.Struct("<16sI")  # PUT_CHUNKS: chunk id, blob length
 
 Buffer = bytes | bytearray | memoryview
 
@@ -49,6 +52,7 @@ class FrameType(enum.IntEnum):
     EVENT = 10
     DATA = 11
     WANT = 12
+    PUT_CHUNKS = 13
 
 
 FRAME_TYPES: dict[type, FrameType] = {
@@ -56,10 +60,11 @@ FRAME_TYPES: dict[type, FrameType] = {
     p.Error: FrameType.ERROR, p.Request: FrameType.REQUEST, p.Reply: FrameType.REPLY,
     p.QueryMissing: FrameType.QUERY_MISSING, p.MissingIds: FrameType.MISSING_IDS,
     p.PutChunk: FrameType.PUT_CHUNK, p.Event: FrameType.EVENT, p.Data: FrameType.DATA,
-    p.Want: FrameType.WANT,
+    p.Want: FrameType.WANT, p.PutChunks: FrameType.PUT_CHUNKS,
 }  # fmt: skip
 HANDSHAKE = (FrameType.HELLO, FrameType.AUTH, FrameType.WELCOME)
-LARGE = (FrameType.PUT_CHUNK, FrameType.DATA)  # payloads kept as views, maybe received in place
+# payloads kept as views, maybe received in place
+LARGE = (FrameType.PUT_CHUNK, FrameType.DATA, FrameType.PUT_CHUNKS)
 
 JsonShape = dict[str, Callable[[object], bool]]
 
@@ -130,6 +135,15 @@ def encode(msg: p.Message, *, early: bool) -> list[Buffer]:
         views = [memoryview(part).cast("B") for part in msg.parts]
         lengths = b"".join(_LENGTH.pack(v.nbytes) for v in views)
         return frame(FrameType.DATA, _COUNT.pack(len(views)), lengths, *views)
+    if isinstance(msg, p.PutChunks):
+        if len(msg.chunks) > MAX_BATCH_CHUNKS:
+            raise p.ProtocolError(f"PUT_CHUNKS: {len(msg.chunks)} chunks exceed "
+                                  f"{MAX_BATCH_CHUNKS}")
+        if any(len(c.cid) != p.ID_SIZE for c in msg.chunks):
+            raise p.ProtocolError(f"PUT_CHUNKS: chunk ids must be {p.ID_SIZE} bytes")
+        table = b"".join(_BATCH_ENTRY.pack(c.cid, len(c.blob)) for c in msg.chunks)
+        return frame(FrameType.PUT_CHUNKS, _COUNT.pack(len(msg.chunks)), table,
+                     *(c.blob for c in msg.chunks))
     if isinstance(msg, p.PutChunk):
         if len(msg.cid) != p.ID_SIZE:
             raise p.ProtocolError(f"PUT_CHUNK: chunk id must be {p.ID_SIZE} bytes")
@@ -163,8 +177,10 @@ def decode(ftype: FrameType, payload: bytes) -> p.Message:
     raise ValueError(f"{ftype.name} is not decoded here")
 
 
-def decode_large(ftype: FrameType, payload: memoryview) -> p.PutChunk | p.Data:
-    """A PUT_CHUNK or DATA message on its payload, which it keeps as views."""
+def decode_large(ftype: FrameType, payload: memoryview) -> p.PutChunk | p.Data | p.PutChunks:
+    """A PUT_CHUNK, PUT_CHUNKS or DATA message on its payload, which it keeps as views."""
+    if ftype is FrameType.PUT_CHUNKS:
+        return _split_batch(payload)
     if ftype is FrameType.DATA:
         # Parts must be writable (the mesh rebuilds tensors on them): a decrypted payload
         # is not.
@@ -178,6 +194,26 @@ def _split_ids(ftype: FrameType, payload: bytes) -> list[bytes]:
     if len(payload) % p.ID_SIZE:
         raise p.ProtocolError(f"{ftype.name} frame: {len(payload)} bytes is not a list of ids")
     return [payload[i : i + p.ID_SIZE] for i in range(0, len(payload), p.ID_SIZE)]
+
+
+def _split_batch(payload: memoryview) -> p.PutChunks:
+    if len(payload) < _COUNT.size:
+        raise p.ProtocolError("PUT_CHUNKS frame too short")
+    (count,) = _COUNT.unpack_from(payload)
+    if count > MAX_BATCH_CHUNKS:
+        raise p.ProtocolError(f"PUT_CHUNKS frame: {count} chunks exceed {MAX_BATCH_CHUNKS}")
+    offset = _COUNT.size + count * _BATCH_ENTRY.size
+    if offset > len(payload):
+        raise p.ProtocolError("PUT_CHUNKS frame: chunk table is truncated")
+    entries = [_BATCH_ENTRY.unpack_from(payload, _COUNT.size + i * _BATCH_ENTRY.size)
+               for i in range(count)]
+    if offset + sum(n for _, n in entries) != len(payload):
+        raise p.ProtocolError("PUT_CHUNKS frame: blob lengths do not add up to the frame size")
+    chunks = []
+    for cid, n in entries:
+        chunks.append(p.PutChunk(cid, payload[offset : offset + n]))
+        offset += n
+    return p.PutChunks(tuple(chunks))
 
 
 def _split_data(payload: bytearray | memoryview) -> p.Data:
