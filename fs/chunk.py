@@ -54,7 +54,7 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return d
 
 
-def encode(data: bytes) -> bytes:
+def encode(data: bytes | bytearray | memoryview) -> bytes:
     """The blob for `data`: zstd when it saves space, else raw."""
     if len(data) >= _MIN_COMPRESS:
         packed = _compressor().compress(data)

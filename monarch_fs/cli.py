@@ -217,7 +217,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([n.to_json() for n in nodes]))
     else:
-        print(store_line(held))
+        # On stderr: stdout stays one line per node, for scripts (`status --store` prints it
+        # on stdout).
+        print(store_line(held), file=sys.stderr)
         for n in nodes:
             s = n.reply
             if s is None:

@@ -111,7 +111,7 @@ class ControllerStore:
         """Keep a blob just encoded from bytes checked against `cid` (not decoded again)."""
         self.store.put_blob(cid, blob, verified=True)
 
-    def fill(self, ids: Iterable[bytes], read: Callable[[bytes], bytes]) -> int:
+    def fill(self, ids: Iterable[bytes], read: Callable[[bytes], bytes | bytearray]) -> int:
         """Add the chunks of `ids` the store lacks (those the nodes already had); how many."""
         added = 0
         for cid in self.store.missing(ids):

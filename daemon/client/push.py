@@ -119,7 +119,7 @@ class _Push:
         self.sizes = {cid: src.length for cid, src in snap.sources.items()}
         self.sizes[self.version] = len(manifest_bytes)
         self.payload = Payload(self.ids, self.version, manifest_bytes, self.sizes,
-                               snap.read_chunk, store,
+                               snap.read_into, store,
                                vouched=frozenset(c for c, src in snap.sources.items()
                                                  if src.cached is not None))
         self.compress = compress

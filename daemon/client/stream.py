@@ -34,7 +34,7 @@ _ENCODERS = 2
 LARGE_CHUNK = 1 << 20  # interleave(): chunks this big cost link time more than CPU
 SMALL_RUN = 4 << 20
 
-Batch = list[tuple[bytes, bytes]]
+Batch = list[tuple[bytes, bytes | memoryview]]
 
 
 def interleave(ids: list[bytes], sizes: dict[bytes, int]) -> list[bytes]:
@@ -83,7 +83,7 @@ class Payload:
     version: bytes
     manifest_bytes: bytes
     sizes: dict[bytes, int]
-    read_chunk: Callable[[bytes], bytes]
+    read_into: Callable[[bytes, int], bytearray]  # Snapshot.read_into
     store: ControllerStore | None = None
     raw_roots: set[str] = field(default_factory=set)
     vouched: frozenset[bytes] = frozenset()  # ids whose files the scan cache vouches for
@@ -96,8 +96,11 @@ class Payload:
         that changed unseen falls back to the store."""
         return cid in self.vouched
 
-    def read(self, cid: bytes) -> bytes:
-        return self.manifest_bytes if cid == self.version else self.read_chunk(cid)
+    def read(self, cid: bytes) -> bytearray:
+        """A chunk's bytes after one free byte (for its codec byte, when it goes raw)."""
+        if cid == self.version:
+            return bytearray(1) + self.manifest_bytes
+        return self.read_into(cid, 1)
 
     def encoded(self, cids: list[bytes], zstd: bool = True,
                 raw: bool = False) -> tuple[Batch, Batch]:
@@ -117,18 +120,19 @@ class Payload:
                     raws.append((cid, as_raw(cid, blob)))
             else:
                 try:
-                    data = self.read(cid)
+                    buf = self.read(cid)
                 except SourceChanged:
                     if store is None or not store.store.has(cid):
                         raise
                     raws.append((cid, as_raw(cid, store.store.get_blob(cid))))
                     continue  # raw only: the file changed unseen; the store has the id's bytes
                 if zstd or (store is not None and not store.store.has(cid)):
-                    blob = chunk.encode(data)
+                    blob = chunk.encode(memoryview(buf)[1:])
                     if store is not None:
                         store.add(cid, blob)
                 if raw:
-                    raws.append((cid, bytes([chunk.RAW]) + data))
+                    buf[0] = chunk.RAW
+                    raws.append((cid, memoryview(buf)))  # the raw blob in place: not copied again
             if zstd:
                 assert blob is not None
                 blobs.append((cid, blob))
@@ -163,13 +167,18 @@ class Stream:
     async def run(self, roots: list[tuple[NodeLink, list[dict]]]) -> None:
         """Open a relay session on each root, then read and compress each chunk once and stream
         it to every root whose subtree lacks it."""
+        failed: BaseException | None = None
         async with trio.open_nursery() as readers:  # push --early: the roots' wants
             try:
                 await self._run(roots, readers)
+            except BaseException as e:  # raised as itself below (SourceChanged, a cancel),
+                failed = e  # not wrapped in an ExceptionGroup by this nursery
             finally:
                 readers.cancel_scope.cancel()
                 for addr, chan in self.data.items():
                     await bulk.close_peer(self.senders.get(addr), chan)
+        if failed is not None:
+            raise failed
 
     async def _read_wants(self, root: NodeLink, chan: Channel, *,
                           task_status: trio.TaskStatus[trio.CancelScope]) -> None:
