@@ -246,15 +246,9 @@ class Store:
     def get_blob(self, cid: bytes) -> bytes:
         """The chunk as it is stored and sent: a pack's record, or (a chunk of a file object,
         checked against its id) its raw form."""
-        if cid in self.objects.index:
-            try:
-                data = self.objects.read(cid)
-            except KeyError:  # dropped meanwhile: it may still be in a pack
-                pass
-            else:
-                if chunk_id(data) != cid:
-                    raise CorruptChunk(f"chunk {cid.hex()}: its file object holds other bytes")
-                return RAW_CODEC + bytes(data)
+        data = self._from_object(cid)
+        if data is not None:
+            return RAW_CODEC + bytes(data)
         fd, off, length = self._reader(cid)
         blob = os.pread(fd, length, off)
         if len(blob) != length:
@@ -312,16 +306,23 @@ class Store:
 
     def get(self, cid: bytes) -> bytes | memoryview:
         """The verified raw bytes of a chunk. KeyError if absent, CorruptChunk if damaged."""
-        if cid in self.objects.index:
-            try:
-                data = self.objects.read(cid)
-            except KeyError:  # dropped meanwhile: it may still be in a pack
-                pass
-            else:
-                if chunk_id(data) != cid:
-                    raise CorruptChunk(f"chunk {cid.hex()}: its file object holds other bytes")
-                return data
+        data = self._from_object(cid)
+        if data is not None:
+            return data
         return decode(cid, self.get_blob(cid))
+
+    def _from_object(self, cid: bytes) -> bytes | None:
+        """A chunk's bytes from its file object, checked against its id; None if it is in none
+        (or no longer: it may still be in a pack)."""
+        if cid not in self.objects.index:
+            return None
+        try:
+            data = self.objects.read(cid)
+        except KeyError:  # dropped meanwhile
+            return None
+        if chunk_id(data) != cid:
+            raise CorruptChunk(f"chunk {cid.hex()}: its file object holds other bytes")
+        return data
 
     def sync(self) -> None:
         """Make every object written so far durable: the open pack's data, and the folder that
