@@ -39,16 +39,26 @@ class Proxy:
 
     async def _relay(self, client: trio.SocketStream) -> None:
         daemon = await trio.open_tcp_stream(self.host, self.port)
+        # Both pipes may write to the daemon (the client's bytes, the injected frame): one
+        # at a time, or trio refuses the second send.
+        to_daemon = trio.Lock()
         async with client, daemon, trio.open_nursery() as nursery:
-            nursery.start_soon(self._pipe, client, daemon, False, nursery.cancel_scope)
-            nursery.start_soon(self._pipe, daemon, client, True, nursery.cancel_scope)
+            nursery.start_soon(self._pipe, client, daemon, False, nursery.cancel_scope,
+                               to_daemon)
+            nursery.start_soon(self._pipe, daemon, client, True, nursery.cancel_scope,
+                               to_daemon)
 
-    async def _pipe(self, src, dst, from_daemon: bool, scope: trio.CancelScope) -> None:
+    async def _pipe(self, src, dst, from_daemon: bool, scope: trio.CancelScope,
+                    to_daemon: trio.Lock) -> None:
         seen = bytearray()  # the daemon's frames, to spot its Welcome
         try:
             while data := await src.receive_some(1 << 16):
                 self.recorded += data
-                await dst.send_all(data)
+                if from_daemon:
+                    await dst.send_all(data)
+                else:
+                    async with to_daemon:
+                        await dst.send_all(data)
                 if not from_daemon or self.inject is None:
                     continue
                 seen += data
@@ -58,7 +68,8 @@ class Proxy:
                         break
                     del seen[:_HEADER.size + size]
                     if ftype == WELCOME:
-                        await src.send_all(self.inject)  # src is the daemon here
+                        async with to_daemon:
+                            await src.send_all(self.inject)  # src is the daemon here
                         self.inject = None
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
