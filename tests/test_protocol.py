@@ -205,6 +205,22 @@ def test_large_frames_are_received_in_place():
     assert not any(b.obj is getattr(got[4].blob, "obj", None) for b in buffers)
 
 
+def test_frame_buffers_are_reused_only_once_no_view_is_left():
+    """Large frames are received into pooled buffers: a payload still held (queued for a
+    child, being written) is never overwritten by a later frame, and a buffer whose views are
+    all gone is taken again instead of a new one."""
+    w = ready_pair()
+    blobs = [b"\x00" + bytes([i]) * (4 * IN_PLACE) for i in range(6)]
+    data = [w.client.send(PutChunk(bytes([i]) * 16, blob)) for i, blob in enumerate(blobs)]
+    held = recv_into_all(w.server, data[0] + data[1], IN_PLACE)[0]
+    assert [bytes(m.blob) for m in held] == blobs[:2]
+    for chunk in data[2:]:
+        (msg,) = recv_into_all(w.server, chunk, IN_PLACE)[0]
+        del msg  # dropped at once, as a stored chunk is
+    assert [bytes(m.blob) for m in held] == blobs[:2]  # untouched by the four frames after
+    assert len(w.server._buffers._pool) == 3  # the two held, and one taken again and again
+
+
 def test_send_parts_leave_the_payload_uncopied():
     w = ready_pair()
     blob = memoryview(bytes(IN_PLACE))
