@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,22 @@ def read_at(path: Path, offset: int, size: int) -> bytes:
         os.close(fd)
 
 
+def read_while_push_waits(push: subprocess.Popen, path: Path, offset: int, size: int) -> bytes:
+    """Read with the push stopped (SIGSTOP) until the read has waited a moment, so the stream
+    cannot bring the chunk first, however fast the machine: the read must want it. The push
+    continues (SIGCONT) and answers the want it finds waiting."""
+    os.kill(push.pid, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            read = pool.submit(read_at, path, offset, size)
+            time.sleep(0.5)
+            assert not read.done(), "the chunk was there before the read wanted it"
+            os.kill(push.pid, signal.SIGCONT)
+            return read.result(timeout=30)
+    finally:
+        os.kill(push.pid, signal.SIGCONT)
+
+
 def incomplete(c: Cluster) -> list[list[str]]:
     return [n.get("incomplete", []) for n in c.status()]
 
@@ -95,7 +112,7 @@ def test_early_read_of_a_late_chunk_is_fetched_and_correct(fresh_cluster, tmp_pa
         assert event["nodes"] == 1
         f = c.mnt(0) / "ws" / "big.bin"
         last = len(big) - CHUNK  # the last chunk streams last: read it first
-        assert read_at(f, last, CHUNK) == big[last:]
+        assert read_while_push_waits(push, f, last, CHUNK) == big[last:]
         assert (c.mnt(0) / "ws" / "small.txt").read_text() == "hello\n"
     finally:
         out = finish(push)
@@ -149,7 +166,7 @@ def test_want_on_a_chain_child_is_served_through_its_parent(fresh_cluster, tmp_p
         wait_usable(push)
         last = len(big) - CHUNK
         # node 1 is the chain's child: its only upstream is node 0's relay session
-        assert read_at(c.mnt(1) / "ws" / "big.bin", last, CHUNK) == big[last:]
+        assert read_while_push_waits(push, c.mnt(1) / "ws" / "big.bin", last, CHUNK) == big[last:]
     finally:
         out = finish(push)
     assert out["topology"] == "chain" and out["nodes"] == 2
