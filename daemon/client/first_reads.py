@@ -6,15 +6,12 @@ of a new allocation, which have recorded nothing, still knows them.
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import trio
 
-from ...fs.private_files import private_dir
-from ..node.first_reads import MAX_PATHS, decode_paths, encode_paths
+from ..wire.path_lists import MAX_PATHS, decode_paths, load_paths, save_paths
 from ..wire.replies import FirstReadsReply
 from .links import NODE_ERRORS, NodeLink
 
@@ -55,17 +52,14 @@ def known(folder: Path, name: str, fresh: Sequence[Sequence[bytes]]) -> list[byt
     pushes; saved back when the nodes told something."""
     path = folder / f"{name}.json"
     try:
-        kept = decode_paths(json.loads(path.read_text())["paths"])
+        kept = load_paths(path)
     except (OSError, ValueError, KeyError, TypeError):
         kept = []
     if not any(fresh):
         return kept
     merged = merge([merge(fresh), kept])
     try:
-        private_dir(folder)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"paths": encode_paths(merged)}))
-        os.replace(tmp, path)
+        save_paths(path, merged)
     except OSError:
         pass  # a cache: the next push asks the nodes again
     return merged

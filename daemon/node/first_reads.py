@@ -11,30 +11,18 @@ nodes of a new allocation knows it too.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
 
-from ...fs.private_files import private_dir
+from ..wire.path_lists import MAX_PATHS, load_paths, save_paths
 
 log = logging.getLogger("monarch_fs.daemon")
 
 RECORD_SECONDS = 60.0
-MAX_PATHS = 4096
-
-
-def encode_paths(paths: list[bytes]) -> list[str]:
-    """Paths (bytes: names need not be UTF-8) as JSON strings, and back (decode_paths)."""
-    return [p.decode("utf-8", "surrogateescape") for p in paths]
-
-
-def decode_paths(paths: list[str]) -> list[bytes]:
-    return [p.encode("utf-8", "surrogateescape") for p in paths]
 
 
 @dataclass
@@ -86,9 +74,7 @@ class FirstReads:
 
     def _load(self, name: str) -> list[bytes]:
         try:
-            return decode_paths(json.loads(self._file(name).read_text())["paths"])
-        except FileNotFoundError:
-            return []
+            return load_paths(self._file(name))
         except (OSError, ValueError, KeyError, TypeError) as e:
             log.warning("first reads of %s: %s", name, e)
             return []
@@ -99,14 +85,8 @@ class FirstReads:
         done = time.monotonic() - rec.started > RECORD_SECONDS or len(rec.paths) >= MAX_PATHS
         paths = list(rec.paths)
 
-        def save() -> None:
-            private_dir(self.folder)
-            tmp = self._file(name).with_suffix(".tmp")
-            tmp.write_text(json.dumps({"paths": encode_paths(paths)}))
-            os.replace(tmp, self._file(name))
-
         try:
-            await trio.to_thread.run_sync(save)
+            await trio.to_thread.run_sync(save_paths, self._file(name), paths)
             rec.saved = done  # a recording still going is saved again when asked
         except OSError as e:
             log.warning("saving the first reads of %s: %s", name, e)

@@ -24,6 +24,7 @@ from ...fs.manifest import Manifest, ManifestError
 from ..wire import bulk, identity
 from ..wire import protocol as p
 from ..wire.identity import Identity, IdentityError
+from ..wire.path_lists import encode_paths
 from ..wire.replies import (
     BulkReply,
     CommitReply,
@@ -57,7 +58,6 @@ from ..wire.requests import (
 )
 from ..wire.transport import Channel, ConnectionLost
 from .fetch import Upstream
-from .first_reads import encode_paths
 from .procs import SpawnRefused, free_port
 from .relay import Relay
 from .writes import ChunkWrites

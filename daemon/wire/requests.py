@@ -192,6 +192,15 @@ class Commit(Prepare):
     op: ClassVar[str] = "commit"
 
 
+def _workspace(op: str, args: dict) -> str:
+    """A request's `name`: a valid workspace name, or a RequestError saying what is wrong."""
+    name = args.get("name")
+    if not isinstance(name, str):
+        raise RequestError(f"{op}: a workspace name is required")
+    check_workspace_name(name)
+    return name
+
+
 @dataclass(frozen=True)
 class Remove:
     """Delete workspace `name` and every version of it (`monarch-fs rm`)."""
@@ -202,11 +211,7 @@ class Remove:
 
     @classmethod
     def parse(cls, args: dict) -> Remove:
-        name = args.get("name")
-        if not isinstance(name, str):
-            raise RequestError("remove: a workspace name is required")
-        check_workspace_name(name)
-        return cls(name)
+        return cls(_workspace(cls.op, args))
 
 
 @dataclass(frozen=True)
@@ -220,11 +225,7 @@ class FirstReads:
 
     @classmethod
     def parse(cls, args: dict) -> FirstReads:
-        name = args.get("name")
-        if not isinstance(name, str):
-            raise RequestError("first_reads: a workspace name is required")
-        check_workspace_name(name)
-        return cls(name)
+        return cls(_workspace(cls.op, args))
 
 
 @dataclass(frozen=True)
