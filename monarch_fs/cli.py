@@ -133,7 +133,8 @@ def cmd_push(args: argparse.Namespace) -> int:
             encrypt=args.encrypt, at_source=args.at_source,
             store_dir=None if args.no_store else settings.store_dir,
             store_bound=settings.store_bound, compress=args.compress, early=args.early,
-            on_usable=usable, first_reads_dir=home_dir() / "first-reads")
+            on_usable=usable, first_reads_dir=home_dir() / "first-reads",
+            bwlimit=args.bwlimit * (1 << 20))
 
     def usable(seconds: float, nodes: int) -> None:
         """push --early: the version is served everywhere (the rest still streams)."""

@@ -23,6 +23,17 @@ ENCRYPT_HELP = ("encrypt sessions (every frame is authenticated either way): aut
                 "requires, and either is enough")
 
 
+def positive_rate(text: str) -> float:
+    """A rate in MiB/s for --bwlimit: a positive number (argparse says which option)."""
+    try:
+        rate = float(text)
+    except ValueError:
+        rate = 0.0
+    if not rate > 0 or rate == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of MiB/s")
+    return rate
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="monarch-fs", description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug detail")
@@ -107,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="zstd on each link from this machine: auto (measured per link: none on "
                         "loopback or where the link is faster than decompressing; reported in "
                         "--json under links), on, or off")
+    p.add_argument("--bwlimit", type=positive_rate, default=0.0, metavar="MIB_S",
+                   help="send at most MIB_S MiB a second from this machine, all nodes together "
+                        "(a shared link); with --early, chunks a reader waits for go unpaced")
     p.add_argument("--transport", choices=TRANSPORTS, default="auto", help=TRANSPORT_HELP)
     p.add_argument("--encrypt", choices=ENCRYPT_POLICIES, default="auto", help=ENCRYPT_HELP)
     p.add_argument("--at-source", action=argparse.BooleanOptionalAction, default=None,

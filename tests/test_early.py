@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -69,46 +68,26 @@ def read_at(path: Path, offset: int, size: int) -> bytes:
         os.close(fd)
 
 
-def read_while_push_waits(push: subprocess.Popen, path: Path, offset: int,
-                          size: int) -> bytes | None:
-    """Read with the push stopped (SIGSTOP) for a moment, so the dev box cannot bring the chunk
-    meanwhile: a read still waiting then has wanted it, and the push, continued (SIGCONT),
-    answers. None if the read was done while the push stood still (the chunk was there
-    already, or a relay parent had it)."""
-    os.kill(push.pid, signal.SIGSTOP)
+# The stream is paced (push --bwlimit) so that the large file's last chunk arrives seconds
+# after the version is usable: a read of it right then must want it, on any machine.
+BIG_MIB = 64
+PACED = ("--bwlimit", "12")  # MiB/s: the last chunk streams about 5 s after the start
+
+
+def early_read_of_the_last_chunk(c: Cluster, tmp_path: Path, node: int,
+                                 *args: str) -> tuple[Path, bytes, dict]:
+    """Push a tree with --early (paced) and read its large file's last chunk on `node` right
+    after usable, while it is still missing: (source, the file's bytes, the push's result)."""
+    src = tmp_path / "ws"
+    big = make_tree(src, BIG_MIB)
+    push = start_early_push(c, src, *PACED, *args)
     try:
-        with ThreadPoolExecutor(1) as pool:
-            read = pool.submit(read_at, path, offset, size)
-            time.sleep(0.5)
-            waited = not read.done()
-            os.kill(push.pid, signal.SIGCONT)
-            data = read.result(timeout=30)
-            return data if waited else None
+        wait_usable(push)
+        last = len(big) - CHUNK
+        assert read_at(c.mnt(node) / "ws" / "big.bin", last, CHUNK) == big[last:]
     finally:
-        os.kill(push.pid, signal.SIGCONT)
-
-
-def early_read_of_the_last_chunk(c: Cluster, tmp_path: Path, node: int, *args: str,
-                                 attempts: int = 3) -> tuple[Path, bytes, dict]:
-    """Push a tree with --early and read its large file's last chunk on `node` right after
-    usable, while it is still missing: (source, the file's bytes, the push's result). The
-    last chunk streams last, but on a busy machine the stream can land it before the
-    publish is done: then a fresh tree is pushed again, at most `attempts` times."""
-    for attempt in range(attempts):
-        src = tmp_path / f"ws{attempt}"
-        big = make_tree(src, 256)
-        push = start_early_push(c, src, "--name", "ws", *args)
-        try:
-            wait_usable(push)
-            last = len(big) - CHUNK
-            data = read_while_push_waits(push, c.mnt(node) / "ws" / "big.bin", last, CHUNK)
-        finally:
-            out = finish(push)
-        if data is not None:
-            assert data == big[last:]
-            return src, big, out
-    raise AssertionError(f"{attempts} early pushes: the stream always landed the last chunk "
-                         "before the read")
+        out = finish(push)
+    return src, big, out
 
 
 def incomplete(c: Cluster) -> list[list[str]]:
@@ -133,6 +112,7 @@ def test_early_read_of_a_late_chunk_is_fetched_and_correct(fresh_cluster, tmp_pa
     src, big, out = early_read_of_the_last_chunk(c, tmp_path, 0)
     assert out["nodes"] == 1
     assert out["chunks_wanted"] >= 1, out  # the read came before the stream brought it
+    assert out["complete_seconds"] >= BIG_MIB / 12 * 0.8, out  # paced: --bwlimit holds
     assert out["usable_seconds"] <= out["complete_seconds"]
     assert (c.mnt(0) / "ws" / "small.txt").read_text() == "hello\n"
     assert incomplete(c) == [[]]
@@ -143,8 +123,8 @@ def test_early_read_of_a_late_chunk_is_fetched_and_correct(fresh_cluster, tmp_pa
 def test_dev_box_killed_mid_stream_gives_eio_never_wrong_bytes(fresh_cluster, tmp_path):
     c = fresh_cluster(1)
     src = tmp_path / "ws"
-    big = make_tree(src, 256)
-    push = start_early_push(c, src)
+    big = make_tree(src, BIG_MIB)
+    push = start_early_push(c, src, *PACED)
     wait_usable(push)
     os.kill(push.pid, signal.SIGSTOP)  # frozen, so it cannot finish before it dies
     os.kill(push.pid, signal.SIGKILL)

@@ -39,7 +39,7 @@ from .controller_store import ControllerStore
 from .link_codec import LinkChoice
 from .links import STALL_TIMEOUT, NodeLink, each
 from .progress import Progress
-from .stream import LARGE_CHUNK, Payload, Stream
+from .stream import LARGE_CHUNK, Pacer, Payload, Stream
 
 
 class PushError(Exception):
@@ -105,8 +105,10 @@ class _Push:
 
     def __init__(self, snap: Snapshot, hosts: Sequence[str], token: bytes, progress: Progress,
                  timeout: float, allow_partial: bool, encrypt: str = "auto",
-                 store: ControllerStore | None = None, compress: str = "auto"):
+                 store: ControllerStore | None = None, compress: str = "auto",
+                 bwlimit: float = 0):
         self.snap = snap
+        self.pacer = Pacer(bwlimit)  # one for the whole push: every broadcast shares the limit
         self.token = token
         self.encrypt = encrypt
         self.progress = progress
@@ -186,7 +188,7 @@ class _Push:
         by_addr = {n.addr: n for n in self.nodes}
         await self.choose_compression([by_addr[r["addr"]] for r in roots])
         stream = Stream(self.payload, self.nodes, self.local, self.timeout, self.progress,
-                        head, self.token, self.encrypt)
+                        head, self.token, self.encrypt, self.pacer)
         try:
             await stream.run([(by_addr[r["addr"]], r["children"]) for r in roots])
         finally:
@@ -361,6 +363,7 @@ async def push(
     early: bool = False,
     on_usable: Callable[[float, int], None] | None = None,
     first_reads_dir: str | os.PathLike[str] | None = None,
+    bwlimit: float = 0,
 ) -> PushResult:
     """Push `src` to every host as workspace `name` (default: the folder's name). With
     `cache_dir`, the scan keeps a cache of the folder there, so unchanged files are not read.
@@ -373,7 +376,8 @@ async def push(
     each link (link_codec.py). With `early`, the version is published as soon as every node
     holds the manifest and the chunks the first reads need (see the module docstring);
     `on_usable(seconds, nodes)` is called then. The first reads are the nodes'
-    (first_reads.py), merged with those kept in `first_reads_dir` on the dev box."""
+    (first_reads.py), merged with those kept in `first_reads_dir` on the dev box. `bwlimit`
+    (bytes a second, 0 for none) bounds what the dev box streams (stream.Pacer)."""
     t0 = time.monotonic()
     progress = progress or Progress()
     name = workspace_name(src, name)
@@ -400,7 +404,8 @@ async def push(
     if store_dir is not None:
         store, busy = await ControllerStore.open(Path(store_dir), store_bound)
         unexposed += [busy] if busy else []
-    job = _Push(snap, hosts, token, progress, timeout, allow_partial, encrypt, store, compress)
+    job = _Push(snap, hosts, token, progress, timeout, allow_partial, encrypt, store, compress,
+                bwlimit)
     job.started = t0
     head: list[bytes] | None = None
     job.requested = transport if isinstance(transport, str) else transport.requested

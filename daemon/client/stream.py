@@ -37,6 +37,24 @@ SMALL_RUN = 4 << 20
 Batch = list[tuple[bytes, bytes | memoryview]]
 
 
+class Pacer:
+    """push --bwlimit: keeps what the dev box streams under `rate` bytes a second, all roots
+    together (on a shared cluster the dev box's link is shared too). Chunks a reader wants
+    (push --early) are not paced: someone waits for them. A rate of 0 is no limit."""
+
+    def __init__(self, rate: float = 0):
+        self.rate = rate
+        self.free_at = 0.0  # trio time when the next batch may go
+
+    async def take(self, size: int) -> None:
+        """Wait until `size` more bytes may go, and book them."""
+        if self.rate <= 0:
+            return
+        start = max(self.free_at, trio.current_time())
+        self.free_at = start + size / self.rate
+        await trio.sleep_until(start)
+
+
 def interleave(ids: list[bytes], sizes: dict[bytes, int]) -> list[bytes]:
     """The order to send `ids` in: runs of small chunks (whole small files) spread among the
     large chunks in proportion to their bytes, each kind still in folder order.
@@ -144,8 +162,9 @@ class Stream:
 
     def __init__(self, payload: Payload, nodes: Sequence[NodeLink], local: bulk.LocalTransport,
                  timeout: float, progress: Progress, head: list[bytes] | None = None,
-                 token: bytes = b"", encrypt: str = "auto"):
+                 token: bytes = b"", encrypt: str = "auto", pacer: Pacer | None = None):
         self.payload = payload
+        self.pacer = pacer or Pacer()
         self.head = head  # push --early: what goes right after the manifest (module docstring)
         self.token = token  # for the data connections of push --early
         self.encrypt = encrypt
@@ -326,6 +345,7 @@ class Stream:
                 try:
                     out = self.senders[root.addr]
                     async for batch in receive:
+                        await self.pacer.take(sum(len(blob) for _, blob in batch))
                         with trio.fail_after(self.timeout * levels[root.addr]):
                             await out.send_chunks(batch)
                         for cid, blob in batch:
