@@ -142,11 +142,21 @@ class ColdStart:
         self.count = 0
 
     def warm_up(self) -> dict:
-        """The push that fills the dev box's home; its own cluster, removed afterwards."""
+        """The push that fills the dev box's home, as a user's earlier job did: push, the
+        job's first import, then a push --early of the same version, which learns the files
+        that import read first (first reads) and keeps them on the dev box for the fresh
+        nodes of the next allocation. Its own cluster, removed afterwards."""
         d = self.work / "warm-up"
         try:
             with LocalCluster(d, 1, home=self.home) as cl:
                 seconds, pushed = cl.push(self.venv, NAME, self.patterns)
+                root = cl.mount() / NAME
+                import_end(start_import(root, self.module), root)
+                if early_available():
+                    cmd, env = cl.push_args(self.venv, "--json", "--name", NAME,
+                                            *self.excludes, "--early")
+                    _, proc = run(cmd, env=env, timeout=900)
+                    pushed["first_reads"] = last_json(proc.stdout).get("first_reads")
         finally:
             remove_work(d)
         return {"seconds": round(seconds, 2), **pushed}
