@@ -162,6 +162,11 @@ class Store:
         object (fs/file_objects.py), not a pack; False if none is to arrive."""
         return self.objects.expect(key, size, chunks, chunk_size, self.has)
 
+    def will_need(self, ids: Iterable[bytes]) -> int:
+        """Start reading those of `ids` held in file objects into the page cache (packs are
+        written through it); the bytes asked for."""
+        return self.objects.will_need(ids)
+
     def file_object(self, key: str) -> Path | None:
         """The complete, durable file object `key` (passthrough binds it), if there is one."""
         return self.objects.path(key)

@@ -553,3 +553,29 @@ def test_collect_deletes_file_objects_no_live_chunk_uses(tmp_path):
     assert s.file_object("kept") is not None and s.file_object("dropped") is None
     assert s.missing(dropped[2]) == dropped[2] and not s.missing(kept[2])
     assert sorted(os.listdir(tmp_path / "store" / "files")) == ["kept", "kept.ids"]
+
+
+
+def test_will_need_brings_a_file_objects_chunks_into_the_page_cache(tmp_path):
+    """push --early's first reads are read right after the publish: their chunks, written
+    with O_DIRECT past the page cache, are read into it first."""
+    s = Store(tmp_path / "store")
+    data, pieces, ids = _file(8)
+    s.expect_file("k", len(data), ids, CS)
+    for c, p in zip(ids, pieces):
+        s.put_blob(c, chunk.encode(p))
+    part = next((tmp_path / "store" / "files").iterdir())
+    fd = os.open(part, os.O_RDONLY)
+    os.fdatasync(fd)  # written pages (a buffer O_DIRECT could not take) are clean, evictable
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    size = part.stat().st_size
+    if _resident(part, 0, CS):
+        pytest.skip("this filesystem keeps file pages in memory (tmpfs)")
+    assert s.will_need(ids[:4] + [chunk_id(b"not in a file object")]) == 4 * CS
+    deadline = time.monotonic() + 10
+    while not _resident(part, 0, 4 * CS) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _resident(part, 0, 4 * CS)
+    assert not _resident(part, 4 * CS, size - 4 * CS)  # only what was asked for
+    assert [bytes(s.get(c)) for c in ids] == pieces

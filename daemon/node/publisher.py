@@ -187,6 +187,16 @@ class Publisher:
         if missing:
             raise RequestError(f"version {version.hex()[:12]}: {len(missing)} of the "
                                f"{len(early)} chunks the first reads need did not arrive")
+        if self.nursery is not None:  # read right after the publish: bring them in meanwhile
+            self.nursery.start_soon(self._will_need, early)
+
+    async def _will_need(self, ids: tuple[bytes, ...]) -> None:
+        """Ask the kernel to read the first reads' chunks into the page cache (O_DIRECT wrote
+        them past it), in the background: only advice, so a failure is only logged."""
+        try:
+            await trio.to_thread.run_sync(self.store.will_need, ids)
+        except OSError as e:
+            log.info("reading the first reads ahead: %s", e)
 
     async def _make_ready(self, name: str, version: bytes,
                           early: tuple[bytes, ...] | None = None, wait: float = 0.0) -> None:
