@@ -141,18 +141,19 @@ class ColdStart:
         self.runs: dict[str, list[dict]] = {"default": [], "early": []}
         self.count = 0
 
-    def warm_up(self) -> dict:
+    def warm_up(self, early: bool) -> dict:
         """The push that fills the dev box's home, as a user's earlier job did: push, the
-        job's first import, then a push --early of the same version, which learns the files
-        that import read first (first reads) and keeps them on the dev box for the fresh
-        nodes of the next allocation. Its own cluster, removed afterwards."""
+        job's first import, then (with `early`: this push has it) a push --early of the same
+        version, which learns the files that import read first (first reads) and keeps them
+        on the dev box for the fresh nodes of the next allocation. Its own cluster, removed
+        afterwards."""
         d = self.work / "warm-up"
         try:
             with LocalCluster(d, 1, home=self.home) as cl:
                 seconds, pushed = cl.push(self.venv, NAME, self.patterns)
                 root = cl.mount() / NAME
                 import_end(start_import(root, self.module), root)
-                if early_available():
+                if early:
                     cmd, env = cl.push_args(self.venv, "--json", "--name", NAME,
                                             *self.excludes, "--early")
                     _, proc = run(cmd, env=env, timeout=900)
@@ -332,10 +333,10 @@ def measure(work: Path, cache: Path = DEFAULT_CACHE, module: str = "torch",
     venv, staged = import_bench.ensure_venv(cache)
     home = work / "devbox-home"
     cold = ColdStart(work, home, venv, module, excludes)
-    warm_up = cold.warm_up()
+    has_early = early_available()
+    warm_up = cold.warm_up(has_early)
     log(f"  warm-up push: {warm_up['files']:,} files, {fmt_bytes(warm_up['bytes'])} in "
         f"{warm_up['seconds']:.2f}s")
-    has_early = early_available()
     sides = {"default": lambda: cold.once(False),
              "local": lambda: local_import(venv, module, page_cache),
              "rsync": lambda: rsync_then_import(venv, work / "rsync-copy", module)}

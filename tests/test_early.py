@@ -71,7 +71,8 @@ def read_at(path: Path, offset: int, size: int) -> bytes:
 # The stream is paced (push --bwlimit) so that the large file's last chunk arrives seconds
 # after the version is usable: a read of it right then must want it, on any machine.
 BIG_MIB = 64
-PACED = ("--bwlimit", "12")  # MiB/s: the last chunk streams about 5 s after the start
+RATE_MIB_S = 12  # the last chunk streams about 5 s after the start
+PACED = ("--bwlimit", str(RATE_MIB_S))
 
 
 def early_read_of_the_last_chunk(c: Cluster, tmp_path: Path, node: int,
@@ -112,7 +113,7 @@ def test_early_read_of_a_late_chunk_is_fetched_and_correct(fresh_cluster, tmp_pa
     src, big, out = early_read_of_the_last_chunk(c, tmp_path, 0)
     assert out["nodes"] == 1
     assert out["chunks_wanted"] >= 1, out  # the read came before the stream brought it
-    assert out["complete_seconds"] >= BIG_MIB / 12 * 0.8, out  # paced: --bwlimit holds
+    assert out["complete_seconds"] >= BIG_MIB / RATE_MIB_S * 0.8, out  # paced: --bwlimit holds
     assert out["usable_seconds"] <= out["complete_seconds"]
     assert (c.mnt(0) / "ws" / "small.txt").read_text() == "hello\n"
     assert incomplete(c) == [[]]

@@ -555,7 +555,6 @@ def test_collect_deletes_file_objects_no_live_chunk_uses(tmp_path):
     assert sorted(os.listdir(tmp_path / "store" / "files")) == ["kept", "kept.ids"]
 
 
-
 def test_will_need_brings_a_file_objects_chunks_into_the_page_cache(tmp_path):
     """push --early's first reads are read right after the publish: their chunks, written
     with O_DIRECT past the page cache, are read into it first."""

@@ -345,12 +345,13 @@ class Stream:
                 try:
                     out = self.senders[root.addr]
                     async for batch in receive:
-                        await self.pacer.take(sum(len(blob) for _, blob in batch))
+                        size = sum(len(blob) for _, blob in batch)
+                        await self.pacer.take(size)
                         with trio.fail_after(self.timeout * levels[root.addr]):
                             await out.send_chunks(batch)
-                        for cid, blob in batch:
+                        self.bytes_sent += size
+                        for cid, _ in batch:
                             self.chunks_sent += cid != pl.version
-                            self.bytes_sent += len(blob)
                             sent += pl.sizes[cid]
                         self.progress.update(sent)
                 except NODE_ERRORS as e:

@@ -187,8 +187,6 @@ class Publisher:
         if missing:
             raise RequestError(f"version {version.hex()[:12]}: {len(missing)} of the "
                                f"{len(early)} chunks the first reads need did not arrive")
-        if self.nursery is not None:  # read right after the publish: bring them in meanwhile
-            self.nursery.start_soon(self._will_need, early)
 
     async def _will_need(self, ids: tuple[bytes, ...]) -> None:
         """Ask the kernel to read the first reads' chunks into the page cache (O_DIRECT wrote
@@ -217,6 +215,8 @@ class Publisher:
                 else:
                     await self._check_early(version, early)
                 await trio.to_thread.run_sync(self.store.sync)
+            if early is not None and self.nursery is not None:  # read right after publishing
+                self.nursery.start_soon(self._will_need, early)
         except BaseException:
             if before is None:
                 self._pinned.pop(name, None)
