@@ -35,6 +35,7 @@ with the page cache dropped. Figures from a shared 2-core machine: read the spre
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import resource
 import shutil
@@ -245,6 +246,28 @@ def rsync_then_import(venv: Path, dest: Path, module: str) -> float:
         shutil.rmtree(dest, ignore_errors=True)
 
 
+def disk_floor(directory: Path, size: int) -> dict:
+    """How long this disk takes to write `size` bytes once, durably, at its best: 4 MiB
+    O_DIRECT writes and an fsync, as `dd oflag=direct` does. A fresh node must write every
+    pushed byte, so no push to it can finish sooner."""
+    block = 4 * MiB
+    buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT asks
+    buf.write(os.urandom(block))
+    path = directory / "disk-floor.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    try:
+        t0 = time.monotonic()
+        for _ in range(-(-size // block)):
+            os.write(fd, buf)
+        os.fsync(fd)
+        seconds = time.monotonic() - t0
+    finally:
+        os.close(fd)
+        path.unlink()
+        buf.close()
+    return {"bytes": size, "seconds": round(seconds, 3), "mb_s": round(size / 1e6 / seconds)}
+
+
 # ---- ingest -------------------------------------------------------------------------------
 
 def incompressible(cache: Path, size_mb: int) -> Path:
@@ -311,13 +334,17 @@ def netns_cold(venv: Path, home: Path, n: int, rate: str, module: str,
             if proc.returncode != 0:
                 raise BenchError(f"push to {n} hosts failed: {proc.stderr.strip()[-2000:]}")
             root = Path(c.mount) / NAME
+            kids0 = children_cpu_s()
             imports = [start_import(root, module, ["nsenter", "--target", str(node.pid),
                                                    "--mount", "--net"]) for node in c.nodes]
             ends = [import_end(p, root) - t0 for p in imports]
+            # The hosts' share of the work (their daemons from the start, their imports): it
+            # grows with the host count, and here every host runs on the same cores.
+            hosts_cpu = cpu_seconds(c.pids) + children_cpu_s() - kids0
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return {"hosts": n, "push_s": round(pushed_s, 3), "all_imported_s": round(max(ends), 3),
-            "first_imported_s": round(min(ends), 3),
+            "first_imported_s": round(min(ends), 3), "hosts_cpu_s": round(hosts_cpu, 2),
             "stores_on": f"tmpfs {SHM}" if str(base) == SHM else f"disk ({base})",
             "pushed": last_json(proc.stdout)}
 
@@ -361,6 +388,7 @@ def measure(work: Path, cache: Path = DEFAULT_CACHE, module: str = "torch",
     last = cold.runs["default"][-1]
     res["disk"] = {"content_bytes": last["bytes"], "node_disk_bytes": last["node_disk_bytes"],
                    "ratio": round(last["node_disk_bytes"] / last["bytes"], 3)}
+    res["disk_floor"] = disk_floor(work, last["bytes"])
     log(f"  default {res['sides']['default']['median']:.2f}s, local "
         f"{res['sides']['local']['median']:.2f}s, rsync {res['sides']['rsync']['median']:.2f}s"
         + (f", early {res['sides']['early']['median']:.2f}s" if has_early else ""))
@@ -378,6 +406,8 @@ def measure(work: Path, cache: Path = DEFAULT_CACHE, module: str = "torch",
         res["hosts"] = [netns_cold(venv, home, n, rate, module, excludes, base) for n in hosts]
         one, many = res["hosts"][0], res["hosts"][-1]
         res["hosts_ratio"] = round(many["all_imported_s"] / one["all_imported_s"], 3)
+        # This machine's cores run every host: the hosts' CPU over its cores is a floor.
+        res["hosts_cpu_floor_s"] = round(many["hosts_cpu_s"] / (os.cpu_count() or 1), 2)
         res["rate"] = rate
         log(f"  {many['hosts']} hosts behind {rate}: {many['all_imported_s']:.2f}s, "
             f"1 host {one['all_imported_s']:.2f}s ({res['hosts_ratio']:.2f}x)")
@@ -398,6 +428,7 @@ def table(res: dict) -> list[str]:
     s, t = res["sides"], TARGETS
     cold, local, rsync = s["default"]["median"], s["local"]["median"], s["rsync"]["median"]
     push = res["push_s"]["median"]
+    floor = res["disk_floor"]
     mod = res["module"]
     lines = ["| what (issue 19) | target | this run | |", "| --- | --- | --- | --- |",
              f"| push of the venv ({fmt_bytes(res['disk']['content_bytes'])}) to a fresh node, "
@@ -405,6 +436,9 @@ def table(res: dict) -> list[str]:
              f"({len(res['push_s']['runs'])} runs, "
              f"{res['push_s']['min']:.2f}-{res['push_s']['max']:.2f}) | "
              f"{_met(push, t['push_s'])} |",
+             f"| ... the node's disk writing that content once, O_DIRECT + fsync (a floor for "
+             f"any push) | | {floor['seconds']:.2f} s ({floor['mb_s']} MB/s); the push is "
+             f"{push / floor['seconds']:.2f}x it | |",
              f"| cold start to the first `import {mod}` done, default mode | <= {t['cold_s']} s "
              f"(Monarch {MONARCH_REMOTEMOUNT_S} s) | {cold:.2f} s "
              f"({s['default']['min']:.2f}-{s['default']['max']:.2f}); "
@@ -438,6 +472,11 @@ def table(res: dict) -> list[str]:
                      f"({many['all_imported_s']:.2f} s vs {one['all_imported_s']:.2f} s; "
                      f"stores on {many['stores_on']}) | "
                      f"{_met(res['hosts_ratio'], t['hosts_ratio'])} |")
+        cpu_floor = res["hosts_cpu_floor_s"]
+        lines.append(f"| ... the {many['hosts']} hosts' daemons and imports on this machine's "
+                     f"{os.cpu_count()} cores (a floor here) | | {many['hosts_cpu_s']:.1f} CPU-s"
+                     f" = {cpu_floor:.2f} s, {cpu_floor / one['all_imported_s']:.2f}x the 1-host "
+                     f"run (1 host: {one['hosts_cpu_s']:.1f} CPU-s) | |")
     else:
         lines.append(f"| cold start on netns hosts, against 1 host | <= {t['hosts_ratio']}x | "
                      f"skipped ({h['skipped']}) | n/a |")
