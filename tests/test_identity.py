@@ -95,6 +95,10 @@ def test_another_user_cannot_replace_or_remove_a_workspace(node, tmp_path):
     out = as_user(a, munged, "push", str(a.home / "env"), "--hosts", daemon.addr)
     assert out.returncode == 0, out.stderr
     wait_for(lambda: (daemon.mnt / "env" / "who").exists(), what="A's push served")
+    # A's push with no change is settled by asking (a credential: is it A's?), not published.
+    out = as_user(a, munged, "push", str(a.home / "env"), "--hosts", daemon.addr, "--json")
+    assert out.returncode == 0, out.stderr
+    assert not {"negotiate", "publish"} & set(json.loads(out.stdout)["phases"]), out.stdout
 
     out = as_user(b, munged, "push", str(b.home / "env"), "--hosts", daemon.addr)
     assert out.returncode != 0

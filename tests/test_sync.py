@@ -111,14 +111,31 @@ def test_edits_visible_everywhere_and_old_version_kept(cluster3, tmp_path):
     assert os.stat(cluster3.mnt(0) / "edits" / "keep.txt").st_ino == inode_before
 
 
-def test_no_change_repush_sends_nothing(cluster3, tmp_path):
+def test_no_change_repush_sends_nothing_and_asks_each_node_once(cluster3, tmp_path):
+    """A push of what every node serves already is settled by one question to each node:
+    nothing is negotiated, sent or published. When one node serves something else, the whole
+    push runs, and every node ends on the pushed version."""
     src = tmp_path / "same"
     src.mkdir()
-    (src / "f").write_bytes(os.urandom(100_000))
+    original = os.urandom(100_000)
+    (src / "f").write_bytes(original)
+    mtime_ns = (src / "f").stat().st_mtime_ns  # the manifest holds it: restored below
     first = cluster3.push_json(src)
+    assert "publish" in first["phases"]
     again = cluster3.push_json(src)
-    assert again["version"] == first["version"]
+    assert again["version"] == first["version"] and again["nodes"] == 3
     assert again["chunks_sent"] == 0 and again["bytes_sent"] == 0
+    assert "current" in again["phases"]
+    assert not {"negotiate", "send", "publish"} & set(again["phases"])
+
+    (src / "f").write_bytes(b"another version, on node 0 only")
+    cluster3.push_json(src, "--hosts", cluster3.hosts[0])
+    (src / "f").write_bytes(original)
+    os.utime(src / "f", ns=(mtime_ns, mtime_ns))
+    back = cluster3.push_json(src)
+    assert back["version"] == first["version"] and "publish" in back["phases"]
+    for mnt in cluster3.mounts():
+        assert (mnt / "same" / "f").read_bytes() == original
 
 
 def test_open_file_keeps_its_version_across_publish(cluster3, tmp_path):

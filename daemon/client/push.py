@@ -31,9 +31,9 @@ from ...fs.manifest import Kind
 from ...fs.scan import Snapshot, SourceChanged, scan
 from ...fs.scan_cache import ScanCache
 from ..wire import bulk, identity, topology
-from ..wire.replies import CommitReply, PrepareReply
+from ..wire.replies import CommitReply, CurrentReply, PrepareReply
 from ..wire.requests import check_source_path, check_workspace_name
-from ..wire.transport import CONNECT_TIMEOUT, connect
+from ..wire.transport import CONNECT_TIMEOUT, RemoteError, connect
 from . import bytecode, first_reads, link_codec
 from .controller_store import ControllerStore
 from .link_codec import LinkChoice
@@ -85,6 +85,9 @@ class PushResult:
     complete_seconds: float | None = None
     first_reads: int | None = None  # push --early: files sent first (the nodes' first reads)
     chunks_wanted: int | None = None  # push --early: sent ahead of the stream, for a reader
+    # Seconds each step took, in order (scan, connect, negotiate, send, publish, keep): where a
+    # slow push spent its time.
+    phases: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {k: v for k, v in asdict(self).items()
@@ -95,6 +98,19 @@ class PushResult:
         """The warning lines for the nodes an --allow-partial push left behind."""
         return [f"warning: {host} left behind (--allow-partial): {cause}"
                 for host, cause in sorted(self.failed.items())]
+
+
+class _Clock:
+    """The seconds each step of a push took (PushResult.phases)."""
+
+    def __init__(self, t0: float) -> None:
+        self.last = t0
+        self.phases: dict[str, float] = {}
+
+    def mark(self, step: str) -> None:
+        now = time.monotonic()
+        self.phases[step] = round(self.phases.get(step, 0.0) + now - self.last, 3)
+        self.last = now
 
 
 class _Push:
@@ -169,6 +185,26 @@ class _Push:
             if isinstance(limit, int) and entries > limit:
                 node.fail(f"the snapshot has {entries:,} entries, more than this node accepts "
                           f"({limit:,}: its --max-entries or MONARCH_FS_MAX_ENTRIES)")
+
+    async def current(self, name: str, source: dict[str, str]) -> bool:
+        """Whether every node serves this version as `name` already (a push with no change):
+        then there is nothing to send or publish, and the push is settled in this one round
+        trip per node. A node that refuses to say counts as not current (the full push that
+        follows says why, if it is refused again); one that fails is failed as at any step."""
+        args = {"name": name, "version": self.version.hex(), **source}
+        current: list[bool] = []
+
+        async def ask(node: NodeLink) -> None:
+            signed = await identity.sign(node.channel, "current", args)
+            try:
+                reply = await node.channel.request("current", **signed)
+            except RemoteError:
+                current.append(False)
+            else:
+                current.append(CurrentReply.from_wire(reply).current)
+
+        await each(self.nodes, ask, self.timeout)
+        return len(current) == len(self.nodes) and all(current)
 
     async def negotiate(self) -> None:
         async def ask(node: NodeLink) -> None:
@@ -379,6 +415,7 @@ async def push(
     (first_reads.py), merged with those kept in `first_reads_dir` on the dev box. `bwlimit`
     (bytes a second, 0 for none) bounds what the dev box streams (stream.Pacer)."""
     t0 = time.monotonic()
+    clock = _Clock(t0)
     progress = progress or Progress()
     name = workspace_name(src, name)
     source: dict[str, str] = {}
@@ -404,39 +441,60 @@ async def push(
     if store_dir is not None:
         store, busy = await ControllerStore.open(Path(store_dir), store_bound)
         unexposed += [busy] if busy else []
+    clock.mark("scan")
     job = _Push(snap, hosts, token, progress, timeout, allow_partial, encrypt, store, compress,
                 bwlimit)
     job.started = t0
-    head: list[bytes] | None = None
     job.requested = transport if isinstance(transport, str) else transport.requested
     job.local = (transport if isinstance(transport, bulk.LocalTransport)
                  else bulk.resolve_local(transport))
+    usable = on_usable or (lambda seconds, nodes: None)
+
+    async def send_and_publish() -> str:
+        """The push proper, once some node does not serve the version yet; the topology used."""
+        await job.negotiate()
+        job.check("negotiating")
+        clock.mark("negotiate")
+        if early:
+            lists = await first_reads.learn(job.healthy, name, timeout)
+            paths = (first_reads.known(Path(first_reads_dir), name, lists)
+                     if first_reads_dir else first_reads.merge(lists))
+            used = await job.push_early(name, source, topology_kind, fanout,
+                                        job.first_read_chunks(paths), usable)
+            clock.mark("send and publish")
+            return used
+        used = await job.broadcast(topology_kind, fanout)
+        job.check("sending chunks")
+        if allow_partial:
+            # Nodes whose relay parent failed are healthy but incomplete: send them the rest
+            # directly, once.
+            await job.negotiate()
+            await job.broadcast("star", fanout)
+            job.check("sending chunks")
+        clock.mark("send")
+        await job.publish(name, source)
+        clock.mark("publish")
+        return used
+
     try:
         await job.connect()
         job.check("connecting")
         job.check_limits()
         job.check("checking the snapshot's size")
-        await job.negotiate()
-        job.check("negotiating")
-        if early:
-            lists = await first_reads.learn(job.healthy, name, timeout)
-            paths = (first_reads.known(Path(first_reads_dir), name, lists)
-                     if first_reads_dir else first_reads.merge(lists))
-            head = job.first_read_chunks(paths)
-            used = await job.push_early(name, source, topology_kind, fanout, head,
-                                        on_usable or (lambda seconds, nodes: None))
-        else:
-            used = await job.broadcast(topology_kind, fanout)
-            job.check("sending chunks")
-            if allow_partial:
-                # Nodes whose relay parent failed are healthy but incomplete: send them the
-                # rest directly, once.
-                await job.negotiate()
-                await job.broadcast("star", fanout)
-                job.check("sending chunks")
-            await job.publish(name, source)
+        clock.mark("connect")
+        settled = await job.current(name, source)
+        job.check("asking what the nodes serve")
+        clock.mark("current")
+        if not settled:
+            used = await send_and_publish()
+        else:  # no change: every node serves this version already
+            used = "none"
+            if early:
+                job.usable_seconds = job.complete_seconds = round(time.monotonic() - t0, 3)
+                usable(job.usable_seconds, len(job.healthy))
         if store is not None:
             unexposed += await trio.to_thread.run_sync(keep, store, snap, job, name)
+            clock.mark("keep")
     finally:
         await job.aclose()
         if store is not None:
@@ -466,4 +524,5 @@ async def push(
         complete_seconds=job.complete_seconds,
         first_reads=job.first_reads if early else None,
         chunks_wanted=job.chunks_wanted if early else None,
+        phases=clock.phases,
     )

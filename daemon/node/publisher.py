@@ -250,6 +250,15 @@ class Publisher:
         self._prepared.add((name, version, early is not None))
         return PrepareReply(version)
 
+    def current(self, name: str, version: bytes, source: str | None,
+                owner: int | None) -> bool:
+        """Whether `name` serves `version` already, whole and without problems, exposed at
+        `source`, pushed by `owner`: a commit of it would change nothing (requests.Current)."""
+        refs = self.refs
+        return (refs.workspaces.get(name, [None])[0] == version and name not in self.incomplete
+                and name not in self.workspace_problems and refs.sources.get(name) == source
+                and refs.owners.get(name) == owner)
+
     async def commit(self, name: str, version: bytes, source: str | None = None,
                      source_id: str | None = None, owner: int | None = None,
                      early: tuple[bytes, ...] | None = None,

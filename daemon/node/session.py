@@ -28,6 +28,7 @@ from ..wire.path_lists import encode_paths
 from ..wire.replies import (
     BulkReply,
     CommitReply,
+    CurrentReply,
     FirstReadsReply,
     FlushReply,
     FreePortReply,
@@ -43,6 +44,7 @@ from ..wire.replies import (
 from ..wire.requests import (
     Bulk,
     Commit,
+    Current,
     FirstReads,
     Flush,
     FreePort,
@@ -249,6 +251,10 @@ class Session:
             self.publisher.start_collect()
         return value
 
+    async def _current(self, req: Current) -> CurrentReply:
+        return CurrentReply(self.publisher.current(req.name, req.version, req.source,
+                                                   self._owner))
+
     async def _remove(self, req: Remove) -> RemoveReply:
         return await self.publisher.remove(req.name, self.procs.pinned_to, self._owner)
 
@@ -323,6 +329,7 @@ _HANDLERS: list[tuple[type[NodeRequest], Handler]] = [
     (Status, Session._status),
     (Prepare, Session._prepare),
     (Commit, Session._commit),
+    (Current, Session._current),
     (Remove, Session._remove),
     (OpenRelay, Session._relay),
     (Flush, Session._flush),

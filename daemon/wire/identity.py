@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 MODE = "munge"  # --identity munge; what a daemon advertises as `identity` in its Welcome
 ASKER = "the user who asks"  # status's procs_user under --identity munge
 FIELD = "cred"  # the request argument that carries the credential
-OPS = frozenset({"spawn", "prepare", "commit", "remove"})  # the requests that act for a user
+# The requests that act for a user (`current` answers for one: is that workspace theirs?).
+OPS = frozenset({"spawn", "prepare", "commit", "current", "remove"})
 DEFAULT_SOCKET = "/run/munge/munge.socket.2"  # libmunge's
 TIMEOUT = 10.0  # seconds for munge or unmunge to answer
 _PAYLOAD_TAG = "monarch-fs-identity-1"

@@ -203,6 +203,21 @@ class CommitReply:
 
 
 @dataclass(frozen=True)
+class CurrentReply:
+    """Whether the workspace already serves the version asked about (requests.Current)."""
+
+    op: ClassVar[str] = "current"
+    current: bool
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"current": self.current}
+
+    @classmethod
+    def from_wire(cls, value: Mapping[str, Any]) -> CurrentReply:
+        return cls(_get(cls.op, value, "current", bool))
+
+
+@dataclass(frozen=True)
 class RemoveReply:
     """The workspace is gone; these are the versions it had, current first."""
 
@@ -347,5 +362,6 @@ class FirstReadsReply:
 
 
 
-NodeReply = (StatusReply | PrepareReply | CommitReply | RemoveReply | RelayReply | FlushReply
-             | BulkReply | SpawnReply | KillReply | FreePortReply | ProbeReply | FirstReadsReply)
+NodeReply = (StatusReply | PrepareReply | CommitReply | CurrentReply | RemoveReply | RelayReply
+             | FlushReply | BulkReply | SpawnReply | KillReply | FreePortReply | ProbeReply
+             | FirstReadsReply)

@@ -192,6 +192,16 @@ class Commit(Prepare):
     op: ClassVar[str] = "commit"
 
 
+@dataclass(frozen=True)
+class Current(Prepare):
+    """Whether workspace `name` serves `version` already, whole, exposed at `source` (None:
+    nowhere), pushed by whoever asks: then a push of that version has nothing to do on this
+    node, and a push with no change settles in this one round trip."""
+
+    op: ClassVar[str] = "current"
+    after_chunks: ClassVar[bool] = False
+
+
 def _workspace(op: str, args: dict) -> str:
     """A request's `name`: a valid workspace name, or a RequestError saying what is wrong."""
     name = args.get("name")
@@ -359,5 +369,5 @@ class Probe:
         return cls(len(pad))
 
 
-NodeRequest = (Status | Prepare | Commit | Remove | OpenRelay | Flush | Bulk | Spawn | Kill
-               | FreePort | Probe | FirstReads)
+NodeRequest = (Status | Prepare | Commit | Current | Remove | OpenRelay | Flush | Bulk | Spawn
+               | Kill | FreePort | Probe | FirstReads)
