@@ -152,11 +152,15 @@ class Manifest:
         self.chunk_size = chunk_size
         self.entries = sorted(entries, key=lambda e: sort_key(e.path))
         self._by_path: dict[bytes, Entry] | None = None
+        # Each entry's encoded bytes -> the entry, as decode() found them: the next version's
+        # decode(known=self) takes the entries it shares from here, unparsed (see decode).
+        self._encoded: dict[bytes, Entry] | None = None
 
-    def validate(self) -> None:
+    def validate(self, checked: frozenset[int] = frozenset()) -> None:
         """Refuse anything the mount could not serve as is: every field is held to what the
         kernel accepts, so a FUSE reply never has to convert a value that does not fit (a
-        directory of size 2^64-1 once took the daemon down at the first `ls`)."""
+        directory of size 2^64-1 once took the daemon down at the first `ls`). Entries whose
+        id() is in `checked` passed these checks before: only their place in the tree is."""
         if not (64 * 1024 <= self.chunk_size <= MAX_CHUNK_SIZE):
             raise ManifestError(f"chunk size {self.chunk_size} out of range")
         if not self.entries or self.entries[0].path != b"" or self.entries[0].kind != Kind.DIR:
@@ -165,6 +169,12 @@ class Manifest:
         cs, mtimes = self.chunk_size, MTIME_RANGE
         DIR, FILE, SYMLINK = Kind.DIR, Kind.FILE, Kind.SYMLINK
         for e in self.entries:
+            if id(e) in checked:
+                if e.path in seen or (e.path and seen.get(e.parent) != DIR):
+                    raise ManifestError(f"entry {e.path!r} is a duplicate or has no parent "
+                                        "directory")
+                seen[e.path] = e.kind
+                continue
             check_path(e.path)
             if e.path in seen:
                 raise ManifestError(f"duplicate entry {e.path!r}")
@@ -193,10 +203,17 @@ class Manifest:
         return b"".join(out)
 
     @classmethod
-    def decode(cls, data: bytes | memoryview, max_entries: int | None = None) -> Manifest:
+    def decode(cls, data: bytes | memoryview, max_entries: int | None = None,
+               known: Manifest | None = None) -> Manifest:
         """Parse and validate; every length is checked against what is left before it is used.
         A manifest of more than `max_entries` entries (default: what the format allows) is
-        refused from its header: decoding costs ~450 bytes of memory per entry."""
+        refused from its header: decoding costs ~450 bytes of memory per entry.
+
+        `known`: a manifest decoded before (a node passes the version it decoded last).
+        Successive versions are mostly the same, so an entry whose bytes equal one of its
+        entries' is that entry: shared (a node holds several versions in memory), and neither
+        parsed nor checked again, only placed in the tree. `known` hands its table of encoded
+        entries on to the new manifest."""
         view = memoryview(data)
         if len(view) < _HEAD.size:
             raise ManifestError("manifest truncated")
@@ -209,13 +226,27 @@ class Manifest:
             raise ManifestError(f"manifest claims {count} entries, more than it holds")
         pos = _HEAD.size
         entries = []
+        old: dict[bytes, Entry] = {}
+        if known is not None and known.chunk_size == chunk_size and known._encoded is not None:
+            old, known._encoded = known._encoded, None
+        encoded: dict[bytes, Entry] = {}
+        checked: set[int] = set()
         try:
             for _ in range(count):
+                start = pos
                 kind, mode, size, mtime, plen, tlen, nchunks = _ENTRY.unpack_from(view, pos)
                 pos += _ENTRY.size
                 end = pos + plen + tlen + nchunks * ID_SIZE
                 if end > len(view):
                     raise ManifestError("manifest truncated inside an entry")
+                record = bytes(view[start:end])
+                e = old.get(record)
+                if e is not None:
+                    entries.append(e)
+                    encoded[record] = e
+                    checked.add(id(e))
+                    pos = end
+                    continue
                 path = bytes(view[pos:pos + plen])
                 target = bytes(view[pos + plen:pos + plen + tlen]) if tlen else b""
                 base = pos + plen + tlen
@@ -227,17 +258,22 @@ class Manifest:
                 pos = end
                 if kind not in _KINDS:
                     raise ManifestError(f"entry {path!r}: unknown kind {kind}")
-                entries.append(Entry(path, _KINDS[kind], mode, size, mtime, target, chunks))
+                new = Entry(path, _KINDS[kind], mode, size, mtime, target, chunks)
+                entries.append(new)
+                encoded[record] = new
         except (struct.error, ValueError) as e:
             if isinstance(e, ManifestError):
                 raise
             raise ManifestError(f"malformed manifest entry: {e}") from None
         if pos != len(view):
             raise ManifestError("trailing bytes after the last entry")
-        m = cls(entries, chunk_size)
-        if [e.path for e in m.entries] != [e.path for e in entries]:
+        keys = [sort_key(e.path) for e in entries]
+        if any(a >= b for a, b in zip(keys, keys[1:])):
             raise ManifestError("manifest entries are not in canonical order")
-        m.validate()
+        m = cls((), chunk_size)
+        m.entries = entries  # in order, checked just above
+        m.validate(frozenset(checked))
+        m._encoded = encoded
         return m
 
     @property
@@ -254,17 +290,6 @@ class Manifest:
         if self._by_path is None:
             self._by_path = {e.path: e for e in self.entries}
         return self._by_path.get(path)
-
-    def share_entries(self, other: Manifest) -> None:
-        """Reuse `other`'s entry objects where they are equal: successive versions of a
-        workspace are mostly the same, and a daemon holds several of them in memory."""
-        if other.chunk_size != self.chunk_size:
-            return
-        for i, e in enumerate(self.entries):
-            o = other.get(e.path)
-            if o is not None and o == e:
-                self.entries[i] = o
-        self._by_path = other._by_path = None  # the lookup tables were only for this
 
     def chunk_ids(self) -> list[bytes]:
         """Every chunk id the snapshot needs, once each, in file order."""

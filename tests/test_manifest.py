@@ -66,6 +66,30 @@ def sample_manifest(chunk_size: int = CHUNK_SIZE) -> Manifest:
     ], chunk_size)
 
 
+def test_decode_shares_a_known_versions_entries_and_still_checks_the_tree():
+    """A node decodes each version knowing the one before: equal entries are the same objects
+    (held once), the result is what a plain decode gives, and a shared entry must still have
+    its folder and its place in the order."""
+    known = Manifest.decode(sample_manifest().encode())
+    edited = [e if e.path != b"pkg/__init__.py" else Entry(e.path, e.kind, e.mode, 11, 12,
+                                                               chunks=(cid(9),))
+              for e in sample_manifest().entries]
+    data = Manifest(edited).encode()
+    back = Manifest.decode(data, known=known)
+    assert back.entries == Manifest.decode(data).entries and back.encode() == data
+    assert back.get(b"run.sh") is known.get(b"run.sh")
+    assert back.get(b"pkg/__init__.py").chunks == (cid(9),)
+
+    pkg = (b"pkg", Kind.DIR, 0o755, 0, 2, b"", ())
+    init = (b"pkg/__init__.py", Kind.FILE, 0o644, 10, 3, b"", (cid(1),))
+    known = Manifest.decode(raw_manifest([ROOT, pkg, init]))
+    with pytest.raises(ManifestError, match="no parent"):
+        Manifest.decode(raw_manifest([ROOT, init]), known=known)
+    known = Manifest.decode(raw_manifest([ROOT, pkg, init]))
+    with pytest.raises(ManifestError, match="canonical order"):
+        Manifest.decode(raw_manifest([ROOT, init, pkg]), known=known)
+
+
 def test_manifest_round_trip_keeps_every_field():
     m = sample_manifest()
     m.validate()

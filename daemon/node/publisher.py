@@ -28,6 +28,7 @@ from ...fs.backing import BackingFiles
 from ...fs.backing import key as backing_key
 from ...fs.backing import wanted as backing_wanted
 from ...fs.chunk import CorruptChunk
+from ...fs.chunk import decode as decode_chunk
 from ...fs.fuse_ops import SnapshotFS
 from ...fs.manifest import Entry, Manifest, ManifestError, TooManyEntries
 from ...fs.store import Store
@@ -98,11 +99,15 @@ class Publisher:
 
     # ---- manifests ------------------------------------------------------------------------
 
-    async def manifest(self, version: bytes) -> Manifest:
+    async def manifest(self, version: bytes, blob: bytes | memoryview | None = None
+                       ) -> Manifest:
         """A version's manifest, decoded once (on a worker thread). One with more than
         max_entries entries is refused from its header (TooManyEntries), unless it was
         published before the limit was lowered: a prepare that refused it, and every collect
-        after, decode nothing. Raises KeyError if the store lacks it."""
+        after, decode nothing. Raises KeyError if the store lacks it. `blob`: its bytes as
+        they arrive in a push, before they are stored (checked against `version`,
+        CorruptChunk): the push's large files are placed from it, and prepare finds it
+        decoded here."""
         m = self._manifests.get(version)
         if m is not None:
             return m
@@ -110,11 +115,11 @@ class Publisher:
         last = next(reversed(self._manifests.values()), None)
 
         def decode() -> Manifest:
-            m = Manifest.decode(self.store.get(version),
-                                max_entries=None if published else self.max_entries)
-            if last is not None:  # share memory with the version loaded last
-                m.share_entries(last)
-            return m
+            data = self.store.get(version) if blob is None else decode_chunk(version, blob)
+            # What it shares with the version decoded last is taken from that one: decoded
+            # once, and held once in memory.
+            return Manifest.decode(data, max_entries=None if published else self.max_entries,
+                                   known=last)
 
         m = await trio.to_thread.run_sync(decode)
         self._manifests[version] = m

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ...fs.backing import place_files
-from ...fs.chunk import CorruptChunk, decode
-from ...fs.manifest import Manifest, ManifestError
+from ...fs.chunk import CorruptChunk
+from ...fs.manifest import ManifestError
 from ..wire import bulk, identity
 from ..wire import protocol as p
 from ..wire.identity import Identity, IdentityError
@@ -170,13 +170,9 @@ class Session:
         service = self.service
         if not service.store_raw:  # --store-compressed: every chunk to a pack, compressed
             return
-
-        def place() -> int:
-            manifest = Manifest.decode(decode(cid, blob), max_entries=service.max_entries)
-            return place_files(service.store, manifest)
-
         try:
-            placed = await trio.to_thread.run_sync(place)
+            manifest = await self.publisher.manifest(cid, blob)  # prepare's, decoded once
+            placed = await trio.to_thread.run_sync(place_files, service.store, manifest)
         except (CorruptChunk, ManifestError, OSError) as e:
             log.info("manifest %s: large files go to packs: %s", cid.hex()[:12], e)
             return
