@@ -24,7 +24,10 @@ Workloads, one module each (each also runs on its own; see its docstring for the
   venv pushed to fresh nodes by a dev box that pushed it before, until the first `import torch`
   is done there (default and usable-early modes), vs local disk and `rsync -a` + import; the
   node's disk per content byte; daemon CPU per GB for 1 GiB of incompressible data to 1 and 8
-  nodes; and (root) 8 hosts behind 1 Gbit/s links against 1 (~5 minutes; --quick 1-2).
+  nodes; and (root) 8 hosts behind 1 Gbit/s links against 1 (~5 minutes; --quick 1-2);
+- editloop (edit_loop_bench.py): issue 20's edit-run loop: 15,000 and 100,000 small files on 4
+  nodes, pushed with no change and after one edit until every node shows it (CLI start
+  included), vs `rsync -a` into 4 local folders; and `push --watch` from save to shown.
 
 Generated inputs are seeded and cached in --cache (default /tmp/monarch-fs-bench), so only the
 first run pays for them. Every cluster runs from its own folder under a fresh run folder and is
@@ -49,6 +52,7 @@ from tests.netns import NetnsUnsupported
 
 from . import (
     cold_start_bench,
+    edit_loop_bench,
     import_bench,
     network_push_bench,
     push_bench,
@@ -68,7 +72,7 @@ from .common import (
     remove_work,
 )
 
-WORKLOADS = ("push", "read", "import", "tree", "netpush", "coldstart")
+WORKLOADS = ("push", "read", "import", "tree", "netpush", "coldstart", "editloop")
 README_BEGIN = "<!-- bench:begin (bench/run_all.py rewrites this section) -->"
 README_END = "<!-- bench:end -->"
 
@@ -80,6 +84,7 @@ FULL = {
     "netpush": {"size_mb": 512, "nodes": [1, 3, 8], "rate": "1gbit"},
     "coldstart": {"module": "torch", "excludes": (), "runs": 3, "ingest_mb": 1024,
                   "ingest_nodes": [1, 8], "hosts": [1, 8], "rate": "1gbit"},
+    "editloop": {"files": [15_000, 100_000], "nodes": 4, "rounds": 5, "watch_edits": 20},
 }
 QUICK = {
     "push": {"size_mb": 64, "nodes": 2},
@@ -91,6 +96,7 @@ QUICK = {
     "netpush": {"size_mb": 64, "nodes": [2], "rate": "1gbit"},
     "coldstart": {"module": "sympy", "excludes": ("torch", "torchgen", "functorch"), "runs": 1,
                   "ingest_mb": 256, "ingest_nodes": [1, 2], "hosts": [1, 2], "rate": "1gbit"},
+    "editloop": {"files": [3_000], "nodes": 2, "rounds": 1, "watch_edits": 3},
 }
 
 
@@ -119,6 +125,9 @@ def run_workload(name: str, params: dict, work: Path, cache: Path, page_cache: P
             work, cache, params["module"], tuple(params["excludes"]), params["runs"],
             params["ingest_mb"], tuple(params["ingest_nodes"]), tuple(params["hosts"]),
             params["rate"], page_cache)
+    if name == "editloop":
+        return edit_loop_bench.measure(work, cache, tuple(params["files"]), params["nodes"],
+                                       params["rounds"], params["watch_edits"])
     raise ValueError(name)
 
 
@@ -219,6 +228,17 @@ def goals(res: dict) -> list[dict]:
             x = cs["hosts_ratio"]
             goal(f"cold start on {cs['hosts'][-1]['hosts']} netns hosts vs 1 (issue 19)",
                  f"<= {t['hosts_ratio']}x", x, lambda v: v <= t["hosts_ratio"], f"{x:.2f}x")
+    el = res.get("editloop", {})
+    if "trees" in el:
+        t, base = edit_loop_bench.TARGETS, el["trees"][0]
+        where = f"{base['files']:,} files, {base['nodes']} nodes (issue 20)"
+        for key, label in (("nochange", "no-change push"), ("edit", "one edit shown")):
+            v, r = base[f"mfs_{key}"]["median"], base[f"rsync_{key}"]["median"]
+            goal(f"{label}, {where}", f"<= {t[f'{key}_s']} s", v,
+                 lambda v, lim=t[f"{key}_s"]: v <= lim, f"{v:.3f} s (rsync {r:.3f} s)")
+        w = base["watch"]["median"]
+        goal(f"one edit in --watch, {where}", f"<= {t['watch_s']} s", w,
+             lambda v: v <= t["watch_s"], f"{w:.3f} s")
     return out
 
 
@@ -258,7 +278,7 @@ def machine_line(report: dict) -> str:
 def summary_tables(report: dict) -> list[str]:
     """The goals and one table per workload: what the README shows."""
     res = report["results"]
-    lines = ["| goal (issue 5, 19) | target | this run | |", "| --- | --- | --- | --- |"]
+    lines = ["| goal (issue 5, 19, 20) | target | this run | |", "| --- | --- | --- | --- |"]
     for g in report["goals"]:
         verdict = "n/a" if g["met"] is None else ("**met**" if g["met"] else "**not met**")
         lines.append(f"| {g['goal']} | {g['target']} | {g['shown']} | {verdict} |")
@@ -308,6 +328,10 @@ def summary_tables(report: dict) -> list[str]:
     if "sides" in cs:
         lines += ["**cold start on a fresh allocation** (issue 19)", "",
                   *cold_start_bench.table(cs), ""]
+
+    el = res.get("editloop", {})
+    if "trees" in el:
+        lines += ["**the edit-run loop** (issue 20)", "", *edit_loop_bench.table(el), ""]
 
     rd = res.get("read", {})
     if "cold" in rd:

@@ -1,0 +1,255 @@
+#!/usr/bin/env python3
+"""The edit-run loop (issue 20): a tree of small source files on 4 nodes, pushed again with no
+change, and after one edited file until every node shows the edit; `monarch-fs push` (its
+interpreter start included: what a user waits for) next to `rsync -a` into 4 local folders one
+after another, and `push --watch` from the moment the file is saved until every node shows it.
+
+    .venv/bin/python -m bench.edit_loop_bench [--files 15000,100000] [--nodes 4] [--rounds 5]
+
+Rules:
+- The trees are tree_bench's generated small files (cached in --cache), the same for both
+  sides; the edit appends a line to one file, and the file's bytes and mtime are put back at
+  the end, so the cached tree stays as generated.
+- Each side first copies the tree once (untimed); its scan cache (monarch-fs) and its
+  destinations (rsync) are then warm, as in a researcher's loop.
+- The sides alternate round by round (bench.common.rounds), so a drift in the machine's load
+  falls on both alike.
+- "shows the edit": every node's mount (every rsync folder) holds the edited bytes, read back
+  after the timed command (the push returns once every node serves it; rsync once it copied).
+  In --watch, the mounts are read in a loop from the moment the file is written.
+- Monarch 0.7's `refresh` figures (1 host) are quoted from the issue, not measured here.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from .common import (
+    DEFAULT_CACHE,
+    BenchError,
+    LocalCluster,
+    log,
+    rounds,
+    run,
+    summary,
+    workload_main,
+)
+from .tree_bench import ensure_files
+
+TARGETS = {"nochange_s": 0.3, "edit_s": 0.35, "watch_s": 0.1, "scale": 1.2}
+MONARCH_REFRESH = {"nochange_s": 0.27, "edit_s": 1.0}  # Monarch 0.7, 1 host (the issue's)
+WATCH_TIMEOUT = 30.0  # seconds an edit may take to show everywhere in --watch
+
+
+class Edit:
+    """One file of the tree, edited in place and put back as it was (bytes and mtime)."""
+
+    def __init__(self, tree: Path) -> None:
+        self.rel = min(p for p in tree.rglob("*.py")).relative_to(tree)
+        self.path = tree / self.rel
+        self.pristine = self.path.read_bytes()
+        st = self.path.stat()
+        self.times = (st.st_atime_ns, st.st_mtime_ns)
+        self.count = 0
+
+    def next(self) -> bytes:
+        """Write the next edit; its bytes. Each is one byte longer than the last: rsync's quick
+        check (size and mtime, to the second) would miss a same-size edit in the same second."""
+        self.count += 1
+        data = self.pristine + b"#" * self.count + b"\n"
+        self.path.write_bytes(data)
+        return data
+
+    def restore(self) -> None:
+        self.path.write_bytes(self.pristine)
+        os.utime(self.path, ns=self.times)
+
+
+def shows(roots: list[Path], rel: Path, data: bytes) -> bool:
+    try:
+        return all((r / rel).read_bytes() == data for r in roots)
+    except OSError:
+        return False
+
+
+def check_shows(roots: list[Path], rel: Path, data: bytes, who: str) -> None:
+    if not shows(roots, rel, data):
+        raise BenchError(f"{who}: the edit of {rel} is not on every node after it returned")
+
+
+def rsync_to_all(tree: Path, dests: list[Path]) -> float:
+    t0 = time.perf_counter()
+    for d in dests:
+        run(["rsync", "-a", "--delete", f"{tree}/", f"{d}/"])
+    return time.perf_counter() - t0
+
+
+def watch_latencies(cl: LocalCluster, tree: Path, edit: Edit, roots: list[Path],
+                    edits: int) -> list[float]:
+    """`push --watch`: seconds from each edit written until every node shows it."""
+    cmd, env = cl.push_args(tree, "--watch", "--json", "--name", tree.name)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    assert proc.stdout is not None
+    stdout = proc.stdout
+
+    def pushed() -> None:
+        """Wait for the line of the push under way (one per push, flushed)."""
+        if not select.select([stdout], [], [], WATCH_TIMEOUT)[0] or \
+                not stdout.readline().startswith("{"):
+            raise BenchError("push --watch printed no push line in time")
+
+    out: list[float] = []
+    try:
+        pushed()  # the first push, of the tree as it is
+        for _ in range(edits):
+            data = edit.next()
+            t0 = time.perf_counter()
+            while not shows(roots, edit.rel, data):
+                if time.perf_counter() - t0 > WATCH_TIMEOUT:
+                    raise BenchError(f"push --watch: the edit not on every node after "
+                                     f"{WATCH_TIMEOUT:.0f} s")
+                time.sleep(0.001)
+            out.append(time.perf_counter() - t0)
+            pushed()  # so that the next edit starts a push of its own
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return out
+
+
+def one_tree(work: Path, cache: Path, files: int, nodes: int, n: int, watch_edits: int) -> dict:
+    """Both sides on one tree of `files` files: medians of `n` rounds, and the watch."""
+    tree = ensure_files(cache, files)
+    edit = Edit(tree)
+    d = work / f"edit-loop-{files}"
+    dests = [d / f"rsync-{i}" for i in range(nodes)]
+    try:
+        with LocalCluster(d / "cluster", nodes) as cl:
+            mounts = [cl.mount(i) / tree.name for i in range(nodes)]
+            edit_phases: dict = {}  # of the last edit's push: where its time went
+
+            def mfs_push(phases: dict | None = None) -> float:
+                seconds, pushed = cl.push(tree, tree.name)
+                if phases is not None:
+                    phases.update(pushed.get("phases", {}))
+                return seconds
+
+            def up_to_date(side: str) -> None:
+                """Before a no-change run, untimed: that side has the tree as it is now (the
+                other side's edit may have changed it)."""
+                if side == "mfs_nochange":
+                    mfs_push()
+                elif side == "rsync_nochange":
+                    rsync_to_all(tree, dests)
+
+            def edited(side: Callable[[], float], roots: list[Path], who: str
+                       ) -> Callable[[], float]:
+                def once() -> float:
+                    data = edit.next()
+                    seconds = side()
+                    check_shows(roots, edit.rel, data, who)
+                    return seconds
+                return once
+
+            try:
+                got = rounds(n, {
+                    "mfs_nochange": mfs_push,
+                    "rsync_nochange": lambda: rsync_to_all(tree, dests),
+                    "mfs_edit": edited(lambda: mfs_push(edit_phases), mounts, "monarch-fs push"),
+                    "rsync_edit": edited(lambda: rsync_to_all(tree, dests), dests, "rsync"),
+                }, before=up_to_date)
+                watch = watch_latencies(cl, tree, edit, mounts, watch_edits)
+            finally:
+                edit.restore()
+    finally:
+        for dest in dests:
+            shutil.rmtree(dest, ignore_errors=True)
+    res = {"files": files, "nodes": nodes,
+           **{k: summary([round(s, 4) for s in v]) for k, v in got.items()},
+           "watch": summary([round(s, 4) for s in watch]), "edit_phases": edit_phases}
+    log(f"  {files:,} files: no change {res['mfs_nochange']['median']:.3f}s (rsync "
+        f"{res['rsync_nochange']['median']:.3f}s), edit {res['mfs_edit']['median']:.3f}s "
+        f"(rsync {res['rsync_edit']['median']:.3f}s), --watch {res['watch']['median']:.3f}s")
+    return res
+
+
+def measure(work: Path, cache: Path = DEFAULT_CACHE, files: tuple[int, ...] = (15_000, 100_000),
+            nodes: int = 4, n: int = 5, watch_edits: int = 20) -> dict:
+    return {"trees": [one_tree(work, cache, f, nodes, n, watch_edits) for f in files]}
+
+
+# ---- the report ---------------------------------------------------------------------------
+
+def _met(value: float, target: float) -> str:
+    return "**met**" if value <= target else "**not met**"
+
+
+def table(res: dict) -> list[str]:
+    """The issue's targets next to this run's figures, and the sides (markdown lines)."""
+    t = TARGETS
+    trees = res["trees"]
+    base = trees[0]
+    lines = ["| what (issue 20) | target | this run | |", "| --- | --- | --- | --- |"]
+    for key, label, target in (("nochange", "no-change push", t["nochange_s"]),
+                               ("edit", "one edit visible on every node", t["edit_s"])):
+        m = base[f"mfs_{key}"]["median"]
+        r = base[f"rsync_{key}"]["median"]
+        lines.append(f"| {label}, {base['files']:,} files, {base['nodes']} nodes, CLI start "
+                     f"included | <= {target} s | {m:.3f} s; rsync {r:.3f} s ({r / m:.2f}x); "
+                     f"Monarch refresh {MONARCH_REFRESH[f'{key}_s']} s (1 host) | "
+                     f"{_met(m, target)} |")
+    w = base["watch"]
+    lines.append(f"| one edit in `--watch`, saved to shown on every node | <= {t['watch_s']} s "
+                 f"(median of {len(w['runs'])}) | {w['median']:.3f} s ({w['min']:.3f}-"
+                 f"{w['max']:.3f}) | {_met(w['median'], t['watch_s'])} |")
+    for big in trees[1:]:
+        for key, label in (("nochange", "no-change push"), ("edit", "one edit")):
+            x = big[f"mfs_{key}"]["median"] / base[f"mfs_{key}"]["median"]
+            lines.append(f"| {label}, {big['files']:,} files against {base['files']:,} | <= "
+                         f"{t['scale']}x | {x:.2f}x ({big[f'mfs_{key}']['median']:.3f} s) | "
+                         f"{_met(x, t['scale'])} |")
+    lines += ["", "| files | monarch-fs no change | rsync | edit | rsync | --watch edit |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for tr in trees:
+        lines.append(f"| {tr['files']:,} | {tr['mfs_nochange']['median']:.3f} s | "
+                     f"{tr['rsync_nochange']['median']:.3f} s | {tr['mfs_edit']['median']:.3f} s"
+                     f" | {tr['rsync_edit']['median']:.3f} s | {tr['watch']['median']:.3f} s |")
+    phases = ", ".join(f"{k} {v:.3f} s" for k, v in base["edit_phases"].items())
+    lines += ["", f"A push of {base['files']:,} files with an edit, step by step (`push --json`'s "
+              f"phases, the CLI's start not included): {phases}."]
+    return lines
+
+
+OPTIONS = [
+    ("--files", {"default": "15000,100000", "help": "tree sizes, comma-separated"}),
+    ("--nodes", {"type": int, "default": 4}),
+    ("--rounds", {"type": int, "default": 5}),
+    ("--watch-edits", {"type": int, "default": 20}),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    def run_it(work: Path, a) -> dict:
+        res = measure(work, a.cache, tuple(int(f) for f in a.files.split(",")), a.nodes,
+                      a.rounds, a.watch_edits)
+        print("\n".join(table(res)), file=sys.stderr)
+        return res
+
+    return workload_main(argv, __doc__, OPTIONS, run_it)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
