@@ -15,13 +15,13 @@ import operator
 import os
 import stat
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import trio
 
 from .chunk import CHUNK_SIZE, chunk_id, spans
-from .manifest import Entry, Kind, Manifest
+from .manifest import Entry, Kind, Manifest, sort_key
 from .scan_cache import Key, ScanCache, stat_key
 
 _BATCH_BYTES = 8 * 1024 * 1024
@@ -147,59 +147,144 @@ class _Walk:
     cached_files: int = 0
 
 
-def _walk(root: bytes, excludes: Sequence[str], cache: ScanCache | None = None,
-          chunk_size: int = CHUNK_SIZE, started_ns: int = 0) -> _Walk:
-    """Metadata of every entry below root; regular files the cache does not know are returned
-    for hashing."""
-    if cache is not None:
-        cache.begin(chunk_size, started_ns or None)
-    st = os.stat(root)
+def _folder(root: bytes, rel: bytes) -> Entry:
+    """The entry of folder `rel` (b"": the root), from a fresh lstat."""
+    st = os.lstat(os.path.join(root, rel) if rel else root)
     if not stat.S_ISDIR(st.st_mode):
-        raise NotADirectoryError(f"{os.fsdecode(root)} is not a directory")
-    entries = [Entry(b"", Kind.DIR, stat.S_IMODE(st.st_mode), 0, st.st_mtime_ns)]
-    files: list[_File] = []
-    warnings: list[str] = []
-    sources: dict[bytes, Source] = {}
+        raise NotADirectoryError(f"{os.fsdecode(os.path.join(root, rel))} is not a directory")
+    return Entry(rel, Kind.DIR, stat.S_IMODE(st.st_mode), 0, st.st_mtime_ns)
+
+
+def _list(root: bytes, rel_dir: bytes, excludes: Sequence[str], cache: ScanCache | None,
+          chunk_size: int, out: _Walk) -> list[bytes]:
+    """Add the entries of folder `rel_dir`'s children to `out` (a file the cache does not
+    know goes to out.files, for hashing); its subfolders, to list next."""
+    abs_dir = os.path.join(root, rel_dir) if rel_dir else root
     lookup = cache.lookup if cache is not None else None
-    cached = 0
-    stack = [b""]
-    while stack:
-        rel_dir = stack.pop()
-        abs_dir = os.path.join(root, rel_dir) if rel_dir else root
-        with os.scandir(abs_dir) as it:
-            children = sorted(it, key=_name)
-        for d in children:
-            rel = rel_dir + b"/" + d.name if rel_dir else d.name
-            if excludes and _excluded(rel, excludes):
+    entries, files, sources = out.entries, out.files, out.sources
+    folders = []
+    with os.scandir(abs_dir) as it:
+        children = sorted(it, key=_name)
+    for d in children:
+        rel = rel_dir + b"/" + d.name if rel_dir else d.name
+        if excludes and _excluded(rel, excludes):
+            continue
+        st = d.stat(follow_symlinks=False)
+        fmt = st.st_mode & _S_IFMT
+        mode = st.st_mode & 0o7777
+        if fmt == _S_IFDIR:
+            entries.append(Entry(rel, Kind.DIR, mode, 0, st.st_mtime_ns))
+            folders.append(rel)
+        elif fmt == _S_IFREG:
+            # The walk's hot loop: on a re-scan this is all the work a file costs.
+            chunks = lookup(st) if lookup is not None else None
+            if chunks is None:
+                files.append(_File(rel, d.path, mode, stat_key(st)))
                 continue
-            st = d.stat(follow_symlinks=False)
-            fmt = st.st_mode & _S_IFMT
-            mode = st.st_mode & 0o7777
-            if fmt == _S_IFDIR:
-                entries.append(Entry(rel, Kind.DIR, mode, 0, st.st_mtime_ns))
-                stack.append(rel)
-            elif fmt == _S_IFREG:
-                # The walk's hot loop: on a re-scan this is all the work a file costs.
-                chunks = lookup(st) if lookup is not None else None
-                if chunks is None:
-                    files.append(_File(rel, d.path, mode, stat_key(st)))
-                    continue
-                cached += 1
-                size = st.st_size
-                entries.append(Entry(rel, Kind.FILE, mode, size, st.st_mtime_ns, b"", chunks))
-                key = None
-                for cid, (off, length) in zip(chunks, spans(size, chunk_size)):
-                    if cid not in sources:
-                        key = key or stat_key(st)
-                        sources[cid] = Source(d.path, off, length, key)
-            elif fmt == _S_IFLNK:
-                target = os.readlink(d.path)
-                entries.append(Entry(rel, Kind.SYMLINK, mode, len(target), st.st_mtime_ns,
-                                     target))
-            else:
-                warnings.append(f"skipped {os.fsdecode(rel)}: not a file, folder or symlink "
+            out.cached_files += 1
+            size = st.st_size
+            entries.append(Entry(rel, Kind.FILE, mode, size, st.st_mtime_ns, b"", chunks))
+            key = None
+            for cid, (off, length) in zip(chunks, spans(size, chunk_size)):
+                if cid not in sources:
+                    key = key or stat_key(st)
+                    sources[cid] = Source(d.path, off, length, key)
+        elif fmt == _S_IFLNK:
+            target = os.readlink(d.path)
+            entries.append(Entry(rel, Kind.SYMLINK, mode, len(target), st.st_mtime_ns,
+                                 target))
+        else:
+            out.warnings.append(f"skipped {os.fsdecode(rel)}: not a file, folder or symlink "
                                 f"({stat.filemode(st.st_mode)[0]})")
-    return _Walk(entries, files, sources, warnings, cached)
+    return folders
+
+
+def _walk(root: bytes, excludes: Sequence[str], cache: ScanCache | None = None,
+          chunk_size: int = CHUNK_SIZE, top: bytes = b"", out: _Walk | None = None) -> _Walk:
+    """Metadata of folder `top` (b"": the root) and every entry below it, added to `out`;
+    regular files the cache does not know are returned for hashing."""
+    out = out or _Walk([], [], {}, [])
+    out.entries.append(_folder(root, top))
+    stack = [top]
+    while stack:
+        stack += _list(root, stack.pop(), excludes, cache, chunk_size, out)
+    return out
+
+
+def _rewalk(prev: Snapshot, changed: Iterable[bytes], excludes: Sequence[str],
+            chunk_size: int) -> tuple[_Walk, frozenset[int]]:
+    """`prev`'s entries after the paths `changed` (relative) changed: the folders holding them
+    are listed again (a folder that is new is walked whole), and nothing else is looked at.
+    Also the ids of the entries kept from `prev` (checked when it was made)."""
+    root = prev.root
+    kept = {e.path: e for e in prev.manifest.entries}
+    below: dict[bytes, list[bytes]] = {}  # folder -> its children in `kept`
+    for path in kept:
+        if path:
+            below.setdefault(path.rpartition(b"/")[0], []).append(path)
+
+    def drop(path: bytes) -> None:
+        """Forget `path` and everything below it."""
+        if kept.pop(path, None) is not None:
+            for child in below.pop(path, ()):
+                drop(child)
+
+    def known_folder(path: bytes) -> bytes:
+        """The nearest folder, `path` or above it, that the tree has and that still is one:
+        listing it again finds what changed at `path` (a new folder is walked from there)."""
+        while path and not (getattr(kept.get(path), "kind", None) == Kind.DIR
+                            and os.path.isdir(os.path.join(root, path))):
+            path = path.rpartition(b"/")[0]
+        return path
+
+    out = _Walk([], [], {}, [])
+    walked: list[bytes] = []  # new folders, walked whole
+    for d in sorted({known_folder(p) for p in changed}, key=sort_key):
+        if d and d not in kept or any(d.startswith(w + b"/") for w in walked):
+            continue  # dropped or walked by a folder above it, listed before it
+        fresh = _Walk([], [], {}, [])
+        folders = set(_list(root, d, excludes, prev.cache, chunk_size, fresh))
+        listed = {e.path for e in fresh.entries} | {f.path for f in fresh.files}
+        for child in below.get(d, []):
+            old = kept.get(child)
+            if old is not None and (child not in listed
+                                    or (child in folders) != (old.kind == Kind.DIR)):
+                drop(child)
+        kept[d] = _folder(root, d)
+        for e in fresh.entries:
+            if e.kind == Kind.DIR and e.path not in kept:
+                walked.append(e.path)
+                _walk(root, excludes, prev.cache, chunk_size, e.path, out)
+            elif e.kind == Kind.DIR:
+                kept[e.path] = e
+            else:
+                kept.pop(e.path, None)
+                out.entries.append(e)
+        for f in fresh.files:
+            kept.pop(f.path, None)
+        out.files += fresh.files
+        out.sources.update(fresh.sources)
+        out.warnings += fresh.warnings
+        out.cached_files += fresh.cached_files
+    before = {id(e) for e in prev.manifest.entries}
+    checked = frozenset(id(e) for e in kept.values() if id(e) in before)
+    out.entries += kept.values()
+    # The chunks kept are read from where prev read them, unless that file changed: then
+    # from another file that holds them.
+    gone = tuple(os.path.join(root, p) for p in changed)
+    below_gone = tuple(g + b"/" for g in gone)
+    lost = set()
+    for cid, src in prev.sources.items():
+        if src.path in gone or src.path.startswith(below_gone):
+            lost.add(cid)
+        else:
+            out.sources.setdefault(cid, src)
+    if lost:
+        for e in kept.values():
+            for cid, (off, length) in zip(e.chunks, spans(e.size, chunk_size)):
+                if cid in lost and cid not in out.sources:
+                    out.sources[cid] = Source(os.path.join(root, e.path), off, length)
+    return out, checked
 
 
 _Hashed = tuple[int, list[tuple[bytes, Source]], bool]
@@ -243,10 +328,13 @@ def _hash_batch(batch: list[_File], chunk_size: int) -> list[_Hashed]:
     return [_hash_file(f, buf) for f in batch]
 
 
-def _finish(entries: list[Entry], chunk_size: int, cache: ScanCache | None) -> Manifest:
+def _finish(entries: list[Entry], chunk_size: int, cache: ScanCache | None,
+            checked: frozenset[int] | None) -> Manifest:
+    """The manifest of `entries`; with `checked` (a rescan), those entries were checked before
+    and the cache is not saved (it keeps what the last whole scan saw)."""
     manifest = Manifest(entries, chunk_size)
-    manifest.validate()
-    if cache is not None:
+    manifest.validate(checked or frozenset())
+    if cache is not None and checked is None:
         cache.save()
     return manifest
 
@@ -262,8 +350,31 @@ async def scan(
     a cache: of the files it did not know). `cache` is loaded, used, and saved when it changed."""
     broot = os.fsencode(os.path.abspath(root))
     started = time.time_ns()  # before any stat: the reference for racily clean files
-    walk = await trio.to_thread.run_sync(_walk, broot, tuple(excludes), cache, chunk_size,
-                                         started)
+
+    def walk() -> _Walk:
+        if cache is not None:
+            cache.begin(chunk_size, started)
+        return _walk(broot, tuple(excludes), cache, chunk_size)
+
+    return await _complete(broot, await trio.to_thread.run_sync(walk), chunk_size, progress,
+                           cache)
+
+
+async def rescan(prev: Snapshot, changed: Iterable[bytes], excludes: Sequence[str] = (),
+                 chunk_size: int = CHUNK_SIZE) -> Snapshot:
+    """`prev` again, after the paths `changed` (relative to its root; a file watcher's) have
+    changed: only the folders that hold them are listed and only what changed is hashed, so
+    an edit costs the same in a tree of 100k files as in one of 100. What a watcher missed is
+    missed here too: a whole `scan` is the check (push --watch runs one when it is idle)."""
+    walk, checked = await trio.to_thread.run_sync(_rewalk, prev, set(changed), tuple(excludes),
+                                                  chunk_size)
+    return await _complete(prev.root, walk, chunk_size, None, prev.cache, checked)
+
+
+async def _complete(broot: bytes, walk: _Walk, chunk_size: int,
+                    progress: Callable[[int, int], None] | None, cache: ScanCache | None,
+                    checked: frozenset[int] | None = None) -> Snapshot:
+    """Hash the files the walk could not take from the cache, and make the snapshot."""
     entries, files, sources = walk.entries, walk.files, walk.sources
 
     # One hash per distinct inode: hard links are the same content.
@@ -310,6 +421,6 @@ async def scan(
         entries.append(Entry(f.path, Kind.FILE, f.mode, size, f.mtime_ns, chunks=ids))
         if cache is not None and unchanged:
             cache.record(f.stat, ids)
-    manifest = await trio.to_thread.run_sync(_finish, entries, chunk_size, cache)
+    manifest = await trio.to_thread.run_sync(_finish, entries, chunk_size, cache, checked)
     return Snapshot(broot, manifest, sources, walk.warnings, cache, hashed_files=len(unique),
                     hashed_bytes=sum(h[0] for h in hashed.values()), cached_files=walk.cached_files)

@@ -36,7 +36,8 @@ from .daemon.wire.auth import (
 from .daemon.wire.bulk import resolve_local
 from .daemon.wire.limits import Limits
 from .daemon.wire.replies import StatusReply
-from .fs.scan import SourceChanged
+from .fs.scan import Snapshot, SourceChanged
+from .fs.scan_cache import ScanCache
 from .options import build_parser
 from .settings import settings
 
@@ -123,7 +124,8 @@ def cmd_push(args: argparse.Namespace) -> int:
     cache_dir = None if args.no_cache else scan_cache_dir()
     transport = resolve_local(args.transport)  # --transport rdma without a device: exit 1
 
-    async def run(progress: Progress | None = None):
+    async def run(progress: Progress | None = None, snapshot: Snapshot | None = None,
+                  held: frozenset[bytes] = frozenset()) -> PushResult:
         if args.compile:
             await compile_first(args.src)
         return await push(
@@ -134,7 +136,7 @@ def cmd_push(args: argparse.Namespace) -> int:
             store_dir=None if args.no_store else settings.store_dir,
             store_bound=settings.store_bound, compress=args.compress, early=args.early,
             on_usable=usable, first_reads_dir=home_dir() / "first-reads",
-            bwlimit=args.bwlimit * (1 << 20))
+            bwlimit=args.bwlimit * (1 << 20), snapshot=snapshot, held=held)
 
     def usable(seconds: float, nodes: int) -> None:
         """push --early: the version is served everywhere (the rest still streams)."""
@@ -149,7 +151,9 @@ def cmd_push(args: argparse.Namespace) -> int:
 
         workspace_name(args.src, args.name)  # a name no node takes: say so once, not per change
 
-        return trio.run(lambda: watch(args.src, run, excludes=args.exclude,
+        cache = ScanCache.for_folder(cache_dir, args.src) if cache_dir else None
+        return trio.run(lambda: watch(args.src, lambda snap, held: run(None, snap, held),
+                                      cache=cache, excludes=args.exclude,
                                       ignore=[cache_dir] if cache_dir else [],
                                       json_lines=args.json))
     bar = BarProgress() if sys.stderr.isatty() and not args.json else None

@@ -13,7 +13,7 @@ import pytest
 from helpers import SMALL
 from monarch_fs.fs.chunk import chunk_id, spans
 from monarch_fs.fs.manifest import Entry, Kind, Manifest, ManifestError
-from monarch_fs.fs.scan import Snapshot, SourceChanged, scan
+from monarch_fs.fs.scan import Snapshot, SourceChanged, rescan, scan
 
 
 def make_tree(root: Path) -> dict[str, bytes]:
@@ -258,3 +258,63 @@ async def test_scan_of_an_empty_directory(tmp_path):
     snap = await scan(tmp_path, chunk_size=SMALL)
     assert [e.path for e in snap.manifest] == [b""]
     assert snap.sources == {} and snap.manifest.chunk_ids() == []
+
+
+# ---- rescan: a watcher's changed paths, not the whole tree --------------------------------
+
+async def rescanned(root: Path, prev: Snapshot, *changed: str, excludes=()) -> Snapshot:
+    """rescan() after `changed`, checked against a whole scan of the same tree: the same
+    manifest (so the same version), and every chunk readable from the sources it names."""
+    again = await rescan(prev, [os.fsencode(c) for c in changed], excludes, chunk_size=SMALL)
+    whole = await scan(root, excludes, chunk_size=SMALL)
+    assert [e.path for e in again.manifest] == [e.path for e in whole.manifest]
+    assert again.manifest.encode() == whole.manifest.encode()
+    for e in again.manifest:
+        if e.kind == Kind.FILE:
+            assert file_bytes(again, e) == file_bytes(whole, e)
+    return again
+
+
+async def test_rescan_of_a_watchers_paths_gives_the_whole_scans_snapshot(tmp_path):
+    root = tmp_path / "src"
+    make_tree(root)
+    snap = await scan(root, ("*.skip",), chunk_size=SMALL)
+    skip = ("*.skip",)
+
+    (root / "pkg" / "__init__.py").write_bytes(b"VALUE = 2\n")  # edited in place
+    snap = await rescanned(root, snap, "pkg/__init__.py", excludes=skip)
+    (root / "new" / "deep" / "er").mkdir(parents=True)  # a new subtree, only its leaf told
+    (root / "new" / "deep" / "er" / "f.py").write_bytes(b"new")
+    (root / "new" / "x.skip").write_bytes(b"excluded")
+    snap = await rescanned(root, snap, "new/deep/er/f.py", "new/x.skip", excludes=skip)
+    os.rename(root / "pkg", root / "pkg2")  # a folder moved: both its names are told
+    snap = await rescanned(root, snap, "pkg", "pkg2", excludes=skip)
+    (root / "text.txt").unlink()  # the copy the sources read; its hard link holds the bytes
+    snap = await rescanned(root, snap, "text.txt", excludes=skip)
+    (root / "empty-dir").rmdir()
+    (root / "empty-dir").write_bytes(b"a file where a folder was")
+    odd = os.fsdecode(b"dir-\xff")  # a folder named in Latin-1
+    (root / odd).chmod(0o700)
+    os.unlink(root / "rel-link")
+    os.symlink("elsewhere", root / "rel-link")
+    snap = await rescanned(root, snap, "empty-dir", odd, "rel-link", excludes=skip)
+    for p in sorted((root / "new").rglob("*"), reverse=True):  # a subtree removed
+        p.rmdir() if p.is_dir() else p.unlink()
+    (root / "new").rmdir()
+    await rescanned(root, snap, "new/deep/er/f.py", "new/deep/er", "new/deep", "new/x.skip",
+                    "new", excludes=skip)
+
+
+async def test_rescan_lists_only_the_folders_that_hold_changes(tmp_path, monkeypatch):
+    root = tmp_path / "src"
+    for i in range(20):
+        (root / f"d{i}").mkdir(parents=True)
+        (root / f"d{i}" / "f").write_bytes(b"%d" % i)
+    snap = await scan(root, chunk_size=SMALL)
+    listed = []
+    real = os.scandir
+    monkeypatch.setattr(os, "scandir", lambda p: listed.append(os.fsencode(p)) or real(p))
+    (root / "d7" / "f").write_bytes(b"edited")
+    again = await rescan(snap, [b"d7/f"], chunk_size=SMALL)
+    assert listed == [os.fsencode(root / "d7")]
+    assert file_bytes(again, again.manifest.get(b"d7/f")) == b"edited"

@@ -219,3 +219,26 @@ def test_ctrl_c_during_a_push_cancels_it_and_exits_130(tmp_path):
             w.kill()
     finally:
         silent.close()
+
+
+@pytest.mark.mount
+def test_watch_pushes_a_change_its_watcher_missed(fresh_cluster, tmp_path):
+    """inotify does not report a write through a hard link outside the folder (nor, under a
+    flood, events it dropped): the whole scan that runs once the watch is quiet after a push
+    finds the change, and pushes it."""
+    c = fresh_cluster(1)
+    src = tmp_path / "ws"
+    src.mkdir()
+    (src / "f").write_text("v1")
+    outside = tmp_path / "outside-link"
+    os.link(src / "f", outside)
+    w = watcher(c, src, tmp_path)
+    try:
+        assert w.push()["nodes"] == 1
+        outside.write_text("v2, written past the watcher")
+        assert w.push()["changes"] == 1
+        assert reads(c.mnt(0) / "ws" / "f") == b"v2, written past the watcher"
+        w.stderr(wait_for="the watcher missed a change")
+        assert w.stop() == 0
+    finally:
+        w.kill()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -206,9 +206,13 @@ class _Push:
         await each(self.nodes, ask, self.timeout)
         return len(current) == len(self.nodes) and all(current)
 
-    async def negotiate(self) -> None:
+    async def negotiate(self, held: Collection[bytes] = ()) -> None:
+        """Ask every node which chunks it lacks, of those not `held` by every node already
+        (push --watch: those of the version it pushed last; prepare checks every chunk)."""
+        ask_for = [c for c in self.ids if c not in held] + [self.version]
+
         async def ask(node: NodeLink) -> None:
-            node.missing = set(await node.channel.query_missing(self.ids + [self.version]))
+            node.missing = set(await node.channel.query_missing(ask_for))
 
         await each(self.nodes, ask, self.timeout)
 
@@ -400,6 +404,8 @@ async def push(
     on_usable: Callable[[float, int], None] | None = None,
     first_reads_dir: str | os.PathLike[str] | None = None,
     bwlimit: float = 0,
+    snapshot: Snapshot | None = None,
+    held: Collection[bytes] = (),
 ) -> PushResult:
     """Push `src` to every host as workspace `name` (default: the folder's name). With
     `cache_dir`, the scan keeps a cache of the folder there, so unchanged files are not read.
@@ -413,7 +419,10 @@ async def push(
     holds the manifest and the chunks the first reads need (see the module docstring);
     `on_usable(seconds, nodes)` is called then. The first reads are the nodes'
     (first_reads.py), merged with those kept in `first_reads_dir` on the dev box. `bwlimit`
-    (bytes a second, 0 for none) bounds what the dev box streams (stream.Pacer)."""
+    (bytes a second, 0 for none) bounds what the dev box streams (stream.Pacer). `snapshot`:
+    `src` as the caller scanned it (push --watch: fs.scan.rescan), not scanned again here;
+    `held`: chunks every node holds already (of the version the caller pushed last), which
+    the nodes are not asked about."""
     t0 = time.monotonic()
     clock = _Clock(t0)
     progress = progress or Progress()
@@ -432,10 +441,12 @@ async def push(
     if topology_kind not in topology.KINDS:
         raise ValueError(f"unknown topology {topology_kind!r}: use one of {topology.KINDS}")
 
-    progress.phase("scanning", 0, "entries")
-    snap = await scan(src, excludes, progress=lambda done, total: (
-        progress.phase("hashing", total) if done == 0 else progress.update(done)),
-        cache=ScanCache.for_folder(cache_dir, src) if cache_dir else None)
+    if snapshot is None:
+        progress.phase("scanning", 0, "entries")
+        snapshot = await scan(src, excludes, progress=lambda done, total: (
+            progress.phase("hashing", total) if done == 0 else progress.update(done)),
+            cache=ScanCache.for_folder(cache_dir, src) if cache_dir else None)
+    snap = snapshot
 
     store: ControllerStore | None = None
     if store_dir is not None:
@@ -452,7 +463,7 @@ async def push(
 
     async def send_and_publish() -> str:
         """The push proper, once some node does not serve the version yet; the topology used."""
-        await job.negotiate()
+        await job.negotiate(held)
         job.check("negotiating")
         clock.mark("negotiate")
         if early:

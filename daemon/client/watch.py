@@ -4,8 +4,12 @@ The folder is watched with inotify, through the Rust `notify` backend of watchfi
 watch is in place before the first push starts, so an edit made while a push runs is not lost:
 it starts the next push as soon as that one ends. A burst of changes (an editor saving, a `git
 checkout`) is pushed once, when nothing has changed for `quiet_ms` or at most `debounce_ms` after
-its first change. Changes below excluded paths are ignored. With the scan cache, each push reads
-only the files that changed.
+its first change. Changes below excluded paths are ignored.
+
+The tree is scanned whole once; after that, a change costs a look at the folders that hold the
+changed paths (fs.scan.rescan), and the nodes are asked only about chunks the last push did not
+give them all. Should the watcher miss a change (inotify can drop events under a flood), the
+whole scan that runs once things are quiet after a push finds it and pushes it.
 
 One line per push goes to stdout (a JSON object per line with --json); a failed push is reported
 on stderr and watching goes on. SIGINT (Ctrl-C) or SIGTERM stops watching: exit status 0, or 130
@@ -27,12 +31,17 @@ from typing import TextIO
 import trio
 from watchfiles._rust_notify import RustNotify  # documented: watchfiles' "Rust backend" API
 
-from ...fs.scan import is_excluded
+from ...fs.scan import Snapshot, is_excluded, rescan, scan
+from ...fs.scan_cache import ScanCache
 from .progress import fmt_bytes
 from .push import PushResult
 
-QUIET_MS = 200
+QUIET_MS = 20  # an editor's save is a few events within a millisecond or two
 DEBOUNCE_MS = 1000
+CHECK_MS = 2000  # quiet for this long after a push: scan the whole tree, in case of a miss
+
+# push_once(snapshot, held): push `snapshot` of the folder; `held`, the chunks every node holds
+PushOnce = Callable[[Snapshot, frozenset[bytes]], Awaitable[PushResult]]
 
 
 def summary(result: PushResult, changes: int) -> str:
@@ -53,21 +62,24 @@ class _Filter:
         self.excludes = tuple(excludes)
         self.ignore = [os.path.abspath(p) for p in ignore]
 
-    def __call__(self, path: str) -> bool:
+    def __call__(self, path: str) -> bytes | None:
+        """The path relative to the root ("" for the root itself) if it counts, else None."""
         if any(path == p or path.startswith(p + os.sep) for p in self.ignore):
-            return False
+            return None
         rel = os.path.relpath(path, self.root)
         if rel == ".":
-            return True
+            return b""
         if rel.startswith(".." + os.sep) or rel == "..":
-            return False
-        return not is_excluded(os.fsencode(rel), self.excludes)
+            return None
+        brel = os.fsencode(rel)
+        return None if is_excluded(brel, self.excludes) else brel
 
 
 async def watch(
     src: str | os.PathLike[str],
-    push_once: Callable[[], Awaitable[PushResult]],
+    push_once: PushOnce,
     *,
+    cache: ScanCache | None = None,
     excludes: Sequence[str] = (),
     ignore: Sequence[str | os.PathLike[str]] = (),
     json_lines: bool = False,
@@ -77,8 +89,9 @@ async def watch(
     debounce_ms: int = DEBOUNCE_MS,
 ) -> int:
     """Push now, then after every change of `src` (see the module docstring), until SIGINT or
-    SIGTERM. `push_once()` does one push; `ignore` lists paths whose changes never count (the
-    scan cache, should it live inside the folder). Returns the exit status."""
+    SIGTERM. `push_once` does one push; `cache` is the folder's scan cache, for the whole
+    scans; `ignore` lists paths whose changes never count (the scan cache, should it live
+    inside the folder). Returns the exit status."""
     out = out or sys.stdout
     err = err or sys.stderr
     root = os.path.abspath(src)
@@ -93,14 +106,16 @@ async def watch(
     def say(line: str, stream: TextIO) -> None:
         print(line, file=stream, flush=True)
 
-    async def push_and_report(changes: int) -> None:
+    async def push_and_report(snap: Snapshot, held: frozenset[bytes],
+                              changes: int) -> frozenset[bytes]:
+        """Push `snap`; the chunks every node holds after it (none if it failed)."""
         nonlocal pushing, last_warnings
         pushing = True
         try:
-            result = await push_once()
+            result = await push_once(snap, held)
         except Exception as e:  # noqa: BLE001 -- any failure is reported, and watching goes on
             say(f"{time.strftime('%H:%M:%S')} push failed: {e}", err)
-            return
+            return frozenset()
         finally:
             pushing = False
         for w in result.warnings:
@@ -116,18 +131,49 @@ async def watch(
             say(json.dumps(obj), out)
         else:
             say(summary(result, changes), out)
+        if result.failed:
+            return frozenset()
+        return frozenset(snap.manifest.chunk_ids()) | {bytes.fromhex(result.version)}
+
+    async def scanned(snap: Snapshot | None, changed: set[bytes]) -> Snapshot:
+        """The tree now: `snap` rescanned at the `changed` paths, or scanned whole."""
+        if snap is not None and changed:
+            try:
+                return await rescan(snap, changed, excludes)
+            except OSError:  # a folder went away while it was listed: look at everything
+                pass
+        return await scan(root, excludes, cache=cache)
 
     async def loop(notify: RustNotify) -> None:
-        changes = 0
+        snap: Snapshot | None = None  # the tree as last scanned (None: scan it whole)
+        pushed = b""  # the manifest of the last push
+        held: frozenset[bytes] = frozenset()
+        changed: set[bytes] = set()
+        checking = False  # a whole scan after a quiet spell: did the watcher miss anything?
         while True:
-            await push_and_report(changes)
-            changes = 0
-            while not changes:
-                raw = await trio.to_thread.run_sync(notify.watch, debounce_ms, quiet_ms, 0, stop)
+            timeout = 0  # wait for a change, however long
+            try:
+                snap = await scanned(None if checking else snap, changed)
+            except (OSError, ValueError) as e:  # the folder went away, an unsafe name...
+                say(f"{time.strftime('%H:%M:%S')} push failed: {e}", err)
+                snap = None
+            else:
+                missed = checking and snap.manifest.encode() != pushed
+                if missed:
+                    say(f"{time.strftime('%H:%M:%S')} the watcher missed a change; a whole "
+                        "scan found it", err)
+                if missed or not checking:
+                    held = await push_and_report(snap, held, len(changed) or int(missed))
+                    pushed, timeout = snap.manifest.encode(), CHECK_MS
+            changed, checking = set(), False
+            while not (changed or checking):
+                raw = await trio.to_thread.run_sync(notify.watch, debounce_ms, quiet_ms,
+                                                    timeout, stop)
                 if raw == "stop":
                     return
+                checking = raw == "timeout"
                 if isinstance(raw, set):
-                    changes = sum(1 for _, path in raw if counts(path))
+                    changed = {rel for _, path in raw if (rel := counts(path)) is not None}
 
     async def on_signal(signals, cancel: trio.CancelScope) -> None:
         nonlocal interrupted
