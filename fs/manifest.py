@@ -268,7 +268,7 @@ class Manifest:
         if pos != len(view):
             raise ManifestError("trailing bytes after the last entry")
         keys = [sort_key(e.path) for e in entries]
-        if any(a >= b for a, b in zip(keys, keys[1:])):
+        if any(a > b for a, b in zip(keys, keys[1:])):  # (a duplicate: validate names it)
             raise ManifestError("manifest entries are not in canonical order")
         m = cls((), chunk_size)
         m.entries = entries  # in order, checked just above

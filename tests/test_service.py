@@ -219,8 +219,8 @@ async def test_a_corrupt_chunk_refuses_the_requests_after_it(tmp_path):
 
 
 def test_every_op_has_one_route_and_parses_its_arguments():
-    assert set(ROUTES) == {"status", "prepare", "commit", "remove", "relay", "flush", "bulk",
-                           "spawn", "kill", "free_port", "probe", "first_reads"}
+    assert set(ROUTES) == {"status", "prepare", "commit", "current", "remove", "relay", "flush",
+                           "bulk", "spawn", "kill", "free_port", "probe", "first_reads"}
     version = "ab" * 16
     assert Prepare.parse({"name": "ws", "version": version}) == Prepare(
         "ws", bytes.fromhex(version))
