@@ -133,7 +133,10 @@ def cmd_push(args: argparse.Namespace) -> int:
             topology_kind=args.topology, fanout=args.fanout, allow_partial=args.allow_partial,
             timeout=args.timeout, cache_dir=cache_dir, transport=transport,
             encrypt=args.encrypt, at_source=args.at_source,
-            store_dir=None if args.no_store else settings.store_dir,
+            # push --watch: after a push every node took, the next go without the dev box
+            # store, whose open and fill cost grows with the tree, not the change (a later push
+            # to fresh nodes reads the few edited files again).
+            store_dir=None if args.no_store or held else settings.store_dir,
             store_bound=settings.store_bound, compress=args.compress, early=args.early,
             on_usable=usable, first_reads_dir=home_dir() / "first-reads",
             bwlimit=args.bwlimit * (1 << 20), snapshot=snapshot, held=held)
