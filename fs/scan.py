@@ -147,6 +147,14 @@ class _Walk:
     cached_files: int = 0
 
 
+def _is_folder(path: bytes) -> bool:
+    """A folder itself, not a link to one (whose target is outside the snapshot's tree)."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def _folder(root: bytes, rel: bytes) -> Entry:
     """The entry of folder `rel` (b"": the root), from a fresh lstat."""
     st = os.lstat(os.path.join(root, rel) if rel else root)
@@ -233,7 +241,7 @@ def _rewalk(prev: Snapshot, changed: Iterable[bytes], excludes: Sequence[str],
         """The nearest folder, `path` or above it, that the tree has and that still is one:
         listing it again finds what changed at `path` (a new folder is walked from there)."""
         while path and not (getattr(kept.get(path), "kind", None) == Kind.DIR
-                            and os.path.isdir(os.path.join(root, path))):
+                            and _is_folder(os.path.join(root, path))):
             path = path.rpartition(b"/")[0]
         return path
 

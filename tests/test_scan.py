@@ -298,6 +298,11 @@ async def test_rescan_of_a_watchers_paths_gives_the_whole_scans_snapshot(tmp_pat
     os.unlink(root / "rel-link")
     os.symlink("elsewhere", root / "rel-link")
     snap = await rescanned(root, snap, "empty-dir", odd, "rel-link", excludes=skip)
+    for p in (root / "pkg2" / "sub").iterdir():  # a folder replaced by a link to another
+        p.unlink()
+    (root / "pkg2" / "sub").rmdir()
+    os.symlink("../pkg2", root / "pkg2" / "sub")
+    snap = await rescanned(root, snap, "pkg2/sub", "pkg2/sub/data.bin", excludes=skip)
     for p in sorted((root / "new").rglob("*"), reverse=True):  # a subtree removed
         p.rmdir() if p.is_dir() else p.unlink()
     (root / "new").rmdir()
