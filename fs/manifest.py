@@ -86,6 +86,12 @@ class Entry:
 
 
 _KINDS = {k.value: k for k in Kind}
+
+
+def _record(e: Entry) -> bytes:
+    """An entry as the manifest encodes it."""
+    return b"".join([_ENTRY.pack(e.kind, e.mode, e.size, e.mtime_ns, len(e.path),
+                                 len(e.target), len(e.chunks)), e.path, e.target, *e.chunks])
 _TYPES = frozenset(Kind)
 
 
@@ -152,9 +158,6 @@ class Manifest:
         self.chunk_size = chunk_size
         self.entries = sorted(entries, key=lambda e: sort_key(e.path))
         self._by_path: dict[bytes, Entry] | None = None
-        # Each entry's encoded bytes -> the entry, as decode() found them: the next version's
-        # decode(known=self) takes the entries it shares from here, unparsed (see decode).
-        self._encoded: dict[bytes, Entry] | None = None
 
     def validate(self, checked: frozenset[int] = frozenset()) -> None:
         """Refuse anything the mount could not serve as is: every field is held to what the
@@ -193,14 +196,8 @@ class Manifest:
             seen[e.path] = kind
 
     def encode(self) -> bytes:
-        out = [_HEAD.pack(MAGIC, self.chunk_size, len(self.entries))]
-        for e in self.entries:
-            out.append(_ENTRY.pack(e.kind, e.mode, e.size, e.mtime_ns, len(e.path),
-                                   len(e.target), len(e.chunks)))
-            out.append(e.path)
-            out.append(e.target)
-            out.extend(e.chunks)
-        return b"".join(out)
+        return b"".join([_HEAD.pack(MAGIC, self.chunk_size, len(self.entries)),
+                         *map(_record, self.entries)])
 
     @classmethod
     def decode(cls, data: bytes | memoryview, max_entries: int | None = None,
@@ -212,8 +209,7 @@ class Manifest:
         `known`: a manifest decoded before (a node passes the version it decoded last).
         Successive versions are mostly the same, so an entry whose bytes equal one of its
         entries' is that entry: shared (a node holds several versions in memory), and neither
-        parsed nor checked again, only placed in the tree. `known` hands its table of encoded
-        entries on to the new manifest."""
+        parsed nor checked again, only placed in the tree."""
         view = memoryview(data)
         if len(view) < _HEAD.size:
             raise ManifestError("manifest truncated")
@@ -226,10 +222,8 @@ class Manifest:
             raise ManifestError(f"manifest claims {count} entries, more than it holds")
         pos = _HEAD.size
         entries = []
-        old: dict[bytes, Entry] = {}
-        if known is not None and known.chunk_size == chunk_size and known._encoded is not None:
-            old, known._encoded = known._encoded, None
-        encoded: dict[bytes, Entry] = {}
+        old = ({_record(e): e for e in known.entries}
+               if known is not None and known.chunk_size == chunk_size else {})
         checked: set[int] = set()
         try:
             for _ in range(count):
@@ -239,11 +233,9 @@ class Manifest:
                 end = pos + plen + tlen + nchunks * ID_SIZE
                 if end > len(view):
                     raise ManifestError("manifest truncated inside an entry")
-                record = bytes(view[start:end])
-                e = old.get(record)
+                e = old.get(bytes(view[start:end])) if old else None
                 if e is not None:
                     entries.append(e)
-                    encoded[record] = e
                     checked.add(id(e))
                     pos = end
                     continue
@@ -258,9 +250,7 @@ class Manifest:
                 pos = end
                 if kind not in _KINDS:
                     raise ManifestError(f"entry {path!r}: unknown kind {kind}")
-                new = Entry(path, _KINDS[kind], mode, size, mtime, target, chunks)
-                entries.append(new)
-                encoded[record] = new
+                entries.append(Entry(path, _KINDS[kind], mode, size, mtime, target, chunks))
         except (struct.error, ValueError) as e:
             if isinstance(e, ManifestError):
                 raise
@@ -273,7 +263,6 @@ class Manifest:
         m = cls((), chunk_size)
         m.entries = entries  # in order, checked just above
         m.validate(frozenset(checked))
-        m._encoded = encoded
         return m
 
     @property

@@ -85,8 +85,8 @@ class PushResult:
     complete_seconds: float | None = None
     first_reads: int | None = None  # push --early: files sent first (the nodes' first reads)
     chunks_wanted: int | None = None  # push --early: sent ahead of the stream, for a reader
-    # Seconds each step took, in order (scan, connect, negotiate, send, publish, keep): where a
-    # slow push spent its time.
+    # Seconds each step took, in order (scan, connect, current, negotiate, send, publish, keep):
+    # where a slow push spent its time.
     phases: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict:

@@ -31,6 +31,7 @@ from typing import TextIO
 import trio
 from watchfiles._rust_notify import RustNotify  # documented: watchfiles' "Rust backend" API
 
+from ...fs.manifest import Entry
 from ...fs.scan import Snapshot, is_excluded, rescan, scan
 from ...fs.scan_cache import ScanCache
 from .progress import fmt_bytes
@@ -146,25 +147,25 @@ async def watch(
 
     async def loop(notify: RustNotify) -> None:
         snap: Snapshot | None = None  # the tree as last scanned (None: scan it whole)
-        pushed = b""  # the manifest of the last push
+        pushed: list[Entry] = []  # the entries of the last push
         held: frozenset[bytes] = frozenset()
         changed: set[bytes] = set()
         checking = False  # a whole scan after a quiet spell: did the watcher miss anything?
         while True:
             timeout = 0  # wait for a change, however long
             try:
-                snap = await scanned(None if checking else snap, changed)
+                snap = await scanned(snap, changed)  # (whole when checking: nothing changed)
             except (OSError, ValueError) as e:  # the folder went away, an unsafe name...
                 say(f"{time.strftime('%H:%M:%S')} push failed: {e}", err)
                 snap = None
             else:
-                missed = checking and snap.manifest.encode() != pushed
+                missed = checking and snap.manifest.entries != pushed
                 if missed:
                     say(f"{time.strftime('%H:%M:%S')} the watcher missed a change; a whole "
                         "scan found it", err)
                 if missed or not checking:
                     held = await push_and_report(snap, held, len(changed) or int(missed))
-                    pushed, timeout = snap.manifest.encode(), CHECK_MS
+                    pushed, timeout = snap.manifest.entries, CHECK_MS
             changed, checking = set(), False
             while not (changed or checking):
                 raw = await trio.to_thread.run_sync(notify.watch, debounce_ms, quiet_ms,
