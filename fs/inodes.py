@@ -71,7 +71,7 @@ def changes(before: Tree, after: Tree) -> list[tuple[Entry | None, Entry | None]
         return []
     a, b = before.entries, after.entries
     # An entry a version shares with the one decoded before it is the same object
-    # (Manifest.decode's `known`): most of a tree after an edit.
+    # (Manifest.load's `known`): most of a tree after an edit.
     return [(a.get(path), b.get(path)) for path in a.keys() | b.keys()
             if path not in a or path not in b
             or (a[path] is not b[path] and not a[path].same_content(b[path]))]

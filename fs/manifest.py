@@ -1,21 +1,27 @@
-"""Snapshot manifests: the tree of a pushed folder, as a flat, sorted list of entries.
+"""Snapshot manifests: the tree of a pushed folder, as git and CernVM-FS keep one.
 
-A manifest is encoded deterministically, so its xxh3_128 id is the version: two pushes of the
-same tree give the same version, and the manifest travels and is stored as an ordinary chunk.
-Names are bytes (they need not be UTF-8). Entries that could escape the mount are refused when a
-manifest is built and again when one is decoded, so a hostile peer cannot place them.
+Each folder is a content-addressed object: its own mode and mtime, then a record per child in
+name order (a child folder's record names its object). The root's id is the version: two pushes
+of the same tree give the same version, and a change gives new objects only for the folders on
+its path, so a push sends, and a node loads, only those (`Manifest.load(known=...)` takes the
+rest from the version it loaded before). Objects travel and are stored as ordinary chunks.
+
+In memory a manifest is the flat list of entries in tree order (parents first, each subtree
+contiguous), which is what the mount, backing files and collection use. Names are bytes (they
+need not be UTF-8). Names that could escape the mount are refused when a manifest is built and
+again when one is loaded, so a hostile peer cannot place them.
 """
 
 from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from .chunk import CHUNK_SIZE, ID_SIZE, MAX_CHUNK_SIZE, chunk_id
 
-MAGIC = b"MFSM\x01"
+MAGIC = b"MFSD\x01"  # a folder object
 MAX_ENTRIES = 10_000_000  # what the format allows
 # What a node accepts by default (its --max-entries, $MONARCH_FS_MAX_ENTRIES). A decoded entry
 # costs a node about 450 bytes per version it serves (455 MB for a million, twice that once
@@ -30,8 +36,10 @@ MAX_PATH = 4096
 MAX_FILE_SIZE = 2**63 - 1
 MTIME_RANGE = range(-(2**63), 2**63)
 MAX_TARGET = 4095
-_HEAD = struct.Struct("<5sII")  # magic, chunk size, entry count
-_ENTRY = struct.Struct("<BIQqHHI")  # kind, mode, size, mtime_ns, path len, target len, chunks
+# A folder object: the head, then one record per child in name order. A child folder's record
+# has kind DIR, zero mode, size and mtime, no target and one "chunk": the folder's object id.
+_HEAD = struct.Struct("<5sIIqI")  # magic, chunk size, the folder's mode, its mtime_ns, children
+_ENTRY = struct.Struct("<BIQqHHI")  # kind, mode, size, mtime_ns, name len, target len, chunks
 
 
 class ManifestError(ValueError):
@@ -46,7 +54,8 @@ class TooManyEntries(ManifestError):
     """A manifest has more entries than the reader accepts (checked before any is decoded)."""
 
     def __init__(self, count: int, limit: int):
-        super().__init__(f"manifest has {count:,} entries, more than the limit of {limit:,}")
+        super().__init__(f"manifest has at least {count:,} entries, more than the limit of "
+                         f"{limit:,}")
         self.count = count
         self.limit = limit
 
@@ -88,10 +97,14 @@ class Entry:
 _KINDS = {k.value: k for k in Kind}
 
 
-def _record(e: Entry) -> bytes:
-    """An entry as the manifest encodes it."""
-    return b"".join([_ENTRY.pack(e.kind, e.mode, e.size, e.mtime_ns, len(e.path),
-                                 len(e.target), len(e.chunks)), e.path, e.target, *e.chunks])
+def _record(e: Entry, name: bytes) -> bytes:
+    """A file or symlink as its folder's object lists it."""
+    return b"".join([_ENTRY.pack(e.kind, e.mode, e.size, e.mtime_ns, len(name),
+                                 len(e.target), len(e.chunks)), name, e.target, *e.chunks])
+
+
+def _folder_record(name: bytes, oid: bytes) -> bytes:
+    return b"".join([_ENTRY.pack(Kind.DIR, 0, 0, 0, len(name), 0, 1), name, oid])
 _TYPES = frozenset(Kind)
 
 
@@ -118,6 +131,19 @@ def check_path(path: bytes) -> None:
             raise UnsafePath(f"unsafe path {path!r}: NUL inside a name")
         if len(part) > MAX_NAME:
             raise UnsafePath(f"unsafe path {path!r}: name longer than {MAX_NAME} bytes")
+
+
+def _check_entry(e: Entry, chunk_size: int) -> None:
+    """Raise, saying what is wrong, unless an entry's own fields are within what the kernel
+    accepts: the common case in one expression (a node checks every entry it loads)."""
+    kind, size, target = e.kind, e.size, e.target
+    if not (0 <= e.mode <= 0o7777 and e.mtime_ns in MTIME_RANGE and (
+            (kind is Kind.FILE and not target and 0 <= size <= MAX_FILE_SIZE
+             and len(e.chunks) == -(-size // chunk_size))
+            or (kind is Kind.DIR and not size and not target and not e.chunks)
+            or (kind is Kind.SYMLINK and not e.chunks and size == len(target)
+                and 0 < size <= MAX_TARGET and b"\0" not in target))):
+        _check_fields(e, chunk_size)
 
 
 def _check_fields(e: Entry, chunk_size: int) -> None:
@@ -150,14 +176,70 @@ def _check_fields(e: Entry, chunk_size: int) -> None:
         raise ManifestError(f"directory {e.path!r}: size {e.size}, must be 0")
 
 
+class MissingObject(KeyError):
+    """A folder object a version names is not here (yet): `oid` is which, `path` where."""
+
+    def __init__(self, oid: bytes, path: bytes):
+        super().__init__(f"folder {path!r}: object {oid.hex()[:12]} not here")
+        self.oid = oid
+        self.path = path
+
+
+def _parse(oid: bytes, blob: bytes | memoryview, path: bytes, counted: int, limit: int
+           ) -> tuple[int, int, int, list[tuple[int, int, int, int, bytes, bytes, tuple]]]:
+    """A folder object's (chunk size, mode, mtime_ns, child records), each record (kind, mode,
+    size, mtime_ns, name, target, chunks). Only the layout is checked here: every length
+    against what is left before it is used, and the children's count, with the `counted`
+    entries before them, against `limit` before a single one is parsed."""
+    view = memoryview(blob)
+    if len(view) < _HEAD.size:
+        raise ManifestError(f"folder {path!r}: object {oid.hex()[:12]} truncated")
+    magic, chunk_size, mode, mtime, count = _HEAD.unpack_from(view)
+    if magic != MAGIC:
+        raise ManifestError(f"folder {path!r}: not a monarch-fs folder object (bad magic)")
+    if counted + count > limit:
+        raise TooManyEntries(counted + count, limit)
+    if count * _ENTRY.size > len(view) - _HEAD.size:
+        raise ManifestError(f"folder {path!r}: claims {count} children, more than it holds")
+    records = []
+    pos = _HEAD.size
+    for _ in range(count):
+        if pos + _ENTRY.size > len(view):
+            raise ManifestError(f"folder {path!r}: object truncated inside a record")
+        kind, cmode, size, cmtime, nlen, tlen, nchunks = _ENTRY.unpack_from(view, pos)
+        pos += _ENTRY.size
+        end = pos + nlen + tlen + nchunks * ID_SIZE
+        if end > len(view):
+            raise ManifestError(f"folder {path!r}: object truncated inside a record")
+        name = bytes(view[pos:pos + nlen])
+        target = bytes(view[pos + nlen:pos + nlen + tlen]) if tlen else b""
+        base = pos + nlen + tlen
+        if nchunks == 1:  # most files, and every folder
+            chunks: tuple[bytes, ...] = (bytes(view[base:end]),)
+        else:
+            raw = bytes(view[base:end])
+            chunks = tuple(raw[i:i + ID_SIZE] for i in range(0, len(raw), ID_SIZE))
+        records.append((kind, cmode, size, cmtime, name, target, chunks))
+        pos = end
+    if pos != len(view):
+        raise ManifestError(f"folder {path!r}: trailing bytes after the last record")
+    return chunk_size, mode, mtime, records
+
+
 class Manifest:
-    """A snapshot's tree, sorted parents first: encoded, it is content-addressed, and its id
-    is the version."""
+    """A snapshot's tree, sorted parents first. Its folders, encoded, are content-addressed
+    objects (`objects()`), and the root's id is the version (`id`)."""
 
     def __init__(self, entries: Iterable[Entry], chunk_size: int = CHUNK_SIZE):
         self.chunk_size = chunk_size
         self.entries = sorted(entries, key=lambda e: sort_key(e.path))
         self._by_path: dict[bytes, Entry] | None = None
+        self._objects: dict[bytes, bytes] | None = None
+        # The tree, one item per entry: a folder's object id (None for a file or symlink), and
+        # how many entries its subtree spans (itself included). Lengths, not positions, so a
+        # subtree's items are copied between versions as slices, unchanged.
+        self._oids: list[bytes | None] | None = None
+        self._spans: list[int] | None = None
 
     def validate(self, checked: frozenset[int] = frozenset()) -> None:
         """Refuse anything the mount could not serve as is: every field is held to what the
@@ -169,11 +251,9 @@ class Manifest:
         if not self.entries or self.entries[0].path != b"" or self.entries[0].kind != Kind.DIR:
             raise ManifestError("manifest has no root directory")
         seen: dict[bytes, Kind] = {}
-        cs, mtimes = self.chunk_size, MTIME_RANGE
-        DIR, FILE, SYMLINK = Kind.DIR, Kind.FILE, Kind.SYMLINK
         for e in self.entries:
             if id(e) in checked:
-                if e.path in seen or (e.path and seen.get(e.parent) != DIR):
+                if e.path in seen or (e.path and seen.get(e.parent) != Kind.DIR):
                     raise ManifestError(f"entry {e.path!r} is a duplicate or has no parent "
                                         "directory")
                 seen[e.path] = e.kind
@@ -181,93 +261,175 @@ class Manifest:
             check_path(e.path)
             if e.path in seen:
                 raise ManifestError(f"duplicate entry {e.path!r}")
-            if e.path and seen.get(e.parent) != DIR:
+            if e.path and seen.get(e.parent) != Kind.DIR:
                 raise ManifestError(f"entry {e.path!r} has no parent directory")
-            kind, size, target = e.kind, e.size, e.target
-            # The common case in one expression (a daemon checks every entry of every
-            # manifest); _check_fields says what is wrong.
-            if not (0 <= e.mode <= 0o7777 and e.mtime_ns in mtimes and (
-                    (kind is FILE and not target and 0 <= size <= MAX_FILE_SIZE
-                     and len(e.chunks) == -(-size // cs))
-                    or (kind is DIR and not size and not target and not e.chunks)
-                    or (kind is SYMLINK and not e.chunks and size == len(target)
-                        and 0 < size <= MAX_TARGET and b"\0" not in target))):
-                _check_fields(e, cs)
-            seen[e.path] = kind
+            _check_entry(e, self.chunk_size)
+            seen[e.path] = e.kind
 
-    def encode(self) -> bytes:
-        return b"".join([_HEAD.pack(MAGIC, self.chunk_size, len(self.entries)),
-                         *map(_record, self.entries)])
+    # ---- the tree of objects ----------------------------------------------------------------
 
-    @classmethod
-    def decode(cls, data: bytes | memoryview, max_entries: int | None = None,
-               known: Manifest | None = None) -> Manifest:
-        """Parse and validate; every length is checked against what is left before it is used.
-        A manifest of more than `max_entries` entries (default: what the format allows) is
-        refused from its header: decoding costs ~450 bytes of memory per entry.
+    def objects(self) -> dict[bytes, bytes]:
+        """Every folder's object by id, children before their parents: the root, last, is the
+        version. Built once; it checks nothing (validate does) but that each entry has a
+        parent folder, since an entry without one has no object to be in."""
+        if self._objects is None:
+            self._build()
+        assert self._objects is not None
+        return self._objects
 
-        `known`: a manifest decoded before (a node passes the version it decoded last).
-        Successive versions are mostly the same, so an entry whose bytes equal one of its
-        entries' is that entry: shared (a node holds several versions in memory), and neither
-        parsed nor checked again, only placed in the tree."""
-        view = memoryview(data)
-        if len(view) < _HEAD.size:
-            raise ManifestError("manifest truncated")
-        magic, chunk_size, count = _HEAD.unpack_from(view)
-        if magic != MAGIC:
-            raise ManifestError("not a monarch-fs manifest (bad magic)")
-        if max_entries is not None and count > max_entries:
-            raise TooManyEntries(count, max_entries)
-        if count > MAX_ENTRIES or count * _ENTRY.size > len(view):
-            raise ManifestError(f"manifest claims {count} entries, more than it holds")
-        pos = _HEAD.size
-        entries = []
-        old = ({_record(e): e for e in known.entries}
-               if known is not None and known.chunk_size == chunk_size else {})
-        checked: set[int] = set()
-        try:
-            for _ in range(count):
-                start = pos
-                kind, mode, size, mtime, plen, tlen, nchunks = _ENTRY.unpack_from(view, pos)
-                pos += _ENTRY.size
-                end = pos + plen + tlen + nchunks * ID_SIZE
-                if end > len(view):
-                    raise ManifestError("manifest truncated inside an entry")
-                e = old.get(bytes(view[start:end])) if old else None
-                if e is not None:
-                    entries.append(e)
-                    checked.add(id(e))
-                    pos = end
-                    continue
-                path = bytes(view[pos:pos + plen])
-                target = bytes(view[pos + plen:pos + plen + tlen]) if tlen else b""
-                base = pos + plen + tlen
-                if nchunks == 1:  # most files
-                    chunks: tuple[bytes, ...] = (bytes(view[base:end]),)
-                else:
-                    raw = bytes(view[base:end])
-                    chunks = tuple(raw[i:i + ID_SIZE] for i in range(0, len(raw), ID_SIZE))
-                pos = end
-                if kind not in _KINDS:
-                    raise ManifestError(f"entry {path!r}: unknown kind {kind}")
-                entries.append(Entry(path, _KINDS[kind], mode, size, mtime, target, chunks))
-        except (struct.error, ValueError) as e:
-            if isinstance(e, ManifestError):
-                raise
-            raise ManifestError(f"malformed manifest entry: {e}") from None
-        if pos != len(view):
-            raise ManifestError("trailing bytes after the last entry")
-        keys = [sort_key(e.path) for e in entries]
-        if any(a > b for a, b in zip(keys, keys[1:])):  # (a duplicate: validate names it)
-            raise ManifestError("manifest entries are not in canonical order")
-        m = cls((), chunk_size)
-        m.entries = entries  # in order, checked just above
-        m.validate(frozenset(checked))
-        return m
+    def _build(self) -> None:
+        entries, cs = self.entries, self.chunk_size
+        if not entries or entries[0].path != b"" or entries[0].kind != Kind.DIR:
+            raise ManifestError("manifest has no root directory")
+        oids: list[bytes | None] = [None] * len(entries)
+        spans = [1] * len(entries)
+        objects: dict[bytes, bytes] = {}
+        below: dict[bytes, list[bytes]] = {}  # folder path -> its children's records, reversed
+        spanned: dict[bytes, int] = {}  # folder path -> entries below it
+        for i in range(len(entries) - 1, -1, -1):  # children before their parent
+            e = entries[i]
+            name = e.name
+            if e.kind == Kind.DIR:
+                records = below.pop(e.path, [])
+                records.reverse()
+                blob = b"".join([_HEAD.pack(MAGIC, cs, e.mode, e.mtime_ns, len(records)),
+                                 *records])
+                oid = oids[i] = chunk_id(blob)
+                objects[oid] = blob
+                spans[i] += spanned.pop(e.path, 0)
+                record = _folder_record(name, oid)
+            else:
+                record = _record(e, name)
+            if e.path:
+                below.setdefault(e.parent, []).append(record)
+                spanned[e.parent] = spanned.get(e.parent, 0) + spans[i]
+        if below:
+            orphan = min(below)
+            raise ManifestError(f"entries under {orphan!r} have no parent directory")
+        self._objects, self._oids, self._spans = objects, oids, spans
 
     @property
     def id(self) -> bytes:
-        return chunk_id(self.encode())
+        """The version: the root folder's object id."""
+        if self._oids is None:
+            self._build()
+        assert self._oids is not None and self._oids[0] is not None
+        return self._oids[0]
+
+    def object_ids(self) -> list[bytes]:
+        """Every folder's object id, the root's first."""
+        if self._oids is None:
+            self._build()
+        assert self._oids is not None
+        return [o for o in self._oids if o is not None]
+
+    @classmethod
+    def load(cls, version: bytes, get: Callable[[bytes], bytes | memoryview],
+             max_entries: int | None = None, known: Manifest | None = None) -> Manifest:
+        """The version whose root object is `version`, its objects read with `get(id)` (which
+        checks each against its id, and raises KeyError for one it lacks: MissingObject says
+        which). Every record is checked, in tree order, so an error names the first entry the
+        mount could not serve. More than `max_entries` entries (default: what the format
+        allows) are refused as soon as they are counted.
+
+        `known`: a version loaded before (a node passes the one it loaded last). A folder whose
+        object id is the one `known` has at the same path is that subtree: its entries are
+        taken as they are (shared in memory, and checked when they were loaded), so loading
+        an edit costs the folders on its path, not the tree."""
+        limit = MAX_ENTRIES if max_entries is None else min(max_entries, MAX_ENTRIES)
+        entries: list[Entry] = []
+        oids: list[bytes | None] = []
+        spans: list[int] = []
+        k_entries = k_oids = k_spans = None
+        if known is not None and known._oids is not None and known._spans is not None:
+            k_entries, k_oids, k_spans = known.entries, known._oids, known._spans
+        chunk_size = 0
+
+        def open_folder(path: bytes, oid: bytes, k: int | None):
+            """Enter the folder at `path` (known's index `k`): None when known's subtree is
+            taken whole, else (its records, its index, its known children by name)."""
+            nonlocal chunk_size
+            if k is not None and k_oids[k] == oid:
+                span = k_spans[k]
+                entries.extend(k_entries[k:k + span])
+                oids.extend(k_oids[k:k + span])
+                spans.extend(k_spans[k:k + span])
+                if len(entries) > limit:
+                    raise TooManyEntries(len(entries), limit)
+                return None
+            try:
+                blob = get(oid)
+            except KeyError:
+                raise MissingObject(oid, path) from None
+            size, mode, mtime, records = _parse(oid, blob, path, len(entries) + 1, limit)
+            if not chunk_size:
+                if not (64 * 1024 <= size <= MAX_CHUNK_SIZE):
+                    raise ManifestError(f"chunk size {size} out of range")
+                chunk_size = size
+            elif size != chunk_size:
+                raise ManifestError(f"folder {path!r}: chunk size {size}, the root's is "
+                                    f"{chunk_size}")
+            e = Entry(path, Kind.DIR, mode, 0, mtime)
+            _check_entry(e, chunk_size)
+            if k is not None and k_entries[k] == e:
+                e = k_entries[k]  # the same folder with new contents: one object in memory
+            at = len(entries)
+            entries.append(e)
+            oids.append(oid)
+            spans.append(1)
+            kids: dict[bytes, int] = {}
+            if k is not None:  # known's children of this folder, by name
+                j, end = k + 1, k + k_spans[k]
+                while j < end:
+                    kids[k_entries[j].name] = j
+                    j += k_spans[j]
+            return iter(records), at, kids, path, b""
+
+        stack = [open_folder(b"", version, 0 if k_entries is not None else None)]
+        while stack:
+            records, at, kids, path, last = stack[-1]
+            record = next(records, None)
+            if record is None:
+                spans[at] = len(entries) - at
+                stack.pop()
+                continue
+            kind, mode, size, mtime, name, target, chunks = record
+            child = path + b"/" + name if path else name
+            if b"/" in name:  # check_path would see two names
+                raise UnsafePath(f"unsafe path {child!r}: '/' inside a name")
+            check_path(child)
+            if name <= last:
+                raise ManifestError(f"duplicate entry {child!r}" if name == last else
+                                    f"folder {path!r}: children not in name order at {child!r}")
+            stack[-1] = (records, at, kids, path, name)
+            k = kids.get(name)
+            if kind == Kind.DIR:
+                if mode or size or mtime or target or len(chunks) != 1:
+                    raise ManifestError(f"directory {child!r}: a folder's record has only "
+                                        "its object id")
+                if k is not None and k_entries[k].kind != Kind.DIR:
+                    k = None
+                inner = open_folder(child, chunks[0], k)
+                if inner is not None:
+                    stack.append(inner)
+                continue
+            if kind not in _KINDS:
+                raise ManifestError(f"entry {child!r}: unknown kind {kind}")
+            e = Entry(child, _KINDS[kind], mode, size, mtime, target, chunks)
+            if k is not None and k_entries[k] == e:
+                e = k_entries[k]  # unchanged: checked when it was loaded
+            else:
+                _check_entry(e, chunk_size)
+            entries.append(e)
+            oids.append(None)
+            spans.append(1)
+            if len(entries) > limit:
+                raise TooManyEntries(len(entries), limit)
+        m = cls((), chunk_size)
+        m.entries, m._oids, m._spans = entries, oids, spans  # in tree order by construction
+        return m
+
+    # ---- lookups ------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Entry]:
         return iter(self.entries)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import struct
 import subprocess
 import sys
 import time
@@ -19,6 +20,8 @@ from hypothesis import HealthCheck, settings
 
 from monarch_fs import cli
 from monarch_fs.daemon.client import cluster as cluster_mod
+from monarch_fs.fs import chunk
+from monarch_fs.fs.manifest import Manifest
 
 # The module `monarch-fs` runs (`python -m CLI_MODULE ...`), named by the module itself.
 CLI_MODULE = cli.__name__
@@ -241,3 +244,32 @@ def flip_bits(path: Path, index: int, mask: int) -> None:
     b = bytearray(path.read_bytes())
     b[index] ^= mask
     path.write_bytes(bytes(b))
+
+
+# The documented layout of a folder object (fs/manifest.py), written out independently so that
+# tests can hand-craft objects Manifest.objects() would never produce.
+FOLDER_MAGIC = b"MFSD\x01"
+FOLDER_HEAD = struct.Struct("<5sIIqI")  # magic, chunk size, mode, mtime_ns, children
+RECORD = struct.Struct("<BIQqHHI")  # kind, mode, size, mtime_ns, name len, target len, chunks
+
+
+def folder_object(records, mode: int = 0o755, mtime: int = 0,
+                  chunk_size: int = chunk.CHUNK_SIZE, magic: bytes = FOLDER_MAGIC,
+                  count: int | None = None) -> bytes:
+    """records: (kind, mode, size, mtime_ns, name, target, chunks), encoded in the given order
+    (a child folder's: (Kind.DIR, 0, 0, 0, name, b"", (its object id,)))."""
+    out = [FOLDER_HEAD.pack(magic, chunk_size, mode, mtime,
+                            len(records) if count is None else count)]
+    for kind, rmode, size, rmtime, name, target, chunks in records:
+        out.append(RECORD.pack(kind, rmode, size, rmtime, len(name), len(target), len(chunks)))
+        out += [name, target, *chunks]
+    return b"".join(out)
+
+
+def staged(m: Manifest | list[bytes]) -> tuple[str, dict[bytes, bytes]]:
+    """(version, encoded chunks) of a manifest as a client stages it: the folder objects of `m`
+    (Manifest.objects() checks nothing but that each entry has a parent), or objects built by
+    hand, the root last. The version is the root's id, in hex."""
+    blobs = list(m.objects().values()) if isinstance(m, Manifest) else m
+    return (chunk.chunk_id(blobs[-1]).hex(),
+            {chunk.chunk_id(b): chunk.encode(b) for b in blobs})

@@ -1,6 +1,7 @@
-"""fs/manifest.py: the snapshot manifest, its wire layout, and everything validate and decode
-refuse (unsafe paths, malformed entries, fields past the kernel's limits, absurd counts), with
-hypothesis fuzzing of valid, arbitrary and mutated encodings."""
+"""fs/manifest.py: the snapshot manifest as a tree of folder objects, their layout, and
+everything validate and load refuse (unsafe names, malformed records, fields past the kernel's
+limits, absurd counts, trees that expand without bound), with hypothesis fuzzing of valid,
+arbitrary and mutated objects."""
 
 from __future__ import annotations
 
@@ -13,34 +14,62 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from helpers import FUZZ, SMALL
+from helpers import FOLDER_HEAD, FOLDER_MAGIC, FUZZ, SMALL, folder_object
 from monarch_fs.fs.chunk import CHUNK_SIZE, ID_SIZE, MAX_CHUNK_SIZE, chunk_id
 from monarch_fs.fs.manifest import (
-    MAGIC,
     MAX_NAME,
     MAX_PATH,
     Entry,
     Kind,
     Manifest,
     ManifestError,
+    MissingObject,
+    TooManyEntries,
     UnsafePath,
     check_path,
 )
 
-# The documented wire layout of a manifest, written out independently of fs/manifest.py so that
-# tests can hand-craft hostile bytes that Manifest.encode would never produce.
-HEAD = struct.Struct("<5sII")  # magic, chunk size, entry count
-ENTRY = struct.Struct("<BIQqHHI")  # kind, mode, size, mtime_ns, path len, target len, chunks
+
+def raw_tree(entries, chunk_size: int = CHUNK_SIZE) -> dict[bytes, bytes] | None:
+    """entries: flat (path, kind, mode, size, mtime_ns, target, chunks), as a hostile peer
+    would turn them into folder objects, unchecked: each folder lists its children in the
+    given order, and a child folder's record carries whatever size, target and chunks the entry
+    has, after its object id. Returns the objects by id, the root last; None when the entries
+    cannot be folder objects at all (no root folder first, or an entry without a parent
+    folder)."""
+    if not entries or entries[0][0] != b"" or entries[0][1] != Kind.DIR:
+        return None
+    kids: dict[bytes, list] = {}
+    for e in entries[1:]:
+        if e[0] == b"":
+            return None
+        kids.setdefault(e[0].rpartition(b"/")[0], []).append(e)
+    folders = {e[0] for e in entries if e[1] == Kind.DIR}
+    if any(parent not in folders for parent in kids):
+        return None
+    objects: dict[bytes, bytes] = {}
+
+    def build(folder) -> bytes:
+        records = []
+        for path, kind, mode, size, mtime, target, chunks in kids.get(folder[0], []):
+            name = path.rpartition(b"/")[2]
+            if kind == Kind.DIR:
+                oid = build((path, kind, mode, size, mtime, target, chunks))
+                records.append((kind, 0, size, 0, name, target, (oid, *chunks)))
+            else:
+                records.append((kind, mode, size, mtime, name, target, chunks))
+        blob = folder_object(records, folder[2], folder[4], chunk_size)
+        oid = chunk_id(blob)
+        objects[oid] = blob
+        return oid
+
+    build(entries[0])
+    return objects
 
 
-def raw_manifest(entries, chunk_size: int = CHUNK_SIZE, magic: bytes = MAGIC,
-                 count: int | None = None) -> bytes:
-    """entries: (path, kind, mode, size, mtime_ns, target, chunks), encoded in the given order."""
-    out = [HEAD.pack(magic, chunk_size, len(entries) if count is None else count)]
-    for path, kind, mode, size, mtime, target, chunks in entries:
-        out.append(ENTRY.pack(kind, mode, size, mtime, len(path), len(target), len(chunks)))
-        out += [path, target, *chunks]
-    return b"".join(out)
+def load(objects: dict[bytes, bytes], **kw) -> Manifest:
+    """Load the tree whose root is the last of `objects`."""
+    return Manifest.load(next(reversed(objects)), objects.__getitem__, **kw)
 
 
 ROOT = (b"", Kind.DIR, 0o755, 0, 0, b"", ())
@@ -66,51 +95,83 @@ def sample_manifest(chunk_size: int = CHUNK_SIZE) -> Manifest:
     ], chunk_size)
 
 
-def test_decode_shares_a_known_versions_entries_and_still_checks_the_tree():
-    """A node decodes each version knowing the one before: equal entries are the same objects
-    (held once), the result is what a plain decode gives, and a shared entry must still have
-    its folder and its place in the order."""
-    known = Manifest.decode(sample_manifest().encode())
-    edited = [e if e.path != b"pkg/__init__.py" else Entry(e.path, e.kind, e.mode, 11, 12,
-                                                               chunks=(cid(9),))
-              for e in sample_manifest().entries]
-    data = Manifest(edited).encode()
-    back = Manifest.decode(data, known=known)
-    assert back.entries == Manifest.decode(data).entries and back.encode() == data
-    assert back.get(b"run.sh") is known.get(b"run.sh")
-    assert back.get(b"pkg/__init__.py").chunks == (cid(9),)
+def test_load_of_an_edit_takes_every_unchanged_folder_from_the_version_before():
+    """A node loads each version knowing the one before: an unchanged folder's subtree is
+    taken whole (its entries are the same objects, read from no object), only the folders on
+    the edit's path are read, and the result is what a plain load gives."""
+    m = sample_manifest()
+    known = load(m.objects())
+    edited = Manifest([e if e.path != b"pkg/__init__.py" else Entry(e.path, e.kind, e.mode, 11,
+                                                                    12, chunks=(cid(9),))
+                       for e in m.entries])
+    objects = edited.objects()
+    read: list[bytes] = []
 
-    pkg = (b"pkg", Kind.DIR, 0o755, 0, 2, b"", ())
-    init = (b"pkg/__init__.py", Kind.FILE, 0o644, 10, 3, b"", (cid(1),))
-    known = Manifest.decode(raw_manifest([ROOT, pkg, init]))
-    with pytest.raises(ManifestError, match="no parent"):
-        Manifest.decode(raw_manifest([ROOT, init]), known=known)
-    known = Manifest.decode(raw_manifest([ROOT, pkg, init]))
-    with pytest.raises(ManifestError, match="canonical order"):
-        Manifest.decode(raw_manifest([ROOT, init, pkg]), known=known)
+    def get(oid: bytes) -> bytes:
+        read.append(oid)
+        return objects[oid]
+
+    back = Manifest.load(edited.id, get, known=known)
+    assert back.entries == load(objects).entries == edited.entries and back.id == edited.id
+    assert set(read) == set(objects) - set(m.objects())  # the root and pkg: what changed
+    assert len(read) == 2
+    for path in (b"run.sh", b"latin-\xe9", b"latin-\xe9/\xff\xfe", b"pkg"):
+        assert back.get(path) is known.get(path)  # pkg: the same mode and mtime
+    assert back.get(b"pkg/__init__.py").chunks == (cid(9),)
+    # The same folder elsewhere is not the same subtree: its entries have its new paths.
+    moved = Manifest([Entry(b"moved" + e.path[len(b"latin-\xe9"):], *e_rest(e))
+                      if e.path.startswith(b"latin-\xe9") else e for e in m.entries])
+    back = Manifest.load(moved.id, {**m.objects(), **moved.objects()}.__getitem__, known=known)
+    assert back.entries == moved.entries and back.get(b"moved/\xff\xfe").target == b"/etc/hostname"
+    # A subtree it does not share is read and checked whole, whatever the known version holds.
+    bad = raw_tree([ROOT, (b"pkg", Kind.DIR, 0o755, 0, 2, b"", ()),
+                    (b"pkg/__init__.py", Kind.FILE, 0o10644, 10, 3, b"", (cid(1),))])
+    with pytest.raises(ManifestError, match="bad mode"):
+        load(bad, known=known)
+
+
+def e_rest(e: Entry) -> tuple:
+    return (e.kind, e.mode, e.size, e.mtime_ns, e.target, e.chunks)
 
 
 def test_manifest_round_trip_keeps_every_field():
     m = sample_manifest()
     m.validate()
-    data = m.encode()
-    back = Manifest.decode(data)
+    objects = m.objects()
+    assert len(objects) == 3 and next(reversed(objects)) == m.id  # a folder each, root last
+    back = load(objects)
     assert back.entries == m.entries
-    assert back.chunk_size == m.chunk_size
-    assert back.encode() == data and back.id == m.id == chunk_id(data)
-    assert Manifest.decode(memoryview(data)).entries == m.entries
-    assert Manifest.decode(bytearray(data)).entries == m.entries
+    assert back.chunk_size == m.chunk_size and back.id == m.id
+    assert back.objects() == objects and back.object_ids() == m.object_ids()
+    assert Manifest.load(m.id, lambda oid: memoryview(objects[oid])).entries == m.entries
+    assert Manifest.load(m.id, lambda oid: bytearray(objects[oid])).entries == m.entries
     assert back.get(b"latin-\xe9/\xff\xfe").target == b"/etc/hostname"
     assert back.get(b"new\nline").chunks == (cid(4),)
     assert back.get(b"missing") is None
     assert back.get(b"empty").mtime_ns == -5
+    assert back.get(b"latin-\xe9").mode == 0o700 and back.get(b"").mtime_ns == 1
 
 
-def test_manifest_layout_matches_the_documented_format():
+def test_folder_objects_match_the_documented_layout():
     m = sample_manifest()
-    by_hand = raw_manifest([(e.path, e.kind, e.mode, e.size, e.mtime_ns, e.target, e.chunks)
-                            for e in m.entries], m.chunk_size)
-    assert m.encode() == by_hand
+    objects = m.objects()
+    latin = folder_object([(Kind.SYMLINK, 0o777, 13, 9, b"\xff\xfe", b"/etc/hostname", ())],
+                          0o700, 8)
+    pkg = folder_object([(Kind.FILE, 0o644, 10, 3, b"__init__.py", b"", (cid(1),)),
+                         (Kind.SYMLINK, 0o777, 11, 10, b"up", b"../../../x\n", ())], 0o755, 2)
+    files = {e.name: e for e in m.entries if e.parent == b"" and e.path}
+    records = []
+    for name in sorted(files):
+        e = files[name]
+        if e.kind == Kind.DIR:
+            oid = chunk_id(latin if name == b"latin-\xe9" else pkg)
+            records.append((Kind.DIR, 0, 0, 0, name, b"", (oid,)))
+        else:
+            records.append((e.kind, e.mode, e.size, e.mtime_ns, name, e.target, e.chunks))
+    root = folder_object(records, 0o755, 1)
+    assert list(objects.values()) == [pkg, latin, root] or list(objects.values()) == [
+        latin, pkg, root]
+    assert m.id == chunk_id(root)
 
 
 def test_manifest_orders_parents_first_and_subtrees_contiguously():
@@ -129,7 +190,7 @@ def test_manifest_orders_parents_first_and_subtrees_contiguously():
 def test_manifest_id_is_deterministic_and_content_sensitive():
     m = sample_manifest()
     shuffled = Manifest(list(reversed(m.entries)), m.chunk_size)
-    assert shuffled.encode() == m.encode() and shuffled.id == m.id
+    assert shuffled.objects() == m.objects() and shuffled.id == m.id
     changes = [
         lambda e: Entry(e.path, e.kind, e.mode, e.size, e.mtime_ns + 1, e.target, e.chunks),
         lambda e: Entry(e.path, e.kind, e.mode ^ 0o100, e.size, e.mtime_ns, e.target, e.chunks),
@@ -176,6 +237,25 @@ def test_check_path_accepts_odd_but_safe_names():
     assert len(b"/".join([b"d" * 200] * 20)) <= MAX_PATH
 
 
+def test_a_version_shares_its_unchanged_folders_objects():
+    """An edit deep in a tree gives new objects only for the folders on its path."""
+    entries = [Entry(b"", Kind.DIR, 0o755, 0, 0)]
+    for d in range(20):
+        entries.append(Entry(b"d%02d" % d, Kind.DIR, 0o755, 0, 0))
+        entries += [Entry(b"d%02d/f%d" % (d, i), Kind.FILE, 0o644, 1, 0,
+                          chunks=(cid(10 * d + i),)) for i in range(10)]
+    before = Manifest(entries)
+    edited = Manifest([e if e.path != b"d07/f3" else Entry(e.path, e.kind, e.mode, 1, 1,
+                                                           chunks=e.chunks) for e in entries])
+    new = set(edited.objects()) - set(before.objects())
+    assert len(before.objects()) == len(edited.objects()) == 21
+    assert len(new) == 2 and edited.id in new  # d07 and the root
+    # Folders with the same contents are one object, wherever they are.
+    twins = Manifest([Entry(b"", Kind.DIR, 0o755, 0, 0), Entry(b"a", Kind.DIR, 0o755, 0, 0),
+                      Entry(b"b", Kind.DIR, 0o755, 0, 0)])
+    assert len(twins.objects()) == 2 and len(twins.object_ids()) == 3
+
+
 def _with_parents(path: bytes) -> list[tuple]:
     """ROOT, a DIR entry for every proper prefix of `path` (that is itself safe), and `path`."""
     out, parts = [ROOT], path.split(b"/")
@@ -192,16 +272,47 @@ def _with_parents(path: bytes) -> list[tuple]:
     return out
 
 
+UNSAFE_NAMES = [b"", b".", b"..", b"a/b", b"/abs", b"../x", b"a\0b", b"x" * (MAX_NAME + 1)]
+
+
+@pytest.mark.parametrize("name", UNSAFE_NAMES)
+@pytest.mark.parametrize("depth", [0, 2])
+def test_unsafe_names_are_refused_by_load_in_any_folder(name, depth):
+    """A hostile peer's folder object, at the root or deeper, names a child that could
+    escape the mount or that the kernel cannot take."""
+    records = [(Kind.FILE, 0o644, 0, 0, name, b"", ())]
+    objects: dict[bytes, bytes] = {}
+    for _ in range(depth):
+        inner = folder_object(records)
+        objects[chunk_id(inner)] = inner
+        records = [(Kind.DIR, 0, 0, 0, b"sub", b"", (chunk_id(inner),))]
+    root = folder_object(records)
+    objects[chunk_id(root)] = root
+    with pytest.raises(ManifestError, match="unsafe path|duplicate"):
+        load(objects)
+
+
+def test_a_path_longer_than_the_kernel_takes_is_refused():
+    """Every name is legal, but nesting makes the path longer than MAX_PATH."""
+    name = b"d" * 200
+    objects: dict[bytes, bytes] = {}
+    records = [(Kind.FILE, 0o644, 0, 0, b"f", b"", ())]
+    for _ in range(21):
+        blob = folder_object(records)
+        objects[chunk_id(blob)] = blob
+        records = [(Kind.DIR, 0, 0, 0, name, b"", (chunk_id(blob),))]
+    root = folder_object(records)
+    objects[chunk_id(root)] = root
+    with pytest.raises(UnsafePath, match="too long"):
+        load(objects)
+
+
 @pytest.mark.parametrize("path", UNSAFE_PATHS)
-def test_unsafe_paths_are_refused_by_validate_and_by_decode(path):
+def test_unsafe_paths_are_refused_by_validate(path):
     entries = _with_parents(path)
     m = Manifest([Entry(p, Kind(k), mo, s, t, tg, c) for p, k, mo, s, t, tg, c in entries])
     with pytest.raises(UnsafePath):
         m.validate()
-    # Hand-crafted bytes, in canonical order, as a hostile peer would send them.
-    entries.sort(key=lambda e: tuple(e[0].split(b"/")) if e[0] else ())
-    with pytest.raises(UnsafePath):
-        Manifest.decode(raw_manifest(entries))
 
 
 def test_unsafe_path_is_a_manifest_error_and_a_value_error():
@@ -209,13 +320,16 @@ def test_unsafe_path_is_a_manifest_error_and_a_value_error():
 
 
 def _bad(entries, **kw) -> None:
-    """Both validate() and decode() of the hand-crafted encoding refuse `entries`."""
+    """validate() refuses `entries`, and so does load() of the folder objects a hostile peer
+    would build from them (when they can be folder objects at all)."""
     chunk_size = kw.get("chunk_size", CHUNK_SIZE)
     with pytest.raises(ManifestError):
         Manifest([Entry(p, Kind(k), mo, s, t, tg, c) for p, k, mo, s, t, tg, c in entries],
                  chunk_size).validate()
-    with pytest.raises(ManifestError):
-        Manifest.decode(raw_manifest(entries, chunk_size))
+    objects = raw_tree(entries, chunk_size)
+    if objects is not None:
+        with pytest.raises(ManifestError):
+            load(objects)
 
 
 def test_missing_or_wrong_parents_are_refused():
@@ -223,12 +337,17 @@ def test_missing_or_wrong_parents_are_refused():
     _bad([ROOT, (b"f", Kind.FILE, 0o644, 0, 0, b"", ()), (b"f/x", Kind.FILE, 0o644, 0, 0, b"", ())])
     _bad([ROOT, (b"l", Kind.SYMLINK, 0o777, 1, 0, b"d", ()),
           (b"l/x", Kind.FILE, 0o644, 0, 0, b"", ())])
+    with pytest.raises(ManifestError, match="no parent"):  # nothing to be listed in
+        Manifest([Entry(b"", Kind.DIR, 0o755, 0, 0), Entry(b"a/b", Kind.FILE, 0o644, 0, 0)]
+                 ).objects()
 
 
 def test_missing_or_wrong_root_is_refused():
     _bad([])
     _bad([(b"a", Kind.DIR, 0o755, 0, 0, b"", ())])
     _bad([(b"", Kind.FILE, 0o644, 0, 0, b"", ())])
+    with pytest.raises(ManifestError, match="no root"):
+        Manifest([Entry(b"a", Kind.DIR, 0o755, 0, 0)]).objects()
 
 
 def test_duplicates_are_refused():
@@ -236,6 +355,8 @@ def test_duplicates_are_refused():
     _bad([ROOT, f, f])
     _bad([ROOT, ROOT])
     _bad([ROOT, (b"a", Kind.DIR, 0o755, 0, 0, b"", ()), f])
+    with pytest.raises(ManifestError, match=r"duplicate entry b'a'"):
+        load(raw_tree([ROOT, f, f]))
 
 
 @pytest.mark.parametrize("size,nchunks", [(1, 0), (0, 1), (CHUNK_SIZE + 1, 1),
@@ -246,9 +367,9 @@ def test_wrong_chunk_counts_are_refused(size, nchunks):
 
 def test_right_chunk_counts_are_accepted():
     for size, n in [(0, 0), (1, 1), (SMALL, 1), (SMALL + 1, 2), (3 * SMALL, 3)]:
-        data = raw_manifest([ROOT, (b"f", Kind.FILE, 0o644, size, 0, b"", tuple(
+        objects = raw_tree([ROOT, (b"f", Kind.FILE, 0o644, size, 0, b"", tuple(
             cid(i) for i in range(n)))], SMALL)
-        assert Manifest.decode(data).get(b"f").size == size
+        assert load(objects).get(b"f").size == size
 
 
 def test_other_malformed_entries_are_refused():
@@ -263,7 +384,7 @@ def test_other_malformed_entries_are_refused():
     _bad([ROOT], chunk_size=MAX_CHUNK_SIZE + 1)
     for kind in (0, 4, 255):
         with pytest.raises(ManifestError):
-            Manifest.decode(raw_manifest([ROOT, (b"x", kind, 0o644, 0, 0, b"", ())]))
+            load(raw_tree([ROOT, (b"x", kind, 0o644, 0, 0, b"", ())]))
 
 
 def test_fields_past_what_the_kernel_takes_are_refused():
@@ -282,11 +403,14 @@ def test_fields_past_what_the_kernel_takes_are_refused():
         with pytest.raises(ManifestError, match="b'f'"):  # not encodable: validate() only
             Manifest([Entry(b"", Kind.DIR, 0o755, 0, 0), bad]).validate()
     with pytest.raises(ManifestError, match=r"directory b'd': size 18446744073709551615"):
-        Manifest.decode(raw_manifest([ROOT, (b"d", Kind.DIR, 0o755, 2**64 - 1, 0, b"", ())]))
+        Manifest([Entry(b"", Kind.DIR, 0o755, 0, 0),
+                  Entry(b"d", Kind.DIR, 0o755, 2**64 - 1, 0)]).validate()
+    with pytest.raises(ManifestError, match=r"directory b'd': a folder's record"):
+        load(raw_tree([ROOT, (b"d", Kind.DIR, 0o755, 2**64 - 1, 0, b"", ())]))
 
 
 def test_fields_at_the_kernel_limits_are_accepted():
-    m = Manifest.decode(raw_manifest([
+    m = load(raw_tree([
         (b"", Kind.DIR, 0o7777, 0, -(2**63), b"", ()),
         (b"l", Kind.SYMLINK, 0, 4095, 2**63 - 1, b"t" * 4095, ()),
         (b"n" * MAX_NAME, Kind.FILE, 0o7777, SMALL + 1, 0, b"", (cid(1), cid(2))),
@@ -295,58 +419,71 @@ def test_fields_at_the_kernel_limits_are_accepted():
 
 
 def test_every_truncation_and_any_trailing_bytes_are_refused():
-    data = sample_manifest().encode()
-    for n in range(len(data)):
+    objects = sample_manifest().objects()
+    for oid, blob in objects.items():  # the root and a folder inside
+        for n in range(len(blob)):
+            with pytest.raises(ManifestError):
+                load({**objects, oid: blob[:n]})
         with pytest.raises(ManifestError):
-            Manifest.decode(data[:n])
-    with pytest.raises(ManifestError):
-        Manifest.decode(data + b"\0")
+            load({**objects, oid: blob + b"\0"})
 
 
 def test_bad_magic_is_refused():
-    data = sample_manifest().encode()
-    for magic in (b"MFSM\x02", b"XFSM\x01", b"\0" * 5):
-        with pytest.raises(ManifestError, match="magic"):
-            Manifest.decode(magic + data[5:])
+    objects = sample_manifest().objects()
+    for oid, blob in objects.items():
+        for magic in (b"MFSD\x02", b"MFSM\x01", b"\0" * 5):
+            with pytest.raises(ManifestError, match="magic"):
+                load({**objects, oid: magic + blob[5:]})
 
 
 def test_non_canonical_order_is_refused():
-    a = (b"a", Kind.FILE, 0o644, 0, 0, b"", ())
-    b = (b"b", Kind.FILE, 0o644, 0, 0, b"", ())
-    assert Manifest.decode(raw_manifest([ROOT, a, b])).encode() == raw_manifest([ROOT, a, b])
+    a = (Kind.FILE, 0o644, 0, 0, b"a", b"", ())
+    b = (Kind.FILE, 0o644, 0, 0, b"b", b"", ())
+
+    def root(*records) -> dict[bytes, bytes]:
+        blob = folder_object(list(records))
+        return {chunk_id(blob): blob}
+
+    assert [e.path for e in load(root(a, b))] == [b"", b"a", b"b"]
     with pytest.raises(ManifestError, match="order"):
-        Manifest.decode(raw_manifest([ROOT, b, a]))
-    with pytest.raises(ManifestError):
-        Manifest.decode(raw_manifest([a, ROOT, b]))
+        load(root(b, a))
     d = (b"d", Kind.DIR, 0o755, 0, 0, b"", ())
     dx = (b"d/x", Kind.FILE, 0o644, 0, 0, b"", ())
     dash = (b"d-", Kind.FILE, 0o644, 0, 0, b"", ())  # byte order would put it before d/x
-    Manifest.decode(raw_manifest([ROOT, d, dx, dash]))
-    with pytest.raises(ManifestError):
-        Manifest.decode(raw_manifest([ROOT, d, dash, dx]))
+    assert [e.path for e in load(raw_tree([ROOT, d, dx, dash]))] == [b"", b"d", b"d/x", b"d-"]
+    with pytest.raises(ManifestError, match="order"):
+        load(raw_tree([ROOT, dash, d, dx]))  # the root lists d- before d
+
+
+def test_a_folder_of_another_chunk_size_is_refused():
+    inner = folder_object([], chunk_size=SMALL)
+    root = folder_object([(Kind.DIR, 0, 0, 0, b"d", b"", (chunk_id(inner),))])
+    with pytest.raises(ManifestError, match="chunk size"):
+        load({chunk_id(inner): inner, chunk_id(root): root})
 
 
 _ABSURD = r"""
 import resource, struct, sys, time, tracemalloc
 resource.setrlimit(resource.RLIMIT_AS, (1 << 30, resource.RLIM_INFINITY))
+from monarch_fs.fs.chunk import chunk_id
 from monarch_fs.fs.manifest import MAGIC, Kind, Manifest, ManifestError
-HEAD, ENTRY, CS = struct.Struct("<5sII"), struct.Struct("<BIQqHHI"), 4 << 20
+HEAD, ENTRY, CS = struct.Struct("<5sIIqI"), struct.Struct("<BIQqHHI"), 4 << 20
+def head(count):
+    return HEAD.pack(MAGIC, CS, 0o755, 0, count)
 cases = {
-    "10M entries in 20 bytes": HEAD.pack(MAGIC, CS, 10_000_000) + bytes(7),
-    "4G entries, no body": HEAD.pack(MAGIC, CS, 2**32 - 1),
-    "4G chunk ids": HEAD.pack(MAGIC, CS, 1) + ENTRY.pack(Kind.DIR, 0o755, 0, 0, 0, 0, 2**32 - 1)
-                    + bytes(64),
-    "64K path and target": HEAD.pack(MAGIC, CS, 1)
-                           + ENTRY.pack(Kind.DIR, 0o755, 0, 0, 65535, 65535, 0) + bytes(64),
-    "1000 entries of 4G chunks": HEAD.pack(MAGIC, CS, 1000)
-                                 + ENTRY.pack(Kind.FILE, 0o644, 2**64 - 1, 0, 0, 0,
-                                              2**32 - 1) * 1000,
+    "10M children in 20 bytes": head(10_000_000) + bytes(7),
+    "4G children, no body": head(2**32 - 1),
+    "4G chunk ids": head(1) + ENTRY.pack(Kind.FILE, 0o644, 0, 0, 1, 0, 2**32 - 1) + bytes(64),
+    "64K name and target": head(1) + ENTRY.pack(Kind.FILE, 0o644, 0, 0, 65535, 65535, 0)
+                           + bytes(64),
+    "1000 records of 4G chunks": head(1000) + ENTRY.pack(Kind.FILE, 0o644, 2**64 - 1, 0, 0, 0,
+                                                         2**32 - 1) * 1000,
 }
 for name, data in cases.items():
     tracemalloc.start()
     t = time.perf_counter()
     try:
-        Manifest.decode(data)
+        Manifest.load(chunk_id(data), lambda oid: data)
     except ManifestError:
         pass
     else:
@@ -359,7 +496,7 @@ for name, data in cases.items():
 
 
 def test_absurd_counts_fail_fast_without_allocating():
-    """Headers and entries that claim far more than the input holds fail at once, without
+    """Headers and records that claim far more than the object holds fail at once, without
     allocating for the claim (in a child with a 1 GiB address-space limit and a timeout, so a
     regression fails the test instead of exhausting the machine)."""
     proc = subprocess.run([sys.executable, "-c", _ABSURD], capture_output=True, text=True,
@@ -367,7 +504,31 @@ def test_absurd_counts_fail_fast_without_allocating():
     assert proc.returncode == 0, proc.stderr or proc.stdout
 
 
-# Hypothesis: valid manifests, their encodings, and mutations of them.
+def test_a_tree_that_names_one_folder_many_times_stops_at_the_entry_limit():
+    """Objects are content-addressed, so a hostile tree can name one folder many times: 100
+    folders of 100 folders of 100 files is a million entries from three small objects. The
+    entries are counted as they are made, and the load stops at the limit."""
+    leaf = folder_object([(Kind.FILE, 0o644, 0, 0, b"f%03d" % i, b"", ()) for i in range(100)])
+    mid = folder_object([(Kind.DIR, 0, 0, 0, b"m%03d" % i, b"", (chunk_id(leaf),))
+                         for i in range(100)])
+    root = folder_object([(Kind.DIR, 0, 0, 0, b"r%03d" % i, b"", (chunk_id(mid),))
+                          for i in range(100)])
+    objects = {chunk_id(b): b for b in (leaf, mid, root)}
+    with pytest.raises(TooManyEntries, match="more than the limit of 50,000"):
+        load(objects, max_entries=50_000)
+
+
+def test_a_missing_object_is_named_with_its_folder():
+    m = sample_manifest()
+    objects = dict(m.objects())
+    pkg = next(oid for oid, blob in objects.items() if b"__init__.py" in blob)
+    del objects[pkg]
+    with pytest.raises(MissingObject) as e:
+        load(objects)
+    assert e.value.oid == pkg and e.value.path == b"pkg" and isinstance(e.value, KeyError)
+
+
+# Hypothesis: valid manifests, their objects, and arbitrary or mutated objects.
 
 _names = st.binary(min_size=1, max_size=16).filter(
     lambda b: b"/" not in b and b"\0" not in b and b not in (b".", b".."))
@@ -410,29 +571,32 @@ def manifests(draw) -> Manifest:
 @given(manifests())
 def test_fuzz_valid_manifests_round_trip(m):
     m.validate()
-    data = m.encode()
-    back = Manifest.decode(data)
+    back = load(m.objects())
     assert back.entries == m.entries and back.chunk_size == m.chunk_size
-    assert back.encode() == data and back.id == m.id
+    assert back.objects() == m.objects() and back.id == m.id
 
 
-def _decode_only_manifest_errors(data: bytes) -> None:
+def _load_only_manifest_errors(root: bytes, objects: dict[bytes, bytes]) -> None:
+    """Load a tree whose root object is `root` (stored under the id it claims to have, as a
+    store that did not check would): only a ManifestError, or a MissingObject for a folder it
+    names that is not there. Whatever is accepted is canonical: it encodes back to `root`."""
+    oid = chunk_id(b"claimed")
     try:
-        m = Manifest.decode(data)
-    except ManifestError:
+        m = Manifest.load(oid, {**objects, oid: root}.__getitem__)
+    except (ManifestError, MissingObject):
         return
-    # Whatever is accepted is canonical: it encodes back to exactly the same bytes.
-    assert m.encode() == bytes(data)
+    again = Manifest(m.entries, m.chunk_size).objects()
+    assert list(again.values())[-1] == bytes(root)
 
 
 @FUZZ
 @given(st.one_of(st.binary(max_size=400),
-                 st.binary(max_size=400).map(lambda b: MAGIC + b),
+                 st.binary(max_size=400).map(lambda b: FOLDER_MAGIC + b),
                  st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1),
                            st.binary(max_size=400)).map(
-                     lambda t: HEAD.pack(MAGIC, t[0], t[1]) + t[2])))
-def test_fuzz_decode_of_arbitrary_bytes_raises_only_manifest_error(data):
-    _decode_only_manifest_errors(data)
+                     lambda t: FOLDER_HEAD.pack(FOLDER_MAGIC, t[0], 0o755, 0, t[1]) + t[2])))
+def test_fuzz_load_of_arbitrary_bytes_raises_only_manifest_error(data):
+    _load_only_manifest_errors(data, {})
 
 
 _mutation = st.one_of(
@@ -465,12 +629,13 @@ def _mutate(data: bytes, ops) -> bytes:
 @pytest.mark.slow
 @FUZZ
 @given(manifests(), st.lists(_mutation, min_size=1, max_size=4))
-def test_fuzz_decode_of_mutated_encodings_raises_only_manifest_error(m, ops):
-    data = _mutate(m.encode(), ops)
+def test_fuzz_load_of_mutated_objects_raises_only_manifest_error(m, ops):
+    objects = m.objects()
+    root = _mutate(objects[m.id], ops)
     tracemalloc.start()
     try:
-        _decode_only_manifest_errors(data)
+        _load_only_manifest_errors(root, objects)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert peak < (1 << 20) + 20 * len(data)
+    assert peak < (1 << 20) + 20 * sum(map(len, objects.values()))

@@ -113,7 +113,7 @@ def content(snap, rel: str) -> bytes:
 
 async def fresh(src: Path) -> bytes:
     """The manifest a scan without any cache gives: what every cached scan must equal."""
-    return (await scan(src, chunk_size=SMALL)).manifest.encode()
+    return (await scan(src, chunk_size=SMALL)).manifest.id
 
 
 async def cached_scan(src: Path, cache_dir: Path, racy_ns: int = RACY, **kw):
@@ -144,7 +144,7 @@ async def test_unchanged_tree_is_not_read_again(src, tmp_path, opens):
     assert second.hashed_files == 0 and second.hashed_bytes == 0
     assert second.cached_files == len(files) and cache.hits == len(files)
     assert reports == [(0, 0)]
-    assert second.manifest.encode() == first.manifest.encode() == await fresh(src)
+    assert second.manifest.id == first.manifest.id == await fresh(src)
     # The cached sources point at the right bytes (reading them is the push's check).
     for rel, data in files.items():
         assert content(second, rel) == data, rel
@@ -161,7 +161,7 @@ async def test_a_one_file_edit_hashes_exactly_that_file(src, tmp_path, opens):
     snap, _ = await cached_scan(src, tmp_path / "cache")
     assert seen.files() == ["pkg1/mod4.py", "pkg2/new.py"]
     assert snap.hashed_files == 2 and snap.cached_files == len(files) - 1
-    assert snap.manifest.encode() == await fresh(src)
+    assert snap.manifest.id == await fresh(src)
     assert content(snap, "pkg1/mod4.py") == b"edited = True\n"
 
 
@@ -184,7 +184,7 @@ async def test_same_size_same_mtime_rewrite_is_caught_by_ctime(src, tmp_path, op
     snap, _ = await cached_scan(src, tmp_path / "cache")
     assert seen.files() == ["pkg0/mod3.py"]
     assert content(snap, "pkg0/mod3.py") == new
-    assert snap.manifest.encode() == await fresh(src)
+    assert snap.manifest.id == await fresh(src)
 
 
 async def test_deleted_and_renamed_files(src, tmp_path, opens):
@@ -203,7 +203,7 @@ async def test_deleted_and_renamed_files(src, tmp_path, opens):
     paths = {e.path for e in snap.manifest}
     assert b"pkg2/mod5.py" not in paths and b"pkg1/mod7.py" not in paths
     assert content(snap, "pkg2/moved.py") == files["pkg1/mod7.py"]
-    assert snap.manifest.encode() == await fresh(src)
+    assert snap.manifest.id == await fresh(src)
     # The deleted file's entry was dropped when the cache was saved: one entry per inode left
     # (less the renamed file, if its ctime moved: then it was racy, and is not cached yet).
     past_racy_window(src)
@@ -244,7 +244,7 @@ async def test_a_corrupt_cache_file_is_ignored(src, tmp_path, damage, opens):
     snap, cache = await cached_scan(src, tmp_path / "cache")
     assert cache.loaded == 0 and snap.cached_files == 0
     assert len(seen.files()) == len(files) - 1  # everything read again
-    assert snap.manifest.encode() == await fresh(src)
+    assert snap.manifest.id == await fresh(src)
     if damage != "directory":  # rewritten whole: the next scan trusts it again
         seen.files()
         again, _ = await cached_scan(src, tmp_path / "cache")
@@ -260,7 +260,7 @@ async def test_a_cache_of_another_chunk_size_is_not_used(src, tmp_path, opens):
     snap = await scan(src, chunk_size=2 * SMALL, cache=cache)
     assert cache.loaded == 0 and len(seen.files()) == len(files) - 1
     assert len(snap.manifest.get(b"big.bin").chunks) == 2
-    assert snap.manifest.encode() == (await scan(src, chunk_size=2 * SMALL)).manifest.encode()
+    assert snap.manifest.id == (await scan(src, chunk_size=2 * SMALL)).manifest.id
 
 
 @pytest.mark.slow
@@ -311,7 +311,7 @@ async def test_a_stale_entry_is_a_clear_source_changed_and_clears_the_cache(src,
     assert not Path(cache_file(tmp_path / "cache", src)).exists()
     again, _ = await cached_scan(src, tmp_path / "cache")
     assert content(again, "pkg1/mod1.py") == files["pkg1/mod1.py"]
-    assert again.manifest.encode() == await fresh(src)
+    assert again.manifest.id == await fresh(src)
 
 
 async def test_a_file_edited_after_the_scan_is_still_changed_during_the_push(src, tmp_path):

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from helpers import staged
 from monarch_fs.daemon.client.push import push
 from monarch_fs.daemon.node.service import NodeService, open_listeners
 from monarch_fs.daemon.node.session import ROUTES
@@ -129,10 +130,10 @@ def manifest_of(data: bytes) -> tuple[Manifest, dict[bytes, bytes]]:
 async def send_version(chan, data: bytes) -> str:
     """Stage a one-file version by hand (its chunk and its manifest); returns its id."""
     m, blobs = manifest_of(data)
-    encoded = m.encode()
-    for cid, blob in {**blobs, chunk.chunk_id(encoded): chunk.encode(encoded)}.items():
+    version, objects = staged(m)
+    for cid, blob in {**blobs, **objects}.items():
         await chan.send(p.PutChunk(cid, blob))
-    return chunk.chunk_id(encoded).hex()
+    return version
 
 
 async def test_prepare_commit_and_remove_over_the_protocol(tmp_path):

@@ -142,14 +142,16 @@ class ControllerStore:
         return dropped
 
     def _live(self, held: list[Held]) -> Iterable[Iterable[bytes]]:
-        """The chunk ids of each held snapshot, and its manifest's id."""
+        """The chunk ids of each held snapshot, and its manifest's objects."""
         for h in held:
             version = bytes.fromhex(h.version)
             yield [version]
             try:
-                manifest = Manifest.decode(decode(version, self.store.get_blob(version)))
+                manifest = Manifest.load(
+                    version, lambda oid: decode(oid, self.store.get_blob(oid)))
             except (KeyError, ValueError, CorruptChunk):
                 continue  # not held (the nodes had it): its chunks are not kept live
+            yield manifest.object_ids()
             yield manifest.chunk_ids()
 
     def _write(self, held: list[Held]) -> None:

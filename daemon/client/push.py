@@ -26,7 +26,6 @@ from pathlib import Path
 
 import trio
 
-from ...fs import chunk
 from ...fs.manifest import Kind
 from ...fs.scan import Snapshot, SourceChanged, scan
 from ...fs.scan_cache import ScanCache
@@ -131,12 +130,12 @@ class _Push:
         self.timeout = timeout
         self.allow_partial = allow_partial
         self.nodes = [NodeLink(h) for h in hosts]
-        manifest_bytes = snap.manifest.encode()
-        self.version = chunk.chunk_id(manifest_bytes)
+        objects = snap.manifest.objects()
+        self.version = snap.manifest.id
         self.ids = snap.manifest.chunk_ids()
         self.sizes = {cid: src.length for cid, src in snap.sources.items()}
-        self.sizes[self.version] = len(manifest_bytes)
-        self.payload = Payload(self.ids, self.version, manifest_bytes, self.sizes,
+        self.sizes.update((oid, len(blob)) for oid, blob in objects.items())
+        self.payload = Payload(self.ids, self.version, objects, self.sizes,
                                snap.read_into, store,
                                vouched=frozenset(c for c, src in snap.sources.items()
                                                  if src.cached is not None))
@@ -209,7 +208,8 @@ class _Push:
     async def negotiate(self, held: Collection[bytes] = ()) -> None:
         """Ask every node which chunks it lacks, of those not `held` by every node already
         (push --watch: those of the version it pushed last; prepare checks every chunk)."""
-        ask_for = [c for c in self.ids if c not in held] + [self.version]
+        ask_for = [c for c in [*self.ids, *self.payload.objects]
+                   if c not in held or c == self.version]
 
         async def ask(node: NodeLink) -> None:
             node.missing = set(await node.channel.query_missing(ask_for))
@@ -344,7 +344,7 @@ def keep(store: ControllerStore, snap: Snapshot, job: _Push, name: str) -> list[
     record the snapshot and apply the bound; the lines to report. Blocking."""
     lines: list[str] = []
     try:
-        store.added = store.fill(job.ids + [job.version], job.payload.read)
+        store.added = store.fill([*job.ids, *job.payload.objects], job.payload.read)
     except (SourceChanged, OSError) as e:  # published already: the next push reads it again
         lines.append(f"the dev box store misses some chunks of this push: {e}")
     files = sum(e.size for e in snap.manifest if e.kind == Kind.FILE)

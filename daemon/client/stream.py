@@ -90,8 +90,9 @@ def interleave(ids: list[bytes], sizes: dict[bytes, int]) -> list[bytes]:
 
 @dataclass
 class Payload:
-    """What a push sends: the snapshot's chunk ids in folder order, then its manifest (chunk id
-    `version`), their sizes, and how to obtain a chunk's blob: from the dev box's store when it
+    """What a push sends: the snapshot's chunk ids in folder order, then its manifest (the
+    folder objects, by id: the root's is `version`), their sizes, and how to obtain a chunk's
+    blob: from the dev box's store when it
     holds it (no read, hash or compression), else read from the source (checked against its
     id) and compressed, and then kept in the store. Roots in `raw_roots` (links faster than
     the codec, link_codec.py) get every chunk raw; the nodes below a root receive
@@ -99,7 +100,7 @@ class Payload:
 
     ids: list[bytes]
     version: bytes
-    manifest_bytes: bytes
+    objects: dict[bytes, bytes]  # Manifest.objects(): children before parents, the root last
     sizes: dict[bytes, int]
     read_into: Callable[[bytes, int], bytearray]  # Snapshot.read_into
     store: ControllerStore | None = None
@@ -116,8 +117,9 @@ class Payload:
 
     def read(self, cid: bytes) -> bytearray:
         """A chunk's bytes after one free byte (for its codec byte, when it goes raw)."""
-        if cid == self.version:
-            return bytearray(1) + self.manifest_bytes
+        obj = self.objects.get(cid)
+        if obj is not None:
+            return bytearray(1) + obj
         return self.read_into(cid, 1)
 
     def encoded(self, cids: list[bytes], zstd: bool = True,
@@ -259,7 +261,7 @@ class Stream:
             # below look up the rest again.
             below = topology.subtree({"addr": root.addr, "children": children})
             lacking = set().union(*(self.by_addr[a].missing for a in below))
-            ids = [c for c in pl.ids + [pl.version] if c in lacking]
+            ids = [c for c in [*pl.ids, *pl.objects] if c in lacking]
             wants[root.addr] = set(await chan.query_missing(ids))
             if early:
                 reading[root.addr] = await readers.start(self._read_wants, root, chan)
@@ -274,7 +276,7 @@ class Stream:
         # they are written once, in place (fs/file_objects.py). Nothing is published before
         # prepare checks that every chunk it names has arrived (push --early: the first
         # reads' chunks, next, and the rest on demand).
-        manifest = [pl.version] if any(pl.version in wants[r.addr] for r in live) else []
+        manifest = [o for o in pl.objects if any(o in wants[r.addr] for r in live)]
         if self.head is None:
             order = manifest + interleave(needed, pl.sizes)
         else:  # the first reads' chunks next: the version is usable once they are there
@@ -329,9 +331,10 @@ class Stream:
                 pass
 
         async def encoders() -> None:
-            # The manifest alone, queued before the parallel encoders start: they finish their
-            # batches in any order, and a chunk sent ahead of it would miss its file object.
-            if order and order[0] == pl.version and not await encode([next(todo)]):
+            # The manifest's objects, queued in order before the parallel encoders start: they
+            # finish their batches in any order, and a chunk sent ahead of the root would miss
+            # its file object.
+            if manifest and not await encode([next(todo) for _ in manifest]):
                 return
             async with trio.open_nursery() as inner:
                 for _ in range(_ENCODERS):
@@ -351,7 +354,7 @@ class Stream:
                             await out.send_chunks(batch)
                         self.bytes_sent += size
                         for cid, _ in batch:
-                            self.chunks_sent += cid != pl.version
+                            self.chunks_sent += cid not in pl.objects
                             sent += pl.sizes[cid]
                         self.progress.update(sent)
                 except NODE_ERRORS as e:

@@ -134,7 +134,7 @@ async def watch(
             say(summary(result, changes), out)
         if result.failed:
             return frozenset()
-        return frozenset(snap.manifest.chunk_ids()) | {bytes.fromhex(result.version)}
+        return frozenset(snap.manifest.chunk_ids()) | frozenset(snap.manifest.objects())
 
     async def scanned(snap: Snapshot | None, changed: set[bytes]) -> Snapshot:
         """The tree now: `snap` rescanned at the `changed` paths, or scanned whole."""

@@ -30,7 +30,7 @@ from ...fs.backing import wanted as backing_wanted
 from ...fs.chunk import CorruptChunk
 from ...fs.chunk import decode as decode_chunk
 from ...fs.fuse_ops import SnapshotFS
-from ...fs.manifest import Entry, Manifest, ManifestError, TooManyEntries
+from ...fs.manifest import Entry, Manifest, ManifestError, MissingObject, TooManyEntries
 from ...fs.store import Store
 from ..wire.replies import CommitReply, PrepareReply, RemoveReply
 from ..wire.requests import RequestError
@@ -99,29 +99,33 @@ class Publisher:
 
     # ---- manifests ------------------------------------------------------------------------
 
-    async def manifest(self, version: bytes, blob: bytes | memoryview | None = None
+    async def manifest(self, version: bytes, root: bytes | memoryview | None = None
                        ) -> Manifest:
-        """A version's manifest, decoded once (on a worker thread). One with more than
-        max_entries entries is refused from its header (TooManyEntries), unless it was
-        published before the limit was lowered: a prepare that refused it, and every collect
-        after, decode nothing. Raises KeyError if the store lacks it. `blob`: its bytes as
-        they arrive in a push, before they are stored (checked against `version`,
-        CorruptChunk): the push's large files are placed from it, and prepare finds it
-        decoded here."""
+        """A version's manifest, loaded once (on a worker thread) from its folder objects in
+        the store. One with more than max_entries entries is refused (TooManyEntries), unless
+        it was published before the limit was lowered: a prepare that refused it, and every
+        collect after, load nothing. Raises KeyError (MissingObject) if the store lacks an
+        object. `root`: the root object's bytes as they arrive in a push, before they are
+        stored (checked against `version`, CorruptChunk): the push's large files are placed
+        from it, and prepare finds it loaded here."""
         m = self._manifests.get(version)
         if m is not None:
             return m
         published = any(version in vs for vs in self.refs.workspaces.values())
         last = next(reversed(self._manifests.values()), None)
 
-        def decode() -> Manifest:
-            data = self.store.get(version) if blob is None else decode_chunk(version, blob)
-            # What it shares with the version decoded last is taken from that one: decoded
-            # once, and held once in memory.
-            return Manifest.decode(data, max_entries=None if published else self.max_entries,
-                                   known=last)
+        def get(oid: bytes) -> bytes | memoryview:
+            if oid == version and root is not None:
+                return decode_chunk(version, root)
+            return self.store.get(oid)
 
-        m = await trio.to_thread.run_sync(decode)
+        def load() -> Manifest:
+            # The folders it shares with the version loaded last are taken from that one:
+            # loaded once, and held once in memory.
+            return Manifest.load(version, get, None if published else self.max_entries,
+                                 known=last)
+
+        m = await trio.to_thread.run_sync(load)
         self._manifests[version] = m
         return m
 
@@ -174,11 +178,15 @@ class Publisher:
         """The manifest of a version being prepared; RequestError saying why it cannot be."""
         try:
             return await self.manifest(version)
-        except KeyError:
-            raise RequestError(f"version {version.hex()[:12]}: manifest not received") from None
+        except KeyError as e:
+            what = ("" if not isinstance(e, MissingObject) or e.oid == version
+                    else f" whole ({e.args[0]})")
+            raise RequestError(f"version {version.hex()[:12]}: manifest not received{what}"
+                               ) from None
         except TooManyEntries as e:  # a ManifestError: first
             raise RequestError(
-                f"version {version.hex()[:12]}: the manifest has {e.count:,} entries, more than "
+                f"version {version.hex()[:12]}: the manifest has at least {e.count:,} entries, "
+                f"more than "
                 f"this node accepts ({e.limit:,}: its --max-entries or MONARCH_FS_MAX_ENTRIES)"
             ) from None
         except (CorruptChunk, ManifestError) as e:
@@ -213,7 +221,7 @@ class Publisher:
         self._pinned[name] = version
         try:
             if early is not None and wait and self.fetcher is not None:
-                await self.fetcher.wait([version, *early], wait)
+                await self._wait_early(version, early, wait)
             async with self._gc_lock:
                 if early is None:
                     await self._check_complete(version)
@@ -228,6 +236,22 @@ class Publisher:
             else:
                 self._pinned[name] = before
             raise
+
+    async def _wait_early(self, version: bytes, early: tuple[bytes, ...], wait: float) -> None:
+        """Wait up to `wait` seconds for the manifest's objects and the `early` chunks, as
+        they arrive on another session: the root is the last object sent, and an object still
+        being stored when it came is waited for in turn."""
+        assert self.fetcher is not None
+        with trio.move_on_after(wait):
+            await self.fetcher.wait([version, *early], wait)
+            while True:
+                try:
+                    await self.manifest(version)
+                    return
+                except MissingObject as e:
+                    await self.fetcher.wait([e.oid], wait)  # bounded by this scope
+                except _UNLOADABLE:
+                    return  # prepare says why
 
     def _check_source(self, source: str | None) -> None:
         """Refuse a source path that overlaps this node's own folders, before anything
@@ -501,6 +525,7 @@ class Publisher:
                 yield versions
                 yield held
                 for m in manifests:
+                    yield m.object_ids()
                     yield (c for e in m.entries for c in e.chunks)
 
             try:
@@ -526,3 +551,4 @@ class Publisher:
         if freed:
             log.info("a write failed: gave back the %d bytes the push had stored since the "
                      "last durable record", freed)
+

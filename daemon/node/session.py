@@ -91,8 +91,9 @@ class Session:
                                   counters=service.counters, limiter=service.write_limiter,
                                   on_stored=service.fetcher.stored)
         self.relay: Relay | None = None
-        # The manifest's chunk id, when the client said which it is (OpenRelay.version): it
-        # comes first, and says where each large file's chunks go (fs/file_objects.py).
+        # The manifest's root object id, when the client said which it is (OpenRelay.version):
+        # the manifest comes first, and says where each large file's chunks go
+        # (fs/file_objects.py).
         self.version: bytes | None = None
         self.upstream: Upstream | None = None  # push --early: this peer streams to us
         self.own_missing: set[bytes] | None = None  # what this node lacks, once asked
@@ -164,16 +165,19 @@ class Session:
                 await self.writes.hurry(self.nursery)
 
     async def _place_files(self, cid: bytes, blob: bytes | memoryview) -> None:
-        """The manifest arrived ahead of the files: tell the store where each large file's
-        chunks go, before any of them is written. Decoded on a worker thread (verified against
-        its id); one that does not decode places nothing, and prepare says why."""
+        """The manifest arrived ahead of the files (its folder objects, the root last): tell
+        the store where each large file's chunks go, before any of them is written. Loaded on
+        a worker thread once the objects before the root are stored; one that does not load
+        places nothing (over RDMA the root may come before other objects), and prepare says
+        why if it still does not."""
         service = self.service
         if not service.store_raw:  # --store-compressed: every chunk to a pack, compressed
             return
         try:
-            manifest = await self.publisher.manifest(cid, blob)  # prepare's, decoded once
+            await self.writes.idle(self.nursery)  # the objects that came before the root
+            manifest = await self.publisher.manifest(cid, blob)  # prepare's, loaded once
             placed = await trio.to_thread.run_sync(place_files, service.store, manifest)
-        except (CorruptChunk, ManifestError, OSError) as e:
+        except (KeyError, CorruptChunk, ManifestError, OSError) as e:
             log.info("manifest %s: large files go to packs: %s", cid.hex()[:12], e)
             return
         if placed:
