@@ -156,6 +156,13 @@ class Store:
     def ids(self) -> list[bytes]:
         return list({**dict.fromkeys(self._index), **dict.fromkeys(self.objects.index)})
 
+    def forget(self, cid: bytes) -> None:
+        """Drop a chunk found damaged from the index: the next push is told this store lacks
+        it and sends it again (its new record, later in the packs, is the one a restart
+        indexes); the damaged record goes with its pack's next compaction."""
+        with self._lock:
+            self._index.pop(cid, None)
+
     def expect_file(self, key: str, size: int, chunks: Sequence[bytes], chunk_size: int
                     ) -> bool:
         """A large file's chunks that arrive from now on are written once, into its file

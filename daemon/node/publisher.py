@@ -117,7 +117,13 @@ class Publisher:
         def get(oid: bytes) -> bytes | memoryview:
             if oid == version and root is not None:
                 return decode_chunk(version, root)
-            return self.store.get(oid)
+            try:
+                return self.store.get(oid)
+            except CorruptChunk:  # damaged on disk: the next push is told it lacks it
+                log.warning("folder object %s is damaged in the store: dropped",
+                            oid.hex()[:12])
+                self.store.forget(oid)
+                raise
 
         def load() -> Manifest:
             # The folders it shares with the version loaded last are taken from that one:
