@@ -30,11 +30,21 @@ DIR, FILE, SYMLINK = Kind.DIR, Kind.FILE, Kind.SYMLINK
 
 
 class Tree:
-    """A snapshot indexed for lookups: entries by path and sorted child names by directory."""
+    """A snapshot indexed for lookups: entries by path and sorted child names by directory.
 
-    def __init__(self, version: bytes, manifest: Manifest):
+    Given the tree of the version `manifest` was loaded knowing (Manifest.base), it is that
+    index with the folders the load read listed again: the cost of the change, not of the
+    tree. It also keeps what differs from that version (`changed`, for `changes`)."""
+
+    def __init__(self, version: bytes, manifest: Manifest, prev: Tree | None = None):
         self.version = version
         self.manifest = manifest
+        self.prev_version: bytes | None = None
+        self.changed: list[tuple[Entry | None, Entry | None]] = []
+        base = manifest.base() if manifest.base is not None else None
+        if prev is not None and base is not None and base is prev.manifest:
+            self._update(prev)
+            return
         self.entries: dict[bytes, Entry] = {}
         self.children: dict[bytes, list[Entry]] = {}  # in name order
         self.total_bytes = manifest.total_bytes  # for statfs, which `find` and `df` call
@@ -44,6 +54,55 @@ class Tree:
                 self.children[e.path] = []
             if e.path:
                 self.children[e.parent].append(e)
+
+    def _update(self, prev: Tree) -> None:
+        """`prev`'s index, with each folder the load read listed again (see the class)."""
+        entries, children = dict(prev.entries), dict(prev.children)
+        changed = self.changed
+        total = prev.total_bytes
+
+        def size(e: Entry) -> int:
+            return e.size if e.kind == FILE else 0
+
+        def drop(e: Entry) -> None:  # a path gone, and everything below it
+            nonlocal total
+            entries.pop(e.path, None)
+            changed.append((e, None))
+            total -= size(e)
+            if e.kind == DIR:
+                for child in children.pop(e.path, ()):
+                    drop(child)
+
+        m = self.manifest
+        for i in m.read_folders:
+            folder = m.entries[i]
+            was = entries.get(folder.path)
+            if was is not None and was.kind != DIR:  # a file or link became a folder
+                drop(was)
+                was = None
+            if was is not folder and (was is None or not was.same_content(folder)):
+                changed.append((was, folder))
+            entries[folder.path] = folder
+            old = {e.name: e for e in children.get(folder.path, ())} if was is not None else {}
+            kids = m.children(i)
+            for e in kids:
+                before = old.pop(e.name, None)
+                if before is e or e.kind == DIR:
+                    continue  # the same, or a folder: one that is new or changed was read
+                if before is not None and before.kind == DIR:
+                    drop(before)  # a folder became a file or link
+                    before = None
+                if before is not None:
+                    total -= size(before)
+                entries[e.path] = e
+                total += size(e)
+                if before is None or not before.same_content(e):
+                    changed.append((before, e))
+            for gone in old.values():
+                drop(gone)
+            children[folder.path] = kids
+        self.entries, self.children, self.total_bytes = entries, children, total
+        self.prev_version = prev.version
 
     @property
     def hex(self) -> str:
@@ -69,6 +128,8 @@ def changes(before: Tree, after: Tree) -> list[tuple[Entry | None, Entry | None]
     """(old, new) for every path whose entry differs between two snapshots."""
     if before.version == after.version:
         return []
+    if after.prev_version == before.version:  # found while indexing it (Tree._update)
+        return after.changed
     a, b = before.entries, after.entries
     # An entry a version shares with the one decoded before it is the same object
     # (Manifest.load's `known`): most of a tree after an edit.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import struct
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -240,6 +241,11 @@ class Manifest:
         # subtree's items are copied between versions as slices, unchanged.
         self._oids: list[bytes | None] | None = None
         self._spans: list[int] | None = None
+        # Loaded knowing another version (`load`'s `known`): that one, and the indices of the
+        # folders read from objects (the rest was taken from it), so an index of this version
+        # can be made from that one's at the cost of what changed (fs/inodes.py).
+        self.base: weakref.ref[Manifest] | None = None
+        self.read_folders: list[int] = []
 
     def validate(self, checked: frozenset[int] = frozenset()) -> None:
         """Refuse anything the mount could not serve as is: every field is held to what the
@@ -344,6 +350,7 @@ class Manifest:
         if known is not None and known._oids is not None and known._spans is not None:
             k_entries, k_oids, k_spans = known.entries, known._oids, known._spans
         chunk_size = 0
+        read: list[int] = []
 
         def open_folder(path: bytes, oid: bytes, k: int | None):
             """Enter the folder at `path` (known's index `k`): None when known's subtree is
@@ -374,6 +381,7 @@ class Manifest:
             if k is not None and k_entries[k] == e:
                 e = k_entries[k]  # the same folder with new contents: one object in memory
             at = len(entries)
+            read.append(at)
             entries.append(e)
             oids.append(oid)
             spans.append(1)
@@ -427,7 +435,19 @@ class Manifest:
                 raise TooManyEntries(len(entries), limit)
         m = cls((), chunk_size)
         m.entries, m._oids, m._spans = entries, oids, spans  # in tree order by construction
+        m.read_folders = read
+        if k_entries is not None:
+            m.base = weakref.ref(known)
         return m
+
+    def children(self, i: int) -> list[Entry]:
+        """The entries directly inside the folder at index `i`, in name order."""
+        assert self._spans is not None
+        out, j, end = [], i + 1, i + self._spans[i]
+        while j < end:
+            out.append(self.entries[j])
+            j += self._spans[j]
+        return out
 
     # ---- lookups ------------------------------------------------------------------------------
 

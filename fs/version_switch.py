@@ -43,7 +43,8 @@ async def stage(table: InodeTable, name: bytes, versions: list[tuple[bytes, Mani
     trees = []
     for v, m in versions:
         tree = known.get(v)
-        trees.append(tree if tree is not None else await trio.to_thread.run_sync(Tree, v, m))
+        trees.append(tree if tree is not None else await trio.to_thread.run_sync(
+            Tree, v, m, old[0] if old else None))
     changed = await trio.to_thread.run_sync(changes, old[0], trees[0]) if old else []
     return Staged(name, old, trees, changed)
 

@@ -1,0 +1,132 @@
+"""fs/inodes.py's Tree made from the version before (the cost of the change): for any edit it is
+the index a whole build gives, and its changes are what a whole comparison finds, so the
+kernel's invalidations stay exact."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from monarch_fs.fs.chunk import chunk_id
+from monarch_fs.fs.inodes import Tree, changes
+from monarch_fs.fs.manifest import Entry, Kind, Manifest
+
+
+def cid(n: int) -> bytes:
+    return chunk_id(b"chunk-%d" % n)
+
+
+def start(rng: random.Random) -> dict[bytes, Entry]:
+    tree = {b"": Entry(b"", Kind.DIR, 0o755, 0, 0)}
+    for d in range(6):
+        folder = b"d%d" % d
+        tree[folder] = Entry(folder, Kind.DIR, 0o755, 0, d)
+        for sub in range(2):
+            inner = folder + b"/s%d" % sub
+            tree[inner] = Entry(inner, Kind.DIR, 0o755, 0, sub)
+            for f in range(3):
+                path = inner + b"/f%d" % f
+                tree[path] = Entry(path, Kind.FILE, 0o644, 5, f, chunks=(cid(rng.random()),))
+    tree[b"link"] = Entry(b"link", Kind.SYMLINK, 0o777, 2, 0, b"d0")
+    return tree
+
+
+def below(tree: dict[bytes, Entry], path: bytes) -> list[bytes]:
+    return [p for p in tree if p == path or p.startswith(path + b"/")]
+
+
+def edit(tree: dict[bytes, Entry], rng: random.Random) -> None:
+    """One random change of the kinds an edit loop makes."""
+    paths = [p for p in tree if p]
+    files = [p for p in paths if tree[p].kind == Kind.FILE]
+    folders = [p for p in paths if tree[p].kind == Kind.DIR]
+    what = rng.choice(["content", "chmod", "add", "remove", "add folder", "remove folder",
+                       "move folder", "file to folder", "folder to file", "relink",
+                       "folder mtime"])
+    n = rng.randrange(10**9)
+    if what == "content" and files:
+        e = tree[rng.choice(files)]
+        tree[e.path] = Entry(e.path, e.kind, e.mode, 6, e.mtime_ns + 1, chunks=(cid(n),))
+    elif what == "chmod" and files:
+        e = tree[rng.choice(files)]
+        tree[e.path] = Entry(e.path, e.kind, 0o600, e.size, e.mtime_ns, chunks=e.chunks)
+    elif what == "add":
+        parent = rng.choice([b"", *folders])
+        path = (parent + b"/" if parent else b"") + b"new%d" % n
+        tree[path] = Entry(path, Kind.FILE, 0o644, 1, n, chunks=(cid(n),))
+    elif what == "remove" and files:
+        del tree[rng.choice(files)]
+    elif what == "add folder":
+        parent = rng.choice([b"", *folders])
+        path = (parent + b"/" if parent else b"") + b"nd%d" % n
+        tree[path] = Entry(path, Kind.DIR, 0o755, 0, n)
+        tree[path + b"/x"] = Entry(path + b"/x", Kind.FILE, 0o644, 1, 0, chunks=(cid(n),))
+    elif what == "remove folder" and folders:
+        for p in below(tree, rng.choice(folders)):
+            del tree[p]
+    elif what == "move folder" and folders:
+        src = rng.choice(folders)
+        dst = b"moved%d" % n
+        for p in below(tree, src):
+            e = tree.pop(p)
+            q = dst + p[len(src):]
+            tree[q] = Entry(q, e.kind, e.mode, e.size, e.mtime_ns, e.target, e.chunks)
+    elif what == "file to folder" and files:
+        path = rng.choice(files)
+        tree[path] = Entry(path, Kind.DIR, 0o755, 0, n)
+        tree[path + b"/y"] = Entry(path + b"/y", Kind.FILE, 0o644, 1, 0, chunks=(cid(n),))
+    elif what == "folder to file" and folders:
+        path = rng.choice(folders)
+        for p in below(tree, path):
+            del tree[p]
+        tree[path] = Entry(path, Kind.FILE, 0o644, 1, n, chunks=(cid(n),))
+    elif what == "relink":
+        tree[b"link"] = Entry(b"link", Kind.SYMLINK, 0o777, 2, n, b"d%d" % (n % 6))
+    elif what == "folder mtime" and folders:
+        e = tree[rng.choice(folders)]
+        tree[e.path] = Entry(e.path, e.kind, e.mode, 0, e.mtime_ns + 1)
+
+
+def merged(pairs) -> dict[bytes, tuple]:
+    """Changes by path (a path dropped and made again, as a folder that became a file, is one
+    change from what was there to what is)."""
+    out: dict[bytes, list] = {}
+    for a, b in pairs:
+        path = (a or b).path
+        if path in out:
+            out[path][1] = b
+        else:
+            out[path] = [a, b]
+    return {p: (a, b) for p, (a, b) in out.items() if not (a is not None and b is not None
+                                                            and a.same_content(b))}
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_tree_made_from_the_version_before_is_the_whole_build(seed):
+    rng = random.Random(seed)
+    tree = start(rng)
+    objects: dict[bytes, bytes] = {}
+
+    def version() -> tuple[bytes, Manifest]:
+        m = Manifest(tree.values())
+        m.validate()
+        objects.update(m.objects())
+        return m.id, m
+
+    v, m = version()
+    loaded = Manifest.load(v, objects.__getitem__)
+    prev = Tree(v, loaded)
+    for _ in range(6):
+        for _ in range(rng.randint(1, 3)):
+            edit(tree, rng)
+        v, m = version()
+        loaded = Manifest.load(v, objects.__getitem__, known=prev.manifest)
+        fast = Tree(v, loaded, prev)
+        whole = Tree(v, Manifest.load(v, objects.__getitem__))
+        assert fast.prev_version == prev.version  # made from it, not built whole
+        assert fast.entries == whole.entries and fast.children == whole.children
+        assert fast.total_bytes == whole.total_bytes
+        slow = Tree(prev.version, prev.manifest)  # no prev: changes compares whole trees
+        assert merged(changes(prev, fast)) == merged(changes(slow, whole))
+        prev = fast
