@@ -109,6 +109,10 @@ def _folder_record(name: bytes, oid: bytes) -> bytes:
 _TYPES = frozenset(Kind)
 
 
+def _by_name(e: Entry) -> bytes:
+    return e.name
+
+
 def sort_key(path: bytes) -> tuple[bytes, ...]:
     """Parents sort before their children, and each directory's subtree is contiguous."""
     return tuple(path.split(b"/")) if path else ()
@@ -246,6 +250,7 @@ class Manifest:
         # can be made from that one's at the cost of what changed (fs/inodes.py).
         self.base: weakref.ref[Manifest] | None = None
         self.read_folders: list[int] = []
+        self.known_ids: Iterable[bytes] | None = None  # chunk_ids(), when already counted
 
     def validate(self, checked: frozenset[int] = frozenset()) -> None:
         """Refuse anything the mount could not serve as is: every field is held to what the
@@ -440,6 +445,119 @@ class Manifest:
             m.base = weakref.ref(known)
         return m
 
+    def edited(self, folders: dict[bytes, tuple[Entry, list[Entry]]]) -> Manifest:
+        """This tree with each folder in `folders` (path -> its entry and all its children,
+        in any order) listed anew, built at the cost of those folders: every other subtree,
+        its folder objects included, is taken from this one as it is. A child folder not in
+        `folders` must be one this tree has at that path (a new folder is listed there, and
+        so is every folder below it). The folders above a listed one get new objects too.
+        What is new is checked as validate() would; the rest was checked before."""
+        if self._oids is None or self._spans is None or self._objects is None:
+            self._build()
+        p_entries, p_oids, p_spans = self.entries, self._oids, self._spans
+        assert p_oids is not None and p_spans is not None and self._objects is not None
+        listed = dict(folders)
+        for path in folders:  # the folders above a listed one list what they listed before
+            while path:
+                path = path.rpartition(b"/")[0]
+                if path in listed:
+                    break
+                i = self.find(path)
+                if i is None or p_entries[i].kind != Kind.DIR:
+                    raise ManifestError(f"folder {path!r} is neither listed nor in the tree")
+                listed[path] = (p_entries[i], self.children(i))
+        if b"" not in listed:
+            return self
+        cs = self.chunk_size
+        entries: list[Entry] = []
+        oids: list[bytes | None] = []
+        spans: list[int] = []
+        blobs: dict[bytes, bytes] = {}
+
+        def splice(path: bytes) -> None:
+            i = self.find(path)
+            if i is None or p_entries[i].kind != Kind.DIR:
+                raise ManifestError(f"folder {path!r} is neither listed nor in the tree")
+            span = p_spans[i]
+            entries.extend(p_entries[i:i + span])
+            oids.extend(p_oids[i:i + span])
+            spans.extend(p_spans[i:i + span])
+
+        def emit(path: bytes) -> bytes:  # the folder's object id, its subtree emitted
+            folder, kids = listed[path]
+            if folder.path != path or folder.kind != Kind.DIR:
+                raise ManifestError(f"folder {path!r} listed with the entry of {folder.path!r}")
+            check_path(path)
+            _check_entry(folder, cs)
+            at = len(entries)
+            entries.append(folder)
+            oids.append(None)
+            spans.append(1)
+            records = []
+            last = None
+            for e in sorted(kids, key=_by_name):
+                name = e.name
+                if e.parent != path or name == last:
+                    raise ManifestError(f"entry {e.path!r} listed in folder {path!r} twice "
+                                        "or in the wrong folder" if name == last else
+                                        f"entry {e.path!r} listed in folder {path!r}")
+                last = name
+                if e.kind == Kind.DIR:
+                    if e.path in listed:
+                        oid = emit(e.path)
+                    else:
+                        k = len(entries)
+                        splice(e.path)
+                        oid = oids[k]
+                        assert oid is not None
+                    records.append(_folder_record(name, oid))
+                    continue
+                check_path(e.path)
+                _check_entry(e, cs)
+                records.append(_record(e, name))
+                entries.append(e)
+                oids.append(None)
+                spans.append(1)
+            blob = b"".join([_HEAD.pack(MAGIC, cs, folder.mode, folder.mtime_ns, len(records)),
+                             *records])
+            oid = oids[at] = chunk_id(blob)
+            blobs[oid] = blob
+            spans[at] = len(entries) - at
+            return oid
+
+        emit(b"")
+        m = Manifest((), cs)
+        m.entries, m._oids, m._spans = entries, oids, spans
+        old = self._objects
+        # Children before their parents, the root last (reversed tree order), each once.
+        m._objects = {oid: blobs.get(oid) or old[oid]
+                      for oid in reversed(oids) if oid is not None}
+        return m
+
+    def find(self, path: bytes) -> int | None:
+        """The index of the entry at `path`, found down the tree (no index of every path)."""
+        if self._spans is None:
+            self._build()
+        assert self._spans is not None
+        i = 0
+        for name in path.split(b"/") if path else ():
+            if self.entries[i].kind != Kind.DIR:
+                return None
+            j, end = i + 1, i + self._spans[i]
+            while j < end and self.entries[j].name != name:
+                j += self._spans[j]
+            if j >= end:
+                return None
+            i = j
+        return i
+
+    def span(self, i: int) -> int:
+        """How many entries the subtree at index `i` holds, itself included."""
+        if self._spans is None:
+            self._build()
+        assert self._spans is not None
+        return self._spans[i]
+
     def children(self, i: int) -> list[Entry]:
         """The entries directly inside the folder at index `i`, in name order."""
         assert self._spans is not None
@@ -463,7 +581,10 @@ class Manifest:
         return self._by_path.get(path)
 
     def chunk_ids(self) -> list[bytes]:
-        """Every chunk id the snapshot needs, once each, in file order."""
+        """Every chunk id the snapshot needs, once each, in file order (or as `known_ids`
+        says, when a rescan counted them)."""
+        if self.known_ids is not None:
+            return list(self.known_ids)
         return list(dict.fromkeys(c for e in self.entries for c in e.chunks))
 
     @property

@@ -54,6 +54,18 @@ class Snapshot:
     hashed_files: int = 0  # files read and hashed by the scan
     hashed_bytes: int = 0
     cached_files: int = 0  # files whose chunk ids came from the cache, unread
+    # How many files hold each chunk (made when a rescan first needs it): a rescan keeps a
+    # chunk's source only while some file holds it.
+    refs: dict[bytes, int] | None = None
+
+    def chunk_refs(self) -> dict[bytes, int]:
+        if self.refs is None:
+            refs: dict[bytes, int] = {}
+            for e in self.manifest.entries:
+                for cid in e.chunks:
+                    refs[cid] = refs.get(cid, 0) + 1
+            self.refs = refs
+        return self.refs
 
     def read_chunk(self, cid: bytes) -> bytes | bytearray:
         """The raw bytes of a chunk, read again from its source and checked against its id."""
@@ -219,80 +231,125 @@ def _walk(root: bytes, excludes: Sequence[str], cache: ScanCache | None = None,
     return out
 
 
-def _rewalk(prev: Snapshot, changed: Iterable[bytes], excludes: Sequence[str],
-            chunk_size: int) -> tuple[_Walk, frozenset[int]]:
-    """`prev`'s entries after the paths `changed` (relative) changed: the folders holding them
-    are listed again (a folder that is new is walked whole), and nothing else is looked at.
-    Also the ids of the entries kept from `prev` (checked when it was made)."""
-    root = prev.root
-    kept = {e.path: e for e in prev.manifest.entries}
-    below: dict[bytes, list[bytes]] = {}  # folder -> its children in `kept`
-    for path in kept:
-        if path:
-            below.setdefault(path.rpartition(b"/")[0], []).append(path)
+@dataclass
+class _Rewalk:
+    """What a rescan found: the walk of what it listed, and what of the tree that replaces."""
 
-    def drop(path: bytes) -> None:
-        """Forget `path` and everything below it."""
-        if kept.pop(path, None) is not None:
-            for child in below.pop(path, ()):
-                drop(child)
+    walk: _Walk
+    listed: dict[bytes, Entry]  # folders listed again (each with its fresh entry) or new
+    replaced: list[Entry]  # the tree's entries that the walk's stand for (chunk counts)
+    stale: list[Entry]  # of those, the ones gone or changed (their files may hold other bytes)
+
+
+def _rewalk(prev: Snapshot, changed: Iterable[bytes], excludes: Sequence[str],
+            chunk_size: int) -> _Rewalk:
+    """List again the folders of `prev` that hold the paths `changed` (relative), walk whole
+    the folders that are new, and look at nothing else."""
+    root, tree = prev.root, prev.manifest
+    found = _Rewalk(_Walk([], [], {}, []), {}, [], [])
+    out, listed = found.walk, found.listed
+
+    def in_tree(path: bytes) -> Entry | None:
+        i = tree.find(path)
+        return None if i is None else tree.entries[i]
 
     def known_folder(path: bytes) -> bytes:
         """The nearest folder, `path` or above it, that the tree has and that still is one:
         listing it again finds what changed at `path` (a new folder is walked from there)."""
-        while path and not (getattr(kept.get(path), "kind", None) == Kind.DIR
+        while path and not (getattr(in_tree(path), "kind", None) == Kind.DIR
                             and _is_folder(os.path.join(root, path))):
             path = path.rpartition(b"/")[0]
         return path
 
-    out = _Walk([], [], {}, [])
-    walked: list[bytes] = []  # new folders, walked whole
-    for d in sorted({known_folder(p) for p in changed}, key=sort_key):
-        if d and d not in kept or any(d.startswith(w + b"/") for w in walked):
-            continue  # dropped or walked by a folder above it, listed before it
+    def drop(e: Entry) -> None:  # a path of the tree that is gone, and all below it
+        i = tree.find(e.path)
+        assert i is not None
+        below = tree.entries[i:i + tree.span(i)]
+        found.replaced += below
+        found.stale += below
+
+    todo = sorted({known_folder(p) for p in changed}, key=sort_key)  # parents first
+    while todo:
+        d = todo.pop(0)
+        if d in listed:
+            continue
         fresh = _Walk([], [], {}, [])
-        folders = set(_list(root, d, excludes, prev.cache, chunk_size, fresh))
-        listed = {e.path for e in fresh.entries} | {f.path for f in fresh.files}
-        for child in below.get(d, []):
-            old = kept.get(child)
-            if old is not None and (child not in listed
-                                    or (child in folders) != (old.kind == Kind.DIR)):
-                drop(child)
-        kept[d] = _folder(root, d)
+        _list(root, d, excludes, prev.cache, chunk_size, fresh)
+        listed[d] = _folder(root, d)
+        now = {e.path: e for e in fresh.entries}
+        hashed = {f.path for f in fresh.files}
+        i = tree.find(d)
+        assert i is not None
+        for old in tree.children(i):
+            new = now.get(old.path)
+            if old.kind == Kind.DIR:
+                if new is None or new.kind != Kind.DIR:
+                    drop(old)
+                elif (new.mode, new.mtime_ns) != (old.mode, old.mtime_ns) and \
+                        old.path not in todo:  # its own entry changed: list it too
+                    todo.append(old.path)
+                    todo.sort(key=sort_key)
+                continue
+            found.replaced.append(old)
+            if old.path in hashed or new != old:
+                found.stale.append(old)
         for e in fresh.entries:
-            if e.kind == Kind.DIR and e.path not in kept:
-                walked.append(e.path)
+            if e.kind == Kind.DIR and getattr(in_tree(e.path), "kind", None) != Kind.DIR:
+                before = len(out.entries)  # a new folder: walked whole
                 _walk(root, excludes, prev.cache, chunk_size, e.path, out)
-            elif e.kind == Kind.DIR:
-                kept[e.path] = e
+                listed.update((f.path, f) for f in out.entries[before:] if f.kind == Kind.DIR)
             else:
-                kept.pop(e.path, None)
                 out.entries.append(e)
-        for f in fresh.files:
-            kept.pop(f.path, None)
         out.files += fresh.files
         out.sources.update(fresh.sources)
         out.warnings += fresh.warnings
         out.cached_files += fresh.cached_files
-    before = {id(e) for e in prev.manifest.entries}
-    checked = frozenset(id(e) for e in kept.values() if id(e) in before)
-    out.entries += kept.values()
-    # The chunks kept are read from where prev read them, unless that file changed: then
-    # from another file that holds them.
-    gone = tuple(os.path.join(root, p) for p in changed)
-    below_gone = tuple(g + b"/" for g in gone)
-    lost = set()
-    for cid, src in prev.sources.items():
-        if src.path in gone or src.path.startswith(below_gone):
-            lost.add(cid)
-        else:
-            out.sources.setdefault(cid, src)
-    if lost:
-        for e in kept.values():
+    return found
+
+
+def _without_stale(prev: Snapshot, found: _Rewalk) -> dict[bytes, Source]:
+    """`prev`'s sources, but for the chunks it read from files that changed (the rescan sets
+    those anew, from what it listed), and with those the rescan's walk found."""
+    sources = dict(prev.sources)
+    changed = {os.path.join(prev.root, e.path) for e in found.stale}
+    for e in found.stale:
+        for cid in e.chunks:
+            src = sources.get(cid)
+            if src is not None and src.path in changed:
+                del sources[cid]
+    sources.update(found.walk.sources)
+    return sources
+
+
+def _edited(prev: Snapshot, found: _Rewalk, entries: list[Entry], chunk_size: int,
+            sources: dict[bytes, Source]) -> tuple[Manifest, dict[bytes, int]]:
+    """The manifest after a rescan, made from `prev`'s at the cost of what was listed, and
+    the chunks' reference counts. `sources` loses the chunks nothing holds any more; one that
+    a file that changed held, and an unchanged one still does, is read from that one."""
+    kids: dict[bytes, list[Entry]] = {}
+    for e in entries:
+        if e.path:
+            kids.setdefault(e.parent, []).append(e)
+    manifest = prev.manifest.edited(
+        {path: (folder, kids.get(path, [])) for path, folder in found.listed.items()})
+    refs = dict(prev.chunk_refs())
+    for e in found.replaced:
+        for cid in e.chunks:
+            refs[cid] -= 1
+    for e in entries:
+        for cid in e.chunks:
+            refs[cid] = refs.get(cid, 0) + 1
+    for cid in [cid for e in found.replaced for cid in e.chunks if refs.get(cid, 1) <= 0]:
+        del refs[cid]
+        sources.pop(cid, None)
+    orphans = {cid for e in found.stale for cid in e.chunks
+               if cid in refs and cid not in sources}
+    if orphans:  # rare: a file that did not change holds the same chunk; find it
+        for e in manifest.entries:
             for cid, (off, length) in zip(e.chunks, spans(e.size, chunk_size)):
-                if cid in lost and cid not in out.sources:
-                    out.sources[cid] = Source(os.path.join(root, e.path), off, length)
-    return out, checked
+                if cid in orphans and cid not in sources:
+                    sources[cid] = Source(os.path.join(prev.root, e.path), off, length)
+    return manifest, refs
 
 
 _Hashed = tuple[int, list[tuple[bytes, Source]], bool]
@@ -336,13 +393,11 @@ def _hash_batch(batch: list[_File], chunk_size: int) -> list[_Hashed]:
     return [_hash_file(f, buf) for f in batch]
 
 
-def _finish(entries: list[Entry], chunk_size: int, cache: ScanCache | None,
-            checked: frozenset[int] | None) -> Manifest:
-    """The manifest of `entries`; with `checked` (a rescan), those entries were checked before
-    and the cache is not saved (it keeps what the last whole scan saw)."""
+def _finish(entries: list[Entry], chunk_size: int, cache: ScanCache | None) -> Manifest:
+    """The manifest of a whole scan's `entries`; the cache is saved."""
     manifest = Manifest(entries, chunk_size)
-    manifest.validate(checked or frozenset())
-    if cache is not None and checked is None:
+    manifest.validate()
+    if cache is not None:
         cache.save()
     return manifest
 
@@ -371,17 +426,30 @@ async def scan(
 async def rescan(prev: Snapshot, changed: Iterable[bytes], excludes: Sequence[str] = (),
                  chunk_size: int = CHUNK_SIZE) -> Snapshot:
     """`prev` again, after the paths `changed` (relative to its root; a file watcher's) have
-    changed: only the folders that hold them are listed and only what changed is hashed, so
-    an edit costs the same in a tree of 100k files as in one of 100. What a watcher missed is
-    missed here too: a whole `scan` is the check (push --watch runs one when it is idle)."""
-    walk, checked = await trio.to_thread.run_sync(_rewalk, prev, set(changed), tuple(excludes),
-                                                  chunk_size)
-    return await _complete(prev.root, walk, chunk_size, None, prev.cache, checked)
+    changed: only the folders that hold them are listed, only what changed is hashed, and the
+    manifest is `prev`'s with those folders replaced, so an edit costs the same in a tree of
+    100k files as in one of 100. What a watcher missed is missed here too: a whole `scan` is
+    the check (push --watch runs one when it is idle). The scan cache is not saved: it keeps
+    what the last whole scan saw."""
+    found = await trio.to_thread.run_sync(_rewalk, prev, set(changed), tuple(excludes),
+                                          chunk_size)
+    found.walk.sources = _without_stale(prev, found)
+    refs: dict[bytes, int] = {}
+
+    def build(entries: list[Entry]) -> Manifest:
+        manifest, counted = _edited(prev, found, entries, chunk_size, found.walk.sources)
+        refs.update(counted)
+        manifest.known_ids = counted  # its keys: every chunk once
+        return manifest
+
+    snap = await _complete(prev.root, found.walk, chunk_size, None, prev.cache, build)
+    snap.refs = refs
+    return snap
 
 
 async def _complete(broot: bytes, walk: _Walk, chunk_size: int,
                     progress: Callable[[int, int], None] | None, cache: ScanCache | None,
-                    checked: frozenset[int] | None = None) -> Snapshot:
+                    build: Callable[[list[Entry]], Manifest] | None = None) -> Snapshot:
     """Hash the files the walk could not take from the cache, and make the snapshot."""
     entries, files, sources = walk.entries, walk.files, walk.sources
 
@@ -429,6 +497,8 @@ async def _complete(broot: bytes, walk: _Walk, chunk_size: int,
         entries.append(Entry(f.path, Kind.FILE, f.mode, size, f.mtime_ns, chunks=ids))
         if cache is not None and unchanged:
             cache.record(f.stat, ids)
-    manifest = await trio.to_thread.run_sync(_finish, entries, chunk_size, cache, checked)
+    manifest = await trio.to_thread.run_sync(
+        (lambda: _finish(entries, chunk_size, cache)) if build is None else
+        (lambda: build(entries)))
     return Snapshot(broot, manifest, sources, walk.warnings, cache, hashed_files=len(unique),
                     hashed_bytes=sum(h[0] for h in hashed.values()), cached_files=walk.cached_files)

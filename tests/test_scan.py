@@ -269,6 +269,10 @@ async def rescanned(root: Path, prev: Snapshot, *changed: str, excludes=()) -> S
     whole = await scan(root, excludes, chunk_size=SMALL)
     assert [e.path for e in again.manifest] == [e.path for e in whole.manifest]
     assert again.manifest.id == whole.manifest.id
+    assert again.manifest.objects() == whole.manifest.objects()
+    assert sorted(again.manifest.chunk_ids()) == sorted(whole.manifest.chunk_ids())
+    assert again.chunk_refs() == whole.chunk_refs()  # counted from the change, not the tree
+    assert set(again.sources) == set(whole.sources)  # no source of a chunk nothing holds
     for e in again.manifest:
         if e.kind == Kind.FILE:
             assert file_bytes(again, e) == file_bytes(whole, e)
