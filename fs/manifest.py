@@ -551,6 +551,15 @@ class Manifest:
             i = j
         return i
 
+    def added_chunk_ids(self) -> list[bytes] | None:
+        """The chunks of the files in the folders `load` read: with every other subtree taken
+        from its base, the only chunks this version may have that the base does not. None if
+        it was not loaded against a base."""
+        if self.base is None:
+            return None
+        return list(dict.fromkeys(c for i in self.read_folders for e in self.children(i)
+                                  for c in e.chunks))
+
     def span(self, i: int) -> int:
         """How many entries the subtree at index `i` holds, itself included."""
         if self._spans is None:

@@ -41,6 +41,7 @@ from .refs import Refs
 log = logging.getLogger("monarch_fs.daemon")
 
 KEEP_VERSIONS = 3
+COLLECT_DELAY = 1.0  # seconds from a commit (or removal) to the collect it starts
 _UNLOADABLE = (KeyError, CorruptChunk, ManifestError)  # a manifest missing, damaged or refused
 
 
@@ -79,6 +80,7 @@ class Publisher:
         # Background work (backing files, collects); set while the service runs.
         self.nursery: trio.Nursery | None = None
         self._manifests: dict[bytes, Manifest] = {}
+        self._backed_files: dict[int, tuple[Manifest, list[Entry]]] = {}  # see _backed
         self._prepared: set[tuple[str, bytes, bool]] = set()  # (name, version, early)
         # The version each workspace is being prepared for: its backing files are kept.
         self._pinned: dict[str, bytes] = {}
@@ -135,11 +137,23 @@ class Publisher:
         self._manifests[version] = m
         return m
 
+    def _backed(self, manifest: Manifest) -> list[Entry]:
+        """The files of `manifest` served from backing files in passthrough (fs/backing.py),
+        found once per version: every commit and prune asks, and most files are too small.
+        Blocking: a worker thread."""
+        files = self._backed_files.get(id(manifest))
+        if files is None or files[0] is not manifest:
+            files = self._backed_files[id(manifest)] = (
+                manifest, [e for e in manifest.entries if backing_wanted(e)])
+        return files[1]
+
     def _drop_manifests(self) -> None:
         """Forget the decoded manifests no retained or in-flight version uses."""
         self._manifests = {v: m for v, m in self._manifests.items()
                            if v in self._pinned.values()
                            or any(v in vs for vs in self.refs.workspaces.values())}
+        kept = {id(m) for m in self._manifests.values()}
+        self._backed_files = {k: v for k, v in self._backed_files.items() if k in kept}
 
     async def load(self) -> None:
         """Serve the saved workspaces, each version whose manifest loads. A workspace whose
@@ -175,10 +189,24 @@ class Publisher:
             return await trio.to_thread.run_sync(self.store.missing, ids)
 
     async def _check_complete(self, version: bytes) -> None:
+        """Refuse unless the store has every chunk of `version`. A version loaded against one
+        this node serves whole (an edit) is checked for what it adds: the chunks of the base
+        are here, and stay (no collect runs meanwhile: the caller holds the collect lock)."""
         manifest = await self._checked_manifest(version)
-        missing = await trio.to_thread.run_sync(self.store.missing, manifest.chunk_ids())
+        base = manifest.base() if manifest.base is not None else None
+        ids = manifest.added_chunk_ids() if base is not None and self._whole(base) else None
+        missing = await trio.to_thread.run_sync(
+            self.store.missing, manifest.chunk_ids() if ids is None else ids)
         if missing:
             raise RequestError(f"version {version.hex()[:12]}: {len(missing)} chunks missing")
+
+    def _whole(self, manifest: Manifest) -> bool:
+        """Whether `manifest` is a version this node serves with every chunk (retained, and
+        not published early)."""
+        version = manifest.id
+        return (any(version in vs for vs in self.refs.workspaces.values())
+                and version not in self.incomplete.values()
+                and self._manifests.get(version) is manifest)
 
     async def _checked_manifest(self, version: bytes) -> Manifest:
         """The manifest of a version being prepared; RequestError saying why it cannot be."""
@@ -321,7 +349,8 @@ class Publisher:
                 # other nodes' prepares (4.5 s vs 4.2 s for 3 hosts on one 2-core machine) and
                 # would compete with the store's fsync on a real disk. Queued before the switch,
                 # so an open of a new file waits for its copy rather than missing passthrough.
-                entries = (await self.manifest(version)).entries
+                entries = await trio.to_thread.run_sync(self._backed,
+                                                        await self.manifest(version))
                 if early is not None:  # only the files that are whole: never a partial one
                     entries = await trio.to_thread.run_sync(self._whole_files, entries)
                 await self.nursery.start(self._write_backing, entries)
@@ -428,10 +457,10 @@ class Publisher:
     # ---- backing files --------------------------------------------------------------------
 
     def _whole_files(self, entries: list[Entry]) -> list[Entry]:
-        """The files of an early version (push --early) whose chunks have all arrived (the
+        """The backed files of an early version (push --early) whose chunks have all arrived (the
         first reads': their opens are passthrough at once); the rest get their backing files
         at the commit that completes the version. Blocking: a worker thread."""
-        return [e for e in entries if backing_wanted(e) and not self.store.missing(e.chunks)]
+        return [e for e in entries if not self.store.missing(e.chunks)]
 
     async def _write_backing(self, entries: list[Entry], *,
                              task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -475,7 +504,7 @@ class Publisher:
                 continue  # a pinned version whose manifest never arrived
 
         def keep() -> set[str]:
-            return {backing_key(e) for m in manifests for e in m.entries if backing_wanted(e)}
+            return {backing_key(e) for m in manifests for e in self._backed(m)}
 
         try:
             await trio.to_thread.run_sync(lambda: self.backing.prune(keep()))
@@ -499,7 +528,14 @@ class Publisher:
         does for every request made meanwhile (the kernel forgets files in many batches)."""
         if self._negotiating == 0 and self.nursery is not None and not self._collect_queued:
             self._collect_queued = True
-            self.nursery.start_soon(self._collect)
+            self.nursery.start_soon(self._collect_soon)
+
+    async def _collect_soon(self) -> None:
+        """A collect, COLLECT_DELAY from now: it reads every retained version's chunk ids
+        and holds the store meanwhile, so in an edit loop the next push does not wait for it
+        (one collect does for every commit made meanwhile)."""
+        await trio.sleep(COLLECT_DELAY)
+        await self._collect()
 
     async def _collect(self) -> None:
         """Delete the store's packs that hold only chunks nothing uses (no retained version, no
