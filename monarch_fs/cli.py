@@ -21,6 +21,7 @@ import trio
 from .daemon.client import cluster, slurm
 from .daemon.client.controller_store import Summary, read_summary
 from .daemon.client.hosts import HostsError, resolve_target
+from .daemon.client.links import Sessions
 from .daemon.client.progress import Progress, fmt_bytes
 from .daemon.client.push import PushError, PushResult, push, workspace_name
 from .daemon.client.status import remove, status
@@ -125,7 +126,8 @@ def cmd_push(args: argparse.Namespace) -> int:
     transport = resolve_local(args.transport)  # --transport rdma without a device: exit 1
 
     async def run(progress: Progress | None = None, snapshot: Snapshot | None = None,
-                  held: frozenset[bytes] = frozenset()) -> PushResult:
+                  held: frozenset[bytes] = frozenset(),
+                  sessions: Sessions | None = None) -> PushResult:
         if args.compile:
             await compile_first(args.src)
         return await push(
@@ -139,7 +141,8 @@ def cmd_push(args: argparse.Namespace) -> int:
             store_dir=None if args.no_store or held else settings.store_dir,
             store_bound=settings.store_bound, compress=args.compress, early=args.early,
             on_usable=usable, first_reads_dir=home_dir() / "first-reads",
-            bwlimit=args.bwlimit * (1 << 20), snapshot=snapshot, held=held)
+            bwlimit=args.bwlimit * (1 << 20), snapshot=snapshot, held=held,
+            sessions=sessions)
 
     def usable(seconds: float, nodes: int) -> None:
         """push --early: the version is served everywhere (the rest still streams)."""
@@ -155,10 +158,15 @@ def cmd_push(args: argparse.Namespace) -> int:
         workspace_name(args.src, args.name)  # a name no node takes: say so once, not per change
 
         cache = ScanCache.for_folder(cache_dir, args.src) if cache_dir else None
-        return trio.run(lambda: watch(args.src, lambda snap, held: run(None, snap, held),
-                                      cache=cache, excludes=args.exclude,
-                                      ignore=[cache_dir] if cache_dir else [],
-                                      json_lines=args.json))
+
+        async def watching() -> int:
+            async with Sessions() as sessions:  # open from one push to the next
+                return await watch(args.src, lambda snap, held: run(None, snap, held, sessions),
+                                   cache=cache, excludes=args.exclude,
+                                   ignore=[cache_dir] if cache_dir else [],
+                                   json_lines=args.json)
+
+        return trio.run(watching)
     bar = BarProgress() if sys.stderr.isatty() and not args.json else None
     try:
         result = trio.run(run, bar)

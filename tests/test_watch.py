@@ -242,3 +242,59 @@ def test_watch_pushes_a_change_its_watcher_missed(fresh_cluster, tmp_path):
         assert w.stop() == 0
     finally:
         w.kill()
+
+
+def peer_ports(pid: int, ports: set[int]) -> set[tuple[int, int]]:
+    """(local port, remote port) of process `pid`'s established TCP connections to `ports`,
+    from /proc (the sockets its descriptors hold)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = set()
+    with open("/proc/net/tcp") as f:
+        for line in list(f)[1:]:
+            fields = line.split()
+            local, remote, state, inode = fields[1], fields[2], fields[3], fields[9]
+            port = int(remote.split(":")[1], 16)
+            if state == "01" and inode in inodes and port in ports:
+                out.add((int(local.split(":")[1], 16), port))
+    return out
+
+
+@pytest.mark.mount
+def test_watch_keeps_its_sessions_and_connects_again_to_a_restarted_node(fresh_cluster,
+                                                                          tmp_path):
+    """The watch pushes every edit over the sessions it opened for the first push (no
+    connect per edit); a node restarted meanwhile is connected again within the next push,
+    which succeeds on every node."""
+    c = fresh_cluster(2)
+    ports = {int(h.rsplit(":", 1)[1]) for h in c.hosts}
+    src = tmp_path / "ws"
+    src.mkdir()
+    (src / "f").write_text("v1")
+    w = watcher(c, src, tmp_path)
+    try:
+        assert w.push()["nodes"] == 2
+        first = peer_ports(w.proc.pid, ports)
+        assert len(first) == 2
+        for n in (2, 3):
+            (src / "f").write_text(f"v{n}")
+            assert w.push()["nodes"] == 2
+            assert peer_ports(w.proc.pid, ports) == first  # the same two sessions
+        os.kill(c.pid(1), signal.SIGTERM)
+        wait_for(lambda: not cluster_mod.running_node(c.dir, 1), 20, "node-1 to stop")
+        cluster_mod.restart_node(c.dir, 1)
+        (src / "f").write_text("v4")
+        out = w.push()
+        assert out["nodes"] == 2 and not out["failed"]
+        for m in c.mounts():
+            assert reads(m / "ws" / "f") == b"v4"
+        assert not any("push failed" in ln for ln in w.stderr())
+        assert w.stop(signal.SIGTERM) == 0
+    finally:
+        w.kill()

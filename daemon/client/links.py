@@ -50,6 +50,33 @@ class NodeLink:
         return self.bulk
 
 
+class Sessions:
+    """The nodes' sessions that `push --watch` keeps open from one push to the next, so an
+    edit costs no connect, handshake or link probe. A node whose session failed during a push
+    is connected again at the next (push.py closes it)."""
+
+    def __init__(self) -> None:
+        self.links: dict[str, NodeLink] = {}
+        self.codecs: dict = {}  # host -> its link_codec.LinkChoice, chosen once
+
+    def link(self, addr: str) -> NodeLink:
+        """`addr`'s link for a new push: the open one, or a new (unconnected) one."""
+        link = self.links.get(addr)
+        if link is None or link.error is not None or link.chan is None:
+            link = self.links[addr] = NodeLink(addr)
+            self.codecs.pop(addr, None)
+        link.missing = set()
+        return link
+
+    async def __aenter__(self) -> Sessions:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for link in self.links.values():
+            await bulk.close_peer(link.bulk, link.chan)
+        self.links.clear()
+
+
 async def each(nodes: Sequence[NodeLink], fn: Callable[[NodeLink], Awaitable[object]],
                timeout: float | None = None, levels: dict[str, int] | None = None) -> None:
     """Run fn(node) on every healthy node at once; a failure marks that node, not the others.

@@ -36,7 +36,7 @@ from ..wire.transport import CONNECT_TIMEOUT, RemoteError, connect
 from . import bytecode, first_reads, link_codec
 from .controller_store import ControllerStore
 from .link_codec import LinkChoice
-from .links import STALL_TIMEOUT, NodeLink, each
+from .links import STALL_TIMEOUT, NodeLink, Sessions, each
 from .progress import Progress
 from .stream import LARGE_CHUNK, Pacer, Payload, Stream
 
@@ -121,7 +121,7 @@ class _Push:
     def __init__(self, snap: Snapshot, hosts: Sequence[str], token: bytes, progress: Progress,
                  timeout: float, allow_partial: bool, encrypt: str = "auto",
                  store: ControllerStore | None = None, compress: str = "auto",
-                 bwlimit: float = 0):
+                 bwlimit: float = 0, sessions: Sessions | None = None):
         self.snap = snap
         self.pacer = Pacer(bwlimit)  # one for the whole push: every broadcast shares the limit
         self.token = token
@@ -129,7 +129,8 @@ class _Push:
         self.progress = progress
         self.timeout = timeout
         self.allow_partial = allow_partial
-        self.nodes = [NodeLink(h) for h in hosts]
+        self.sessions = sessions  # push --watch: the links stay open after this push
+        self.nodes = [sessions.link(h) if sessions else NodeLink(h) for h in hosts]
         objects = snap.manifest.objects()
         self.version = snap.manifest.id
         self.ids = snap.manifest.chunk_ids()
@@ -140,7 +141,8 @@ class _Push:
                                vouched=frozenset(c for c, src in snap.sources.items()
                                                  if src.cached is not None))
         self.compress = compress
-        self.links: dict[str, LinkChoice] = {}  # per root, chosen when it first gets chunks
+        # Per root, chosen when it first gets chunks (once per session, with `sessions`).
+        self.links: dict[str, LinkChoice] = sessions.codecs if sessions else {}
         self.chunks_sent = 0  # chunk copies that left the dev box (relays forward the rest)
         self.bytes_sent = 0
         self.warnings: list[str] = []  # from the nodes' commits
@@ -165,8 +167,9 @@ class _Push:
             node.chan = await connect(node.addr, self.token, encrypt=self.encrypt,
                                       timeout=min(CONNECT_TIMEOUT, self.timeout))
 
-        await each(self.nodes, open_one)
-        for node in self.nodes:  # which bulk transport each node gets (--transport)
+        fresh = [n for n in self.nodes if n.chan is None]
+        await each(fresh, open_one)
+        for node in fresh:  # which bulk transport each node gets (--transport)
             if node.error is None:
                 try:
                     node.transport = bulk.choose_for_peer(self.local, self.requested,
@@ -202,8 +205,23 @@ class _Push:
             else:
                 current.append(CurrentReply.from_wire(reply).current)
 
+        reused = [n for n in self.nodes if n.chan is not None and n.error is None]
         await each(self.nodes, ask, self.timeout)
+        stale = [n for n in reused if n.error is not None]
+        if stale and self.sessions is not None:  # a session kept from the last push broke
+            await self.reconnect(stale)  # (the node restarted, say): once more, on a new one
+            await each([n for n in self.nodes if n.addr in {s.addr for s in stale}], ask,
+                       self.timeout)
         return len(current) == len(self.nodes) and all(current)
+
+    async def reconnect(self, stale: list[NodeLink]) -> None:
+        """Replace the links of `stale` nodes (kept in `sessions`) with new sessions."""
+        assert self.sessions is not None
+        for node in stale:
+            await bulk.close_peer(node.bulk, node.chan)
+        fresh = {n.addr: self.sessions.link(n.addr) for n in stale}
+        self.nodes = [fresh.get(n.addr, n) for n in self.nodes]
+        await self.connect()
 
     async def negotiate(self, held: Collection[bytes] = ()) -> None:
         """Ask every node which chunks it lacks, of those not `held` by every node already
@@ -336,7 +354,8 @@ class _Push:
 
     async def aclose(self) -> None:
         for node in self.nodes:
-            await bulk.close_peer(node.bulk, node.chan)
+            if self.sessions is None or node.error is not None:
+                await bulk.close_peer(node.bulk, node.chan)
 
 
 def keep(store: ControllerStore, snap: Snapshot, job: _Push, name: str) -> list[str]:
@@ -406,6 +425,7 @@ async def push(
     bwlimit: float = 0,
     snapshot: Snapshot | None = None,
     held: Collection[bytes] = (),
+    sessions: Sessions | None = None,
 ) -> PushResult:
     """Push `src` to every host as workspace `name` (default: the folder's name). With
     `cache_dir`, the scan keeps a cache of the folder there, so unchanged files are not read.
@@ -422,7 +442,8 @@ async def push(
     (bytes a second, 0 for none) bounds what the dev box streams (stream.Pacer). `snapshot`:
     `src` as the caller scanned it (push --watch: fs.scan.rescan), not scanned again here;
     `held`: chunks every node holds already (of the version the caller pushed last), which
-    the nodes are not asked about."""
+    the nodes are not asked about. `sessions`: the nodes' sessions, kept open after the push
+    for the next (push --watch; the caller closes them)."""
     t0 = time.monotonic()
     clock = _Clock(t0)
     progress = progress or Progress()
@@ -454,7 +475,7 @@ async def push(
         unexposed += [busy] if busy else []
     clock.mark("scan")
     job = _Push(snap, hosts, token, progress, timeout, allow_partial, encrypt, store, compress,
-                bwlimit)
+                bwlimit, sessions)
     job.started = t0
     job.requested = transport if isinstance(transport, str) else transport.requested
     job.local = (transport if isinstance(transport, bulk.LocalTransport)

@@ -261,8 +261,10 @@ class Stream:
             # below look up the rest again.
             below = topology.subtree({"addr": root.addr, "children": children})
             lacking = set().union(*(self.by_addr[a].missing for a in below))
-            ids = [c for c in [*pl.ids, *pl.objects] if c in lacking]
-            wants[root.addr] = set(await chan.query_missing(ids))
+            if children or early:
+                wants[root.addr] = set(await chan.query_missing(list(lacking)))
+            else:  # what it told negotiate() on this session, which it still holds
+                wants[root.addr] = set(lacking)
             if early:
                 reading[root.addr] = await readers.start(self._read_wants, root, chan)
 
@@ -271,7 +273,11 @@ class Stream:
         await each([r for r, _ in roots], lambda r: open_session(r, children_of[r.addr]),
                    self.timeout, levels)
         live = [r for r, _ in roots if r.error is None and r.addr in wants]
-        needed = [c for c in pl.ids if any(c in wants[r.addr] for r in live)]
+        wanted = set().union(*(wants[r.addr] for r in live))
+        # In folder order (what a reader opens together arrives together), unless few are
+        # (an edit): then a pass over every id of the tree would cost more than it sends.
+        needed = ([c for c in pl.ids if c in wanted] if 4 * len(wanted) > len(pl.ids) else
+                  [c for c in wanted if c not in pl.objects])
         # The manifest goes first: it tells each node where every large file's chunks go, so
         # they are written once, in place (fs/file_objects.py). Nothing is published before
         # prepare checks that every chunk it names has arrived (push --early: the first

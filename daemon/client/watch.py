@@ -37,7 +37,7 @@ from ...fs.scan_cache import ScanCache
 from .progress import fmt_bytes
 from .push import PushResult
 
-QUIET_MS = 20  # an editor's save is a few events within a millisecond or two
+QUIET_MS = 5  # an editor's save is a few events within a millisecond or two
 DEBOUNCE_MS = 1000
 CHECK_MS = 2000  # quiet for this long after a push: scan the whole tree, in case of a miss
 

@@ -260,6 +260,9 @@ class Session:
 
     async def _relay(self, req: OpenRelay) -> RelayReply:
         s = self.service
+        if self.relay is not None:  # a session that pushes again (push --watch)
+            await self.relay.aclose()
+            self.relay = None
         self.version = req.version
         self.relay = Relay(s.token, req.children, req.timeout, self.nursery, self.counters,
                            s.transport, s.encrypt, version=req.version,
