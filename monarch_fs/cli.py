@@ -12,7 +12,7 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -158,44 +158,85 @@ def cmd_push(args: argparse.Namespace) -> int:
         workspace_name(args.src, args.name)  # a name no node takes: say so once, not per change
 
         cache = ScanCache.for_folder(cache_dir, args.src) if cache_dir else None
+        mine = handoff_key(args, os.getcwd(), os.environ)
+
+        def judge(request: dict) -> Callable[[PushResult | BaseException], dict] | None:
+            """How to answer a one-shot push handed to this watch, if it is this push."""
+            try:
+                theirs = build_parser().parse_args(request["argv"])
+                key = handoff_key(theirs, request["cwd"], request["env"])
+            except (SystemExit, KeyError, TypeError, ValueError, OSError):
+                return None
+            if key != mine:
+                return None
+            return lambda outcome: dict(zip(("stdout", "stderr", "code"),
+                                            push_report(outcome, theirs.json, os.getpid())))
 
         async def watching() -> int:
             async with Sessions() as sessions:  # open from one push to the next
                 return await watch(args.src, lambda snap, held: run(None, snap, held, sessions),
                                    cache=cache, excludes=args.exclude,
                                    ignore=[cache_dir] if cache_dir else [],
-                                   json_lines=args.json)
+                                   json_lines=args.json, judge=judge)
 
         return trio.run(watching)
     bar = BarProgress() if sys.stderr.isatty() and not args.json else None
     try:
-        result = trio.run(run, bar)
-    except SourceChanged as e:
-        print(f"monarch-fs: error: {e}", file=sys.stderr)
-        return 1
+        outcome: PushResult | BaseException = trio.run(run, bar)
+    except (SourceChanged, PushError) as e:
+        outcome = e
     finally:
         if bar:
             bar.close()
-    for w in result.warnings:
-        print(f"warning: {w}", file=sys.stderr)
-    for line in result.left_behind():
-        print(line, file=sys.stderr)
-    if args.json:
-        out = result.to_json()
-        out.pop("warnings")
-        print(json.dumps(out))
+    out, err, code = push_report(outcome, args.json)
+    sys.stderr.write(err)
+    sys.stdout.write(out)
+    return code
+
+
+def handoff_key(args: argparse.Namespace, cwd: str, env: Mapping[str, str]) -> tuple:
+    """What a push must share with a running `push --watch` to be handed to it
+    (daemon/client/handoff.py): the folder, hosts, token, workspace name and every option
+    that changes what a push does, with paths made absolute, and the MONARCH_FS_* settings."""
+    def absolute(path: str | None) -> str | None:
+        if path is None:
+            return None
+        return "@" + absolute(path[1:]) if path.startswith("@") else \
+            os.path.realpath(os.path.join(cwd, os.path.expanduser(path)))
+
+    options = {k: v for k, v in vars(args).items()
+               if k not in ("watch", "json", "verbose", "src", "hosts", "token_file", "name",
+                            "daemon_args")}
+    src = absolute(args.src)
+    return (src, absolute(args.hosts) if args.hosts and args.hosts.startswith("@")
+            else args.hosts, absolute(args.token_file), workspace_name(src, args.name),
+            json.dumps(options, sort_keys=True, default=str),
+            sorted((k, v) for k, v in env.items() if k.startswith("MONARCH_FS_")))
+
+
+def push_report(outcome: PushResult | BaseException, as_json: bool,
+                watch: int | None = None) -> tuple[str, str, int]:
+    """(stdout, stderr, exit code) of a one-shot push: its result, or why it failed. `watch`:
+    the pid of the `push --watch` that pushed it (a hand-off), said in the output."""
+    if isinstance(outcome, BaseException):
+        return "", f"monarch-fs: error: {outcome}\n", 1
+    result = outcome
+    err = [f"warning: {w}" for w in result.warnings] + result.left_behind()
+    if as_json:
+        obj = result.to_json()
+        obj.pop("warnings")
+        out = [json.dumps(obj if watch is None else {**obj, "watch": watch})]
     else:
-        print(f"pushed {result.name} {result.version[:12]} to {result.nodes} nodes in "
-              f"{result.seconds:.2f}s: {result.files} files, {fmt_bytes(result.bytes)}; sent "
-              f"{fmt_bytes(result.bytes_sent)} ({result.chunks_sent} chunks; the snapshot has "
-              f"{result.chunks_total}), "
-              f"{result.topology}, {result.transport})")
-        for line in link_lines(result):
-            print(line)
+        by = "" if watch is None else f" (by the running push --watch, pid {watch})"
+        out = [f"pushed {result.name} {result.version[:12]} to {result.nodes} nodes in "
+               f"{result.seconds:.2f}s{by}: {result.files} files, {fmt_bytes(result.bytes)}; "
+               f"sent {fmt_bytes(result.bytes_sent)} ({result.chunks_sent} chunks; the "
+               f"snapshot has {result.chunks_total}), {result.topology}, {result.transport})",
+               *link_lines(result)]
         if result.usable_seconds is not None and result.complete_seconds is not None:
-            print(f"usable after {result.usable_seconds:.2f}s, complete after "
-                  f"{result.complete_seconds:.2f}s")
-    return 0
+            out.append(f"usable after {result.usable_seconds:.2f}s, complete after "
+                       f"{result.complete_seconds:.2f}s")
+    return "".join(f"{ln}\n" for ln in out), "".join(f"{ln}\n" for ln in err), 0
 
 
 async def compile_first(src: str) -> None:

@@ -7,6 +7,7 @@ import os
 import queue
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -298,3 +299,65 @@ def test_watch_keeps_its_sessions_and_connects_again_to_a_restarted_node(fresh_c
         assert w.stop(signal.SIGTERM) == 0
     finally:
         w.kill()
+
+
+def one_shot(c: Cluster, src: Path, home: Path, *args: str, cwd: Path | None = None
+             ) -> subprocess.CompletedProcess:
+    """`monarch-fs push` as a user types it (the entry point that can hand the push off)."""
+    return subprocess.run([sys.executable, "-m", "monarch_fs", "push", str(src), "--hosts",
+                           c.hostfile, "--token-file", c.token_file, *args],
+                          capture_output=True, text=True, timeout=60, cwd=cwd,
+                          env={**os.environ, "MONARCH_FS_HOME": str(home)})
+
+
+@pytest.mark.mount
+def test_a_one_shot_push_is_handed_to_the_running_watch_of_its_folder(fresh_cluster,
+                                                                      tmp_path):
+    """With `push --watch` running, `monarch-fs push` of the same folder and hosts is pushed by
+    the watch (its tree and sessions warm), printing what it would have printed; a push of
+    another folder, or with other options, runs on its own; so does one once the watch is
+    gone."""
+    c = fresh_cluster(2)
+    src, other = tmp_path / "ws", tmp_path / "other"
+    for d in (src, other):
+        d.mkdir()
+        (d / "f").write_text("v1")
+    home = tmp_path / "home"
+    w = watcher(c, src, tmp_path)
+    try:
+        first = w.push()
+        socks = list((home / "watch").glob("*.sock"))
+        assert [p.name for p in socks] == [f"{w.proc.pid}.sock"]
+        assert stat.S_IMODE((home / "watch").stat().st_mode) == 0o700
+
+        # no change: the watch answers, one question per node
+        out = one_shot(c, src, home, "--json")
+        assert out.returncode == 0, out.stderr
+        handed = json.loads(out.stdout)
+        assert handed["version"] == first["version"] and handed["chunks_sent"] == 0
+        assert handed["watch"] == w.proc.pid
+        assert w.push()["version"] == first["version"]  # the watch reports it too
+
+        # an edit the watch has not pushed yet (the one-shot asks at once)
+        (src / "f").write_text("v2")
+        out = one_shot(c, src, home, "--json", cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        assert all(reads(m / "ws" / "f") == b"v2" for m in c.mounts())
+        text = one_shot(c, Path("ws"), home, cwd=tmp_path)  # relative, plain output
+        assert text.returncode == 0 and text.stdout.startswith("pushed ws ")
+        assert f"(by the running push --watch, pid {w.proc.pid})" in text.stdout
+
+        # not its folder, or other options: pushed by the one-shot process itself
+        alone = one_shot(c, other, home, "--json")
+        assert alone.returncode == 0 and "watch" not in json.loads(alone.stdout)
+        renamed = one_shot(c, src, home, "--json", "--name", "elsewhere")
+        assert renamed.returncode == 0 and "watch" not in json.loads(renamed.stdout)
+        assert reads(c.mnt(0) / "elsewhere" / "f") == b"v2"
+        assert w.stop(signal.SIGTERM) == 0
+    finally:
+        w.kill()
+    assert not list((home / "watch").glob("*.sock"))  # removed on the way out
+    (src / "f").write_text("v3")
+    out = one_shot(c, src, home, "--json")
+    assert out.returncode == 0 and "watch" not in json.loads(out.stdout)
+    assert reads(c.mnt(1) / "ws" / "f") == b"v3"

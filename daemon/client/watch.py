@@ -32,8 +32,10 @@ import trio
 from watchfiles._rust_notify import RustNotify  # documented: watchfiles' "Rust backend" API
 
 from ...fs.manifest import Entry
+from ...fs.private_files import private_dir
 from ...fs.scan import Snapshot, is_excluded, rescan, scan
 from ...fs.scan_cache import ScanCache
+from . import handoff
 from .progress import fmt_bytes
 from .push import PushResult
 
@@ -76,6 +78,14 @@ class _Filter:
         return None if is_excluded(brel, self.excludes) else brel
 
 
+# judge(request): None if a handed-off push (handoff.py's request) is not this watch's, else
+# how to answer it: report(the push's PushResult, or the exception it failed with) -> the reply
+# (what the one-shot command would have printed, and its exit code).
+Report = Callable[[PushResult | BaseException], dict]
+Judge = Callable[[dict], Report | None]
+POLL_MS = 25  # with hand-offs served: how often the wait for changes looks for one
+
+
 async def watch(
     src: str | os.PathLike[str],
     push_once: PushOnce,
@@ -88,11 +98,13 @@ async def watch(
     err: TextIO | None = None,
     quiet_ms: int = QUIET_MS,
     debounce_ms: int = DEBOUNCE_MS,
+    judge: Judge | None = None,
 ) -> int:
     """Push now, then after every change of `src` (see the module docstring), until SIGINT or
     SIGTERM. `push_once` does one push; `cache` is the folder's scan cache, for the whole
     scans; `ignore` lists paths whose changes never count (the scan cache, should it live
-    inside the folder). Returns the exit status."""
+    inside the folder). With `judge`, one-shot pushes of this folder are taken over a socket
+    in handoff.sockets() (see handoff.py). Returns the exit status."""
     out = out or sys.stdout
     err = err or sys.stderr
     root = os.path.abspath(src)
@@ -103,6 +115,8 @@ async def watch(
     pushing = False
     interrupted = False
     last_warnings: list[str] = []
+    outcome: PushResult | BaseException | None = None  # of the last push
+    waiting: list[_Asked] = []  # hand-offs that arrived since the last push started
 
     def say(line: str, stream: TextIO) -> None:
         print(line, file=stream, flush=True)
@@ -110,11 +124,12 @@ async def watch(
     async def push_and_report(snap: Snapshot, held: frozenset[bytes],
                               changes: int) -> frozenset[bytes]:
         """Push `snap`; the chunks every node holds after it (none if it failed)."""
-        nonlocal pushing, last_warnings
+        nonlocal pushing, last_warnings, outcome
         pushing = True
         try:
-            result = await push_once(snap, held)
+            result = outcome = await push_once(snap, held)
         except Exception as e:  # noqa: BLE001 -- any failure is reported, and watching goes on
+            outcome = e
             say(f"{time.strftime('%H:%M:%S')} push failed: {e}", err)
             return frozenset()
         finally:
@@ -145,36 +160,61 @@ async def watch(
                 pass
         return await scan(root, excludes, cache=cache)
 
+    async def changes(notify: RustNotify, timeout: int) -> set[bytes] | str:
+        """What changed (relative paths that count), waiting up to `timeout` ms (0: for
+        ever) for a change; or "stop", or "timeout"."""
+        nonlocal check_at
+        raw = await trio.to_thread.run_sync(notify.watch, debounce_ms, quiet_ms, timeout, stop)
+        if isinstance(raw, set):
+            if check_at is not None:  # not quiet yet, even if nothing that counts changed
+                check_at = time.monotonic() + CHECK_MS / 1e3
+            return {rel for _, path in raw if (rel := counts(path)) is not None}
+        return raw
+
+    check_at: float | None = None  # when the whole scan after a quiet spell is due
+
     async def loop(notify: RustNotify) -> None:
+        nonlocal outcome, check_at
         snap: Snapshot | None = None  # the tree as last scanned (None: scan it whole)
         pushed: list[Entry] = []  # the entries of the last push
         held: frozenset[bytes] = frozenset()
         changed: set[bytes] = set()
         checking = False  # a whole scan after a quiet spell: did the watcher miss anything?
+        asked: list[_Asked] = []  # the hand-offs this push answers
         while True:
-            timeout = 0  # wait for a change, however long
             try:
-                snap = await scanned(snap, changed)  # (whole when checking: nothing changed)
+                if snap is None or changed or checking:  # (whole when checking)
+                    snap = await scanned(None if checking else snap, changed)
             except (OSError, ValueError) as e:  # the folder went away, an unsafe name...
                 say(f"{time.strftime('%H:%M:%S')} push failed: {e}", err)
-                snap = None
+                snap, outcome = None, e
             else:
                 missed = checking and snap.manifest.entries != pushed
                 if missed:
                     say(f"{time.strftime('%H:%M:%S')} the watcher missed a change; a whole "
                         "scan found it", err)
-                if missed or not checking:
+                if missed or not checking or asked:
                     held = await push_and_report(snap, held, len(changed) or int(missed))
-                    pushed, timeout = snap.manifest.entries, CHECK_MS
-            changed, checking = set(), False
-            while not (changed or checking):
-                raw = await trio.to_thread.run_sync(notify.watch, debounce_ms, quiet_ms,
-                                                    timeout, stop)
-                if raw == "stop":
+                    pushed, check_at = snap.manifest.entries, time.monotonic() + CHECK_MS / 1e3
+            for a in asked:
+                a.answer(outcome)
+            changed, checking, asked = set(), False, []
+            while not (changed or checking or asked):
+                serving = judge is not None
+                left = 0 if check_at is None else max(1, int(1e3 * (check_at - time.monotonic())))
+                got = await changes(notify, min(left or POLL_MS, POLL_MS) if serving else left)
+                if got == "stop":
                     return
-                checking = raw == "timeout"
-                if isinstance(raw, set):
-                    changed = {rel for _, path in raw if (rel := counts(path)) is not None}
+                if isinstance(got, set):
+                    changed = got
+                elif check_at is not None and time.monotonic() >= check_at:
+                    checking, check_at = True, None
+                asked, waiting[:] = list(waiting), []
+                if asked and not changed and not checking:  # what changed up to the request
+                    got = await changes(notify, 1)
+                    if got == "stop":
+                        return
+                    changed = got if isinstance(got, set) else set()
 
     async def on_signal(signals, cancel: trio.CancelScope) -> None:
         nonlocal interrupted
@@ -189,8 +229,77 @@ async def watch(
         with RustNotify([root], False, False, 300, True, False) as notify:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(on_signal, signals, nursery.cancel_scope)
+                if judge is not None:
+                    await nursery.start(_serve_handoffs, judge, waiting)
                 say(f"watching {root} (Ctrl-C to stop)", err)
                 await loop(notify)
                 nursery.cancel_scope.cancel()
     say("stopped watching" + (" (a push in progress was cancelled)" if interrupted else ""), err)
     return 130 if interrupted else 0
+
+
+class _Asked:
+    """A one-shot push handed to this watch, waiting for the next push to end."""
+
+    def __init__(self, report: Report):
+        self.report = report
+        self.reply: dict | None = None
+        self.done = trio.Event()
+
+    def answer(self, outcome: PushResult | BaseException | None) -> None:
+        if outcome is None:
+            outcome = RuntimeError("the watch has not pushed yet")
+        self.reply = self.report(outcome)
+        self.done.set()
+
+
+async def _serve_handoffs(judge: Judge, waiting: list[_Asked], *,
+                          task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                          ) -> None:
+    """Take one-shot pushes on a socket in handoff.sockets() until cancelled (then remove it).
+    Each asks whether it is this watch's push (judge), then waits for the next push to end."""
+    folder = handoff.sockets()
+    private_dir(folder)
+    path = folder / f"{os.getpid()}.sock"
+    path.unlink(missing_ok=True)
+    sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+    try:
+        await sock.bind(str(path))
+        sock.listen(16)
+        listener = trio.SocketListener(sock)
+
+        async def one(stream: trio.SocketStream) -> None:
+            async with stream:
+                try:
+                    with trio.fail_after(handoff.ASK_TIMEOUT):
+                        line = await _read_line(stream)
+                    report = judge(json.loads(line))
+                except (ValueError, trio.TooSlowError, OSError, trio.BrokenResourceError):
+                    return
+                try:
+                    await stream.send_all(json.dumps({"mine": report is not None}).encode()
+                                          + b"\n")
+                    if report is None:
+                        return
+                    asked = _Asked(report)
+                    waiting.append(asked)
+                    await asked.done.wait()
+                    await stream.send_all(json.dumps(asked.reply).encode() + b"\n")
+                except (OSError, trio.BrokenResourceError):
+                    return  # the one-shot command went away (Ctrl-C): the push still ran
+
+        task_status.started()
+        await trio.serve_listeners(one, [listener])
+    finally:
+        sock.close()
+        path.unlink(missing_ok=True)
+
+
+async def _read_line(stream: trio.SocketStream, limit: int = 1 << 20) -> bytes:
+    buf = b""
+    while not buf.endswith(b"\n"):
+        data = await stream.receive_some(65536)
+        if not data or len(buf) > limit:
+            raise ValueError("no request line")
+        buf += data
+    return buf

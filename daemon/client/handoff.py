@@ -1,0 +1,73 @@
+"""A one-shot `monarch-fs push` handed to a `push --watch` of the same folder, to the same
+hosts, that already runs: it holds the tree as the watcher saw it and its sessions with the
+nodes, so the push costs what changed (as git's fsmonitor or Bazel's server spare a rescan),
+where a new process would start Python, import everything and walk the whole tree.
+
+The watch listens on a unix socket in HOME/watch (HOME is private to its user). This side
+asks each socket there in turn, sending its command line, working folder and MONARCH_FS_*
+environment; the watch answers whether the push is its own (the same folder, hosts, token,
+name and options), and if so pushes and sends back what the command would have printed and
+its exit code. Anything else (no watch, another folder, a watch that dies meanwhile) and the
+command runs as usual. Only the standard library here: this runs before anything else is
+imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+from ...settings import settings
+
+ASK_TIMEOUT = 1.0  # seconds for a watch to say whether a push is its own
+
+
+def sockets() -> Path:
+    """Where the running watches listen: one socket each."""
+    return settings.home / "watch"
+
+
+def request(argv: list[str]) -> bytes:
+    """The request line: what the watch needs to tell whether the push is its own."""
+    env = {k: v for k, v in os.environ.items() if k.startswith("MONARCH_FS_")}
+    return json.dumps({"argv": argv, "cwd": os.getcwd(), "env": env}).encode() + b"\n"
+
+
+def hand_off(argv: list[str]) -> int | None:
+    """Run `monarch-fs ARGV` in a watch that can, printing what it prints: its exit code, or
+    None when no watch took it."""
+    if not argv or argv[0] != "push" or {"--watch", "-h", "--help"} & set(argv):
+        return None
+    folder = sockets()
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".sock"))
+    except OSError:
+        return None
+    line = request(argv)
+    for name in names:
+        path = folder / name
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(ASK_TIMEOUT)
+                s.connect(str(path))
+                s.sendall(line)
+                answers = s.makefile("rb")
+                if not json.loads(answers.readline()).get("mine"):
+                    continue
+                s.settimeout(None)  # the push's own timeouts bound it
+                reply = json.loads(answers.readline())
+        except ConnectionRefusedError:  # a watch that died without removing its socket
+            try:
+                path.unlink()
+            except OSError:
+                pass
+            continue
+        except (OSError, ValueError, AttributeError):  # gone meanwhile: push as usual
+            continue
+        sys.stdout.write(reply.get("stdout", ""))
+        sys.stderr.write(reply.get("stderr", ""))
+        return int(reply.get("code", 1))
+    return None
