@@ -3,6 +3,8 @@
 change, and after one edited file until every node shows the edit; `monarch-fs push` (its
 interpreter start included: what a user waits for) next to `rsync -a` into 4 local folders one
 after another, and `push --watch` from the moment the file is saved until every node shows it.
+The one-shot push is measured twice: as a new process on its own, and handed to a `push
+--watch` of the tree that runs (daemon/client/handoff.py).
 
     .venv/bin/python -m bench.edit_loop_bench [--files 15000,100000] [--nodes 4] [--rounds 5]
 
@@ -130,6 +132,43 @@ def watch_latencies(cl: LocalCluster, tree: Path, edit: Edit, roots: list[Path],
     return out
 
 
+def handed_off(cl: LocalCluster, tree: Path, edit: Edit, roots: list[Path],
+               n: int) -> dict[str, list[float]]:
+    """`monarch-fs push` (CLI start included) while a `push --watch` of the tree runs, which
+    takes the push over (daemon/client/handoff.py): `n` no-change pushes and `n` edits."""
+    cmd, env = cl.push_args(tree, "--watch", "--name", tree.name)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    out: dict[str, list[float]] = {"nochange": [], "edit": []}
+
+    def push() -> float:
+        seconds, result = cl.push(tree, tree.name)
+        if result.get("watch") != proc.pid:
+            raise BenchError("monarch-fs push was not handed to the running push --watch")
+        return seconds
+
+    try:
+        sock = cl.home / "watch" / f"{proc.pid}.sock"
+        t0 = time.perf_counter()
+        while not sock.exists():
+            if proc.poll() is not None or time.perf_counter() - t0 > WATCH_TIMEOUT:
+                raise BenchError("push --watch did not start listening for pushes")
+            time.sleep(0.05)
+        push()  # untimed: the watch's first push is done
+        for _ in range(n):
+            out["nochange"].append(push())
+            data = edit.next()
+            out["edit"].append(push())
+            check_shows(roots, edit.rel, data, "monarch-fs push (handed off)")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return out
+
+
 def one_tree(work: Path, cache: Path, files: int, nodes: int, n: int, watch_edits: int) -> dict:
     """Both sides on one tree of `files` files: medians of `n` rounds, and the watch."""
     tree = ensure_files(cache, files)
@@ -172,6 +211,7 @@ def one_tree(work: Path, cache: Path, files: int, nodes: int, n: int, watch_edit
                     "rsync_edit": edited(lambda: rsync_to_all(tree, dests), dests, "rsync"),
                 }, before=up_to_date)
                 watch = watch_latencies(cl, tree, edit, mounts, watch_edits)
+                handed = handed_off(cl, tree, edit, mounts, n)
             finally:
                 edit.restore()
     finally:
@@ -179,10 +219,13 @@ def one_tree(work: Path, cache: Path, files: int, nodes: int, n: int, watch_edit
             shutil.rmtree(dest, ignore_errors=True)
     res = {"files": files, "nodes": nodes,
            **{k: summary([round(s, 4) for s in v]) for k, v in got.items()},
-           "watch": summary([round(s, 4) for s in watch]), "edit_phases": edit_phases}
+           "watch": summary([round(s, 4) for s in watch]), "edit_phases": edit_phases,
+           **{f"handoff_{k}": summary([round(s, 4) for s in v]) for k, v in handed.items()}}
     log(f"  {files:,} files: no change {res['mfs_nochange']['median']:.3f}s (rsync "
         f"{res['rsync_nochange']['median']:.3f}s), edit {res['mfs_edit']['median']:.3f}s "
-        f"(rsync {res['rsync_edit']['median']:.3f}s), --watch {res['watch']['median']:.3f}s")
+        f"(rsync {res['rsync_edit']['median']:.3f}s), --watch {res['watch']['median']:.3f}s, "
+        f"handed to --watch: no change {res['handoff_nochange']['median']:.3f}s, edit "
+        f"{res['handoff_edit']['median']:.3f}s")
     return res
 
 
@@ -205,28 +248,37 @@ def table(res: dict) -> list[str]:
     lines = ["| what (issue 20) | target | this run | |", "| --- | --- | --- | --- |"]
     for key, label, target in (("nochange", "no-change push", t["nochange_s"]),
                                ("edit", "one edit visible on every node", t["edit_s"])):
-        m = base[f"mfs_{key}"]["median"]
         r = base[f"rsync_{key}"]["median"]
-        lines.append(f"| {label}, {base['files']:,} files, {base['nodes']} nodes, CLI start "
-                     f"included | <= {target} s | {m:.3f} s; rsync {r:.3f} s ({r / m:.2f}x); "
-                     f"Monarch refresh {MONARCH_REFRESH[f'{key}_s']} s (1 host) | "
-                     f"{_met(m, target)} |")
+        for side, how in (("mfs", "a new process"), ("handoff", "handed to a running --watch")):
+            m = base[f"{side}_{key}"]["median"]
+            lines.append(f"| {label}, {base['files']:,} files, {base['nodes']} nodes, CLI "
+                         f"start included ({how}) | <= {target} s | {m:.3f} s; rsync {r:.3f} s "
+                         f"({r / m:.2f}x); Monarch refresh {MONARCH_REFRESH[f'{key}_s']} s "
+                         f"(1 host) | {_met(m, target)} |")
     w = base["watch"]
     lines.append(f"| one edit in `--watch`, saved to shown on every node | <= {t['watch_s']} s "
                  f"(median of {len(w['runs'])}) | {w['median']:.3f} s ({w['min']:.3f}-"
                  f"{w['max']:.3f}) | {_met(w['median'], t['watch_s'])} |")
     for big in trees[1:]:
-        for key, label in (("nochange", "no-change push"), ("edit", "one edit")):
-            x = big[f"mfs_{key}"]["median"] / base[f"mfs_{key}"]["median"]
-            lines.append(f"| {label}, {big['files']:,} files against {base['files']:,} | <= "
-                         f"{t['scale']}x | {x:.2f}x ({big[f'mfs_{key}']['median']:.3f} s) | "
-                         f"{_met(x, t['scale'])} |")
-    lines += ["", "| files | monarch-fs no change | rsync | edit | rsync | --watch edit |",
-              "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for key, label in (("nochange", "no-change push"), ("edit", "one edit"),
+                           ("watch", "--watch edit")):
+            for side, how in (("mfs", "new process"), ("handoff", "handed to --watch")):
+                if key == "watch" and side == "handoff":
+                    continue
+                k = "watch" if key == "watch" else f"{side}_{key}"
+                x = big[k]["median"] / base[k]["median"]
+                lines.append(f"| {label}{'' if key == 'watch' else f' ({how})'}, "
+                             f"{big['files']:,} files against {base['files']:,} | <= "
+                             f"{t['scale']}x | {x:.2f}x ({big[k]['median']:.3f} s) | "
+                             f"{_met(x, t['scale'])} |")
+    lines += ["", "| files | no change | handed off | rsync | edit | handed off | rsync | "
+              "--watch edit |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for tr in trees:
         lines.append(f"| {tr['files']:,} | {tr['mfs_nochange']['median']:.3f} s | "
+                     f"{tr['handoff_nochange']['median']:.3f} s | "
                      f"{tr['rsync_nochange']['median']:.3f} s | {tr['mfs_edit']['median']:.3f} s"
-                     f" | {tr['rsync_edit']['median']:.3f} s | {tr['watch']['median']:.3f} s |")
+                     f" | {tr['handoff_edit']['median']:.3f} s | "
+                     f"{tr['rsync_edit']['median']:.3f} s | {tr['watch']['median']:.3f} s |")
     phases = ", ".join(f"{k} {v:.3f} s" for k, v in base["edit_phases"].items())
     lines += ["", f"A push of {base['files']:,} files with an edit, step by step (`push --json`'s "
               f"phases, the CLI's start not included): {phases}."]

@@ -251,6 +251,7 @@ class Manifest:
         self.base: weakref.ref[Manifest] | None = None
         self.read_folders: list[int] = []
         self.known_ids: Iterable[bytes] | None = None  # chunk_ids(), when already counted
+        self.totals: tuple[int, int] | None = None  # file_totals()
 
     def validate(self, checked: frozenset[int] = frozenset()) -> None:
         """Refuse anything the mount could not serve as is: every field is held to what the
@@ -598,4 +599,11 @@ class Manifest:
 
     @property
     def total_bytes(self) -> int:
-        return sum(e.size for e in self.entries if e.kind == Kind.FILE)
+        return self.file_totals()[1]
+
+    def file_totals(self) -> tuple[int, int]:
+        """(files, bytes), counted once (or set by a rescan from the change: `totals`)."""
+        if self.totals is None:
+            files = [e.size for e in self.entries if e.kind == Kind.FILE]
+            self.totals = (len(files), sum(files))
+        return self.totals

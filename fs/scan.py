@@ -342,6 +342,13 @@ def _edited(prev: Snapshot, found: _Rewalk, entries: list[Entry], chunk_size: in
     for cid in [cid for e in found.replaced for cid in e.chunks if refs.get(cid, 1) <= 0]:
         del refs[cid]
         sources.pop(cid, None)
+    files, size = prev.manifest.file_totals()
+    for sign, group in ((-1, found.replaced), (1, entries)):
+        for e in group:
+            if e.kind == Kind.FILE:
+                files += sign
+                size += sign * e.size
+    manifest.totals = (files, size)
     orphans = {cid for e in found.stale for cid in e.chunks
                if cid in refs and cid not in sources}
     if orphans:  # rare: a file that did not change holds the same chunk; find it

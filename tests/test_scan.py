@@ -272,6 +272,7 @@ async def rescanned(root: Path, prev: Snapshot, *changed: str, excludes=()) -> S
     assert again.manifest.objects() == whole.manifest.objects()
     assert sorted(again.manifest.chunk_ids()) == sorted(whole.manifest.chunk_ids())
     assert again.chunk_refs() == whole.chunk_refs()  # counted from the change, not the tree
+    assert again.manifest.totals == Manifest(whole.manifest.entries).file_totals()
     assert set(again.sources) == set(whole.sources)  # no source of a chunk nothing holds
     for e in again.manifest:
         if e.kind == Kind.FILE:

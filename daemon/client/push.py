@@ -38,7 +38,7 @@ from .controller_store import ControllerStore
 from .link_codec import LinkChoice
 from .links import STALL_TIMEOUT, NodeLink, Sessions, each
 from .progress import Progress
-from .stream import LARGE_CHUNK, Pacer, Payload, Stream
+from .stream import LARGE_CHUNK, Pacer, Payload, Sizes, Stream
 
 
 class PushError(Exception):
@@ -134,8 +134,7 @@ class _Push:
         objects = snap.manifest.objects()
         self.version = snap.manifest.id
         self.ids = snap.manifest.chunk_ids()
-        self.sizes = {cid: src.length for cid, src in snap.sources.items()}
-        self.sizes.update((oid, len(blob)) for oid, blob in objects.items())
+        self.sizes = Sizes(snap.sources, objects)
         self.payload = Payload(self.ids, self.version, objects, self.sizes,
                                snap.read_into, store,
                                vouched=frozenset(c for c, src in snap.sources.items()
@@ -366,8 +365,7 @@ def keep(store: ControllerStore, snap: Snapshot, job: _Push, name: str) -> list[
         store.added = store.fill([*job.ids, *job.payload.objects], job.payload.read)
     except (SourceChanged, OSError) as e:  # published already: the next push reads it again
         lines.append(f"the dev box store misses some chunks of this push: {e}")
-    files = sum(e.size for e in snap.manifest if e.kind == Kind.FILE)
-    return lines + store.finish(job.version, name, files)
+    return lines + store.finish(job.version, name, snap.manifest.total_bytes)
 
 
 def workspace_name(src: str | os.PathLike[str], name: str | None) -> str:
@@ -532,12 +530,12 @@ async def push(
         if store is not None:
             store.close()
 
-    files = [e for e in snap.manifest if e.kind == Kind.FILE]
+    files, size = snap.manifest.file_totals()
     return PushResult(
         version=job.version.hex(),
         name=name,
-        files=len(files),
-        bytes=sum(e.size for e in files),
+        files=files,
+        bytes=size,
         chunks_total=len(job.ids),
         chunks_sent=job.chunks_sent,
         bytes_sent=job.bytes_sent,
@@ -550,8 +548,9 @@ async def push(
         links=[c.to_json() for c in job.links.values()],
         store=({"path": str(store.root), "sent_from_store": store.hits, "added": store.added}
                if store is not None else {}),
-        warnings=unexposed + snap.warnings + bytecode.warnings(snap.manifest, src)
-        + job.warnings,
+        # (Not again for each push of push --watch: a pass over the whole tree.)
+        warnings=unexposed + snap.warnings + job.warnings
+        + (bytecode.warnings(snap.manifest, src) if not held else []),
         usable_seconds=job.usable_seconds,
         complete_seconds=job.complete_seconds,
         first_reads=job.first_reads if early else None,

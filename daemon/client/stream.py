@@ -14,13 +14,13 @@ wants up to the root: daemon/node/relay.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import trio
 
 from ...fs import chunk
-from ...fs.scan import SourceChanged
+from ...fs.scan import Source, SourceChanged
 from ..wire import bulk, topology
 from ..wire import protocol as p
 from ..wire.replies import FlushReply, RelayReply
@@ -55,7 +55,7 @@ class Pacer:
         await trio.sleep_until(start)
 
 
-def interleave(ids: list[bytes], sizes: dict[bytes, int]) -> list[bytes]:
+def interleave(ids: list[bytes], sizes: Mapping[bytes, int]) -> list[bytes]:
     """The order to send `ids` in: runs of small chunks (whole small files) spread among the
     large chunks in proportion to their bytes, each kind still in folder order.
 
@@ -88,6 +88,29 @@ def interleave(ids: list[bytes], sizes: dict[bytes, int]) -> list[bytes]:
     return out
 
 
+class Sizes(Mapping[bytes, int]):
+    """Each chunk's and folder object's size, looked up in the snapshot as asked: a dict of
+    them all would cost a pass over every chunk of the tree for each push of an edit."""
+
+    def __init__(self, sources: Mapping[bytes, Source], objects: Mapping[bytes, bytes]):
+        self.sources = sources
+        self.objects = objects
+
+    def __getitem__(self, cid: bytes) -> int:
+        blob = self.objects.get(cid)
+        return len(blob) if blob is not None else self.sources[cid].length
+
+    def __contains__(self, cid: object) -> bool:
+        return cid in self.objects or cid in self.sources
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield from self.objects
+        yield from (c for c in self.sources if c not in self.objects)
+
+    def __len__(self) -> int:
+        return len(self.objects) + sum(c not in self.objects for c in self.sources)
+
+
 @dataclass
 class Payload:
     """What a push sends: the snapshot's chunk ids in folder order, then its manifest (the
@@ -101,7 +124,7 @@ class Payload:
     ids: list[bytes]
     version: bytes
     objects: dict[bytes, bytes]  # Manifest.objects(): children before parents, the root last
-    sizes: dict[bytes, int]
+    sizes: Mapping[bytes, int]
     read_into: Callable[[bytes, int], bytearray]  # Snapshot.read_into
     store: ControllerStore | None = None
     raw_roots: set[str] = field(default_factory=set)
