@@ -246,6 +246,74 @@ def check(results: dict, latency: float | None = None, out=sys.stdout) -> list[d
     return rows
 
 
+# ---- a small change (issue 20) ------------------------------------------------------------
+#
+# An edit moves kilobytes: its time is the control plane's, not the links'. For each edit the
+# dev box sends every node a few small requests over the sessions push --watch keeps (current,
+# what do you lack, relay, the chunk, flush, prepare, commit): b CPU-seconds per node, in its one
+# trio thread. Each node works w CPU-seconds (load the changed folders, fsync, switch the
+# version). F is what does not grow with N (the round trips, the dev box's own steps).
+#
+#   one machine (the netns check: N daemons and the dev box share the cores):
+#       T(N) = F + N·(b + w) / cores
+#   a real cluster (each node its own CPUs; the dev box's requests go out one after another):
+#       T(N) = F + N·b + w                           the star control plane monarch-fs has
+#       T(N) = F + D·(k·b + w) + k·b                  requests relayed down a k-ary tree of
+#                                                    depth D (not built: a what-if)
+
+def fit_small_change(per_n: list[dict], cores: int) -> dict:
+    """b, w and F from edit_fanout_bench's medians per N (least squares on the dev box's CPU
+    against N for b; the daemons' CPU over N for w; F from the smallest N)."""
+    ns = [r["nodes"] for r in per_n]
+    if len(ns) > 1:
+        mean_n = statistics.mean(ns)
+        mean_c = statistics.mean(r["client_cpu"] for r in per_n)
+        b = (sum((r["nodes"] - mean_n) * (r["client_cpu"] - mean_c) for r in per_n)
+             / sum((n - mean_n) ** 2 for n in ns))
+    else:
+        b = per_n[0]["client_cpu"] / ns[0]
+    b = max(b, 0.0)
+    w = statistics.median(r["daemon_cpu"] / r["nodes"] for r in per_n)
+    low = min(per_n, key=lambda r: r["nodes"])
+    f = max(0.0, low["seconds"] - low["nodes"] * (b + w) / cores)
+    return {"b": b, "w": w, "f": f, "cores": cores, "fitted_on": ns}
+
+
+def small_change_seconds(n: int, fit: dict, where: str = "cluster", fanout: int = 0) -> float:
+    """Seconds for one edit to reach n nodes (see above): `where` "machine" (all on `cores`)
+    or "cluster"; `fanout` k > 0: the control plane relayed down a k-ary tree."""
+    b, w, f = fit["b"], fit["w"], fit["f"]
+    if where == "machine":
+        return f + n * (b + w) / fit["cores"]
+    if fanout:
+        depth = tree_depth(n, fanout)
+        return f + depth * (fanout * b + w) + fanout * b
+    return f + n * b + w
+
+
+def small_change_report(report: dict) -> list[str]:
+    """The markdown of an edit_fanout_bench run: measured vs the model, and the projection."""
+    fit = report["fit"]
+    lines = [f"# One edit to N netns nodes ({report['date']}, links {report['rate']}, "
+             f"{report['cores']} cores)", "",
+             f"Model fitted on N = {', '.join(map(str, fit['fitted_on']))}: dev box "
+             f"b = {fit['b'] * 1e3:.2f} ms CPU per node, node w = {fit['w'] * 1e3:.2f} ms CPU, "
+             f"F = {fit['f'] * 1e3:.1f} ms (bench/fanout_model.py, `small_change`).", "",
+             "| N | measured (median) | model, one machine | error |",
+             "| ---: | ---: | ---: | ---: |"]
+    for r in report["per_n"]:
+        m = small_change_seconds(r["nodes"], fit, "machine")
+        lines.append(f"| {r['nodes']} | {r['seconds']:.3f} s | {m:.3f} s | "
+                     f"{(m - r['seconds']) / r['seconds']:+.0%} |")
+    lines += ["", "Projected for a real cluster (each node its own CPUs):", "",
+              "| N | star control plane (built) | relayed down a 16-ary tree (not built) |",
+              "| ---: | ---: | ---: |"]
+    for n in (4, 64, 256, 1024):
+        lines.append(f"| {n} | {small_change_seconds(n, fit):.3f} s | "
+                     f"{small_change_seconds(n, fit, fanout=16):.3f} s |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -66,9 +66,11 @@ def key(entry: Entry) -> str:
 
 def place_files(store: Store, manifest: Manifest) -> int:
     """Tell the store where the chunks of `manifest`'s large files go, before they arrive, so
-    that each is written once, into its file object; how many file objects will be written."""
+    that each is written once, into its file object; how many file objects will be written.
+    (Only those of the folders it does not share with the version loaded before it: the others
+    were there.)"""
     return sum(store.expect_file(key(e), e.size, e.chunks, manifest.chunk_size)
-               for e in manifest.entries if wanted(e))
+               for e in manifest.added_entries() if wanted(e))
 
 
 @dataclass

@@ -252,6 +252,7 @@ class Manifest:
         self.read_folders: list[int] = []
         self.known_ids: Iterable[bytes] | None = None  # chunk_ids(), when already counted
         self.totals: tuple[int, int] | None = None  # file_totals()
+        self.new_objects: set[bytes] = set()  # edited(): the objects its base does not have
 
     def validate(self, checked: frozenset[int] = frozenset()) -> None:
         """Refuse anything the mount could not serve as is: every field is held to what the
@@ -533,6 +534,7 @@ class Manifest:
         # Children before their parents, the root last (reversed tree order), each once.
         m._objects = {oid: blobs.get(oid) or old[oid]
                       for oid in reversed(oids) if oid is not None}
+        m.new_objects = set(blobs) - set(old)
         return m
 
     def find(self, path: bytes) -> int | None:
@@ -552,14 +554,19 @@ class Manifest:
             i = j
         return i
 
+    def added_entries(self) -> list[Entry]:
+        """The entries of the folders `load` read: with every other subtree taken from its base
+        (Manifest.base), the only ones this version may have that the base does not. All of
+        them when it was not loaded against a base."""
+        if self.base is None:
+            return self.entries
+        return [e for i in self.read_folders for e in self.children(i)]
+
     def added_chunk_ids(self) -> list[bytes] | None:
-        """The chunks of the files in the folders `load` read: with every other subtree taken
-        from its base, the only chunks this version may have that the base does not. None if
-        it was not loaded against a base."""
+        """The chunks of added_entries(); None if it was not loaded against a base."""
         if self.base is None:
             return None
-        return list(dict.fromkeys(c for i in self.read_folders for e in self.children(i)
-                                  for c in e.chunks))
+        return list(dict.fromkeys(c for e in self.added_entries() for c in e.chunks))
 
     def span(self, i: int) -> int:
         """How many entries the subtree at index `i` holds, itself included."""

@@ -57,6 +57,14 @@ class Snapshot:
     # How many files hold each chunk (made when a rescan first needs it): a rescan keeps a
     # chunk's source only while some file holds it.
     refs: dict[bytes, int] | None = None
+    # A rescan's: the version it was rescanned from, and the chunks and folder objects it has
+    # that that one may not (what a push asks the nodes about, when they hold that version).
+    since: bytes | None = None
+    added: set[bytes] | None = None
+
+    def holds(self, cid: bytes) -> bool:
+        """Whether `cid` is one of this snapshot's chunks or folder objects."""
+        return cid in self.chunk_refs() or cid in self.manifest.objects()
 
     def chunk_refs(self) -> dict[bytes, int]:
         if self.refs is None:
@@ -442,15 +450,17 @@ async def rescan(prev: Snapshot, changed: Iterable[bytes], excludes: Sequence[st
                                           chunk_size)
     found.walk.sources = _without_stale(prev, found)
     refs: dict[bytes, int] = {}
+    added: set[bytes] = set()
 
     def build(entries: list[Entry]) -> Manifest:
         manifest, counted = _edited(prev, found, entries, chunk_size, found.walk.sources)
         refs.update(counted)
         manifest.known_ids = counted  # its keys: every chunk once
+        added.update(manifest.new_objects, (c for e in entries for c in e.chunks))
         return manifest
 
     snap = await _complete(prev.root, found.walk, chunk_size, None, prev.cache, build)
-    snap.refs = refs
+    snap.refs, snap.since, snap.added = refs, prev.manifest.id, added
     return snap
 
 

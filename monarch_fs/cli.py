@@ -126,7 +126,7 @@ def cmd_push(args: argparse.Namespace) -> int:
     transport = resolve_local(args.transport)  # --transport rdma without a device: exit 1
 
     async def run(progress: Progress | None = None, snapshot: Snapshot | None = None,
-                  held: frozenset[bytes] = frozenset(),
+                  held: Snapshot | None = None,
                   sessions: Sessions | None = None) -> PushResult:
         if args.compile:
             await compile_first(args.src)
@@ -138,7 +138,7 @@ def cmd_push(args: argparse.Namespace) -> int:
             # push --watch: after a push every node took, the next go without the dev box
             # store, whose open and fill cost grows with the tree, not the change (a later push
             # to fresh nodes reads the few edited files again).
-            store_dir=None if args.no_store or held else settings.store_dir,
+            store_dir=None if args.no_store or held is not None else settings.store_dir,
             store_bound=settings.store_bound, compress=args.compress, early=args.early,
             on_usable=usable, first_reads_dir=home_dir() / "first-reads",
             bwlimit=args.bwlimit * (1 << 20), snapshot=snapshot, held=held,

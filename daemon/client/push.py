@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -137,8 +137,7 @@ class _Push:
         self.sizes = Sizes(snap.sources, objects)
         self.payload = Payload(self.ids, self.version, objects, self.sizes,
                                snap.read_into, store,
-                               vouched=frozenset(c for c, src in snap.sources.items()
-                                                 if src.cached is not None))
+                               sources=snap.sources)
         self.compress = compress
         # Per root, chosen when it first gets chunks (once per session, with `sessions`).
         self.links: dict[str, LinkChoice] = sessions.codecs if sessions else {}
@@ -222,11 +221,19 @@ class _Push:
         self.nodes = [fresh.get(n.addr, n) for n in self.nodes]
         await self.connect()
 
-    async def negotiate(self, held: Collection[bytes] = ()) -> None:
-        """Ask every node which chunks it lacks, of those not `held` by every node already
-        (push --watch: those of the version it pushed last; prepare checks every chunk)."""
-        ask_for = [c for c in [*self.ids, *self.payload.objects]
-                   if c not in held or c == self.version]
+    async def negotiate(self, held: Snapshot | None = None) -> None:
+        """Ask every node which chunks it lacks, of those not in `held`, the snapshot every node
+        took last (push --watch; prepare still checks every chunk). This one rescanned from
+        that one: only what the rescan found new is asked about."""
+        objects = self.payload.objects
+        if held is None:
+            ask_for = [*self.ids, *objects]
+        elif self.snap.since == held.manifest.id and self.snap.added is not None:
+            ask_for = [c for c in self.snap.added if not held.holds(c)]
+            ask_for += [self.version] if self.version not in ask_for else []
+        else:
+            ask_for = [c for c in [*self.ids, *objects]
+                       if not held.holds(c) or c == self.version]
 
         async def ask(node: NodeLink) -> None:
             node.missing = set(await node.channel.query_missing(ask_for))
@@ -422,7 +429,7 @@ async def push(
     first_reads_dir: str | os.PathLike[str] | None = None,
     bwlimit: float = 0,
     snapshot: Snapshot | None = None,
-    held: Collection[bytes] = (),
+    held: Snapshot | None = None,
     sessions: Sessions | None = None,
 ) -> PushResult:
     """Push `src` to every host as workspace `name` (default: the folder's name). With
@@ -439,8 +446,8 @@ async def push(
     (first_reads.py), merged with those kept in `first_reads_dir` on the dev box. `bwlimit`
     (bytes a second, 0 for none) bounds what the dev box streams (stream.Pacer). `snapshot`:
     `src` as the caller scanned it (push --watch: fs.scan.rescan), not scanned again here;
-    `held`: chunks every node holds already (of the version the caller pushed last), which
-    the nodes are not asked about. `sessions`: the nodes' sessions, kept open after the push
+    `held`: the snapshot every node took last (push --watch), whose chunks the nodes are not
+    asked about. `sessions`: the nodes' sessions, kept open after the push
     for the next (push --watch; the caller closes them)."""
     t0 = time.monotonic()
     clock = _Clock(t0)
@@ -550,7 +557,7 @@ async def push(
                if store is not None else {}),
         # (Not again for each push of push --watch: a pass over the whole tree.)
         warnings=unexposed + snap.warnings + job.warnings
-        + (bytecode.warnings(snap.manifest, src) if not held else []),
+        + (bytecode.warnings(snap.manifest, src) if held is None else []),
         usable_seconds=job.usable_seconds,
         complete_seconds=job.complete_seconds,
         first_reads=job.first_reads if early else None,

@@ -128,7 +128,7 @@ class Payload:
     read_into: Callable[[bytes, int], bytearray]  # Snapshot.read_into
     store: ControllerStore | None = None
     raw_roots: set[str] = field(default_factory=set)
-    vouched: frozenset[bytes] = frozenset()  # ids whose files the scan cache vouches for
+    sources: Mapping[bytes, Source] = field(default_factory=dict)  # Snapshot.sources
 
     def _fresh(self, cid: bytes) -> bool:
         """Whether a raw link had better read the chunk from its source than decompress the
@@ -136,7 +136,8 @@ class Payload:
         page cache). Measured on the torch venv, loopback: 5.4 client CPU-s reading the
         source, 7.3 decompressing from the store. A read is checked against the id; a file
         that changed unseen falls back to the store."""
-        return cid in self.vouched
+        src = self.sources.get(cid)
+        return src is not None and src.cached is not None
 
     def read(self, cid: bytes) -> bytearray:
         """A chunk's bytes after one free byte (for its codec byte, when it goes raw)."""

@@ -43,8 +43,9 @@ QUIET_MS = 5  # an editor's save is a few events within a millisecond or two
 DEBOUNCE_MS = 1000
 CHECK_MS = 2000  # quiet for this long after a push: scan the whole tree, in case of a miss
 
-# push_once(snapshot, held): push `snapshot` of the folder; `held`, the chunks every node holds
-PushOnce = Callable[[Snapshot, frozenset[bytes]], Awaitable[PushResult]]
+# push_once(snapshot, held): push `snapshot` of the folder; `held`, the snapshot every node took
+# last (None: not known)
+PushOnce = Callable[[Snapshot, Snapshot | None], Awaitable[PushResult]]
 
 
 def summary(result: PushResult, changes: int) -> str:
@@ -121,9 +122,9 @@ async def watch(
     def say(line: str, stream: TextIO) -> None:
         print(line, file=stream, flush=True)
 
-    async def push_and_report(snap: Snapshot, held: frozenset[bytes],
-                              changes: int) -> frozenset[bytes]:
-        """Push `snap`; the chunks every node holds after it (none if it failed)."""
+    async def push_and_report(snap: Snapshot, held: Snapshot | None,
+                              changes: int) -> Snapshot | None:
+        """Push `snap`; what every node holds after it: `snap`, or None if it failed."""
         nonlocal pushing, last_warnings, outcome
         pushing = True
         try:
@@ -131,7 +132,7 @@ async def watch(
         except Exception as e:  # noqa: BLE001 -- any failure is reported, and watching goes on
             outcome = e
             say(f"{time.strftime('%H:%M:%S')} push failed: {e}", err)
-            return frozenset()
+            return None
         finally:
             pushing = False
         for w in result.warnings:
@@ -147,9 +148,7 @@ async def watch(
             say(json.dumps(obj), out)
         else:
             say(summary(result, changes), out)
-        if result.failed:
-            return frozenset()
-        return frozenset(snap.manifest.chunk_ids()) | frozenset(snap.manifest.objects())
+        return None if result.failed else snap
 
     async def scanned(snap: Snapshot | None, changed: set[bytes]) -> Snapshot:
         """The tree now: `snap` rescanned at the `changed` paths, or scanned whole."""
@@ -177,7 +176,7 @@ async def watch(
         nonlocal outcome, check_at
         snap: Snapshot | None = None  # the tree as last scanned (None: scan it whole)
         pushed: list[Entry] = []  # the entries of the last push
-        held: frozenset[bytes] = frozenset()
+        held: Snapshot | None = None  # what every node took last
         changed: set[bytes] = set()
         checking = False  # a whole scan after a quiet spell: did the watcher miss anything?
         asked: list[_Asked] = []  # the hand-offs this push answers

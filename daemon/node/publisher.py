@@ -32,6 +32,7 @@ from ...fs.chunk import decode as decode_chunk
 from ...fs.fuse_ops import SnapshotFS
 from ...fs.manifest import Entry, Manifest, ManifestError, MissingObject, TooManyEntries
 from ...fs.store import Store
+from ...fs.version_switch import Staged
 from ..wire.replies import CommitReply, PrepareReply, RemoveReply
 from ..wire.requests import RequestError
 from . import source_path
@@ -137,15 +138,29 @@ class Publisher:
         self._manifests[version] = m
         return m
 
-    def _backed(self, manifest: Manifest) -> list[Entry]:
+    def _backed(self, manifest: Manifest, staged: Staged | None = None) -> list[Entry]:
         """The files of `manifest` served from backing files in passthrough (fs/backing.py),
         found once per version: every commit and prune asks, and most files are too small.
-        Blocking: a worker thread."""
+        With `staged` (a commit's switch to it), from the version it replaces and what changed,
+        when the switch found that. Blocking: a worker thread."""
         files = self._backed_files.get(id(manifest))
-        if files is None or files[0] is not manifest:
-            files = self._backed_files[id(manifest)] = (
-                manifest, [e for e in manifest.entries if backing_wanted(e)])
-        return files[1]
+        if files is not None and files[0] is manifest:
+            return files[1]
+        old_tree = staged.old[0] if staged is not None and staged.old else None
+        before = self._backed_files.get(id(old_tree.manifest)) if old_tree else None
+        if staged is not None and before is not None and old_tree is not None \
+                and before[0] is old_tree.manifest:  # changed: exactly what differs from it
+            by_path = {e.path: e for e in before[1]}
+            for old, new in staged.changed:
+                if old is not None:
+                    by_path.pop(old.path, None)
+                if new is not None and backing_wanted(new):
+                    by_path[new.path] = new
+            backed = list(by_path.values())
+        else:
+            backed = [e for e in manifest.entries if backing_wanted(e)]
+        self._backed_files[id(manifest)] = (manifest, backed)
+        return backed
 
     def _drop_manifests(self) -> None:
         """Forget the decoded manifests no retained or in-flight version uses."""
@@ -350,7 +365,7 @@ class Publisher:
                 # would compete with the store's fsync on a real disk. Queued before the switch,
                 # so an open of a new file waits for its copy rather than missing passthrough.
                 entries = await trio.to_thread.run_sync(self._backed,
-                                                        await self.manifest(version))
+                                                        await self.manifest(version), staged)
                 if early is not None:  # only the files that are whole: never a partial one
                     entries = await trio.to_thread.run_sync(self._whole_files, entries)
                 await self.nursery.start(self._write_backing, entries)
