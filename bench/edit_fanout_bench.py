@@ -3,13 +3,15 @@
 change costs per node, measured on 1, 2, 4 and 8 nodes, to fit and check the small-change model
 in bench/fanout_model.py (`small_change`), which projects 1024 nodes.
 
-    sudo .venv/bin/python -m bench.edit_fanout_bench [--nodes 1,2,4,8] [--edits 7]
+    sudo .venv/bin/python -m bench.edit_fanout_bench [--nodes 1,2,4,8] [--edits 9]
 
-For each N: a fresh netns cluster (tests/netns.py), a tree of 300 small files pushed once, then
-`--edits` pushes of one edited file. Each push's `phases` (push --json) give the part a kept
-`push --watch` session pays: current + negotiate + send + publish (the interpreter's start, the
-scan and the connect are the one-shot's, not the edit loop's). The dev box's CPU (the push
-process) and the daemons' CPU are read around each push. Medians per N go to
+For each N: a fresh netns cluster (tests/netns.py), a tree of 300 small files, and a `push
+--watch --json` of it running on the dev box (its network namespace), which keeps its sessions
+with the nodes. For each of `--edits` edits of one file, the watch's line for its push gives
+the edit's time: current + negotiate + send + publish (its `phases`). The watch process's CPU
+and the daemons' CPU (every thread's, from /proc/PID/task/*/schedstat: nanoseconds, where
+/proc/PID/stat counts 10 ms ticks) are read around each push, not the collect a commit starts
+a second later (the edits are 1.5 s apart). Medians per N go to
 bench/results/editfanout-DATE.{json,md}, with the model's fit on N < 8 and its error at N = 8.
 """
 
@@ -19,20 +21,34 @@ import argparse
 import datetime
 import json
 import os
-import resource
+import select
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from tests.netns import NetCluster
 
 from . import fanout_model as model
-from .fanout_bench import proc_cpu_seconds
 
 REPO = Path(__file__).resolve().parent.parent
 PHASES = ("current", "negotiate", "send", "publish")  # what a kept session pays per edit
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time of every thread of `pid` so far, to the nanosecond."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):  # a thread that just ended
+            continue
+    return total / 1e9
 
 
 def make_tree(root: Path, files: int = 300) -> Path:
@@ -45,57 +61,84 @@ def make_tree(root: Path, files: int = 300) -> Path:
 
 def one_n(n: int, edits: int, rate: str, workdir: Path) -> dict:
     src = make_tree(workdir / f"tree-{n}")
+    home = workdir / f"home-{n}"
+    env = {**os.environ, "MONARCH_FS_HOME": str(home)}
     with NetCluster(n, rate=rate, workdir=workdir / f"cluster-{n}") as cluster:
-        argv = cluster.push_argv(src, "--json", "--name", "edit")
-        first = cluster.run_devbox(argv, timeout=120)
-        if first.returncode != 0:
-            raise RuntimeError(f"N={n}: first push failed: {first.stderr[-1000:]}")
-        runs = []
-        target = src / "pkg0" / "mod0.py"
-        for k in range(edits):
-            target.write_text(f"EDIT = {k}\n")
-            d0 = sum(proc_cpu_seconds(p) for p in cluster.pids)
-            r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-            proc = cluster.run_devbox(argv, timeout=120)
-            r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-            daemons = sum(proc_cpu_seconds(p) for p in cluster.pids) - d0
-            if proc.returncode != 0:
-                raise RuntimeError(f"N={n}: push failed: {proc.stderr[-1000:]}")
-            result = json.loads(proc.stdout)
-            phases = result["phases"]
-            runs.append({"seconds": sum(phases.get(p, 0.0) for p in PHASES),
-                         "phases": phases, "daemon_cpu": daemons,
-                         "client_cpu": (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime),
-                         "nodes": result["nodes"]})
+        argv = cluster.push_argv(src, "--name", "edit", "--watch", "--json")
+        # (`ip netns exec` execs the command: the watch is this pid)
+        watch = subprocess.Popen(["ip", "netns", "exec", cluster.devbox, *argv], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert watch.stdout is not None
+
+        def pushed() -> dict:
+            if not select.select([watch.stdout], [], [], 60)[0]:
+                raise RuntimeError(f"N={n}: push --watch printed no push in 60 s")
+            return json.loads(watch.stdout.readline())
+
+        try:
+            pushed()  # its first push
+            runs = []
+            target = src / "pkg0" / "mod0.py"
+            for k in range(edits):
+                d0 = sum(cpu_seconds(p) for p in cluster.pids)
+                w0 = cpu_seconds(watch.pid)
+                target.write_text(f"EDIT = {k}\n")
+                result = pushed()
+                time.sleep(0.3)  # the nodes' work after the reply (their collect comes later)
+                client = cpu_seconds(watch.pid) - w0
+                daemons = sum(cpu_seconds(p) for p in cluster.pids) - d0
+                if result["nodes"] != n or result["chunks_sent"] < 1:
+                    raise RuntimeError(f"N={n}: the edit's push: {result}")
+                runs.append({"seconds": sum(result["phases"].get(p, 0.0) for p in PHASES),
+                             "phases": result["phases"], "daemon_cpu": daemons,
+                             "client_cpu": client, "nodes": n})
+                time.sleep(1.2)  # past the collect a commit starts a second later
+        finally:
+            watch.send_signal(signal.SIGINT)
+            try:
+                watch.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                watch.kill()
+                watch.wait()
     med = {k: statistics.median(r[k] for r in runs) for k in ("seconds", "daemon_cpu",
                                                                 "client_cpu")}
     return {"nodes": n, **med, "runs": runs}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nodes", default="1,2,4,8", type=lambda s: [int(x) for x in s.split(",")])
-    parser.add_argument("--edits", type=int, default=7)
-    parser.add_argument("--rate", default="1gbit")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
-    args = parser.parse_args(argv)
+def measure(nodes: list[int], edits: int = 9, rate: str = "1gbit") -> dict:
+    """Every N's medians, the model's fit on N < max(nodes) and the report's date."""
     work = Path(tempfile.mkdtemp(prefix="editfanout-"))
     try:
         per_n = []
-        for n in args.nodes:
-            per_n.append(one_n(n, args.edits, args.rate, work))
+        for n in nodes:
+            per_n.append(one_n(n, edits, rate, work))
             print(f"  N={n}: {per_n[-1]['seconds']:.3f} s per edit (phases), daemons "
-                  f"{per_n[-1]['daemon_cpu']:.3f} CPU-s", file=sys.stderr)
+                  f"{per_n[-1]['daemon_cpu']:.3f} CPU-s, the watch "
+                  f"{per_n[-1]['client_cpu']:.3f} CPU-s", file=sys.stderr)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     cores = os.cpu_count() or 2
-    fit = model.fit_small_change([r for r in per_n if r["nodes"] < max(args.nodes)], cores)
-    now = datetime.datetime.now()
-    report = {"date": now.isoformat(timespec="seconds"), "rate": args.rate, "cores": cores,
-              "per_n": per_n, "fit": fit}
+    fitted = [r for r in per_n if r["nodes"] < max(nodes)] or per_n
+    fit = model.fit_small_change(fitted, cores)
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "rate": rate,
+            "cores": cores, "per_n": per_n, "fit": fit,
+            "projected_1024_s": model.small_change_seconds(1024, fit),
+            "projected_1024_tree_s": model.small_change_seconds(1024, fit, fanout=16),
+            "error_at_max": (model.small_change_seconds(per_n[-1]["nodes"], fit, "machine")
+                             - per_n[-1]["seconds"]) / per_n[-1]["seconds"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", default="1,2,4,8", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--edits", type=int, default=9)
+    parser.add_argument("--rate", default="1gbit")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    args = parser.parse_args(argv)
+    report = measure(args.nodes, args.edits, args.rate)
     lines = model.small_change_report(report)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"editfanout-{now:%Y%m%d-%H%M%S}"
+    stem = args.out / f"editfanout-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

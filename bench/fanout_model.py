@@ -254,12 +254,15 @@ def check(results: dict, latency: float | None = None, out=sys.stdout) -> list[d
 # trio thread. Each node works w CPU-seconds (load the changed folders, fsync, switch the
 # version). F is what does not grow with N (the round trips, the dev box's own steps).
 #
-#   one machine (the netns check: N daemons and the dev box share the cores):
-#       T(N) = F + N·(b + w) / cores
-#   a real cluster (each node its own CPUs; the dev box's requests go out one after another):
-#       T(N) = F + N·b + w                           the star control plane monarch-fs has
-#       T(N) = F + D·(k·b + w) + k·b                  requests relayed down a k-ary tree of
-#                                                    depth D (not built: a what-if)
+#   one machine (the netns check: N daemons and the dev box share the cores; the dev box's
+#   requests are one thread's):
+#       T(N) = F + N·max(b, (b + w) / cores)
+#   a real cluster (each node its own CPUs; the dev box's requests go out one after another,
+#   L the per-hop latency):
+#       T(N) = F + N·b + w + L                       the star control plane monarch-fs has
+#       T(N) = F + D·(min(k, N)·b + L) + w           the requests relayed down a k-ary tree
+#                                                    with the dev box at its root, D hops
+#                                                    deep (not built: a what-if)
 
 def fit_small_change(per_n: list[dict], cores: int) -> dict:
     """b, w and F from edit_fanout_bench's medians per N (least squares on the dev box's CPU
@@ -275,7 +278,7 @@ def fit_small_change(per_n: list[dict], cores: int) -> dict:
     b = max(b, 0.0)
     w = statistics.median(r["daemon_cpu"] / r["nodes"] for r in per_n)
     low = min(per_n, key=lambda r: r["nodes"])
-    f = max(0.0, low["seconds"] - low["nodes"] * (b + w) / cores)
+    f = max(0.0, low["seconds"] - low["nodes"] * max(b, (b + w) / cores))
     return {"b": b, "w": w, "f": f, "cores": cores, "fitted_on": ns}
 
 
@@ -283,12 +286,12 @@ def small_change_seconds(n: int, fit: dict, where: str = "cluster", fanout: int 
     """Seconds for one edit to reach n nodes (see above): `where` "machine" (all on `cores`)
     or "cluster"; `fanout` k > 0: the control plane relayed down a k-ary tree."""
     b, w, f = fit["b"], fit["w"], fit["f"]
+    latency = fit.get("latency", DEFAULT_LATENCY)
     if where == "machine":
-        return f + n * (b + w) / fit["cores"]
+        return f + n * max(b, (b + w) / fit["cores"])
     if fanout:
-        depth = tree_depth(n, fanout)
-        return f + depth * (fanout * b + w) + fanout * b
-    return f + n * b + w
+        return f + tree_depth(n + 1, fanout) * (min(fanout, n) * b + latency) + w
+    return f + n * b + w + latency
 
 
 def small_change_report(report: dict) -> list[str]:

@@ -27,7 +27,11 @@ Workloads, one module each (each also runs on its own; see its docstring for the
   nodes; and (root) 8 hosts behind 1 Gbit/s links against 1 (~5 minutes; --quick 1-2);
 - editloop (edit_loop_bench.py): issue 20's edit-run loop: 15,000 and 100,000 small files on 4
   nodes, pushed with no change and after one edit until every node shows it (CLI start
-  included), vs `rsync -a` into 4 local folders; and `push --watch` from save to shown.
+  included; as a new process, and handed to a running `push --watch`), vs `rsync -a` into 4
+  local folders; and `push --watch` from save to shown;
+- editfanout (edit_fanout_bench.py, root): one edit in `push --watch` to 1, 2, 4 and 8 netns
+  nodes, fitting the small-change model (fanout_model.py) on the smaller N, checking it at 8
+  and projecting 1024 nodes (~1 minute).
 
 Generated inputs are seeded and cached in --cache (default /tmp/monarch-fs-bench), so only the
 first run pays for them. Every cluster runs from its own folder under a fresh run folder and is
@@ -52,7 +56,9 @@ from tests.netns import NetnsUnsupported
 
 from . import (
     cold_start_bench,
+    edit_fanout_bench,
     edit_loop_bench,
+    fanout_model,
     import_bench,
     network_push_bench,
     push_bench,
@@ -72,7 +78,8 @@ from .common import (
     remove_work,
 )
 
-WORKLOADS = ("push", "read", "import", "tree", "netpush", "coldstart", "editloop")
+WORKLOADS = ("push", "read", "import", "tree", "netpush", "coldstart", "editloop",
+             "editfanout")
 README_BEGIN = "<!-- bench:begin (bench/run_all.py rewrites this section) -->"
 README_END = "<!-- bench:end -->"
 
@@ -85,6 +92,7 @@ FULL = {
     "coldstart": {"module": "torch", "excludes": (), "runs": 3, "ingest_mb": 1024,
                   "ingest_nodes": [1, 8], "hosts": [1, 8], "rate": "1gbit"},
     "editloop": {"files": [15_000, 100_000], "nodes": 4, "rounds": 5, "watch_edits": 20},
+    "editfanout": {"nodes": [1, 2, 4, 8], "edits": 9, "rate": "1gbit"},
 }
 QUICK = {
     "push": {"size_mb": 64, "nodes": 2},
@@ -97,6 +105,7 @@ QUICK = {
     "coldstart": {"module": "sympy", "excludes": ("torch", "torchgen", "functorch"), "runs": 1,
                   "ingest_mb": 256, "ingest_nodes": [1, 2], "hosts": [1, 2], "rate": "1gbit"},
     "editloop": {"files": [3_000], "nodes": 2, "rounds": 1, "watch_edits": 3},
+    "editfanout": {"nodes": [1, 2], "edits": 3, "rate": "1gbit"},
 }
 
 
@@ -128,6 +137,11 @@ def run_workload(name: str, params: dict, work: Path, cache: Path, page_cache: P
     if name == "editloop":
         return edit_loop_bench.measure(work, cache, tuple(params["files"]), params["nodes"],
                                        params["rounds"], params["watch_edits"])
+    if name == "editfanout":
+        try:
+            return edit_fanout_bench.measure(params["nodes"], params["edits"], params["rate"])
+        except NetnsUnsupported as e:
+            return {"skipped": f"network namespaces unavailable: {e}"}
     raise ValueError(name)
 
 
@@ -233,12 +247,25 @@ def goals(res: dict) -> list[dict]:
         t, base = edit_loop_bench.TARGETS, el["trees"][0]
         where = f"{base['files']:,} files, {base['nodes']} nodes (issue 20)"
         for key, label in (("nochange", "no-change push"), ("edit", "one edit shown")):
-            v, r = base[f"mfs_{key}"]["median"], base[f"rsync_{key}"]["median"]
-            goal(f"{label}, {where}", f"<= {t[f'{key}_s']} s", v,
-                 lambda v, lim=t[f"{key}_s"]: v <= lim, f"{v:.3f} s (rsync {r:.3f} s)")
+            for side, how in (("mfs", "new process"), ("handoff", "handed to --watch")):
+                v, r = base[f"{side}_{key}"]["median"], base[f"rsync_{key}"]["median"]
+                goal(f"{label} ({how}), {where}", f"<= {t[f'{key}_s']} s", v,
+                     lambda v, lim=t[f"{key}_s"]: v <= lim, f"{v:.3f} s (rsync {r:.3f} s)")
         w = base["watch"]["median"]
         goal(f"one edit in --watch, {where}", f"<= {t['watch_s']} s", w,
              lambda v: v <= t["watch_s"], f"{w:.3f} s")
+        for big in el["trees"][1:]:
+            for key in ("handoff_edit", "watch"):
+                x = big[key]["median"] / base[key]["median"]
+                goal(f"{key.replace('_', ' ')}, {big['files']:,} files against "
+                     f"{base['files']:,} (issue 20)", f"<= {t['scale']}x", x,
+                     lambda v: v <= t["scale"], f"{x:.2f}x ({big[key]['median']:.3f} s)")
+    ef = res.get("editfanout", {})
+    if "fit" in ef:
+        v = ef["projected_1024_s"]
+        goal("one edit on 1024 nodes, projected (issue 20)", "<= 1 s", v, lambda v: v <= 1,
+             f"{v:.2f} s (model error at {ef['per_n'][-1]['nodes']} netns nodes "
+             f"{ef['error_at_max']:+.0%})")
     return out
 
 
@@ -332,6 +359,10 @@ def summary_tables(report: dict) -> list[str]:
     el = res.get("editloop", {})
     if "trees" in el:
         lines += ["**the edit-run loop** (issue 20)", "", *edit_loop_bench.table(el), ""]
+    ef = res.get("editfanout", {})
+    if "fit" in ef:
+        lines += ["**one edit to N netns nodes** (issue 20)", "",
+                  *fanout_model.small_change_report(ef)[2:], ""]
 
     rd = res.get("read", {})
     if "cold" in rd:
