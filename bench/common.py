@@ -15,6 +15,7 @@ import platform
 import resource
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -38,6 +39,17 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 class BenchError(Exception):
     """The benchmark cannot go on (a tool failed, or what was served is wrong)."""
+
+
+def interrupt(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """Stop a process the bench started (a `push --watch`) as Ctrl-C would, by its pid;
+    SIGKILL if it outlives `timeout`."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def log(msg: str, end: str = "\n") -> None:

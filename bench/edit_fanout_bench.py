@@ -23,7 +23,6 @@ import json
 import os
 import select
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from pathlib import Path
 from tests.netns import NetCluster
 
 from . import fanout_model as model
+from .common import interrupt
 
 REPO = Path(__file__).resolve().parent.parent
 PHASES = ("current", "negotiate", "send", "publish")  # what a kept session pays per edit
@@ -94,12 +94,7 @@ def one_n(n: int, edits: int, rate: str, workdir: Path) -> dict:
                              "client_cpu": client, "nodes": n})
                 time.sleep(1.2)  # past the collect a commit starts a second later
         finally:
-            watch.send_signal(signal.SIGINT)
-            try:
-                watch.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                watch.kill()
-                watch.wait()
+            interrupt(watch)
     med = {k: statistics.median(r[k] for r in runs) for k in ("seconds", "daemon_cpu",
                                                                 "client_cpu")}
     return {"nodes": n, **med, "runs": runs}

@@ -27,7 +27,6 @@ from __future__ import annotations
 import os
 import select
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ from .common import (
     DEFAULT_CACHE,
     BenchError,
     LocalCluster,
+    interrupt,
     log,
     rounds,
     run,
@@ -123,12 +123,7 @@ def watch_latencies(cl: LocalCluster, tree: Path, edit: Edit, roots: list[Path],
             out.append(time.perf_counter() - t0)
             pushed()  # so that the next edit starts a push of its own
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        interrupt(proc)
     return out
 
 
@@ -160,12 +155,7 @@ def handed_off(cl: LocalCluster, tree: Path, edit: Edit, roots: list[Path],
             out["edit"].append(push())
             check_shows(roots, edit.rel, data, "monarch-fs push (handed off)")
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        interrupt(proc)
     return out
 
 

@@ -36,6 +36,14 @@ def make_tree(src: Path, folders: int = 6, files: int = 5) -> None:
         (src / f"pkg{d}" / "sub" / "data.txt").write_text(f"data {d}\n")
 
 
+def served(c, tmp_path: Path) -> tuple:
+    """(c, src, what node 0 serves): a tree made in tmp_path/ws and pushed to cluster c."""
+    src = tmp_path / "ws"
+    make_tree(src)
+    c.push(src)
+    return c, src, tree(c.mnt(0) / "ws")
+
+
 def manifest_of(src: Path) -> Manifest:
     return trio.run(scan, src).manifest
 
@@ -101,22 +109,20 @@ def test_a_node_that_missed_several_versions_catches_up_in_one_push(fresh_cluste
 
 
 async def publish_by_hand(c, objects: dict[bytes, bytes], version: str,
-                          blobs: dict[bytes, bytes]) -> dict:
+                          blobs: dict[bytes, bytes], commit: bool = True) -> dict:
+    """Stage chunks and folder objects through the protocol, prepare, and (unless not
+    `commit`) commit them as workspace "ws" on node 0."""
     chan = await connect(c.hosts[0], load_token(c.token_file))
     async with chan:
         for cid, blob in {**blobs, **objects}.items():
             await chan.send(p.PutChunk(cid, blob))
-        await chan.request("prepare", name="ws", version=version)
-        return await chan.request("commit", name="ws", version=version)
+        reply = await chan.request("prepare", name="ws", version=version)
+        return await chan.request("commit", name="ws", version=version) if commit else reply
 
 
 async def test_a_missing_folder_object_is_named_and_the_last_version_serves(fresh_cluster,
                                                                           tmp_path):
-    c = fresh_cluster(1)
-    src = tmp_path / "ws"
-    make_tree(src)
-    c.push(src)
-    good = tree(c.mnt(0) / "ws")
+    c, src, good = served(fresh_cluster(1), tmp_path)
     (src / "pkg2" / "extra").mkdir()
     (src / "pkg2" / "extra" / "x.py").write_text("X = 1\n")
     m = (await scan(src)).manifest
@@ -158,21 +164,13 @@ def test_a_damaged_folder_object_is_reported_and_the_next_push_heals_it(fresh_cl
 
 async def test_a_restart_between_prepare_and_commit_leaves_the_last_version(fresh_cluster,
                                                                           tmp_path):
-    c = fresh_cluster(1)
-    src = tmp_path / "ws"
-    make_tree(src)
-    c.push(src)
-    good = tree(c.mnt(0) / "ws")
+    c, src, good = served(fresh_cluster(1), tmp_path)
     (src / "pkg1" / "mod1.py").write_text("EDITED = True\n")
     snap = await scan(src)
     version, objects = staged(snap.manifest)
     edited = snap.manifest.get(b"pkg1/mod1.py").chunks[0]
-    chan = await connect(c.hosts[0], load_token(c.token_file))
-    async with chan:
-        await chan.send(p.PutChunk(edited, chunk.encode(snap.read_chunk(edited))))
-        for cid, blob in objects.items():
-            await chan.send(p.PutChunk(cid, blob))
-        await chan.request("prepare", name="ws", version=version)
+    await publish_by_hand(c, objects, version,
+                          {edited: chunk.encode(snap.read_chunk(edited))}, commit=False)
     stop_node(c)
     cluster_mod.restart_node(c.dir, 0)
     assert tree(c.mnt(0) / "ws") == good  # prepared, never committed: not visible

@@ -97,6 +97,11 @@ class Watcher:
             self.proc.wait()
 
 
+def stop_node(c: Cluster, i: int) -> None:
+    os.kill(c.pid(i), signal.SIGTERM)  # by its pid: a daemon this test's cluster started
+    wait_for(lambda: not cluster_mod.running_node(c.dir, i), 20, f"node-{i} to stop")
+
+
 def reads(path: Path) -> bytes | None:
     try:
         return path.read_bytes()
@@ -171,8 +176,7 @@ def test_watch_survives_a_failed_push(fresh_cluster, tmp_path):
     w = watcher(c, src, tmp_path)
     try:
         assert w.push()["nodes"] == 2
-        os.kill(c.pid(1), signal.SIGTERM)  # node-1 goes away
-        wait_for(lambda: not cluster_mod.running_node(c.dir, 1), 20, "node-1 to stop")
+        stop_node(c, 1)  # node-1 goes away
         (src / "f").write_text("v2")
         w.stderr(wait_for="push failed")
         assert any(c.hosts[1] in ln for ln in w.stderr())
@@ -287,8 +291,7 @@ def test_watch_keeps_its_sessions_and_connects_again_to_a_restarted_node(fresh_c
             (src / "f").write_text(f"v{n}")
             assert w.push()["nodes"] == 2
             assert peer_ports(w.proc.pid, ports) == first  # the same two sessions
-        os.kill(c.pid(1), signal.SIGTERM)
-        wait_for(lambda: not cluster_mod.running_node(c.dir, 1), 20, "node-1 to stop")
+        stop_node(c, 1)
         cluster_mod.restart_node(c.dir, 1)
         (src / "f").write_text("v4")
         out = w.push()
