@@ -353,7 +353,9 @@ class Manifest:
         entries: list[Entry] = []
         oids: list[bytes | None] = []
         spans: list[int] = []
-        k_entries = k_oids = k_spans = None
+        k_entries: list[Entry] = []  # known's, when it has a tree (else no folder is known)
+        k_oids: list[bytes | None] = []
+        k_spans: list[int] = []
         if known is not None and known._oids is not None and known._spans is not None:
             k_entries, k_oids, k_spans = known.entries, known._oids, known._spans
         chunk_size = 0
@@ -400,7 +402,7 @@ class Manifest:
                     j += k_spans[j]
             return iter(records), at, kids, path, b""
 
-        stack = [open_folder(b"", version, 0 if k_entries is not None else None)]
+        stack = [open_folder(b"", version, 0 if k_entries else None)]
         while stack:
             records, at, kids, path, last = stack[-1]
             record = next(records, None)
@@ -443,7 +445,7 @@ class Manifest:
         m = cls((), chunk_size)
         m.entries, m._oids, m._spans = entries, oids, spans  # in tree order by construction
         m.read_folders = read
-        if k_entries is not None:
+        if known is not None and k_entries:
             m.base = weakref.ref(known)
         return m
 
@@ -506,13 +508,14 @@ class Manifest:
                 last = name
                 if e.kind == Kind.DIR:
                     if e.path in listed:
-                        oid = emit(e.path)
+                        child = emit(e.path)
                     else:
                         k = len(entries)
                         splice(e.path)
-                        oid = oids[k]
-                        assert oid is not None
-                    records.append(_folder_record(name, oid))
+                        taken = oids[k]
+                        assert taken is not None
+                        child = taken
+                    records.append(_folder_record(name, child))
                     continue
                 check_path(e.path)
                 _check_entry(e, cs)

@@ -198,18 +198,18 @@ def handoff_key(args: argparse.Namespace, cwd: str, env: Mapping[str, str]) -> t
     """What a push must share with a running `push --watch` to be handed to it
     (daemon/client/handoff.py): the folder, hosts, token, workspace name and every option
     that changes what a push does, with paths made absolute, and the MONARCH_FS_* settings."""
-    def absolute(path: str | None) -> str | None:
-        if path is None:
-            return None
-        return "@" + absolute(path[1:]) if path.startswith("@") else \
-            os.path.realpath(os.path.join(cwd, os.path.expanduser(path)))
+    def absolute(path: str) -> str:
+        return os.path.realpath(os.path.join(cwd, os.path.expanduser(path)))
 
     options = {k: v for k, v in vars(args).items()
                if k not in ("watch", "json", "verbose", "src", "hosts", "token_file", "name",
                             "daemon_args")}
     src = absolute(args.src)
-    return (src, absolute(args.hosts) if args.hosts and args.hosts.startswith("@")
-            else args.hosts, absolute(args.token_file), workspace_name(src, args.name),
+    hosts = args.hosts
+    if hosts and hosts.startswith("@"):  # a host file
+        hosts = "@" + absolute(hosts[1:])
+    token = absolute(args.token_file) if args.token_file else None
+    return (src, hosts, token, workspace_name(src, args.name),
             json.dumps(options, sort_keys=True, default=str),
             sorted((k, v) for k, v in env.items() if k.startswith("MONARCH_FS_")))
 

@@ -159,6 +159,8 @@ async def watch(
                 pass
         return await scan(root, excludes, cache=cache)
 
+    check_at: float | None = None  # when the whole scan after a quiet spell is due
+
     async def changes(notify: RustNotify, timeout: int) -> set[bytes] | str:
         """What changed (relative paths that count), waiting up to `timeout` ms (0: for
         ever) for a change; or "stop", or "timeout"."""
@@ -169,8 +171,6 @@ async def watch(
                 check_at = time.monotonic() + CHECK_MS / 1e3
             return {rel for _, path in raw if (rel := counts(path)) is not None}
         return raw
-
-    check_at: float | None = None  # when the whole scan after a quiet spell is due
 
     async def loop(notify: RustNotify) -> None:
         nonlocal outcome, check_at
