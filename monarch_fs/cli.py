@@ -7,6 +7,7 @@ code."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ from typing import Any
 
 import trio
 
-from .daemon.client import cluster, slurm
+from .daemon.client import cluster, handoff, slurm
 from .daemon.client.controller_store import Summary, read_summary
 from .daemon.client.hosts import HostsError, resolve_target
 from .daemon.client.links import Sessions
@@ -165,7 +166,8 @@ def cmd_push(args: argparse.Namespace) -> int:
             try:
                 theirs = build_parser().parse_args(request["argv"])
                 key = handoff_key(theirs, request["cwd"], request["env"])
-            except (SystemExit, KeyError, TypeError, ValueError, OSError):
+            except (SystemExit, KeyError, TypeError, ValueError, OSError, HostsError,
+                    TokenError):
                 return None
             if key != mine:
                 return None
@@ -205,13 +207,17 @@ def handoff_key(args: argparse.Namespace, cwd: str, env: Mapping[str, str]) -> t
                if k not in ("watch", "json", "verbose", "src", "hosts", "token_file", "name",
                             "daemon_args")}
     src = absolute(args.src)
-    hosts = args.hosts
-    if hosts and hosts.startswith("@"):  # a host file
-        hosts = "@" + absolute(hosts[1:])
-    token = absolute(args.token_file) if args.token_file else None
+    spec = args.hosts
+    if spec and spec.startswith("@"):  # a host file
+        spec = "@" + absolute(spec[1:])
+    # What the files say now: a host file or token rewritten since the watch started (a new
+    # allocation at the same path) is another push.
+    hosts, token_file = resolve_target(spec, absolute(args.token_file) if args.token_file
+                                       else None)
+    token = hashlib.sha256(resolve_token(token_file)).hexdigest()
     return (src, hosts, token, workspace_name(src, args.name),
             json.dumps(options, sort_keys=True, default=str),
-            sorted((k, v) for k, v in env.items() if k.startswith("MONARCH_FS_")))
+            sorted((k, v) for k, v in env.items() if handoff.shared_setting(k)))
 
 
 def push_report(outcome: PushResult | BaseException, as_json: bool,

@@ -356,6 +356,16 @@ def test_a_one_shot_push_is_handed_to_the_running_watch_of_its_folder(fresh_clus
         renamed = one_shot(c, src, home, "--json", "--name", "elsewhere")
         assert renamed.returncode == 0 and "watch" not in json.loads(renamed.stdout)
         assert reads(c.mnt(0) / "elsewhere" / "f") == b"v2"
+        # the host file rewritten since the watch started (a new allocation at the same path)
+        hostfile = Path(c.hostfile[1:])
+        hosts = hostfile.read_text()
+        hostfile.write_text(c.hosts[0] + "\n")
+        try:
+            one = one_shot(c, src, home, "--json")
+            assert one.returncode == 0 and "watch" not in json.loads(one.stdout)
+            assert json.loads(one.stdout)["nodes"] == 1
+        finally:
+            hostfile.write_text(hosts)
         assert w.stop(signal.SIGTERM) == 0
     finally:
         w.kill()

@@ -4,12 +4,12 @@ nodes, so the push costs what changed (as git's fsmonitor or Bazel's server spar
 where a new process would start Python, import everything and walk the whole tree.
 
 The watch listens on a unix socket in HOME/watch (HOME is private to its user). This side
-asks each socket there in turn, sending its command line, working folder and MONARCH_FS_*
-environment; the watch answers whether the push is its own (the same folder, hosts, token,
-name and options), and if so pushes and sends back what the command would have printed and
-its exit code. Anything else (no watch, another folder, a watch that dies meanwhile) and the
-command runs as usual. Only the standard library here: this runs before anything else is
-imported.
+asks each socket there in turn, sending its command line, working folder and the environment
+that changes a push (MONARCH_FS_*, SLURM_JOB_ID). The watch answers whether the push is its
+own (the same folder, hosts, token, name and options, as the files say now), and if so pushes
+and sends back what the command would have printed and its exit code. Anything else (no
+watch, another folder, a watch that dies meanwhile) and the command runs as usual. Only the
+standard library here: this runs before anything else is imported.
 """
 
 from __future__ import annotations
@@ -30,9 +30,15 @@ def sockets() -> Path:
     return settings.home / "watch"
 
 
+def shared_setting(name: str) -> bool:
+    """Whether an environment variable can change what a push does (its settings, or which
+    SLURM job's hosts it goes to): a push is handed off only where these are the watch's."""
+    return name.startswith("MONARCH_FS_") or name == "SLURM_JOB_ID"
+
+
 def request(argv: list[str]) -> bytes:
     """The request line: what the watch needs to tell whether the push is its own."""
-    env = {k: v for k, v in os.environ.items() if k.startswith("MONARCH_FS_")}
+    env = {k: v for k, v in os.environ.items() if shared_setting(k)}
     return json.dumps({"argv": argv, "cwd": os.getcwd(), "env": env}).encode() + b"\n"
 
 
