@@ -42,7 +42,9 @@ from .refs import Refs
 log = logging.getLogger("monarch_fs.daemon")
 
 KEEP_VERSIONS = 3
-COLLECT_DELAY = 1.0  # seconds from a commit (or removal) to the collect it starts
+# Seconds from a commit to the collect it starts: the collect reads every retained version's
+# chunk ids and holds the store meanwhile, so an edit loop's next push does not wait for it.
+COLLECT_DELAY = 1.0
 _UNLOADABLE = (KeyError, CorruptChunk, ManifestError)  # a manifest missing, damaged or refused
 
 
@@ -91,7 +93,7 @@ class Publisher:
         # every chunk, durably, and a cut back of the open pack (which only drops what is not
         # durable): none of them runs during another.
         self._gc_lock = trio.Lock()
-        self._collect_queued = False  # a collect is started and waits for the lock
+        self._collect_due: float | None = None  # when the next collect starts (trio time)
         self._negotiating = 0  # sessions told what this node has, and not committed since
         # The kernel let go of a file no served version has (after `rm`, or a dropped version
         # a reader held): its chunks may go now.
@@ -532,25 +534,28 @@ class Publisher:
         """A session was told what this node has: nothing is collected until it commits."""
         self._negotiating += 1
 
-    def release_claim(self) -> None:
-        """A session told what this node has committed or went away."""
+    def release_claim(self, delay: float = 0.0) -> None:
+        """A session told what this node has committed (its collect `delay` seconds later) or
+        went away."""
         self._negotiating -= 1
-        self.start_collect()
+        self.start_collect(delay)
 
-    def start_collect(self) -> None:
+    def start_collect(self, delay: float = 0.0) -> None:
         """After a commit, a released claim, a removal or a forgotten file: once no push is in
-        flight, the chunks the last ones left unused can go. One collect waiting for the lock
-        does for every request made meanwhile (the kernel forgets files in many batches)."""
-        if self._negotiating == 0 and self.nursery is not None and not self._collect_queued:
-            self._collect_queued = True
-            self.nursery.start_soon(self._collect_soon)
+        flight, the chunks the last ones left unused can go, `delay` seconds from now. One
+        collect waiting does for every request made meanwhile that can wait as long (the kernel
+        forgets files in many batches); one that cannot starts a collect of its own."""
+        if self._negotiating or self.nursery is None:
+            return
+        due = trio.current_time() + delay
+        if self._collect_due is None or due < self._collect_due:
+            self._collect_due = due
+            self.nursery.start_soon(self._collect_at, due)
 
-    async def _collect_soon(self) -> None:
-        """A collect, COLLECT_DELAY from now: it reads every retained version's chunk ids
-        and holds the store meanwhile, so in an edit loop the next push does not wait for it
-        (one collect does for every commit made meanwhile)."""
-        await trio.sleep(COLLECT_DELAY)
-        await self._collect()
+    async def _collect_at(self, due: float) -> None:
+        await trio.sleep_until(due)
+        if self._collect_due is not None and self._collect_due <= due:
+            await self._collect()
 
     async def _collect(self) -> None:
         """Delete the store's packs that hold only chunks nothing uses (no retained version, no
@@ -558,7 +563,7 @@ class Publisher:
         mostly such chunks (Store.collect). Skipped while another push has been told what this
         node has (those chunks must stay): its commit collects."""
         async with self._gc_lock:
-            self._collect_queued = False
+            self._collect_due = None
             if self._negotiating:
                 return
             if self.refs.held:  # what their versions use is unknown (`status` says why)

@@ -61,6 +61,7 @@ from ..wire.requests import (
 from ..wire.transport import Channel, ConnectionLost
 from .fetch import Upstream
 from .procs import SpawnRefused, free_port
+from .publisher import COLLECT_DELAY
 from .relay import Relay
 from .writes import ChunkWrites
 
@@ -246,9 +247,9 @@ class Session:
         self.service.first_reads.published(req.name, req.version)
         if self.claimed:  # what it has is now retained
             self.claimed = False
-            self.publisher.release_claim()
+            self.publisher.release_claim(COLLECT_DELAY)
         else:
-            self.publisher.start_collect()
+            self.publisher.start_collect(COLLECT_DELAY)
         return value
 
     async def _current(self, req: Current) -> CurrentReply:
