@@ -254,23 +254,16 @@ class Manifest:
         self.totals: tuple[int, int] | None = None  # file_totals()
         self.new_objects: set[bytes] = set()  # edited(): the objects its base does not have
 
-    def validate(self, checked: frozenset[int] = frozenset()) -> None:
+    def validate(self) -> None:
         """Refuse anything the mount could not serve as is: every field is held to what the
         kernel accepts, so a FUSE reply never has to convert a value that does not fit (a
-        directory of size 2^64-1 once took the daemon down at the first `ls`). Entries whose
-        id() is in `checked` passed these checks before: only their place in the tree is."""
+        directory of size 2^64-1 once took the daemon down at the first `ls`)."""
         if not (64 * 1024 <= self.chunk_size <= MAX_CHUNK_SIZE):
             raise ManifestError(f"chunk size {self.chunk_size} out of range")
         if not self.entries or self.entries[0].path != b"" or self.entries[0].kind != Kind.DIR:
             raise ManifestError("manifest has no root directory")
         seen: dict[bytes, Kind] = {}
         for e in self.entries:
-            if id(e) in checked:
-                if e.path in seen or (e.path and seen.get(e.parent) != Kind.DIR):
-                    raise ManifestError(f"entry {e.path!r} is a duplicate or has no parent "
-                                        "directory")
-                seen[e.path] = e.kind
-                continue
             check_path(e.path)
             if e.path in seen:
                 raise ManifestError(f"duplicate entry {e.path!r}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
 import struct
 import subprocess
@@ -150,6 +151,18 @@ class Cluster:
 
     def pid(self, i: int) -> int:
         return int((self.dir / f"node-{i}" / "pid").read_text())
+
+
+def stop_node(c: Cluster, i: int = 0) -> None:
+    """SIGTERM one node of `c` (by its pid) and wait until it has exited and unmounted."""
+    pid = c.pid(i)
+    os.kill(pid, signal.SIGTERM)
+    wait_for(lambda: not cluster_mod.running_node(c.dir, i), 20, f"node-{i} to stop")
+    try:
+        os.waitpid(pid, 0)  # started by this process: collect it
+    except ChildProcessError:
+        pass
+    wait_for(lambda: not mounted(c.mnt(i)), 10, f"node-{i} to unmount")
 
 
 def start_cluster(d: Path, nodes: int) -> Cluster:

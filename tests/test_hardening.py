@@ -20,7 +20,16 @@ import trio
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from helpers import mfs, mount_ops, mounted, staged, start_cluster, stop_cluster, wait_for
+from helpers import (
+    mfs,
+    mount_ops,
+    mounted,
+    staged,
+    start_cluster,
+    stop_cluster,
+    stop_node,
+    wait_for,
+)
 from monarch_fs.daemon.client import cluster as cluster_mod
 from monarch_fs.daemon.wire import protocol as p
 from monarch_fs.daemon.wire.auth import load_token
@@ -36,16 +45,7 @@ def alive(c, i: int = 0) -> bool:
     return cluster_mod.running_node(c.dir, i)
 
 
-def stop_node(c, i: int = 0) -> None:
-    """SIGTERM one node (by its pid) and wait until it has exited and unmounted."""
-    pid = c.pid(i)
-    os.kill(pid, signal.SIGTERM)
-    wait_for(lambda: not alive(c, i), 20, f"node-{i} to stop")
-    try:
-        os.waitpid(pid, 0)  # started by this process: collect it
-    except ChildProcessError:
-        pass
-    wait_for(lambda: not mounted(c.mnt(i)), 10, f"node-{i} to unmount")
+
 
 
 def state(c, i: int = 0) -> Path:

@@ -6,7 +6,6 @@ commit leaves half a version visible."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from helpers import CLI_MODULE, flip_bits, staged, tree, wait_for
+from helpers import CLI_MODULE, flip_bits, staged, stop_node, tree
 from monarch_fs.daemon.client import cluster as cluster_mod
 from monarch_fs.daemon.wire import protocol as p
 from monarch_fs.daemon.wire.auth import load_token
@@ -57,21 +56,8 @@ def stored(c, i: int) -> int:
     return c.status()[i]["chunks_stored"]
 
 
-def stop_node(c, i: int = 0) -> None:
-    pid = c.pid(i)
-    os.kill(pid, signal.SIGTERM)
-    wait_for(lambda: not cluster_mod.running_node(c.dir, i), 20, f"node-{i} to stop")
-    try:
-        os.waitpid(pid, 0)  # started by this process: collect it
-    except ChildProcessError:
-        pass
-
-
 def test_an_edit_sends_only_the_folders_on_its_path(fresh_cluster, tmp_path):
-    c = fresh_cluster(2)
-    src = tmp_path / "ws"
-    make_tree(src)
-    c.push(src)
+    c, src, _ = served(fresh_cluster(2), tmp_path)
     before = manifest_of(src)
     (src / "pkg3" / "sub" / "data.txt").write_text("edited\n")
     after = manifest_of(src)
@@ -86,10 +72,7 @@ def test_an_edit_sends_only_the_folders_on_its_path(fresh_cluster, tmp_path):
 
 
 def test_a_node_that_missed_several_versions_catches_up_in_one_push(fresh_cluster, tmp_path):
-    c = fresh_cluster(2)
-    src = tmp_path / "ws"
-    make_tree(src)
-    c.push(src)
+    c, src, _ = served(fresh_cluster(2), tmp_path)
     v1 = manifest_of(src)
     for n in range(3):  # three versions node-0 gets and node-1 misses
         (src / f"pkg{n}" / "mod0.py").write_text(f"# version {n + 2}\n")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import CLI_MODULE, Cluster, tree, wait_for
+from helpers import CLI_MODULE, Cluster, stop_node, tree, wait_for
 from monarch_fs.daemon.client import cluster as cluster_mod
 from monarch_fs.daemon.wire.auth import write_new_token
 
@@ -97,11 +97,6 @@ class Watcher:
             self.proc.wait()
 
 
-def stop_node(c: Cluster, i: int) -> None:
-    os.kill(c.pid(i), signal.SIGTERM)  # by its pid: a daemon this test's cluster started
-    wait_for(lambda: not cluster_mod.running_node(c.dir, i), 20, f"node-{i} to stop")
-
-
 def reads(path: Path) -> bytes | None:
     try:
         return path.read_bytes()
@@ -111,6 +106,20 @@ def reads(path: Path) -> bytes | None:
 
 def watcher(c: Cluster, src: Path, tmp_path: Path, *args: str) -> Watcher:
     return Watcher(src, c.hostfile, c.token_file, tmp_path / "home", "--json", *args)
+
+
+def watching_one_file(c: Cluster, tmp_path: Path) -> tuple[Path, Watcher]:
+    """A folder `ws` holding f = "v1", and a watcher of it that has pushed it to every node."""
+    src = tmp_path / "ws"
+    src.mkdir()
+    (src / "f").write_text("v1")
+    w = watcher(c, src, tmp_path)
+    try:
+        assert w.push()["nodes"] == len(c.hosts)
+    except BaseException:
+        w.kill()
+        raise
+    return src, w
 
 
 @pytest.mark.mount
@@ -170,12 +179,8 @@ def test_watch_pushes_each_edit_to_every_node(fresh_cluster, tmp_path):
 @pytest.mark.mount
 def test_watch_survives_a_failed_push(fresh_cluster, tmp_path):
     c = fresh_cluster(2)
-    src = tmp_path / "ws"
-    src.mkdir()
-    (src / "f").write_text("v1")
-    w = watcher(c, src, tmp_path)
+    src, w = watching_one_file(c, tmp_path)
     try:
-        assert w.push()["nodes"] == 2
         stop_node(c, 1)  # node-1 goes away
         (src / "f").write_text("v2")
         w.stderr(wait_for="push failed")
@@ -279,12 +284,8 @@ def test_watch_keeps_its_sessions_and_connects_again_to_a_restarted_node(fresh_c
     which succeeds on every node."""
     c = fresh_cluster(2)
     ports = {int(h.rsplit(":", 1)[1]) for h in c.hosts}
-    src = tmp_path / "ws"
-    src.mkdir()
-    (src / "f").write_text("v1")
-    w = watcher(c, src, tmp_path)
+    src, w = watching_one_file(c, tmp_path)
     try:
-        assert w.push()["nodes"] == 2
         first = peer_ports(w.proc.pid, ports)
         assert len(first) == 2
         for n in (2, 3):

@@ -38,7 +38,7 @@ from .controller_store import ControllerStore
 from .link_codec import LinkChoice
 from .links import STALL_TIMEOUT, NodeLink, Sessions, each
 from .progress import Progress
-from .stream import LARGE_CHUNK, Pacer, Payload, Sizes, Stream
+from .stream import LARGE_CHUNK, Pacer, Payload, Stream
 
 
 class PushError(Exception):
@@ -130,14 +130,13 @@ class _Push:
         self.timeout = timeout
         self.allow_partial = allow_partial
         self.sessions = sessions  # push --watch: the links stay open after this push
+        self.kept: set[str] = set()  # nodes whose session this push took from `sessions`
         self.nodes = [sessions.link(h) if sessions else NodeLink(h) for h in hosts]
         objects = snap.manifest.objects()
         self.version = snap.manifest.id
         self.ids = snap.manifest.chunk_ids()
-        self.sizes = Sizes(snap.sources, objects)
-        self.payload = Payload(self.ids, self.version, objects, self.sizes,
-                               snap.read_into, store,
-                               sources=snap.sources)
+        self.payload = Payload(self.ids, self.version, objects, snap.sources, snap.read_into,
+                               store)
         self.compress = compress
         # Per root, chosen when it first gets chunks (once per session, with `sessions`).
         self.links: dict[str, LinkChoice] = sessions.codecs if sessions else {}
@@ -166,6 +165,7 @@ class _Push:
                                       timeout=min(CONNECT_TIMEOUT, self.timeout))
 
         fresh = [n for n in self.nodes if n.chan is None]
+        self.kept = {n.addr for n in self.nodes if n.chan is not None}
         await each(fresh, open_one)
         for node in fresh:  # which bulk transport each node gets (--transport)
             if node.error is None:
@@ -203,13 +203,12 @@ class _Push:
             else:
                 current.append(CurrentReply.from_wire(reply).current)
 
-        reused = [n for n in self.nodes if n.chan is not None and n.error is None]
         await each(self.nodes, ask, self.timeout)
-        stale = [n for n in reused if n.error is not None]
-        if stale and self.sessions is not None:  # a session kept from the last push broke
-            await self.reconnect(stale)  # (the node restarted, say): once more, on a new one
-            await each([n for n in self.nodes if n.addr in {s.addr for s in stale}], ask,
-                       self.timeout)
+        stale = [n for n in self.nodes if n.error is not None and n.addr in self.kept]
+        if stale:  # a session kept from the last push broke (the node restarted, say)
+            await self.reconnect(stale)  # once more, on a new one
+            again = {n.addr for n in stale}
+            await each([n for n in self.nodes if n.addr in again], ask, self.timeout)
         return len(current) == len(self.nodes) and all(current)
 
     async def reconnect(self, stale: list[NodeLink]) -> None:
@@ -246,7 +245,8 @@ class _Push:
         lacking = [n for n in self.healthy if n.missing]
         if not lacking:
             return "none"
-        payload = max(sum(self.sizes.get(c, 0) for c in n.missing) for n in lacking)
+        sizes = self.payload.sizes
+        payload = max(sum(sizes.get(c, 0) for c in n.missing) for n in lacking)
         kind = topology.choose(kind, len(lacking), payload)
         roots = topology.plan([n.addr for n in lacking], kind, fanout)
         by_addr = {n.addr: n for n in self.nodes}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import trio
 
@@ -124,11 +125,14 @@ class Payload:
     ids: list[bytes]
     version: bytes
     objects: dict[bytes, bytes]  # Manifest.objects(): children before parents, the root last
-    sizes: Mapping[bytes, int]
+    sources: Mapping[bytes, Source]  # Snapshot.sources
     read_into: Callable[[bytes, int], bytearray]  # Snapshot.read_into
     store: ControllerStore | None = None
     raw_roots: set[str] = field(default_factory=set)
-    sources: Mapping[bytes, Source] = field(default_factory=dict)  # Snapshot.sources
+
+    @cached_property
+    def sizes(self) -> Sizes:
+        return Sizes(self.sources, self.objects)
 
     def _fresh(self, cid: bytes) -> bool:
         """Whether a raw link had better read the chunk from its source than decompress the

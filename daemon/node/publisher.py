@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -83,7 +84,9 @@ class Publisher:
         # Background work (backing files, collects); set while the service runs.
         self.nursery: trio.Nursery | None = None
         self._manifests: dict[bytes, Manifest] = {}
-        self._backed_files: dict[int, tuple[Manifest, list[Entry]]] = {}  # see _backed
+        # See _backed: a version's list goes with its manifest.
+        self._backed_files: weakref.WeakKeyDictionary[Manifest, list[Entry]] = (
+            weakref.WeakKeyDictionary())
         self._prepared: set[tuple[str, bytes, bool]] = set()  # (name, version, early)
         # The version each workspace is being prepared for: its backing files are kept.
         self._pinned: dict[str, bytes] = {}
@@ -145,14 +148,12 @@ class Publisher:
         found once per version: every commit and prune asks, and most files are too small.
         With `staged` (a commit's switch to it), from the version it replaces and what changed,
         when the switch found that. Blocking: a worker thread."""
-        files = self._backed_files.get(id(manifest))
-        if files is not None and files[0] is manifest:
-            return files[1]
-        old_tree = staged.old[0] if staged is not None and staged.old else None
-        before = self._backed_files.get(id(old_tree.manifest)) if old_tree else None
-        if staged is not None and before is not None and old_tree is not None \
-                and before[0] is old_tree.manifest:  # changed: exactly what differs from it
-            by_path = {e.path: e for e in before[1]}
+        backed = self._backed_files.get(manifest)
+        if backed is not None:
+            return backed
+        before = self._backed_files.get(staged.old[0].manifest) if staged and staged.old else None
+        if staged is not None and before is not None:  # changed: what differs from it, exactly
+            by_path = {e.path: e for e in before}
             for old, new in staged.changed:
                 if old is not None:
                     by_path.pop(old.path, None)
@@ -161,7 +162,7 @@ class Publisher:
             backed = list(by_path.values())
         else:
             backed = [e for e in manifest.entries if backing_wanted(e)]
-        self._backed_files[id(manifest)] = (manifest, backed)
+        self._backed_files[manifest] = backed
         return backed
 
     def _drop_manifests(self) -> None:
@@ -169,8 +170,6 @@ class Publisher:
         self._manifests = {v: m for v, m in self._manifests.items()
                            if v in self._pinned.values()
                            or any(v in vs for vs in self.refs.workspaces.values())}
-        kept = {id(m) for m in self._manifests.values()}
-        self._backed_files = {k: v for k, v in self._backed_files.items() if k in kept}
 
     async def load(self) -> None:
         """Serve the saved workspaces, each version whose manifest loads. A workspace whose
