@@ -8,7 +8,7 @@ import argparse
 from .daemon.client import slurm
 from .daemon.client.link_codec import POLICIES as COMPRESS_POLICIES
 from .daemon.node.procs import ROOT_PROCS_FLAG
-from .daemon.wire import identity
+from .daemon.wire import identity, topology
 from .daemon.wire.addresses import ENCRYPT_POLICIES
 from .daemon.wire.bulk import TRANSPORTS
 from .daemon.wire.limits import Limits
@@ -92,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how chunks fan out: nodes relay along a chain or tree (default auto: "
                         "star for one node or small payloads, else chain)")
     p.add_argument("--fanout", type=int, default=2, metavar="K", help="children per tree node")
+    p.add_argument("--control", choices=list(topology.CONTROLS), default="auto",
+                   help="how requests reach the nodes: star (the dev box asks each node) or "
+                        "tree (it asks a few roots, each node asks its children; default "
+                        f"auto: tree above {topology.CONTROL_STAR_MAX} nodes)")
+    p.add_argument("--control-fanout", type=int, default=topology.CONTROL_FANOUT, metavar="K",
+                   help=f"children per node of the control tree (default "
+                        f"{topology.CONTROL_FANOUT})")
     p.add_argument("--allow-partial", action="store_true",
                    help="route around failed nodes and publish on the healthy ones")
     p.add_argument("--timeout", type=float, default=60.0, metavar="S",

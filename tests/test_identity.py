@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -17,9 +19,10 @@ import trio
 from munge import Munged
 from users import CLI, LocalUser
 
-from helpers import start_daemon, stop_daemon, wait_for
+from helpers import Daemon, start_daemon, stop_daemon, wait_for
 from monarch_fs.daemon.wire import identity
 from monarch_fs.daemon.wire.auth import load_token
+from monarch_fs.daemon.wire.replies import FanReply
 from monarch_fs.daemon.wire.transport import RemoteError, connect
 
 pytestmark = [
@@ -33,33 +36,43 @@ PROBE = ("import json, os; print('IDENT ' + json.dumps({'uid': os.getuid(), 'gid
          "'groups': sorted(os.getgroups()), 'cwd': os.getcwd(), 'env': dict(os.environ)}))")
 
 
-@pytest.fixture
-def node(tmp_path):
-    """munged, a forger's munged (another key), a root daemon with --identity munge, and
-    users A and B with the daemon's token in their homes."""
+@contextmanager
+def munge_nodes(tmp_path: Path, count: int):
+    """munged, a forger's munged (another key), `count` root daemons with --identity munge
+    sharing one token, and users A and B with that token in their homes."""
     # pytest's folders are root's alone (0700): the users' munge must reach the socket
     base = Path(tempfile.mkdtemp(prefix="mfs-munge-"))
     base.chmod(0o711)
     munged = Munged(base / "munge")
     forger = Munged(base / "forger")
     users: list[LocalUser] = []
-    daemon = None
+    daemons: list[Daemon] = []
     try:
         users = [LocalUser("ident"), LocalUser("ident")]
-        daemon = start_daemon(tmp_path / "node", "--identity", "munge", "--munge-socket",
-                              str(munged.socket), env={"DAEMON_ONLY_VARIABLE": "leak"})
+        for i in range(count):
+            daemons.append(start_daemon(
+                tmp_path / f"node{i or ''}", "--identity", "munge", "--munge-socket",
+                str(munged.socket), env={"DAEMON_ONLY_VARIABLE": "leak"},
+                token=Path(daemons[0].token_file) if daemons else None))
         for user in users:
-            shutil.copy(daemon.token_file, user.home / "token")
+            shutil.copy(daemons[0].token_file, user.home / "token")
             os.chown(user.home / "token", user.pw.pw_uid, user.pw.pw_gid)
-        yield daemon, munged, forger, users
+        yield daemons, munged, forger, users
     finally:
-        if daemon is not None:
+        for daemon in daemons:
             stop_daemon(daemon)
         for user in users:
             user.close()
         forger.close()
         munged.close()
         shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def node(tmp_path):
+    """One such daemon (munge_nodes)."""
+    with munge_nodes(tmp_path, 1) as (daemons, munged, forger, users):
+        yield daemons[0], munged, forger, users
 
 
 def as_user(user: LocalUser, munged: Munged, *args: str, timeout: float = 120):
@@ -181,3 +194,55 @@ def test_a_daemon_without_munged_says_so_in_one_line(tmp_path):
     assert out.returncode == 1 and len(lines) == 1, out.stderr
     assert f"no munged socket at {tmp_path / 'nope'}" in lines[0]
     assert not (tmp_path / "state").exists()
+
+
+def test_a_push_down_the_control_tree_acts_as_who_asks_on_every_node(tmp_path, monkeypatch):
+    """push --control tree: the dev box signs each request once for the tree (bound to a
+    nonce, not a connection it does not hold), and every node, reached through the others,
+    checks who asks: A's workspace is A's on all three, and B's push is refused on each."""
+    with munge_nodes(tmp_path, 3) as (daemons, munged, _, (a, b)):
+        hosts = ",".join(d.addr for d in daemons)  # a chain: 0 asks 1, 1 asks 2
+        tree = ("--hosts", hosts, "--control", "tree", "--control-fanout", "1")
+        for user, text in ((a, "from A\n"), (b, "from B\n")):
+            src = user.home / "env"
+            src.mkdir()
+            (src / "who").write_text(text)
+            os.chown(src, user.pw.pw_uid, user.pw.pw_gid)
+            os.chown(src / "who", user.pw.pw_uid, user.pw.pw_gid)
+        out = as_user(a, munged, "push", str(a.home / "env"), *tree, "--json")
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["nodes"] == 3
+        for d in daemons:
+            assert (d.mnt / "env" / "who").read_text() == "from A\n"
+            refs = json.loads((d.dir / "state" / "refs.json").read_text())
+            assert refs["owners"] == {"env": a.pw.pw_uid}
+
+        out = as_user(b, munged, "push", str(b.home / "env"), *tree)
+        assert out.returncode != 0
+        for d in daemons:  # each node checked B's credential itself
+            assert f"{d.addr}: " in out.stderr, out.stderr
+            assert (d.mnt / "env" / "who").read_text() == "from A\n"
+        assert out.stderr.count(f"{b.name} (uid {b.pw.pw_uid}) cannot replace it") == 3
+
+        # A request of the control tree is acted on once per daemon (munged's own replay
+        # cache is shared by the three here), and only with the scope it was made for.
+        monkeypatch.setenv("MONARCH_FS_MUNGE_SOCKET", str(munged.socket))
+        leaf = daemons[2]
+        args = {"name": "env", "version": "00" * 16}
+
+        async def fan(chan, signed: dict, scope: str) -> FanReply:
+            return FanReply.from_wire(await chan.request("fan", request="current",
+                                                         args=signed, scope=scope))
+
+        async def main() -> None:
+            async with await connect(leaf.addr, load_token(leaf.token_file)) as chan:
+                scope = secrets.token_hex(16)
+                signed = await identity.sign(chan, "current", args, scope=scope)
+                first = await fan(chan, signed, scope)
+                assert first.replies[""] == {"current": False} and not first.failed
+                again = await fan(chan, signed, scope)
+                assert "already acted on" in again.failed[""], again
+                other = await fan(chan, signed, secrets.token_hex(16))
+                assert "payload mismatch" in other.failed[""], other
+
+        trio.run(main)

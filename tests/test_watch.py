@@ -4,108 +4,28 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
 import socket
 import stat
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from helpers import CLI_MODULE, Cluster, stop_node, tree, wait_for
+from helpers import (
+    Cluster,
+    Watcher,
+    peer_ports,
+    reads,
+    stop_node,
+    tree,
+    wait_for,
+    watcher,
+)
 from monarch_fs.daemon.client import cluster as cluster_mod
 from monarch_fs.daemon.wire.auth import write_new_token
-
-
-class Watcher:
-    """A `monarch-fs push --watch` child process; its output lines are read as they come."""
-
-    def __init__(self, src: Path, hosts: str, token_file: str | None, home: Path, *args: str):
-        cmd = [sys.executable, "-m", CLI_MODULE, "push", str(src), "--watch",
-               "--hosts", hosts, *args]
-        if token_file:
-            cmd += ["--token-file", token_file]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env={**os.environ, "MONARCH_FS_HOME": str(home)})
-        self.out: queue.Queue[str] = queue.Queue()
-        self.err: queue.Queue[str] = queue.Queue()
-        self.err_lines: list[str] = []
-        self.pumps = [threading.Thread(target=self._pump, args=(stream, q), daemon=True)
-                      for stream, q in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
-        for t in self.pumps:
-            t.start()
-
-    @staticmethod
-    def _pump(stream, q: queue.Queue) -> None:
-        for line in stream:
-            q.put(line.rstrip("\n"))
-
-    def line(self, timeout: float = 20) -> str:
-        try:
-            return self.out.get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError(f"no push reported within {timeout}s; stderr so far: "
-                                 f"{self.stderr()}") from None
-
-    def push(self, timeout: float = 20) -> dict:
-        return json.loads(self.line(timeout))
-
-    def no_push(self, seconds: float) -> None:
-        try:
-            extra = self.out.get(timeout=seconds)
-        except queue.Empty:
-            return
-        raise AssertionError(f"unexpected push: {extra}")
-
-    def pushes_for(self, seconds: float) -> list[dict]:
-        """Every push reported within the next `seconds`."""
-        deadline = time.monotonic() + seconds
-        out = []
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                out.append(json.loads(self.out.get(timeout=left)))
-            except queue.Empty:
-                break
-        return out
-
-    def stderr(self, wait_for: str | None = None, timeout: float = 20) -> list[str]:
-        deadline = time.monotonic() + timeout
-        while True:
-            while not self.err.empty():
-                self.err_lines.append(self.err.get())
-            if wait_for is None or any(wait_for in ln for ln in self.err_lines):
-                return self.err_lines
-            if time.monotonic() > deadline:
-                raise AssertionError(f"never printed {wait_for!r}: {self.err_lines}")
-            time.sleep(0.05)
-
-    def stop(self, sig: int = signal.SIGINT) -> int:
-        self.proc.send_signal(sig)  # by PID: this process only
-        try:
-            return self.proc.wait(timeout=20)
-        finally:
-            for t in self.pumps:  # they end at the pipes' end: everything printed is queued
-                t.join(timeout=10)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def reads(path: Path) -> bytes | None:
-    try:
-        return path.read_bytes()
-    except OSError:
-        return None
-
-
-def watcher(c: Cluster, src: Path, tmp_path: Path, *args: str) -> Watcher:
-    return Watcher(src, c.hostfile, c.token_file, tmp_path / "home", "--json", *args)
 
 
 def watching_one_file(c: Cluster, tmp_path: Path) -> tuple[Path, Watcher]:
@@ -252,28 +172,6 @@ def test_watch_pushes_a_change_its_watcher_missed(fresh_cluster, tmp_path):
         assert w.stop() == 0
     finally:
         w.kill()
-
-
-def peer_ports(pid: int, ports: set[int]) -> set[tuple[int, int]]:
-    """(local port, remote port) of process `pid`'s established TCP connections to `ports`,
-    from /proc (the sockets its descriptors hold)."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    out = set()
-    with open("/proc/net/tcp") as f:
-        for line in list(f)[1:]:
-            fields = line.split()
-            local, remote, state, inode = fields[1], fields[2], fields[3], fields[9]
-            port = int(remote.split(":")[1], 16)
-            if state == "01" and inode in inodes and port in ports:
-                out.add((int(local.split(":")[1], 16), port))
-    return out
 
 
 @pytest.mark.mount

@@ -1,8 +1,10 @@
 """The push client: scan a folder, send every node only the chunks it lacks, publish everywhere.
 
 Data flows along a broadcast plan (see topology.py): the dev box streams each missing chunk once
-to each root (stream.py), and nodes relay it down the chain or tree. Control stays direct: the
-dev box asks every node what it lacks, and publishes in two phases. Every node first receives
+to each root (stream.py), and nodes relay it down the chain or tree. Control is direct to a few
+nodes (`control` star: the dev box asks every node what it lacks), or goes down a tree for many
+(tree: the dev box asks a few roots, and each node asks its children; its relay links are that
+tree, and its chunks follow it). Either way it publishes in two phases. Every node first receives
 its missing chunks and the manifest, then is asked to `prepare` (check it holds everything,
 durably). Only when every node has prepared is any node asked to `commit`. A node that cannot
 be reached, refuses, stalls or dies fails the push and no node switches, unless `allow_partial`
@@ -19,10 +21,12 @@ prepare and commit without `early` check every chunk, durably: the version is co
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import trio
 
@@ -30,7 +34,14 @@ from ...fs.manifest import Kind
 from ...fs.scan import Snapshot, SourceChanged, scan
 from ...fs.scan_cache import ScanCache
 from ..wire import bulk, identity, topology
-from ..wire.replies import CommitReply, CurrentReply, PrepareReply
+from ..wire.replies import (
+    CommitReply,
+    CurrentReply,
+    FanReply,
+    MalformedReply,
+    PrepareReply,
+    RelayReply,
+)
 from ..wire.requests import check_source_path, check_workspace_name
 from ..wire.transport import CONNECT_TIMEOUT, RemoteError, connect
 from . import bytecode, first_reads, link_codec
@@ -39,6 +50,8 @@ from .link_codec import LinkChoice
 from .links import STALL_TIMEOUT, NodeLink, Sessions, each
 from .progress import Progress
 from .stream import LARGE_CHUNK, Pacer, Payload, Stream
+
+Reply = TypeVar("Reply", PrepareReply, CommitReply)
 
 
 class PushError(Exception):
@@ -121,7 +134,8 @@ class _Push:
     def __init__(self, snap: Snapshot, hosts: Sequence[str], token: bytes, progress: Progress,
                  timeout: float, allow_partial: bool, encrypt: str = "auto",
                  store: ControllerStore | None = None, compress: str = "auto",
-                 bwlimit: float = 0, sessions: Sessions | None = None):
+                 bwlimit: float = 0, sessions: Sessions | None = None, control: str = "star",
+                 control_fanout: int = topology.CONTROL_FANOUT):
         self.snap = snap
         self.pacer = Pacer(bwlimit)  # one for the whole push: every broadcast shares the limit
         self.token = token
@@ -132,6 +146,10 @@ class _Push:
         self.sessions = sessions  # push --watch: the links stay open after this push
         self.kept: set[str] = set()  # nodes whose session this push took from `sessions`
         self.nodes = [sessions.link(h) if sessions else NodeLink(h) for h in hosts]
+        self.by_addr = {n.addr: n for n in self.nodes}
+        # control tree: the roots the dev box talks to, each with the subtree below it
+        self.tree = (topology.forest(list(hosts), control_fanout) if control == "tree"
+                     else None)
         objects = snap.manifest.objects()
         self.version = snap.manifest.id
         self.ids = snap.manifest.chunk_ids()
@@ -153,8 +171,39 @@ class _Push:
     def healthy(self) -> list[NodeLink]:
         return [n for n in self.nodes if n.error is None]
 
+    def cut_off(self, spec: dict, parent: NodeLink | None) -> None:
+        node = self.by_addr[spec["addr"]]
+        if parent is not None and parent.error is not None:
+            node.fail(f"not reached: its relay parent {parent.addr} failed ({parent.error})")
+        for child in spec["children"]:
+            self.cut_off(child, node)
+
+    @property
+    def reached(self) -> list[NodeLink]:
+        """The nodes the dev box holds a session with: every node, or the control tree's
+        roots."""
+        if self.tree is None:
+            return self.nodes
+        return [self.by_addr[r["addr"]] for r in self.tree]
+
+    @property
+    def levels(self) -> dict[str, int]:
+        """How many timeouts to wait on each reached node: a root waits for its subtree."""
+        return {r["addr"]: topology.patience(r["children"]) for r in self.tree or ()}
+
+    def blame(self, failed: dict[str, str]) -> None:
+        """Fail the nodes a relay reported, by address ("" would be the node asked: the
+        callers map it to its address first)."""
+        for addr, cause in failed.items():
+            node = self.by_addr.get(addr)
+            if node is not None:
+                node.fail(cause)
+
     def check(self, stage: str, published: Sequence[str] = ()) -> None:
-        """After a step: fail the push if a node failed, unless partial pushes are allowed."""
+        """After a step: fail the push if a node failed, unless partial pushes are allowed.
+        Down a control tree, a failed node fails every node below it, which only it reaches."""
+        for root in self.tree or ():
+            self.cut_off(root, None)
         failures = {n.addr: n.error for n in self.nodes if n.error}
         if failures and (not self.allow_partial or not self.healthy):
             raise PushError(stage, failures, len(self.nodes), published)
@@ -164,8 +213,8 @@ class _Push:
             node.chan = await connect(node.addr, self.token, encrypt=self.encrypt,
                                       timeout=min(CONNECT_TIMEOUT, self.timeout))
 
-        fresh = [n for n in self.nodes if n.chan is None]
-        self.kept = {n.addr for n in self.nodes if n.chan is not None}
+        fresh = [n for n in self.reached if n.chan is None]
+        self.kept = {n.addr for n in self.reached if n.chan is not None}
         await each(fresh, open_one)
         for node in fresh:  # which bulk transport each node gets (--transport)
             if node.error is None:
@@ -180,11 +229,54 @@ class _Push:
         """Fail the nodes that would refuse this snapshot for its size (each tells its limit
         when it connects), before anything is sent to them."""
         entries = len(self.snap.manifest)
-        for node in self.healthy:
+        for node in [n for n in self.healthy if n.chan is not None]:
             limit = node.channel.info.get("max_entries")
             if isinstance(limit, int) and entries > limit:
                 node.fail(f"the snapshot has {entries:,} entries, more than this node accepts "
                           f"({limit:,}: its --max-entries or MONARCH_FS_MAX_ENTRIES)")
+
+    async def open_tree(self) -> None:
+        """Control tree: have each root open its subtree (its relay, kept across the pushes
+        of push --watch, which only rearm it), for this push's version. A root whose session
+        was kept from the last push and broke is connected again, once."""
+        assert self.tree is not None
+        children = {r["addr"]: r["children"] for r in self.tree}
+
+        async def open_one(root: NodeLink) -> None:
+            reply = RelayReply.from_wire(await root.channel.request(
+                "relay", children=children[root.addr], timeout=self.timeout,
+                version=self.version.hex()))
+            self.blame(reply.failed)
+
+        await each(self.reached, open_one, self.timeout, self.levels)
+        stale = [n for n in self.reached if n.error is not None and n.addr in self.kept]
+        if stale:
+            await self.reconnect(stale)
+            again = {n.addr for n in stale}
+            await each([n for n in self.reached if n.addr in again], open_one, self.timeout,
+                       self.levels)
+
+    async def fan(self, request: str, args: dict, fail: bool = True) -> dict[str, dict]:
+        """Control tree: send `request` to every node through the roots; each node's reply by
+        address. A node that failed or was not reached is failed (unless not `fail`: then it
+        is only missing from the replies)."""
+        replies: dict[str, dict] = {}
+        scope = secrets.token_hex(16)  # what a MUNGE credential is bound to (identity.py)
+
+        async def ask(root: NodeLink) -> None:
+            signed = await identity.sign(root.channel, request, args, scope=scope)
+            reply = FanReply.from_wire(await root.channel.request(
+                "fan", request=request, args=signed, scope=scope))
+            replies.update((a or root.addr, v) for a, v in reply.replies.items())
+            if fail:
+                self.blame({a or root.addr: c for a, c in reply.failed.items()})
+
+        await each(self.reached, ask, self.timeout, self.levels)
+        if fail:
+            for node in self.healthy:
+                if node.addr not in replies:
+                    node.fail(f"no reply to {request} came back through the control tree")
+        return {a: v for a, v in replies.items() if a in self.by_addr}
 
     async def current(self, name: str, source: dict[str, str]) -> bool:
         """Whether every node serves this version as `name` already (a push with no change):
@@ -193,6 +285,10 @@ class _Push:
         follows says why, if it is refused again); one that fails is failed as at any step."""
         args = {"name": name, "version": self.version.hex(), **source}
         current: list[bool] = []
+        if self.tree is not None:  # a node that fails here is failed by the steps after
+            replies = await self.fan("current", args, fail=False)
+            return (len(replies) == len(self.nodes)
+                    and all(CurrentReply.from_wire(r).current for r in replies.values()))
 
         async def ask(node: NodeLink) -> None:
             signed = await identity.sign(node.channel, "current", args)
@@ -218,6 +314,7 @@ class _Push:
             await bulk.close_peer(node.bulk, node.chan)
         fresh = {n.addr: self.sessions.link(n.addr) for n in stale}
         self.nodes = [fresh.get(n.addr, n) for n in self.nodes]
+        self.by_addr = {n.addr: n for n in self.nodes}
         await self.connect()
 
     async def negotiate(self, held: Snapshot | None = None) -> None:
@@ -237,7 +334,10 @@ class _Push:
         async def ask(node: NodeLink) -> None:
             node.missing = set(await node.channel.query_missing(ask_for))
 
-        await each(self.nodes, ask, self.timeout)
+        await each(self.reached, ask, self.timeout, self.levels)
+        for root in self.tree or ():  # a root answers for its subtree: what any node lacks
+            for addr in topology.subtree(root)[1:]:
+                self.by_addr[addr].missing = self.by_addr[root["addr"]].missing
 
     async def broadcast(self, kind: str, fanout: int, head: list[bytes] | None = None) -> str:
         """Send every healthy node what it lacks along a `kind` plan; returns the kind used.
@@ -245,16 +345,21 @@ class _Push:
         lacking = [n for n in self.healthy if n.missing]
         if not lacking:
             return "none"
-        sizes = self.payload.sizes
-        payload = max(sum(sizes.get(c, 0) for c in n.missing) for n in lacking)
-        kind = topology.choose(kind, len(lacking), payload)
-        roots = topology.plan([n.addr for n in lacking], kind, fanout)
-        by_addr = {n.addr: n for n in self.nodes}
+        if self.tree is not None:  # along the control tree, whose relays are open
+            roots = [r for r in self.tree if self.by_addr[r["addr"]] in lacking]
+            kind = "control tree"
+        else:
+            sizes = self.payload.sizes
+            payload = max(sum(sizes.get(c, 0) for c in n.missing) for n in lacking)
+            kind = topology.choose(kind, len(lacking), payload)
+            roots = topology.plan([n.addr for n in lacking], kind, fanout)
+        by_addr = self.by_addr
         await self.choose_compression([by_addr[r["addr"]] for r in roots])
         stream = Stream(self.payload, self.nodes, self.local, self.timeout, self.progress,
                         head, self.token, self.encrypt, self.pacer)
         try:
-            await stream.run([(by_addr[r["addr"]], r["children"]) for r in roots])
+            await stream.run([(by_addr[r["addr"]], r["children"]) for r in roots],
+                             opened=self.tree is not None)
         finally:
             self.chunks_sent += stream.chunks_sent
             self.bytes_sent += stream.bytes_sent
@@ -290,6 +395,17 @@ class _Push:
             if early is None:  # while streaming, the bar shows the bytes sent
                 self.progress.update(steps)
 
+        if self.tree is not None:  # down the control tree: a request per root, not per node
+            for addr, reply in (await self.fan("prepare", args)).items():
+                self.decode(addr, PrepareReply, reply)
+            self.progress.update(len(self.nodes))
+            self.check("preparing")
+            for addr, reply in (await self.fan("commit", args)).items():
+                if (done := self.decode(addr, CommitReply, reply)) is not None:
+                    self.warnings += [f"{addr}: {w}" for w in done.warnings]
+            self.check("committing", [n.addr for n in self.healthy])
+            return
+
         async def prepare(node: NodeLink) -> None:
             signed = await identity.sign(node.channel, "prepare", args)  # if the node asks
             PrepareReply.from_wire(await node.channel.request("prepare", **signed))
@@ -305,6 +421,15 @@ class _Push:
         self.check("preparing")
         await each(self.nodes, commit, self.timeout)
         self.check("committing", [n.addr for n in self.healthy])
+
+    def decode(self, addr: str, kind: type[Reply], value: dict) -> Reply | None:
+        """A reply that came down the control tree, decoded; None, and the node failed, if it
+        is malformed."""
+        try:
+            return kind.from_wire(value)
+        except MalformedReply as e:
+            self.by_addr[addr].fail(str(e))
+            return None
 
     def first_read_chunks(self, paths: Sequence[bytes]) -> list[bytes]:
         """The chunks push --early sends first and waits for: those of the files in `paths`
@@ -431,6 +556,8 @@ async def push(
     snapshot: Snapshot | None = None,
     held: Snapshot | None = None,
     sessions: Sessions | None = None,
+    control: str = "auto",
+    control_fanout: int = topology.CONTROL_FANOUT,
 ) -> PushResult:
     """Push `src` to every host as workspace `name` (default: the folder's name). With
     `cache_dir`, the scan keeps a cache of the folder there, so unchanged files are not read.
@@ -448,7 +575,9 @@ async def push(
     `src` as the caller scanned it (push --watch: fs.scan.rescan), not scanned again here;
     `held`: the snapshot every node took last (push --watch), whose chunks the nodes are not
     asked about. `sessions`: the nodes' sessions, kept open after the push
-    for the next (push --watch; the caller closes them)."""
+    for the next (push --watch; the caller closes them). `control` (auto, star, tree) is how
+    the requests reach the nodes (topology.control); a tree has `control_fanout` children a
+    node."""
     t0 = time.monotonic()
     clock = _Clock(t0)
     progress = progress or Progress()
@@ -466,6 +595,7 @@ async def push(
         raise ValueError(f"unknown compression {compress!r}: use one of {link_codec.POLICIES}")
     if topology_kind not in topology.KINDS:
         raise ValueError(f"unknown topology {topology_kind!r}: use one of {topology.KINDS}")
+    control = topology.control(control, len(hosts), early)
 
     if snapshot is None:
         progress.phase("scanning", 0, "entries")
@@ -480,7 +610,7 @@ async def push(
         unexposed += [busy] if busy else []
     clock.mark("scan")
     job = _Push(snap, hosts, token, progress, timeout, allow_partial, encrypt, store, compress,
-                bwlimit, sessions)
+                bwlimit, sessions, control, control_fanout)
     job.started = t0
     job.requested = transport if isinstance(transport, str) else transport.requested
     job.local = (transport if isinstance(transport, bulk.LocalTransport)
@@ -502,9 +632,10 @@ async def push(
             return used
         used = await job.broadcast(topology_kind, fanout)
         job.check("sending chunks")
-        if allow_partial:
+        if allow_partial and job.tree is None:
             # Nodes whose relay parent failed are healthy but incomplete: send them the rest
-            # directly, once.
+            # directly, once. (Down a control tree they failed with it: the dev box holds no
+            # session with them.)
             await job.negotiate()
             await job.broadcast("star", fanout)
             job.check("sending chunks")
@@ -518,6 +649,9 @@ async def push(
         job.check("connecting")
         job.check_limits()
         job.check("checking the snapshot's size")
+        if job.tree is not None:
+            await job.open_tree()
+            job.check("opening the control tree")
         clock.mark("connect")
         settled = await job.current(name, source)
         job.check("asking what the nodes serve")

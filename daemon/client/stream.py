@@ -213,13 +213,15 @@ class Stream:
             if addr in self.by_addr:
                 self.by_addr[addr].fail(cause)
 
-    async def run(self, roots: list[tuple[NodeLink, list[dict]]]) -> None:
-        """Open a relay session on each root, then read and compress each chunk once and stream
-        it to every root whose subtree lacks it."""
+    async def run(self, roots: list[tuple[NodeLink, list[dict]]], opened: bool = False
+                  ) -> None:
+        """Open a relay session on each root (unless `opened`: a push's control tree, whose
+        relays negotiate asked), then read and compress each chunk once and stream it to every
+        root whose subtree lacks it."""
         failed: BaseException | None = None
         async with trio.open_nursery() as readers:  # push --early: the roots' wants
             try:
-                await self._run(roots, readers)
+                await self._run(roots, readers, opened)
             except BaseException as e:  # raised as itself below (SourceChanged, a cancel),
                 failed = e  # not wrapped in an ExceptionGroup by this nursery
             finally:
@@ -260,7 +262,7 @@ class Stream:
                 root.fail(e, self.timeout)
 
     async def _run(self, roots: list[tuple[NodeLink, list[dict]]],
-                   readers: trio.Nursery) -> None:
+                   readers: trio.Nursery, opened: bool) -> None:
         pl = self.payload
         wants: dict[str, set[bytes]] = {}
         early = self.head is not None
@@ -279,6 +281,11 @@ class Stream:
                     root.bulk = await bulk.open_sender(chan, root.transport[0], self.local,
                                                        chan.info)
                 self.senders[root.addr] = root.bulk
+            below = topology.subtree({"addr": root.addr, "children": children})
+            lacking = set().union(*(self.by_addr[a].missing for a in below))
+            if opened:  # negotiate asked the root, which asked its subtree: it knows
+                wants[root.addr] = set(lacking)
+                return
             extra = {"wants": True} if early else {}
             reply = RelayReply.from_wire(await chan.request(
                 "relay", children=children, timeout=self.timeout, version=pl.version.hex(),
@@ -287,8 +294,6 @@ class Stream:
             # negotiate() learned what each node lacks: ask the subtree only about those ids
             # (an id no node below lacks cannot come back), so neither the root nor the nodes
             # below look up the rest again.
-            below = topology.subtree({"addr": root.addr, "children": children})
-            lacking = set().union(*(self.by_addr[a].missing for a in below))
             if children or early:
                 wants[root.addr] = set(await chan.query_missing(list(lacking)))
             else:  # what it told negotiate() on this session, which it still holds

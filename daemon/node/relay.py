@@ -8,6 +8,11 @@ opens its own), `QueryMissing` learns what each subtree lacks, `PutChunk`s flow 
 waits until every queue has drained and every descendant has flushed, returning the failures seen
 anywhere below as {addr: cause}.
 
+A push to many nodes keeps its relays as its control tree (push.py, `control`): `fan` sends a
+request (current, prepare, commit) to every child, which answers it and has its own subtree
+answer; and a session that pushes again with the same children (push --watch) rearms its relay
+over the links it has (`rearm`) instead of connecting again.
+
 In a push --early session (`fetcher` given) a child may send a `Want` for chunks a reader of it
 needs: they go to it at once on its control channel, ahead of its queue, from this node's store
 (fetched from upstream first if this node lacks them too). Its wants are read from when the
@@ -23,8 +28,8 @@ import trio
 
 from ..wire import bulk
 from ..wire import protocol as p
-from ..wire.replies import FlushReply, RelayReply
-from ..wire.topology import patience
+from ..wire.replies import FanReply, FlushReply, RelayReply
+from ..wire.topology import patience, subtree
 from ..wire.transport import CONNECT_TIMEOUT, Channel, ConnectError, connect, describe_failure
 from .fetch import ChunkUnavailable, Fetcher
 
@@ -48,6 +53,11 @@ class _Child:
         self.bulk: bulk.BulkSender | None = None
         self.need: set[bytes] = set()
         self.error: str | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        """A push's state: the queue to the child, what it lacks, its wants' reader."""
+        self.need = set()
         self.send, self.receive = trio.open_memory_channel[Batch](QUEUE_BATCHES)
         # Not queued yet: goes once it is a full batch, or at once while the queue is empty
         # (the sender is idle, or about to be), or at flush.
@@ -57,6 +67,10 @@ class _Child:
         self.reading = trio.CancelScope()  # its wants, until the flush (push --early)
         self.read_done = trio.Event()
         self.read_done.set()
+
+    @property
+    def spec(self) -> dict:
+        return {"addr": self.addr, "children": self.children}
 
     def link(self) -> tuple[Channel, bulk.BulkSender]:
         """The child's control channel and bulk sender. `open` sets both before anything else
@@ -100,6 +114,7 @@ class Relay:
         self.local = local or bulk.LocalTransport()
         self.timeout = timeout
         self.nursery = nursery
+        self.plan = list(children)  # as the parent sent it: a push with the same rearms
         self.children = [_Child(spec) for spec in children]
         self.failures: dict[str, str] = {}
 
@@ -110,6 +125,16 @@ class Relay:
             log.warning("relay to %s failed: %s", child.addr, child.error)
             child.receive.close()  # a forward waiting for room in its queue gives up
             child.take()  # and what was being filled is dropped
+
+    @staticmethod
+    def _lost(child: _Child) -> dict[str, str]:
+        """What a failed child costs a request down the control tree: itself, and every
+        node below it, which it no longer reaches. (The dev box may still reach those
+        directly with chunks: a broadcast reports only the child.)"""
+        lost = {child.addr: child.error or "failed"}
+        for addr in subtree(child.spec)[1:]:
+            lost[addr] = f"not reached: its relay parent {child.addr} failed ({child.error})"
+        return lost
 
     async def _each(self, fn: Callable[[_Child], Awaitable[None]]) -> None:
         async def one(child: _Child) -> None:
@@ -126,24 +151,81 @@ class Relay:
                     nursery.start_soon(one, child)
 
     async def open(self) -> dict[str, str]:
-        """Connect to every child and have it open its own subtree."""
+        """Connect to every child (unless linked already: `rearm`) and have it open its own
+        subtree."""
+        extra: dict[str, str | bool] = ({} if self.version is None
+                                         else {"version": self.version.hex()})
+        if self.fetcher is not None:
+            extra["wants"] = True
+
         async def start(child: _Child) -> None:
-            child.chan = await connect(child.addr, self.token, encrypt=self.encrypt,
-                                       timeout=min(CONNECT_TIMEOUT, self.timeout))
-            policy = "tcp" if self.local.kind == bulk.TCP else "auto"
-            kind, _ = bulk.choose_for_peer(self.local, policy, child.chan.info)
-            child.bulk = await bulk.open_sender(child.chan, kind, self.local, child.chan.info)
-            extra: dict[str, str | bool] = ({} if self.version is None
-                                             else {"version": self.version.hex()})
-            if self.fetcher is not None:
-                extra["wants"] = True
-            reply = RelayReply.from_wire(await child.chan.request(
-                "relay", children=child.children, timeout=self.timeout, **extra))
-            self.failures.update(reply.failed)
-            self.nursery.start_soon(self._sender, child, child.bulk)
+            if child.chan is not None and child.bulk is not None:  # rearmed: the last push's
+                try:
+                    reply = await child.chan.request("relay", children=child.children,
+                                                     timeout=self.timeout, **extra)
+                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                    # the child restarted since: connect again, once
+                    await bulk.close_peer(child.bulk, child.chan)
+                    child.chan, child.bulk = None, None
+            if child.chan is None or child.bulk is None:
+                child.chan = await connect(child.addr, self.token, encrypt=self.encrypt,
+                                           timeout=min(CONNECT_TIMEOUT, self.timeout))
+                policy = "tcp" if self.local.kind == bulk.TCP else "auto"
+                kind, _ = bulk.choose_for_peer(self.local, policy, child.chan.info)
+                child.bulk = await bulk.open_sender(child.chan, kind, self.local,
+                                                    child.chan.info)
+                reply = await child.chan.request("relay", children=child.children,
+                                                 timeout=self.timeout, **extra)
+            self.failures.update(RelayReply.from_wire(reply).failed)
+            self.nursery.start_soon(self._sender, child, child.bulk, child.receive, child.done)
 
         await self._each(start)
         return dict(self.failures)
+
+    async def rearm(self, version: bytes | None) -> dict[str, str]:
+        """Open this relay again for the session's next push, over the links it has: a child
+        that failed is connected again, every child's queue starts afresh (a sender still
+        draining an abandoned push's queue finishes first), and each child rearms its own."""
+        self.version = version
+        self.failures = {}
+        for child in self.children:
+            child.send.close()
+            if child.error is None:
+                with trio.move_on_after(self.timeout * child.patience):
+                    await child.done.wait()
+                if not child.done.is_set():
+                    self._fail(child, "its queue did not drain before the next push")
+            if child.error is not None:
+                await bulk.close_peer(child.bulk, child.chan)
+                child.chan, child.bulk, child.error = None, None, None
+            child.reset()
+        return await self.open()
+
+    async def fan(self, request: str, args: dict, scope: str
+                  ) -> tuple[dict[str, dict], dict[str, str]]:
+        """Send request `request` down to every child's subtree (requests.Fan): every reply
+        and every failure below, by address. A child that failed, now or earlier in this
+        push, fails its whole subtree, which it no longer reaches."""
+        replies: dict[str, dict] = {}
+        failed: dict[str, str] = {}
+
+        async def ask(child: _Child) -> None:
+            chan, _ = child.link()
+            reply = FanReply.from_wire(await chan.request("fan", request=request, args=args,
+                                                          scope=scope))
+            for addr, value in reply.replies.items():
+                replies[addr or child.addr] = value  # "" is the child itself
+            for addr, cause in reply.failed.items():
+                failed[addr or child.addr] = cause
+
+        await self._each(ask)
+        for child in self.children:
+            if child.error is not None:
+                lost = self._lost(child)
+                failed.update(lost)
+                for addr in lost:
+                    replies.pop(addr, None)
+        return replies, failed
 
     async def query(self, ids: list[bytes]) -> set[bytes]:
         """What the subtrees below lack, remembered per child for forwarding."""
@@ -175,16 +257,17 @@ class Relay:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the child failed meanwhile, or the session is closing
 
-    async def _sender(self, child: _Child, sender: bulk.BulkSender) -> None:
+    async def _sender(self, child: _Child, sender: bulk.BulkSender,
+                      receive: trio.MemoryReceiveChannel[Batch], done: trio.Event) -> None:
         try:
-            async for batch in child.receive:
+            async for batch in receive:
                 with trio.fail_after(self.timeout * child.patience):
                     await sender.send_chunks(batch)
                 self.counters["chunks_forwarded"] += len(batch)
         except Exception as e:
             self._fail(child, e)
         finally:
-            child.done.set()
+            done.set()
 
     async def _read_wants(self, child: _Child) -> None:
         """Answer the child's wants until the flush (push --early); see the module docstring."""

@@ -134,6 +134,7 @@ class NodeService:
         # workspace belongs to who pushed it (wire/identity.py). "": the shared token only.
         self.identity = identity_mode
         self.munge_socket = munge_socket
+        self.fan_scopes = identity.SeenScopes()  # control-tree requests acted on (replays)
         self.procs: ProcessTable | None = None  # while serving
         # root or unprivileged, as status tells (fs/mount_options.py); set by the mounting daemon
         self.mount_mode = "not mounted"

@@ -29,6 +29,7 @@ from ..wire.replies import (
     BulkReply,
     CommitReply,
     CurrentReply,
+    FanReply,
     FirstReadsReply,
     FlushReply,
     FreePortReply,
@@ -45,6 +46,7 @@ from ..wire.requests import (
     Bulk,
     Commit,
     Current,
+    Fan,
     FirstReads,
     Flush,
     FreePort,
@@ -212,7 +214,7 @@ class Session:
             if route is None:
                 raise RequestError(f"unknown request {msg.op!r}")
             kind, handler = route
-            self.asker = await self._identify(msg)
+            self.asker = await self._identify(msg.op, msg.args)
             value = await handler(self, kind.parse(msg.args))
         except REFUSED as e:
             await self.chan.send(p.Error(str(e), code="refused", id=msg.id))
@@ -222,13 +224,20 @@ class Session:
         else:
             await self.chan.send(p.Reply(msg.id, value.to_wire()))
 
-    async def _identify(self, msg: p.Request) -> Identity | None:
+    async def _identify(self, op: str, args: dict, scope: str | None = None
+                        ) -> Identity | None:
         """Who asks, for the requests that act for a user on a daemon with --identity munge
-        (checked before anything else of the request); None otherwise."""
-        if self.service.identity != identity.MODE or msg.op not in identity.OPS:
+        (checked before anything else of the request); None otherwise. A request that came
+        down a control tree (`fan`) is bound to its `scope`, not to this connection."""
+        if self.service.identity != identity.MODE or op not in identity.OPS:
             return None
-        return await identity.verify(msg.args.get(identity.FIELD), msg.op, msg.args,
-                                     identity.session_id(self.chan), self.service.munge_socket)
+        if scope is None:
+            return await identity.verify(args.get(identity.FIELD), op, args,
+                                         identity.session_id(self.chan),
+                                         self.service.munge_socket)
+        return await identity.verify(args.get(identity.FIELD), op, args,
+                                     identity.fan_scope(scope), self.service.munge_socket,
+                                     self.service.fan_scopes)
 
     @property
     def _owner(self) -> int | None:
@@ -261,10 +270,14 @@ class Session:
 
     async def _relay(self, req: OpenRelay) -> RelayReply:
         s = self.service
-        if self.relay is not None:  # a session that pushes again (push --watch)
-            await self.relay.aclose()
-            self.relay = None
         self.version = req.version
+        relay = self.relay
+        if relay is not None and not req.wants and relay.fetcher is None \
+                and relay.plan == req.children:  # pushing again to the same subtree
+            return RelayReply(await relay.rearm(req.version))
+        if relay is not None:  # a session that pushes again elsewhere
+            await relay.aclose()
+            self.relay = None
         self.relay = Relay(s.token, req.children, req.timeout, self.nursery, self.counters,
                            s.transport, s.encrypt, version=req.version,
                            fetcher=s.fetcher if req.wants else None)
@@ -272,6 +285,32 @@ class Session:
             self.upstream = Upstream(self.chan.peer, self.chan.send, req.timeout)
             s.fetcher.add(self.upstream)
         return RelayReply(await self.relay.open())
+
+    async def _fan(self, req: Fan) -> FanReply:
+        """Answer `req.request` here while the relay has the subtree below answer it too."""
+        replies: dict[str, dict] = {}
+        failed: dict[str, str] = {}
+
+        async def below(relay: Relay) -> None:
+            got, lost = await relay.fan(req.request, req.args, req.scope)
+            replies.update(got)
+            failed.update(lost)
+
+        async with trio.open_nursery() as nursery:
+            if self.relay is not None:
+                nursery.start_soon(below, self.relay)
+            kind, handler = ROUTES[req.request]
+            try:
+                self.asker = await self._identify(req.request, req.args, req.scope)
+                value = await handler(self, kind.parse(req.args))
+            except REFUSED as e:
+                failed[""] = str(e)
+            except Exception as e:
+                log.exception("request %s (down the control tree) failed", req.request)
+                failed[""] = f"internal error: {e!r}"
+            else:
+                replies[""] = value.to_wire()
+        return FanReply(failed, replies)
 
     async def _flush(self, req: Flush) -> FlushReply:
         bulk_error = None  # RDMA chunks are not ordered with this request
@@ -336,6 +375,7 @@ _HANDLERS: list[tuple[type[NodeRequest], Handler]] = [
     (Current, Session._current),
     (Remove, Session._remove),
     (OpenRelay, Session._relay),
+    (Fan, Session._fan),
     (Flush, Session._flush),
     (Bulk, Session._bulk),
     (Spawn, Session._spawn),

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +74,37 @@ def session_id(chan: Channel) -> str:
     return hashlib.sha256(b"monarch-fs identity session\0" + key).hexdigest()[:32]
 
 
+def fan_scope(nonce: str) -> str:
+    """What binds a credential to a request sent down a push's control tree (requests.Fan):
+    the same request reaches every node of the tree, over connections the dev box does not
+    hold, so it is bound to a fresh nonce of the dev box's instead of one connection. munged
+    on each node still decodes it once only, and it authorizes only that op with those
+    arguments: a node that passes it on can make it do what the user asked, nothing else."""
+    if not re.fullmatch(r"[0-9a-f]{32,64}", nonce):
+        raise IdentityError("fan: a request down the control tree carries no nonce to bind "
+                            "its MUNGE credential to")
+    return "fan-" + nonce
+
+
+class SeenScopes:
+    """The control-tree requests (fan_scope, op) this daemon acted on, for as long as their
+    credentials could still decode (KEEP seconds): a second one is a replay."""
+
+    KEEP = 900.0  # past munged's default time to live (300 s), with room for clock skew
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[str, str], float] = {}
+
+    def record(self, session: str, op: str) -> None:
+        now = time.monotonic()
+        if (session, op) in self.seen:
+            raise IdentityError(f"{op}: the MUNGE credential was replayed (this node already "
+                                "acted on that request of the control tree)")
+        if len(self.seen) >= 4096:
+            self.seen = {k: until for k, until in self.seen.items() if until > now}
+        self.seen[(session, op)] = now + self.KEEP
+
+
 def payload(op: str, args: dict[str, Any], session: str) -> str:
     """The text a credential carries for request `op` with `args` on connection `session`."""
     body = json.dumps({k: v for k, v in args.items() if k != FIELD}, sort_keys=True,
@@ -93,13 +126,14 @@ async def _run(argv: list[str], stdin: bytes) -> subprocess.CompletedProcess[byt
                             f"{TIMEOUT:g}s") from None
 
 
-async def sign(chan: Channel, op: str, args: dict[str, Any], ttl: int | None = None
-               ) -> dict[str, Any]:
+async def sign(chan: Channel, op: str, args: dict[str, Any], ttl: int | None = None,
+               scope: str | None = None) -> dict[str, Any]:
     """`args` with a credential for request `op` on `chan` when its node asks for one (it
-    advertised `identity: munge`) and the op acts for a user; else `args` as they are."""
+    advertised `identity: munge`) and the op acts for a user; else `args` as they are. With
+    `scope` (a nonce: fan_scope), the credential is bound to it instead of `chan`."""
     if chan.info.get("identity") != MODE or op not in OPS:
         return args
-    text = payload(op, args, session_id(chan))
+    text = payload(op, args, session_id(chan) if scope is None else fan_scope(scope))
     argv = ["munge", "-S", munge_socket(), "-s", text]
     if ttl is not None:
         argv += ["-t", str(ttl)]
@@ -121,11 +155,13 @@ def _parse(stdout: bytes) -> tuple[dict[str, str], bytes]:
     return meta, body
 
 
-async def verify(cred: object, op: str, args: dict[str, Any], session: str, socket: str
-                 ) -> Identity:
+async def verify(cred: object, op: str, args: dict[str, Any], session: str, socket: str,
+                 seen: SeenScopes | None = None) -> Identity:
     """Who `cred` says asks for request `op` with `args` on connection `session`, decoded by
     this node's munged (at `socket`); IdentityError naming the cause if it is missing or
-    refused."""
+    refused. A credential bound to a control tree's scope (fan_scope) is checked against
+    `seen` instead of munged's replay cache, which other daemons on the host may share: each
+    of them decodes the same credential once."""
     if not cred:
         raise IdentityError(f"{op}: this daemon acts as the user who asks (--identity munge) "
                             "and the request carries no MUNGE credential; send it from a "
@@ -138,6 +174,8 @@ async def verify(cred: object, op: str, args: dict[str, Any], session: str, sock
     if code == EXPIRED:
         raise IdentityError(f"{op}: the MUNGE credential expired (its time to live was "
                             f"{meta.get('TTL', '?')} s); make a fresh one for each request")
+    if seen is not None and code == REPLAYED:
+        code = 0  # `seen` says whether this daemon decoded it before, below
     if code == REPLAYED:
         raise IdentityError(f"{op}: the MUNGE credential was replayed (this node's munged "
                             "already decoded it once)")
@@ -158,6 +196,9 @@ async def verify(cred: object, op: str, args: dict[str, Any], session: str, sock
         raise IdentityError(f"{op}: the MUNGE credential was made for another request or "
                             "connection (payload mismatch)")
     try:
-        return Identity(int(meta["UID"]), int(meta["GID"]))
+        who = Identity(int(meta["UID"]), int(meta["GID"]))
     except (KeyError, ValueError):
         raise IdentityError(f"{op}: unmunge gave no uid and gid") from None
+    if seen is not None:
+        seen.record(session, op)  # once per daemon, whatever munged remembers
+    return who

@@ -264,6 +264,26 @@ class FlushReply(_FailuresReply):
 
 
 @dataclass(frozen=True)
+class FanReply(_FailuresReply):
+    """Each node's reply to a request sent down a control tree (requests.Fan), by address
+    ("" is the node that answers), and the failures seen anywhere in the subtree; a node of
+    the subtree is in one or the other."""
+
+    op: ClassVar[str] = "fan"
+    replies: dict[str, dict] = field(default_factory=dict)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"failed": self.failed, "replies": self.replies}
+
+    @classmethod
+    def from_wire(cls, value: Mapping[str, Any]) -> Self:
+        replies = _get(cls.op, value, "replies", dict)
+        if not all(isinstance(k, str) and isinstance(v, dict) for k, v in replies.items()):
+            raise MalformedReply(f"malformed {cls.op} reply: 'replies' is not {{addr: reply}}")
+        return cls(_failures(cls.op, value), dict(replies))
+
+
+@dataclass(frozen=True)
 class BulkReply:
     """The RDMA channel is open on the node; `qp` is its queue pair, for the sender to connect
     to (read by rdma.RdmaSender.connect)."""
@@ -363,5 +383,5 @@ class FirstReadsReply:
 
 
 NodeReply = (StatusReply | PrepareReply | CommitReply | CurrentReply | RemoveReply | RelayReply
-             | FlushReply | BulkReply | SpawnReply | KillReply | FreePortReply | ProbeReply
-             | FirstReadsReply)
+             | FanReply | FlushReply | BulkReply | SpawnReply | KillReply | FreePortReply
+             | ProbeReply | FirstReadsReply)

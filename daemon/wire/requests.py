@@ -271,6 +271,39 @@ class OpenRelay:
                    args.get("wants") is True)
 
 
+# The requests a push may send down its control tree (`Fan`): each node answers for itself
+# and for the subtree its relay reaches.
+FAN_OPS = ("current", "prepare", "commit")
+
+
+@dataclass(frozen=True)
+class Fan:
+    """Answer request `request` (`args`) here and have every node below answer it too, down
+    the subtree this session's relay reaches (OpenRelay): a push to many nodes sends each of
+    its control requests to a few roots, not to every node (push.py, `control`). Answers
+    {addr: reply} and {addr: cause} for the whole subtree ("" is this node). `scope` is what a
+    MUNGE credential in `args` is bound to instead of one connection (identity.fan_scope): the
+    same request reaches every node."""
+
+    op: ClassVar[str] = "fan"
+    after_chunks: ClassVar[bool] = True
+    request: str
+    args: dict
+    scope: str = ""
+
+    @classmethod
+    def parse(cls, args: dict) -> Fan:
+        request, inner, scope = args.get("request"), args.get("args"), args.get("scope", "")
+        if request not in FAN_OPS:
+            raise RequestError(f"fan: request must be one of {', '.join(FAN_OPS)}, "
+                               f"not {request!r}")
+        if not isinstance(inner, dict):
+            raise RequestError("fan: args must be an object")
+        if not isinstance(scope, str) or not re.fullmatch(r"[0-9a-f]{0,64}", scope):
+            raise RequestError(f"fan: scope must be a hex nonce, not {scope!r}")
+        return cls(request, inner, scope)
+
+
 @dataclass(frozen=True)
 class Flush:
     """Wait until every chunk sent so far is stored here and forwarded below; answers the
@@ -369,5 +402,5 @@ class Probe:
         return cls(len(pad))
 
 
-NodeRequest = (Status | Prepare | Commit | Current | Remove | OpenRelay | Flush | Bulk | Spawn
-               | Kill | FreePort | Probe | FirstReads)
+NodeRequest = (Status | Prepare | Commit | Current | Remove | OpenRelay | Fan | Flush | Bulk
+               | Spawn | Kill | FreePort | Probe | FirstReads)

@@ -20,6 +20,29 @@ from collections.abc import Sequence
 AUTO_STAR_BYTES = 8 * 1024 * 1024
 KINDS = ("auto", "chain", "tree", "star")
 
+# How a push's control requests (current, what do you lack, prepare, commit) reach the nodes.
+# star: the dev box asks every node itself (one round trip, N requests from one thread). tree:
+# it asks CONTROL_FANOUT roots, and every node asks up to that many children (`forest`): about
+# log_k(N) round trips, and no node, the dev box included, sends more than k copies. auto: tree
+# above CONTROL_STAR_MAX nodes (each node costs the dev box about 3 ms of CPU an edit, measured:
+# bench/edit_fanout_bench.py).
+CONTROLS = ("auto", "star", "tree")
+CONTROL_STAR_MAX = 16
+CONTROL_FANOUT = 16
+
+
+def control(kind: str, nodes: int, early: bool = False) -> str:
+    """The control plane `kind` resolves to for a push to `nodes` nodes. push --early needs
+    the star: it publishes while chunks stream, on a connection of each node's own."""
+    if kind not in CONTROLS:
+        raise ValueError(f"unknown control plane {kind!r}: use one of {CONTROLS}")
+    if kind == "tree" and early:
+        raise ValueError("push --early publishes over the star control plane: drop "
+                         "--control tree")
+    if kind == "auto":
+        return "tree" if nodes > CONTROL_STAR_MAX and not early else "star"
+    return kind
+
 
 def choose(kind: str, nodes: int, payload: int) -> str:
     """The topology `auto` resolves to, for `nodes` nodes each lacking up to `payload` bytes."""
@@ -46,6 +69,19 @@ def plan(hosts: Sequence[str], kind: str, fanout: int = 2) -> list[dict]:
     for i, node in enumerate(nodes[1:], start=1):  # heap order: node i's parent is (i-1)//k
         children[(i - 1) // fanout].append(node)
     return nodes[:1]
+
+
+def forest(hosts: Sequence[str], fanout: int) -> list[dict]:
+    """The control tree of a push to many nodes (push.py, `control`): the dev box sends each
+    request to `fanout` roots, and every node forwards it to up to `fanout` children, so a
+    request reaches N nodes in about log_k(N) hops. Heap order with the dev box at the top:
+    host i's parent is host i // k - 1 (the first k are roots)."""
+    if fanout < 1:
+        raise ValueError("the control fanout must be at least 1")
+    nodes: list[dict] = [{"addr": h, "children": []} for h in hosts]
+    for i, node in enumerate(nodes[fanout:], start=fanout):
+        nodes[i // fanout - 1]["children"].append(node)
+    return nodes[:fanout]
 
 
 def subtree(spec: dict) -> list[str]:
