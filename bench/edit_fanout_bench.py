@@ -3,7 +3,7 @@
 change costs per node, measured on 1, 2, 4 and 8 nodes, to fit and check the small-change model
 in bench/fanout_model.py (`small_change`), which projects 1024 nodes.
 
-    sudo .venv/bin/python -m bench.edit_fanout_bench [--nodes 1,2,4,8] [--edits 9]
+    sudo .venv/bin/python -m bench.edit_fanout_bench [--nodes 1,2,4,8] [--edits 9] [--fanout 2]
 
 For each N: a fresh netns cluster (tests/netns.py), a tree of 300 small files, and a `push
 --watch --json` of it running on the dev box (its network namespace), which keeps its sessions
@@ -11,8 +11,11 @@ with the nodes. For each of `--edits` edits of one file, the watch's line for it
 the edit's time: current + negotiate + send + publish (its `phases`). The watch process's CPU
 and the daemons' CPU (every thread's, from /proc/PID/task/*/schedstat: nanoseconds, where
 /proc/PID/stat counts 10 ms ticks) are read around each push, not the collect a commit starts
-a second later (the edits are 1.5 s apart). Medians per N go to
-bench/results/editfanout-DATE.{json,md}, with the model's fit on N < 8 and its error at N = 8.
+a second later (the edits are 1.5 s apart). Every N pushes over the star control plane
+(--control star); the largest N pushes again down a control tree (--control tree, --fanout
+children a node: 2 makes 8 nodes three hops deep), to check the model's tree. Medians per N go
+to bench/results/editfanout-DATE.{json,md}, with the model's fit on the star runs with N < 8
+and its error at N = 8 for both.
 """
 
 from __future__ import annotations
@@ -59,12 +62,17 @@ def make_tree(root: Path, files: int = 300) -> Path:
     return root
 
 
-def one_n(n: int, edits: int, rate: str, workdir: Path) -> dict:
-    src = make_tree(workdir / f"tree-{n}")
-    home = workdir / f"home-{n}"
+def one_n(n: int, edits: int, rate: str, workdir: Path, fanout: int = 0) -> dict:
+    """Medians of `edits` edits pushed to n nodes: over the star control plane, or down the
+    control tree with `fanout` children a node."""
+    label = f"{n}-tree{fanout}" if fanout else f"{n}"
+    src = make_tree(workdir / f"tree-{label}")
+    home = workdir / f"home-{label}"
     env = {**os.environ, "MONARCH_FS_HOME": str(home)}
-    with NetCluster(n, rate=rate, workdir=workdir / f"cluster-{n}") as cluster:
-        argv = cluster.push_argv(src, "--name", "edit", "--watch", "--json")
+    control = (["--control", "tree", "--control-fanout", str(fanout)] if fanout
+               else ["--control", "star"])
+    with NetCluster(n, rate=rate, workdir=workdir / f"cluster-{label}") as cluster:
+        argv = cluster.push_argv(src, "--name", "edit", "--watch", "--json", *control)
         # (`ip netns exec` execs the command: the watch is this pid)
         watch = subprocess.Popen(["ip", "netns", "exec", cluster.devbox, *argv], env=env,
                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -100,27 +108,46 @@ def one_n(n: int, edits: int, rate: str, workdir: Path) -> dict:
     return {"nodes": n, **med, "runs": runs}
 
 
-def measure(nodes: list[int], edits: int = 9, rate: str = "1gbit") -> dict:
-    """Every N's medians, the model's fit on N < max(nodes) and the report's date."""
+def measure(nodes: list[int], edits: int = 9, rate: str = "1gbit", fanout: int = 2) -> dict:
+    """Every N's medians over the star control plane, the largest N's down a control tree
+    with `fanout` children a node (0: not measured), the model's fit on the star runs with
+    N < max(nodes), its error at max(nodes) for both, and the report's date."""
     work = Path(tempfile.mkdtemp(prefix="editfanout-"))
+    tree = None
+
+    def show(r: dict, what: str) -> None:
+        print(f"  N={r['nodes']}{what}: {r['seconds']:.3f} s per edit (phases), daemons "
+              f"{r['daemon_cpu']:.3f} CPU-s, the watch {r['client_cpu']:.3f} CPU-s",
+              file=sys.stderr)
+
     try:
         per_n = []
         for n in nodes:
             per_n.append(one_n(n, edits, rate, work))
-            print(f"  N={n}: {per_n[-1]['seconds']:.3f} s per edit (phases), daemons "
-                  f"{per_n[-1]['daemon_cpu']:.3f} CPU-s, the watch "
-                  f"{per_n[-1]['client_cpu']:.3f} CPU-s", file=sys.stderr)
+            show(per_n[-1], "")
+        if fanout and max(nodes) > fanout:
+            tree = {**one_n(max(nodes), edits, rate, work, fanout), "fanout": fanout}
+            show(tree, f", control tree k={fanout}")
+            star = per_n[-1]
+            tree["relay_cpu"] = max(0.0, (tree["daemon_cpu"] - star["daemon_cpu"])
+                                    / (tree["nodes"] - fanout))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     cores = os.cpu_count() or 2
     fitted = [r for r in per_n if r["nodes"] < max(nodes)] or per_n
     fit = model.fit_small_change(fitted, cores)
+
+    def error(r: dict, k: int = 0) -> float:
+        return (model.small_change_seconds(r["nodes"], fit, "machine", fanout=k)
+                - r["seconds"]) / r["seconds"]
+
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "rate": rate,
             "cores": cores, "per_n": per_n, "fit": fit,
-            "projected_1024_s": model.small_change_seconds(1024, fit),
-            "projected_1024_tree_s": model.small_change_seconds(1024, fit, fanout=16),
-            "error_at_max": (model.small_change_seconds(per_n[-1]["nodes"], fit, "machine")
-                             - per_n[-1]["seconds"]) / per_n[-1]["seconds"]}
+            **({"tree": tree, "error_tree_at_max": error(tree, fanout)} if tree else {}),
+            # above 16 nodes a push goes down the control tree (k = 16) unless told otherwise
+            "projected_1024_s": model.small_change_seconds(1024, fit, fanout=16),
+            "projected_1024_star_s": model.small_change_seconds(1024, fit),
+            "error_at_max": error(per_n[-1])}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,9 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", default="1,2,4,8", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--edits", type=int, default=9)
     parser.add_argument("--rate", default="1gbit")
+    parser.add_argument("--fanout", type=int, default=2,
+                        help="the control tree's fanout for the run at the largest N (0: none)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args(argv)
-    report = measure(args.nodes, args.edits, args.rate)
+    report = measure(args.nodes, args.edits, args.rate, args.fanout)
     lines = model.small_change_report(report)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"editfanout-{datetime.datetime.now():%Y%m%d-%H%M%S}"

@@ -259,10 +259,14 @@ def check(results: dict, latency: float | None = None, out=sys.stdout) -> list[d
 #       T(N) = F + N·max(b, (b + w) / cores)
 #   a real cluster (each node its own CPUs; the dev box's requests go out one after another,
 #   L the per-hop latency):
-#       T(N) = F + N·b + w + L                       the star control plane monarch-fs has
-#       T(N) = F + D·(min(k, N)·b + L) + w           the requests relayed down a k-ary tree
-#                                                    with the dev box at its root, D hops
-#                                                    deep (not built: a what-if)
+#       T(N) = F + N·b + w + L                       the star control plane (--control star)
+#       T(N) = F + D·(min(k, N)·b + L) + w           the control tree (--control tree, the
+#                                                    default above 16 nodes): the dev box asks
+#                                                    k roots, each node its k children, D hops
+#                                                    deep; a node asks a child at the dev box's
+#                                                    cost b (the same requests, the same code)
+#   and the control tree on one machine, where the whole tree's CPU shares the cores:
+#       T(N) = F + max(D·(min(k, N)·b + L) + w, N·(b + w) / cores)
 
 def fit_small_change(per_n: list[dict], cores: int) -> dict:
     """b, w and F from edit_fanout_bench's medians per N (least squares on the dev box's CPU
@@ -287,10 +291,13 @@ def small_change_seconds(n: int, fit: dict, where: str = "cluster", fanout: int 
     or "cluster"; `fanout` k > 0: the control plane relayed down a k-ary tree."""
     b, w, f = fit["b"], fit["w"], fit["f"]
     latency = fit.get("latency", DEFAULT_LATENCY)
+    if fanout:
+        path = tree_depth(n + 1, fanout) * (min(fanout, n) * b + latency) + w
+        if where == "machine":
+            return f + max(path, n * (b + w) / fit["cores"])
+        return f + path
     if where == "machine":
         return f + n * max(b, (b + w) / fit["cores"])
-    if fanout:
-        return f + tree_depth(n + 1, fanout) * (min(fanout, n) * b + latency) + w
     return f + n * b + w + latency
 
 
@@ -304,13 +311,21 @@ def small_change_report(report: dict) -> list[str]:
              f"F = {fit['f'] * 1e3:.1f} ms (bench/fanout_model.py, `small_change`).", "",
              "| N | measured (median) | model, one machine | error |",
              "| ---: | ---: | ---: | ---: |"]
-    for r in report["per_n"]:
-        m = small_change_seconds(r["nodes"], fit, "machine")
-        lines.append(f"| {r['nodes']} | {r['seconds']:.3f} s | {m:.3f} s | "
+    rows = [(r, 0) for r in report["per_n"]]
+    rows += [(t, t["fanout"]) for t in [report.get("tree")] if t]
+    for r, k in rows:
+        m = small_change_seconds(r["nodes"], fit, "machine", fanout=k)
+        label = f"{r['nodes']}, control tree (k = {k})" if k else f"{r['nodes']}"
+        lines.append(f"| {label} | {r['seconds']:.3f} s | {m:.3f} s | "
                      f"{(m - r['seconds']) / r['seconds']:+.0%} |")
+    tree = report.get("tree")
+    if tree and "relay_cpu" in tree:
+        lines += ["", f"Down the control tree, a node asking its children spent "
+                  f"{tree['relay_cpu'] * 1e3:.2f} ms of CPU per child and edit (the daemons' "
+                  f"extra CPU over the star run at N = {tree['nodes']}); the model takes b."]
     lines += ["", "Projected for a real cluster (each node its own CPUs):", "",
-              "| N | star control plane (built) | relayed down a 16-ary tree (not built) |",
-              "| ---: | ---: | ---: |"]
+              "| N | star control plane (--control star) | control tree, k = 16 (auto above "
+              "16 nodes) |", "| ---: | ---: | ---: |"]
     for n in (4, 64, 256, 1024):
         lines.append(f"| {n} | {small_change_seconds(n, fit):.3f} s | "
                      f"{small_change_seconds(n, fit, fanout=16):.3f} s |")

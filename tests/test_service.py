@@ -23,6 +23,7 @@ from monarch_fs.daemon.wire import protocol as p
 from monarch_fs.daemon.wire.replies import (
     BulkReply,
     CommitReply,
+    FanReply,
     FlushReply,
     FreePortReply,
     KillReply,
@@ -36,6 +37,7 @@ from monarch_fs.daemon.wire.replies import (
 from monarch_fs.daemon.wire.requests import (
     Bulk,
     Commit,
+    Fan,
     Flush,
     FreePort,
     Kill,
@@ -220,8 +222,8 @@ async def test_a_corrupt_chunk_refuses_the_requests_after_it(tmp_path):
 
 
 def test_every_op_has_one_route_and_parses_its_arguments():
-    assert set(ROUTES) == {"status", "prepare", "commit", "current", "remove", "relay", "flush",
-                           "bulk", "spawn", "kill", "free_port", "probe", "first_reads"}
+    assert set(ROUTES) == {"status", "prepare", "commit", "current", "remove", "relay", "fan",
+                           "flush", "bulk", "spawn", "kill", "free_port", "probe", "first_reads"}
     version = "ab" * 16
     assert Prepare.parse({"name": "ws", "version": version}) == Prepare(
         "ws", bytes.fromhex(version))
@@ -234,6 +236,8 @@ def test_every_op_has_one_route_and_parses_its_arguments():
     assert (early.early, early.wait) == ((bytes.fromhex("cd" * 16),), 2.0)
     assert OpenRelay.parse({"children": [{"addr": "h:1"}], "timeout": 5}).timeout == 5.0
     assert Flush.parse({}) == Flush(0) and Flush.parse({"bulk_chunks": 3}) == Flush(3)
+    fan = {"request": "commit", "args": {"name": "ws", "version": version}, "scope": "ab" * 16}
+    assert Fan.parse(fan) == Fan("commit", fan["args"], "ab" * 16)
     assert Kill.parse({"proc": 2}) == Kill(2, 15)
     assert Bulk.parse({"kind": "rc", "qp": {}}).setup == {"kind": "rc", "qp": {}}
     assert Probe.parse({"pad": "xyz"}) == Probe(3) and Probe.parse({}) == Probe(0)
@@ -242,7 +246,9 @@ def test_every_op_has_one_route_and_parses_its_arguments():
     assert Spawn.parse({"argv": ["x"]}).version is None
     for kind, args in [(Prepare, {"name": 1, "version": version}), (OpenRelay, {"timeout": "x"}),
                        (Prepare, {"name": "ws", "version": version, "early": ["zz"]}),
-                       (Bulk, {}), (Kill, {"proc": None}), (Spawn, {"workspace": 3})]:
+                       (Bulk, {}), (Kill, {"proc": None}), (Spawn, {"workspace": 3}),
+                       (Fan, {**fan, "request": "spawn"}), (Fan, {**fan, "args": []}),
+                       (Fan, {**fan, "scope": "not hex"})]:
         with pytest.raises((RequestError, ValueError)):
             kind.parse(args)
 
@@ -263,6 +269,7 @@ def test_every_reply_round_trips_the_dict_nodes_send_and_refuses_a_malformed_one
         (SpawnReply, {"proc": 1, "pid": 4242}),
         (KillReply, {}),
         (FreePortReply, {"port": 29500}),
+        (FanReply, {"failed": {"h:2": "refused"}, "replies": {"": {"current": True}}}),
     ]
     for kind, value in wire:
         assert kind.from_wire(value).to_wire() == value
@@ -270,7 +277,8 @@ def test_every_reply_round_trips_the_dict_nodes_send_and_refuses_a_malformed_one
     for kind, value in [(PrepareReply, {}), (PrepareReply, {"prepared": "xyz"}),
                         (CommitReply, {"version": v1}), (RemoveReply, {"versions": [1]}),
                         (FlushReply, {"failed": []}), (SpawnReply, {"proc": True, "pid": 1}),
-                        (FreePortReply, {"port": "80"}), (KillReply, [])]:
+                        (FreePortReply, {"port": "80"}), (KillReply, []),
+                        (FanReply, {"failed": {}}), (FanReply, {"failed": {}, "replies": []})]:
         with pytest.raises(MalformedReply, match=f"malformed {kind.op} reply"):
             kind.from_wire(value)
     assert issubclass(MalformedReply, p.ProtocolError)
