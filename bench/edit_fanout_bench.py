@@ -12,10 +12,10 @@ the edit's time: current + negotiate + send + publish (its `phases`). The watch 
 and the daemons' CPU (every thread's, from /proc/PID/task/*/schedstat: nanoseconds, where
 /proc/PID/stat counts 10 ms ticks) are read around each push, not the collect a commit starts
 a second later (the edits are 1.5 s apart). Every N pushes over the star control plane
-(--control star); the largest N pushes again down a control tree (--control tree, --fanout
-children a node: 2 makes 8 nodes three hops deep), to check the model's tree. Medians per N go
-to bench/results/editfanout-DATE.{json,md}, with the model's fit on the star runs with N < 8
-and its error at N = 8 for both.
+(--control star), and each N above --fanout again down a control tree (--control tree, --fanout
+children a node: 2 makes 8 nodes three hops deep). Medians per N go to
+bench/results/editfanout-DATE.{json,md}, with the model fitted on the runs with N < 8 (what a
+node spends per child, from the tree runs' extra daemon CPU) and its error at N = 8 for both.
 """
 
 from __future__ import annotations
@@ -109,41 +109,43 @@ def one_n(n: int, edits: int, rate: str, workdir: Path, fanout: int = 0) -> dict
 
 
 def measure(nodes: list[int], edits: int = 9, rate: str = "1gbit", fanout: int = 2) -> dict:
-    """Every N's medians over the star control plane, the largest N's down a control tree
-    with `fanout` children a node (0: not measured), the model's fit on the star runs with
-    N < max(nodes), its error at max(nodes) for both, and the report's date."""
+    """Every N's medians over the star control plane and, for each N above `fanout` (0:
+    none), down a control tree with `fanout` children a node; the model fitted on the runs
+    with N < max(nodes) (a node's cost per child from the tree runs' extra daemon CPU), its
+    error at max(nodes) for both, and the report's date."""
     work = Path(tempfile.mkdtemp(prefix="editfanout-"))
-    tree = None
 
-    def show(r: dict, what: str) -> None:
+    def show(r: dict, what: str = "") -> None:
         print(f"  N={r['nodes']}{what}: {r['seconds']:.3f} s per edit (phases), daemons "
               f"{r['daemon_cpu']:.3f} CPU-s, the watch {r['client_cpu']:.3f} CPU-s",
               file=sys.stderr)
 
     try:
-        per_n = []
+        per_n, trees = [], []
         for n in nodes:
             per_n.append(one_n(n, edits, rate, work))
-            show(per_n[-1], "")
-        if fanout and max(nodes) > fanout:
-            tree = {**one_n(max(nodes), edits, rate, work, fanout), "fanout": fanout}
-            show(tree, f", control tree k={fanout}")
-            star = per_n[-1]
-            tree["relay_cpu"] = max(0.0, (tree["daemon_cpu"] - star["daemon_cpu"])
-                                    / (tree["nodes"] - fanout))
+            show(per_n[-1])
+            if fanout and n > fanout:
+                trees.append({**one_n(n, edits, rate, work, fanout), "fanout": fanout})
+                show(trees[-1], f", control tree k={fanout}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     cores = os.cpu_count() or 2
-    fitted = [r for r in per_n if r["nodes"] < max(nodes)] or per_n
-    fit = model.fit_small_change(fitted, cores)
+    top = max(nodes)
+    fitted = [r for r in per_n if r["nodes"] < top] or per_n
+    star_at = {r["nodes"]: r for r in per_n}
+    fit = model.fit_small_change(fitted, cores, [
+        (t["nodes"], fanout, t["daemon_cpu"] - star_at[t["nodes"]]["daemon_cpu"])
+        for t in trees if t["nodes"] < top])
 
     def error(r: dict, k: int = 0) -> float:
         return (model.small_change_seconds(r["nodes"], fit, "machine", fanout=k)
                 - r["seconds"]) / r["seconds"]
 
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "rate": rate,
-            "cores": cores, "per_n": per_n, "fit": fit,
-            **({"tree": tree, "error_tree_at_max": error(tree, fanout)} if tree else {}),
+            "cores": cores, "per_n": per_n, "trees": trees, "fit": fit,
+            **({"error_tree_at_max": error(trees[-1], fanout)}
+               if trees and trees[-1]["nodes"] == top else {}),
             # above 16 nodes a push goes down the control tree (k = 16) unless told otherwise
             "projected_1024_s": model.small_change_seconds(1024, fit, fanout=16),
             "projected_1024_star_s": model.small_change_seconds(1024, fit),
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--edits", type=int, default=9)
     parser.add_argument("--rate", default="1gbit")
     parser.add_argument("--fanout", type=int, default=2,
-                        help="the control tree's fanout for the run at the largest N (0: none)")
+                        help="the control tree's fanout for the tree runs (0: none)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args(argv)
     report = measure(args.nodes, args.edits, args.rate, args.fanout)

@@ -69,6 +69,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tests.netns import rate_bytes_per_second  # tc's rate units
@@ -260,17 +261,22 @@ def check(results: dict, latency: float | None = None, out=sys.stdout) -> list[d
 #   a real cluster (each node its own CPUs; the dev box's requests go out one after another,
 #   L the per-hop latency):
 #       T(N) = F + N·b + w + L                       the star control plane (--control star)
-#       T(N) = F + D·(min(k, N)·b + L) + w           the control tree (--control tree, the
+#       T(N) = F + P(N)                              the control tree (--control tree, the
+#       P(N) = min(k, N)·b + L + (D - 1)·(min(k, N)·r + L) + w
 #                                                    default above 16 nodes): the dev box asks
 #                                                    k roots, each node its k children, D hops
-#                                                    deep; a node asks a child at the dev box's
-#                                                    cost b (the same requests, the same code)
+#                                                    deep; a node spends r CPU-seconds per child
+#                                                    (fitted from the tree runs' daemon CPU
+#                                                    beyond the star run's at the same N)
 #   and the control tree on one machine, where the whole tree's CPU shares the cores:
-#       T(N) = F + max(D·(min(k, N)·b + L) + w, N·(b + w) / cores)
+#       T(N) = F + max(P(N), (k·b + (N - k)·r + N·w) / cores)
 
-def fit_small_change(per_n: list[dict], cores: int) -> dict:
+def fit_small_change(per_n: list[dict], cores: int,
+                     trees: Sequence[tuple[int, int, float]] = ()) -> dict:
     """b, w and F from edit_fanout_bench's medians per N (least squares on the dev box's CPU
-    against N for b; the daemons' CPU over N for w; F from the smallest N)."""
+    against N for b; the daemons' CPU over N for w; F from the smallest N); r from `trees`,
+    (N, k, the daemons' CPU down a control tree beyond the star's at that N): the N - k nodes
+    a node asks instead of the dev box (b when there is no tree run)."""
     ns = [r["nodes"] for r in per_n]
     if len(ns) > 1:
         mean_n = statistics.mean(ns)
@@ -283,18 +289,22 @@ def fit_small_change(per_n: list[dict], cores: int) -> dict:
     w = statistics.median(r["daemon_cpu"] / r["nodes"] for r in per_n)
     low = min(per_n, key=lambda r: r["nodes"])
     f = max(0.0, low["seconds"] - low["nodes"] * max(b, (b + w) / cores))
-    return {"b": b, "w": w, "f": f, "cores": cores, "fitted_on": ns}
+    relayed = [max(0.0, extra) / (n - k) for n, k, extra in trees if n > k]
+    r = statistics.median(relayed) if relayed else b
+    return {"b": b, "w": w, "f": f, "r": r, "cores": cores, "fitted_on": ns}
 
 
 def small_change_seconds(n: int, fit: dict, where: str = "cluster", fanout: int = 0) -> float:
     """Seconds for one edit to reach n nodes (see above): `where` "machine" (all on `cores`)
     or "cluster"; `fanout` k > 0: the control plane relayed down a k-ary tree."""
     b, w, f = fit["b"], fit["w"], fit["f"]
+    r = fit.get("r", b)
     latency = fit.get("latency", DEFAULT_LATENCY)
     if fanout:
-        path = tree_depth(n + 1, fanout) * (min(fanout, n) * b + latency) + w
+        k = min(fanout, n)
+        path = k * b + latency + (tree_depth(n + 1, fanout) - 1) * (k * r + latency) + w
         if where == "machine":
-            return f + max(path, n * (b + w) / fit["cores"])
+            return f + max(path, (k * b + (n - k) * r + n * w) / fit["cores"])
         return f + path
     if where == "machine":
         return f + n * max(b, (b + w) / fit["cores"])
@@ -308,21 +318,17 @@ def small_change_report(report: dict) -> list[str]:
              f"{report['cores']} cores)", "",
              f"Model fitted on N = {', '.join(map(str, fit['fitted_on']))}: dev box "
              f"b = {fit['b'] * 1e3:.2f} ms CPU per node, node w = {fit['w'] * 1e3:.2f} ms CPU, "
-             f"F = {fit['f'] * 1e3:.1f} ms (bench/fanout_model.py, `small_change`).", "",
+             f"a node r = {fit.get('r', fit['b']) * 1e3:.2f} ms CPU per child down a control "
+             f"tree, F = {fit['f'] * 1e3:.1f} ms (bench/fanout_model.py, `small_change`).", "",
              "| N | measured (median) | model, one machine | error |",
              "| ---: | ---: | ---: | ---: |"]
     rows = [(r, 0) for r in report["per_n"]]
-    rows += [(t, t["fanout"]) for t in [report.get("tree")] if t]
+    rows += [(t, t["fanout"]) for t in report.get("trees", [])]
     for r, k in rows:
         m = small_change_seconds(r["nodes"], fit, "machine", fanout=k)
         label = f"{r['nodes']}, control tree (k = {k})" if k else f"{r['nodes']}"
         lines.append(f"| {label} | {r['seconds']:.3f} s | {m:.3f} s | "
                      f"{(m - r['seconds']) / r['seconds']:+.0%} |")
-    tree = report.get("tree")
-    if tree and "relay_cpu" in tree:
-        lines += ["", f"Down the control tree, a node asking its children spent "
-                  f"{tree['relay_cpu'] * 1e3:.2f} ms of CPU per child and edit (the daemons' "
-                  f"extra CPU over the star run at N = {tree['nodes']}); the model takes b."]
     lines += ["", "Projected for a real cluster (each node its own CPUs):", "",
               "| N | star control plane (--control star) | control tree, k = 16 (auto above "
               "16 nodes) |", "| ---: | ---: | ---: |"]
