@@ -318,7 +318,7 @@ def _rewalk(prev: Snapshot, changed: Iterable[bytes], excludes: Sequence[str],
 def _without_stale(prev: Snapshot, found: _Rewalk) -> dict[bytes, Source]:
     """`prev`'s sources, but for the chunks it read from files that changed (the rescan sets
     those anew, from what it listed), and with those the rescan's walk found."""
-    sources = dict(prev.sources)
+    sources = prev.sources.copy()  # (copy(): fast on a dict that had deletions; dict() is not)
     changed = {os.path.join(prev.root, e.path) for e in found.stale}
     for e in found.stale:
         for cid in e.chunks:
@@ -340,7 +340,7 @@ def _edited(prev: Snapshot, found: _Rewalk, entries: list[Entry], chunk_size: in
             kids.setdefault(e.parent, []).append(e)
     manifest = prev.manifest.edited(
         {path: (folder, kids.get(path, [])) for path, folder in found.listed.items()})
-    refs = dict(prev.chunk_refs())
+    refs = prev.chunk_refs().copy()
     for e in found.replaced:
         for cid in e.chunks:
             refs[cid] -= 1
