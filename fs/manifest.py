@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import struct
 import weakref
+from array import array
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -242,9 +243,10 @@ class Manifest:
         self._objects: dict[bytes, bytes] | None = None
         # The tree, one item per entry: a folder's object id (None for a file or symlink), and
         # how many entries its subtree spans (itself included). Lengths, not positions, so a
-        # subtree's items are copied between versions as slices, unchanged.
+        # subtree's items are copied between versions as slices, unchanged. The spans are an
+        # array of 4-byte counts: half what a list's pointers take (0.4 MB at 100k entries).
         self._oids: list[bytes | None] | None = None
-        self._spans: list[int] | None = None
+        self._spans: array[int] | None = None
         # Loaded knowing another version (`load`'s `known`): that one, and the indices of the
         # folders read from objects (the rest was taken from it), so an index of this version
         # can be made from that one's at the cost of what changed (fs/inodes.py).
@@ -288,7 +290,7 @@ class Manifest:
         if not entries or entries[0].path != b"" or entries[0].kind != Kind.DIR:
             raise ManifestError("manifest has no root directory")
         oids: list[bytes | None] = [None] * len(entries)
-        spans = [1] * len(entries)
+        spans = array("I", [1]) * len(entries)
         objects: dict[bytes, bytes] = {}
         below: dict[bytes, list[bytes]] = {}  # folder path -> its children's records, reversed
         spanned: dict[bytes, int] = {}  # folder path -> entries below it
@@ -345,10 +347,10 @@ class Manifest:
         limit = MAX_ENTRIES if max_entries is None else min(max_entries, MAX_ENTRIES)
         entries: list[Entry] = []
         oids: list[bytes | None] = []
-        spans: list[int] = []
+        spans = array("I")
         k_entries: list[Entry] = []  # known's, when it has a tree (else no folder is known)
         k_oids: list[bytes | None] = []
-        k_spans: list[int] = []
+        k_spans = array("I")
         if known is not None and known._oids is not None and known._spans is not None:
             k_entries, k_oids, k_spans = known.entries, known._oids, known._spans
         chunk_size = 0
@@ -468,7 +470,7 @@ class Manifest:
         cs = self.chunk_size
         entries: list[Entry] = []
         oids: list[bytes | None] = []
-        spans: list[int] = []
+        spans = array("I")
         blobs: dict[bytes, bytes] = {}
 
         def splice(path: bytes) -> None:

@@ -10,8 +10,7 @@ import pytest
 
 from helpers import peer_ports, reads, stop_node, tree, watcher
 from monarch_fs.daemon.client import cluster as cluster_mod
-
-pytestmark = pytest.mark.mount
+from monarch_fs.daemon.wire import topology
 
 TREE = ("--control", "tree", "--control-fanout", "2")
 
@@ -23,6 +22,29 @@ def make_tree(src):
             (src / f"pkg{d}" / f"mod{i}.py").write_text(f"VALUE = {d * 10 + i}\n")
 
 
+def test_the_control_tree_covers_every_node_once_in_log_k_hops():
+    for n, k in [(1, 16), (7, 2), (16, 16), (17, 16), (1024, 16), (1000, 3)]:
+        hosts = [f"h{i}" for i in range(n)]
+        roots = topology.forest(hosts, k)
+        assert len(roots) == min(n, k)
+        reached = [a for r in roots for a in topology.subtree(r)]
+        assert sorted(reached) == sorted(hosts)  # every node, once
+        assert all(len(r["children"]) <= k for r in roots)
+        hops = 1 + max(topology.depth(r) for r in roots)
+        assert k ** (hops - 1) < n * k and hops <= 1 + (n - 1).bit_length()
+    assert 1 + max(topology.depth(r) for r in topology.forest([str(i) for i in range(1024)],
+                                                            16)) == 3
+    # auto: the star up to 16 nodes, the tree above; --early keeps the star
+    assert topology.control("auto", 16) == "star" and topology.control("auto", 17) == "tree"
+    assert topology.control("auto", 1024, early=True) == "star"
+    assert topology.control("star", 1024) == "star" and topology.control("tree", 2) == "tree"
+    with pytest.raises(ValueError, match="--early"):
+        topology.control("tree", 4, early=True)
+    with pytest.raises(ValueError, match="unknown control"):
+        topology.control("ring", 4)
+
+
+@pytest.mark.mount
 def test_a_push_down_the_control_tree_reaches_every_node(fresh_cluster, tmp_path):
     c = fresh_cluster(7)
     src = tmp_path / "ws"
@@ -44,6 +66,7 @@ def test_a_push_down_the_control_tree_reaches_every_node(fresh_cluster, tmp_path
     assert again["nodes"] == 7 and "negotiate" not in again["phases"]
 
 
+@pytest.mark.mount
 def test_a_failed_inner_node_fails_its_subtree_and_nothing_is_published(fresh_cluster,
                                                                          tmp_path):
     c = fresh_cluster(7)
@@ -68,6 +91,7 @@ def test_a_failed_inner_node_fails_its_subtree_and_nothing_is_published(fresh_cl
     assert reads(c.mnt(6) / "ws" / "pkg0" / "mod0.py") == b"VALUE = 0\n"
 
 
+@pytest.mark.mount
 def test_watch_keeps_its_control_tree_and_reaches_a_restarted_inner_node(fresh_cluster,
                                                                           tmp_path):
     """push --watch holds sessions with the two roots only, keeps them (and the relays
