@@ -63,7 +63,6 @@ from ..wire.requests import (
 from ..wire.transport import Channel, ConnectionLost
 from .fetch import Upstream
 from .procs import SpawnRefused, free_port
-from .publisher import COLLECT_DELAY
 from .relay import Relay
 from .writes import ChunkWrites
 
@@ -256,9 +255,9 @@ class Session:
         self.service.first_reads.published(req.name, req.version)
         if self.claimed:  # what it has is now retained
             self.claimed = False
-            self.publisher.release_claim(COLLECT_DELAY)
+            self.publisher.release_claim(committed=True)
         else:
-            self.publisher.start_collect(COLLECT_DELAY)
+            self.publisher.start_collect(committed=True)
         return value
 
     async def _current(self, req: Current) -> CurrentReply:
