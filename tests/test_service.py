@@ -28,6 +28,7 @@ from monarch_fs.daemon.wire.replies import (
     KillReply,
     MalformedReply,
     PrepareReply,
+    QueryReply,
     RelayReply,
     RemoveReply,
     SpawnReply,
@@ -42,6 +43,7 @@ from monarch_fs.daemon.wire.requests import (
     OpenRelay,
     Prepare,
     Probe,
+    Query,
     Remove,
     RequestError,
     Spawn,
@@ -221,7 +223,8 @@ async def test_a_corrupt_chunk_refuses_the_requests_after_it(tmp_path):
 
 def test_every_op_has_one_route_and_parses_its_arguments():
     assert set(ROUTES) == {"status", "prepare", "commit", "current", "remove", "relay", "flush",
-                           "bulk", "spawn", "kill", "free_port", "probe", "first_reads"}
+                           "bulk", "spawn", "kill", "free_port", "probe", "first_reads",
+                           "query", "stats"}
     version = "ab" * 16
     assert Prepare.parse({"name": "ws", "version": version}) == Prepare(
         "ws", bytes.fromhex(version))
@@ -240,9 +243,13 @@ def test_every_op_has_one_route_and_parses_its_arguments():
     spawn = Spawn.parse({"argv": ["x"], "workspace": "ws", "version": version})
     assert (spawn.workspace, spawn.version) == ("ws", bytes.fromhex(version))
     assert Spawn.parse({"argv": ["x"]}).version is None
+    assert Query.parse({"sql": "SELECT 1", "params": {"host": "h:1"}}) == Query(
+        "SELECT 1", {"host": "h:1"}, 10.0)
     for kind, args in [(Prepare, {"name": 1, "version": version}), (OpenRelay, {"timeout": "x"}),
                        (Prepare, {"name": "ws", "version": version, "early": ["zz"]}),
-                       (Bulk, {}), (Kill, {"proc": None}), (Spawn, {"workspace": 3})]:
+                       (Bulk, {}), (Kill, {"proc": None}), (Spawn, {"workspace": 3}),
+                       (Query, {}), (Query, {"sql": "SELECT 1", "params": {"h": [1]}}),
+                       (Query, {"sql": "SELECT 1", "timeout": 0})]:
         with pytest.raises((RequestError, ValueError)):
             kind.parse(args)
 
@@ -263,6 +270,7 @@ def test_every_reply_round_trips_the_dict_nodes_send_and_refuses_a_malformed_one
         (SpawnReply, {"proc": 1, "pid": 4242}),
         (KillReply, {}),
         (FreePortReply, {"port": 29500}),
+        (QueryReply, {"columns": ["kind", "n"], "rows": [["push.received", 2], [None, 1.5]]}),
     ]
     for kind, value in wire:
         assert kind.from_wire(value).to_wire() == value
@@ -270,7 +278,9 @@ def test_every_reply_round_trips_the_dict_nodes_send_and_refuses_a_malformed_one
     for kind, value in [(PrepareReply, {}), (PrepareReply, {"prepared": "xyz"}),
                         (CommitReply, {"version": v1}), (RemoveReply, {"versions": [1]}),
                         (FlushReply, {"failed": []}), (SpawnReply, {"proc": True, "pid": 1}),
-                        (FreePortReply, {"port": "80"}), (KillReply, [])]:
+                        (FreePortReply, {"port": "80"}), (KillReply, []),
+                        (QueryReply, {"columns": ["a"], "rows": [[1, 2]]}),
+                        (QueryReply, {"columns": ["a"], "rows": [[[1]]]})]:
         with pytest.raises(MalformedReply, match=f"malformed {kind.op} reply"):
             kind.from_wire(value)
     assert issubclass(MalformedReply, p.ProtocolError)
