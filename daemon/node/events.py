@@ -52,7 +52,9 @@ EVENT_COLUMNS = ("ts", "node", "kind", "workspace", "version", "peer", "proc", "
 # Columns of `reads`, after id: one row per interval in which the mount served requests.
 READ_COLUMNS = ("ts", "node", "interval", "requests", "reads", "bytes", "hits", "misses",
                 "busy", "disk", "ops")
-TABLES: dict[str, tuple[str, ...]] = {"events": EVENT_COLUMNS, "reads": READ_COLUMNS}
+# Every column a query may name, per table.
+TABLES: dict[str, tuple[str, ...]] = {"events": ("id", *EVENT_COLUMNS),
+                                      "reads": ("id", *READ_COLUMNS)}
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
@@ -291,7 +293,7 @@ class EventLog:
             used = self._used(db)
         if deleted:
             self.pruned += deleted
-            db.execute("PRAGMA incremental_vacuum")
+            db.executescript("PRAGMA incremental_vacuum;")  # execute() would free one page
             db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     # ---- queries ----------------------------------------------------------------------------
