@@ -68,6 +68,9 @@ class Plan:
     columns: dict[str, list[str]]
     final: str
     how: str
+    # Tables the controller makes first, in order, from the nodes' tables (a WITH query's
+    # parts, each split like a query of its own): (name, SQL).
+    stages: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -110,15 +113,58 @@ def plan(sql: str) -> Plan:
                          f"{' and '.join(TABLES)} (monarch-fs query --schema)")
     if not names:
         raise QueryError(f"the query reads no table: the tables are {' and '.join(TABLES)}")
+    return _split(tree, tables, top=True) or _staged_plan(tree) or _rows_plan(tree, tables)
+
+
+def _split(tree: exp.Query, tables: list[exp.Table], top: bool = False) -> Plan | None:
+    """The plan of a SELECT over one table: partial aggregates, or the filter, on the nodes;
+    None for anything else. `top`: the statement itself (its rows get a `host` column)."""
     simple = _single_table_select(tree, tables) if isinstance(tree, exp.Select) else None
-    if simple is not None and isinstance(tree, exp.Select):
-        if _aggregates(tree):
-            agg = _aggregate_plan(tree, simple)
-            if agg is not None:
-                return agg
-        else:
-            return _filter_plan(tree, simple)
-    return _rows_plan(tree, tables)
+    if simple is None or not isinstance(tree, exp.Select):
+        return None
+    if _aggregates(tree):
+        return _aggregate_plan(tree, simple)
+    return _filter_plan(tree, simple, top)
+
+
+def _staged_plan(tree: exp.Query) -> Plan | None:
+    """A WITH query whose parts each read one table and whose body reads only them: each part
+    is split as a query of its own (its own tables on the nodes, a table of its rows made on
+    the controller), and the body runs over those tables."""
+    with_ = tree.args.get("with") or tree.args.get("with_")
+    if with_ is None or with_.args.get("recursive"):
+        return None
+    names = [c.alias_or_name.lower() for c in with_.expressions]
+    nodes: dict[str, str] = {}
+    columns: dict[str, list[str]] = {}
+    stages: list[tuple[str, str]] = []
+    for cte in with_.expressions:
+        body = cte.this
+        tables = [t for t in body.find_all(exp.Table) if t.name.lower() not in names]
+        if len(tables) != len(list(body.find_all(exp.Table))):
+            return None  # a part that reads another part
+        part = _split(body, tables)
+        if part is None:
+            return None
+        rename = {old: f"_{cte.alias_or_name.lower()}_{old.strip('_')}" for old in part.nodes}
+        for old, new in rename.items():
+            nodes[new] = part.nodes[old]
+            columns[new] = part.columns[old]
+        stages.append((cte.alias_or_name, _renamed(part.final, rename)))
+    outer = tree.copy()
+    outer.set("with", None)
+    outer.set("with_", None)
+    if any(t.name.lower() not in names for t in outer.find_all(exp.Table)):
+        return None
+    return Plan(nodes, columns, outer.sql(dialect=DIALECT),
+                f"each WITH part split on its own ({len(stages)}); the body on the "
+                "controller", stages)
+
+
+def _renamed(sql: str, names: dict[str, str]) -> str:
+    tree = sqlglot.parse_one(sql, read=DIALECT)
+    return tree.transform(lambda n: exp.to_table(names[n.name]) if isinstance(n, exp.Table)
+                          and n.name in names else n).sql(dialect=DIALECT)
 
 
 def _first_error(e: ParseError) -> str:
@@ -180,7 +226,7 @@ def _select_sql(columns: Sequence[str], table: str, where: exp.Expr | None,
     return f"SELECT {cols} FROM {table}{cond}{tail}"
 
 
-def _filter_plan(tree: exp.Select, table: str) -> Plan:
+def _filter_plan(tree: exp.Select, table: str, top: bool) -> Plan:
     """One table, no aggregate: the WHERE and the used columns go to the nodes (and
     ORDER BY ... LIMIT over plain columns too)."""
     used = _used_columns(tree, table)
@@ -201,8 +247,8 @@ def _filter_plan(tree: exp.Select, table: str) -> Plan:
         if n >= 0:
             tail = f" {_on_node(order).sql(dialect=DIALECT)} LIMIT {n}"
     final = tree.copy()
-    if used is not None and not any(e.alias_or_name.lower() == "host"
-                                    for e in final.expressions):
+    if top and used is not None and not any(e.alias_or_name.lower() == "host"
+                                            for e in final.expressions):
         final.set("expressions", [exp.column("host"), *final.expressions])
     pushed = "the WHERE" if where is not None else "no filter"
     return Plan({table: _select_sql(columns, table, cond, tail)}, {table: columns},
@@ -252,12 +298,20 @@ def _aggregate_plan(tree: exp.Select, table: str) -> Plan | None:
         return name
 
     failed = False
+    aggs = [n for n in tree.walk() if _is_aggregate(n)]
+    # SQLite's bare columns: with a single min() or max(), they come from the row holding it;
+    # each node's are those of its own row, and the controller's max picks the right node's.
+    bare_ok = len(aggs) == 1 and type(aggs[0]) in (exp.Min, exp.Max) \
+        and not aggs[0].args.get("expressions")
 
     def combine(node: exp.Expr) -> exp.Expr:
         nonlocal failed
         for i, g in enumerate(keys):
             if node == g:
                 return exp.column(f"_g{i}")
+        if bare_ok and isinstance(node, exp.Column) and node.find_ancestor(exp.AggFunc) is None \
+                and (node.name.lower() in TABLES[table] or node.name.lower() == "host"):
+            return exp.column(partial(_on_node(node).sql(dialect=DIALECT)))
         if not _is_aggregate(node):
             return node
         if node.args.get("distinct") or isinstance(node.this, exp.Distinct):
@@ -313,8 +367,12 @@ def _aggregate_plan(tree: exp.Select, table: str) -> Plan | None:
         return None
     where = tree.args.get("where")
     cond = f" WHERE {_on_node(where.this).sql(dialect=DIALECT)}" if where is not None else ""
-    by = (" GROUP BY " + ", ".join(_on_node(g).sql(dialect=DIALECT) for g in keys)) \
-        if keys else ""
+    # A key that is the same on the whole node (host) is left out of its GROUP BY: it would
+    # make SQLite sort every row; with none left, a node without rows must return none.
+    varying = [g for g in keys if g.find(exp.Column) is not None
+               and any(c.name.lower() != "host" for c in g.find_all(exp.Column))]
+    by = (" GROUP BY " + ", ".join(_on_node(g).sql(dialect=DIALECT) for g in varying)) \
+        if varying else (" HAVING count(*) > 0" if keys else "")
     node_sql = f"SELECT {', '.join(node_exprs + partials)} FROM {table}{cond}{by}"
     return Plan({"_partial": node_sql}, {"_partial": node_cols}, final.sql(dialect=DIALECT),
                 f"partial aggregates{' under the WHERE' if where is not None else ''} on the "
@@ -370,6 +428,9 @@ def check(p: Plan) -> None:
         for table, cols in p.columns.items():
             db.execute(f'DROP TABLE IF EXISTS "{table}"')
             db.execute(_create(table, cols))
+        for name, sql in p.stages:
+            _explain(db, sql, {})
+            db.execute(f'CREATE TABLE "{name}" AS {sql}')
         _explain(db, p.final, {})
     finally:
         db.close()
@@ -423,6 +484,8 @@ def _finish(p: Plan, got: dict[str, dict[str, QueryReply]], timeout: float
         deadline = time.monotonic() + timeout
         db.set_progress_handler(lambda: time.monotonic() > deadline, 10_000)
         try:
+            for name, sql in p.stages:
+                db.execute(f'CREATE TABLE "{name}" AS {sql}')
             cur = db.execute(p.final)
         except sqlite3.Error as e:
             raise QueryError(f"query: {e}") from None
