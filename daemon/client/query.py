@@ -86,7 +86,8 @@ class Result:
     def to_json(self) -> dict[str, Any]:
         return {"columns": self.columns,
                 "rows": [dict(zip(self.columns, r)) for r in self.rows],
-                "unreachable": [{"host": h, "error": e} for h, e in self.failed.items()]}
+                "unreachable": [{"host": h, "error": e} for h, e in self.failed.items()],
+                "seconds": self.seconds}
 
 
 # ---- planning ---------------------------------------------------------------------------------

@@ -70,7 +70,8 @@ CREATE TABLE IF NOT EXISTS events (
     detail TEXT             -- a JSON object: what else the kind carries
 );
 CREATE INDEX IF NOT EXISTS events_ts ON events (ts);
-CREATE INDEX IF NOT EXISTS events_kind ON events (kind, ts);
+-- Covers the usual aggregates by kind (counts, sums of bytes, seconds): no row lookups.
+CREATE INDEX IF NOT EXISTS events_kind ON events (kind, ts, count, bytes, seconds);
 CREATE TABLE IF NOT EXISTS reads (
     id INTEGER PRIMARY KEY,
     ts REAL NOT NULL,       -- the end of the interval
