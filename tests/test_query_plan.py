@@ -6,7 +6,9 @@ here are real SQLite databases with the nodes' schema, filled with random events
 from __future__ import annotations
 
 import random
+import re
 import sqlite3
+from pathlib import Path
 
 import pytest
 
@@ -132,3 +134,18 @@ def test_aggregates_and_filters_run_on_the_nodes():
 def test_bad_input_is_one_clear_error(sql, error):
     with pytest.raises(q.QueryError, match=error):
         q.check(q.plan(sql))
+
+
+def test_the_readme_questions_plan_and_split():
+    """The README's four questions are valid queries over these tables, and each sends the
+    nodes a filtered or aggregated part (none ships every row)."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    part = readme.split("**Four questions, and their queries:**", 1)[1]
+    part = part.split("**`monarch-fs top`**")[0]
+    queries = re.findall(r"```sql\n(.*?)```", part, re.S)
+    assert len(queries) == 4
+    for sql in queries:
+        p = q.plan(sql)
+        q.check(p)
+        assert "the query itself on the controller" not in p.how, (sql, p.how)
+        assert all(" WHERE " in s or " GROUP BY " in s for s in p.nodes.values()), p.nodes
