@@ -185,11 +185,7 @@ class RunAs:
 
 def describe_status(returncode: int) -> dict:
     if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return {"code": None, "signal": name}
+        return {"code": None, "signal": _signal_name(-returncode)}
     return {"code": returncode, "signal": None}
 
 
