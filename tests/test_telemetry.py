@@ -307,3 +307,17 @@ async def test_a_query_is_bounded_in_time_and_rows(tmp_path):
                                "FROM n LIMIT 5000) SELECT i FROM n", max_rows=1000)
         nursery.cancel_scope.cancel()
     await events.close()
+
+
+async def test_a_damaged_database_is_moved_aside_and_recording_goes_on(tmp_path):
+    (tmp_path / "events.db").write_bytes(b"not a database at all" * 100)
+    events = EventLog(tmp_path / "events.db", "node-0", interval=3600)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(events.run)
+        events.record("warning", text="after")
+        await events.flush()
+        answer = await events.query("SELECT kind, text FROM events")
+        nursery.cancel_scope.cancel()
+    await events.close()
+    assert answer.rows == [["warning", "after"]]
+    assert (tmp_path / "events.db.broken").read_bytes().startswith(b"not a database")

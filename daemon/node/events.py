@@ -165,10 +165,16 @@ class EventLog:
                   ) -> None:
         """Open the database, then write what gathered once per interval, until cancelled
         (`close` writes the rest)."""
+        if self.enabled:
+            try:
+                await trio.to_thread.run_sync(self._open)
+            except (sqlite3.Error, OSError) as e:  # telemetry must never stop the daemon
+                log.error("events: cannot open %s (%s): recording nothing until restarted",
+                          self.path, e)
+                self.enabled = False
         if not self.enabled:
             task_status.started()
             return
-        await trio.to_thread.run_sync(self._open)
         self._last = self.sample() if self.sample is not None else None
         self._last_at = time.time()
         task_status.started()
@@ -205,13 +211,29 @@ class EventLog:
         def delta(key: str) -> Any:
             return cur[key] - last.get(key, 0)
 
-        return (now, self.node, round(now - since, 3), sum(ops.values()), ops.get("read", 0),
+        requests = sum(v for k, v in ops.items() if k != "failed")  # failed: a count, not an op
+        return (now, self.node, round(now - since, 3), requests, ops.get("read", 0),
                 delta("bytes"), delta("hits"), delta("misses"), round(delta("busy_ns") / 1e9, 6),
                 round(delta("disk_ns") / 1e9, 6), json.dumps(ops))
 
     # ---- the database (worker threads) ------------------------------------------------------
 
     def _open(self) -> None:
+        """Open (or make) the database; one that is damaged is moved aside to NAME.broken
+        (kept for a look) and a new one made: telemetry is not worth a daemon that won't
+        start."""
+        try:
+            self._connect()
+        except sqlite3.DatabaseError as e:
+            log.error("events: %s is damaged (%s): moved to %s.broken; starting a new one",
+                      self.path, e, self.path.name)
+            for suffix in ("", "-wal", "-shm"):
+                old = Path(f"{self.path}{suffix}")
+                if old.exists():
+                    os.replace(old, f"{self.path}.broken{suffix}")
+            self._connect()
+
+    def _connect(self) -> None:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)  # private, as all state is
         os.close(fd)
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
