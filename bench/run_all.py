@@ -31,7 +31,10 @@ Workloads, one module each (each also runs on its own; see its docstring for the
   local folders; and `push --watch` from save to shown;
 - editfanout (edit_fanout_bench.py, root): one edit in `push --watch` to 1, 2, 4 and 8 netns
   nodes, fitting the small-change model (fanout_model.py) on the smaller N, checking it at 8
-  and projecting 1024 nodes (~1 minute).
+  and projecting 1024 nodes (~1 minute);
+- telemetry (telemetry_bench.py): issue 21: warm `import torch` and `find` over 100,000 files
+  on a node recording events against one with MONARCH_FS_EVENTS=0, alternating; and
+  `monarch-fs query` over 8 nodes holding 1,000,000 events each (~6 minutes).
 
 Generated inputs are seeded and cached in --cache (default /tmp/monarch-fs-bench), so only the
 first run pays for them. Every cluster runs from its own folder under a fresh run folder and is
@@ -63,6 +66,7 @@ from . import (
     network_push_bench,
     push_bench,
     read_bench,
+    telemetry_bench,
     tree_bench,
 )
 from .common import (
@@ -79,7 +83,7 @@ from .common import (
 )
 
 WORKLOADS = ("push", "read", "import", "tree", "netpush", "coldstart", "editloop",
-             "editfanout")
+             "editfanout", "telemetry")
 README_BEGIN = "<!-- bench:begin (bench/run_all.py rewrites this section) -->"
 README_END = "<!-- bench:end -->"
 
@@ -93,6 +97,8 @@ FULL = {
                   "ingest_nodes": [1, 8], "hosts": [1, 8], "rate": "1gbit"},
     "editloop": {"files": [15_000, 100_000], "nodes": 4, "rounds": 5, "watch_edits": 20},
     "editfanout": {"nodes": [1, 2, 4, 8], "edits": 9, "rate": "1gbit"},
+    "telemetry": {"module": "torch", "excludes": (), "files": 100_000, "runs": 9,
+                  "cold_runs": 3, "nodes": 8, "events": 1_000_000},
 }
 QUICK = {
     "push": {"size_mb": 64, "nodes": 2},
@@ -106,6 +112,8 @@ QUICK = {
                   "ingest_mb": 256, "ingest_nodes": [1, 2], "hosts": [1, 2], "rate": "1gbit"},
     "editloop": {"files": [3_000], "nodes": 2, "rounds": 1, "watch_edits": 3},
     "editfanout": {"nodes": [1, 2], "edits": 3, "rate": "1gbit"},
+    "telemetry": {"module": "sympy", "excludes": ("torch", "torchgen", "functorch"),
+                  "files": 10_000, "runs": 3, "cold_runs": 2, "nodes": 2, "events": 100_000},
 }
 
 
@@ -142,6 +150,10 @@ def run_workload(name: str, params: dict, work: Path, cache: Path, page_cache: P
             return edit_fanout_bench.measure(params["nodes"], params["edits"], params["rate"])
         except NetnsUnsupported as e:
             return {"skipped": f"network namespaces unavailable: {e}"}
+    if name == "telemetry":
+        return telemetry_bench.measure(work, cache, params["module"], params["files"],
+                                       params["runs"], params["cold_runs"], params["nodes"],
+                                       params["events"], tuple(params["excludes"]), page_cache)
     raise ValueError(name)
 
 
@@ -260,6 +272,21 @@ def goals(res: dict) -> list[dict]:
                 goal(f"{key.replace('_', ' ')}, {big['files']:,} files against "
                      f"{base['files']:,} (issue 20)", f"<= {t['scale']}x", x,
                      lambda v: v <= t["scale"], f"{x:.2f}x ({big[key]['median']:.3f} s)")
+    te = res.get("telemetry", {})
+    if "reads" in te:
+        for case, r in te["reads"].items():
+            if isinstance(r, dict) and "ratio" in r:
+                goal(f"{case}, recording events against not (issue 21)", "<= 1.05x",
+                     r["ratio"], lambda v: v <= 1.05,
+                     f"{_x(r['ratio'], 1.05)} ({r['on']['median']:.3f} s vs "
+                     f"{r['off']['median']:.3f} s)")
+        q = te["query"]
+        for label, r in q["queries"].items():
+            v = r["seconds"]["median"]
+            goal(f"query over {q['nodes']} nodes of {q['events_per_node']:,} events: {label} "
+                 "(issue 21)", f"< {telemetry_bench.TARGET_QUERY_S:g} s", v,
+                 lambda v: v < telemetry_bench.TARGET_QUERY_S,
+                 f"{v:.3f} s ({r['cli_seconds']['median']:.2f} s with the command's start)")
     ef = res.get("editfanout", {})
     if "fit" in ef:
         v = ef["projected_1024_s"]
@@ -308,7 +335,7 @@ def machine_line(report: dict) -> str:
 def summary_tables(report: dict) -> list[str]:
     """The goals and one table per workload: what the README shows."""
     res = report["results"]
-    lines = ["| goal (issue 5, 19, 20) | target | this run | |", "| --- | --- | --- | --- |"]
+    lines = ["| goal (issue 5, 19, 20, 21) | target | this run | |", "| --- | --- | --- | --- |"]
     for g in report["goals"]:
         verdict = "n/a" if g["met"] is None else ("**met**" if g["met"] else "**not met**")
         lines.append(f"| {g['goal']} | {g['target']} | {g['shown']} | {verdict} |")

@@ -13,6 +13,7 @@ first) or raises; the chunk is then loaded, and verified, from the store like an
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
@@ -40,6 +41,7 @@ class ChunkCache:
         self.hits = 0
         self.misses = 0
         self.nowait = 0  # misses answered by load_cached, without a worker thread
+        self.load_ns = 0  # time spent loading chunks on worker threads (disk, decoding)
 
     def prefetch(self, nursery: trio.Nursery, cid: bytes) -> None:
         """Start loading a chunk a sequential reader will want next, unless it is underway."""
@@ -71,6 +73,7 @@ class ChunkCache:
                 self._keep(cid, data)
                 return data
         done = self._loading[cid] = trio.Event()
+        start = time.perf_counter_ns()
         try:
             try:
                 data = await trio.to_thread.run_sync(self._load, cid, limiter=self._limiter)
@@ -80,6 +83,7 @@ class ChunkCache:
                 await self.fetch(cid)  # stored now, or it raised
                 data = await trio.to_thread.run_sync(self._load, cid, limiter=self._limiter)
         finally:
+            self.load_ns += time.perf_counter_ns() - start
             del self._loading[cid]
             done.set()
         self._keep(cid, data)

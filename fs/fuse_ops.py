@@ -60,6 +60,8 @@ class SnapshotFS(OpenMode):
         self.table = InodeTable()
         self.nursery: trio.Nursery | None = None  # for prefetches, set while serving
         self.ops: Counter[str] = Counter()  # requests served, by operation (user.monarch.ops)
+        self.busy_ns = 0  # time in handlers (handler_guard.py)
+        self.bytes_served = 0  # bytes the read handler returned
         self.uid = os.getuid()
         self.gid = os.getgid()
         self.mounted = False
@@ -75,6 +77,14 @@ class SnapshotFS(OpenMode):
         """What is served: name -> [current version, older...]. Changed only through
         set_workspace, stage and switch, and remove_workspace."""
         return self.table.workspaces
+
+    def read_counters(self) -> dict:
+        """What the mount has served since it started, for telemetry: requests by operation,
+        bytes read, decoded-chunk cache hits and misses, and nanoseconds spent in handlers and
+        loading chunks (a node's `reads` rows are the differences, per interval)."""
+        return {"ops": dict(self.ops), "bytes": self.bytes_served, "hits": self.chunks.hits,
+                "misses": self.chunks.misses, "busy_ns": self.busy_ns,
+                "disk_ns": self.chunks.load_ns}
 
     def held_chunks(self) -> list[bytes]:
         """The chunks of every file the kernel still holds (see InodeTable.held_chunks)."""
@@ -240,6 +250,8 @@ class SnapshotFS(OpenMode):
         if self.on_read is not None:
             self.on_read(node.ws, entry.path)
         end = min(off + size, entry.size)
+        if end > off:
+            self.bytes_served += end - off
         parts = []
         chunks = entry.chunks
         last = (end - 1) // chunk_size

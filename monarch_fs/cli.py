@@ -340,6 +340,47 @@ def cmd_rm(args: argparse.Namespace) -> int:
     return 0 if all(n.removed for n in nodes) else 1
 
 
+def cmd_query(args: argparse.Namespace) -> int:
+    from .daemon.client import query
+
+    if args.schema:
+        print(query.schema_text(), end="")
+        return 0
+    if not args.sql:
+        print('monarch-fs: error: query needs SQL: monarch-fs query "SELECT ..." '
+              "(--schema lists the tables)", file=sys.stderr)
+        return 2
+    if args.explain:
+        p = query.plan(args.sql)
+        query.check(p)
+        for table, sql in p.nodes.items():
+            print(f"on every node, into {table}: {sql}")
+        print(f"here: {p.final}\n({p.how})")
+        return 0
+    hosts, token = target(args)
+    result = trio.run(query.query, hosts, token, args.sql, args.timeout)
+    if args.json:
+        print(query.json_text(result))
+    elif args.csv:
+        sys.stdout.write(query.csv_text(result))
+        for host, error in result.failed.items():
+            print(f"{host}: UNREACHABLE: {error}", file=sys.stderr)
+    else:
+        sys.stdout.write(query.table(result))
+    return 1 if result.failed else 0
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from .daemon.client.top import top
+
+    hosts, token = target(args)
+    try:
+        return trio.run(lambda: top(hosts, token, interval=args.interval, once=args.once,
+                                    as_json=args.json))
+    except KeyboardInterrupt:
+        return 0
+
+
 def cmd_cluster(args: argparse.Namespace) -> int:
     if args.action == "up":
         addrs = cluster.up(args.nodes, args.dir, root_procs=not args.no_root_procs)
@@ -473,6 +514,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "daemon": cmd_daemon, "push": cmd_push, "status": cmd_status, "rm": cmd_rm,
     "run": cmd_run, "cluster": cmd_cluster, "slurm": cmd_slurm, "token": cmd_token,
+    "query": cmd_query, "top": cmd_top,
 }
 
 

@@ -34,6 +34,17 @@ def positive_rate(text: str) -> float:
     return rate
 
 
+def positive_seconds(text: str) -> float:
+    """A number of seconds above zero (argparse says which option)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="monarch-fs", description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug detail")
@@ -189,6 +200,37 @@ def build_parser() -> argparse.ArgumentParser:
                         "run moves no bulk data itself: ranks get MONARCH_FS_TRANSPORT "
                         "(tcp, rdma-rc, rdma-srd) and the summary names it")
     r.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS")
+
+    q = sub.add_parser(
+        "query", help="one SQL query over the telemetry of every node",
+        description="Run one SELECT over the `events` and `reads` tables of every node (see "
+                    "--schema); rows come back with a `host` column. Filters and aggregates "
+                    "run on the nodes, the rest here. A node that does not answer is reported "
+                    "and the others still answer (exit status 1 then).")
+    q.add_argument("sql", nargs="?", metavar="SQL")
+    q.add_argument("--hosts", metavar="SPEC", help=hosts_help)
+    q.add_argument("--token-file", metavar="F")
+    fmt = q.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true",
+                     help='print one object: {"columns", "rows" (an object each), '
+                          '"unreachable" (host, error)}')
+    fmt.add_argument("--csv", action="store_true",
+                     help="print CSV with a header line (unreachable nodes on stderr)")
+    q.add_argument("--timeout", type=positive_seconds, default=10.0, metavar="S",
+                   help="seconds a node may spend on its part (default 10)")
+    q.add_argument("--explain", action="store_true",
+                   help="print what each node runs and what runs here, and ask no node")
+    q.add_argument("--schema", action="store_true", help="print the tables and their columns")
+
+    tp = sub.add_parser("top", help="a live view of every node: version, throughput, cache "
+                                    "hit rate, running processes")
+    tp.add_argument("--hosts", metavar="SPEC", help=hosts_help)
+    tp.add_argument("--token-file", metavar="F")
+    tp.add_argument("--interval", type=positive_seconds, default=1.0, metavar="S",
+                    help="seconds between refreshes (default 1)")
+    tp.add_argument("--once", action="store_true",
+                    help="print one view (rates over one interval) and exit")
+    tp.add_argument("--json", action="store_true", help="one JSON list per view, a line each")
 
     c = sub.add_parser("cluster", help="start or stop a local cluster on loopback")
     c.add_argument("action", choices=["up", "down"])

@@ -116,6 +116,44 @@ class Settings:
         binding large ones to backing files the kernel reads directly."""
         return self._switch("MONARCH_FS_PASSTHROUGH")
 
+    @property
+    def events(self) -> bool:
+        """MONARCH_FS_EVENTS (on): "0" records no telemetry on a daemon (no STATE/events.db;
+        `query` is refused there), to compare the read path's cost with and without it."""
+        return self._switch("MONARCH_FS_EVENTS")
+
+    @property
+    def events_bound(self) -> int:
+        """MONARCH_FS_EVENTS_MIB (256), in bytes (at least 1 MiB): the size a daemon's events
+        database is kept under; past it, its oldest rows go."""
+        from .daemon.node.events import DEFAULT_MAX_BYTES
+
+        return max(1, self._int("MONARCH_FS_EVENTS_MIB", DEFAULT_MAX_BYTES >> 20)) << 20
+
+    @property
+    def events_max_age(self) -> float:
+        """MONARCH_FS_EVENTS_DAYS (30), in seconds: events older than that are deleted."""
+        from .daemon.node.events import DEFAULT_MAX_AGE
+
+        return max(1, self._int("MONARCH_FS_EVENTS_DAYS", int(DEFAULT_MAX_AGE // 86400))) * 86400.0
+
+    @property
+    def events_interval(self) -> float:
+        """MONARCH_FS_EVENTS_INTERVAL (2), seconds: how often a daemon writes its events and
+        one `reads` row of its read counters."""
+        from .daemon.node.events import DEFAULT_INTERVAL
+
+        raw = self._str("MONARCH_FS_EVENTS_INTERVAL")
+        if raw is None:
+            return DEFAULT_INTERVAL
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"$MONARCH_FS_EVENTS_INTERVAL={raw!r}: expected seconds") from None
+        if not 0.05 <= value <= 3600:
+            raise ValueError(f"$MONARCH_FS_EVENTS_INTERVAL={raw!r}: expected 0.05 to 3600 s")
+        return value
+
     # ---- RDMA (daemons and push) --------------------------------------------------------------
 
     @property

@@ -29,6 +29,7 @@ from monarch_fs.daemon.wire.replies import (
     KillReply,
     MalformedReply,
     PrepareReply,
+    QueryReply,
     RelayReply,
     RemoveReply,
     SpawnReply,
@@ -44,6 +45,7 @@ from monarch_fs.daemon.wire.requests import (
     OpenRelay,
     Prepare,
     Probe,
+    Query,
     Remove,
     RequestError,
     Spawn,
@@ -223,7 +225,8 @@ async def test_a_corrupt_chunk_refuses_the_requests_after_it(tmp_path):
 
 def test_every_op_has_one_route_and_parses_its_arguments():
     assert set(ROUTES) == {"status", "prepare", "commit", "current", "remove", "relay", "fan",
-                           "flush", "bulk", "spawn", "kill", "free_port", "probe", "first_reads"}
+                           "flush", "bulk", "spawn", "kill", "free_port", "probe", "first_reads",
+                           "query", "stats"}
     version = "ab" * 16
     assert Prepare.parse({"name": "ws", "version": version}) == Prepare(
         "ws", bytes.fromhex(version))
@@ -244,11 +247,15 @@ def test_every_op_has_one_route_and_parses_its_arguments():
     spawn = Spawn.parse({"argv": ["x"], "workspace": "ws", "version": version})
     assert (spawn.workspace, spawn.version) == ("ws", bytes.fromhex(version))
     assert Spawn.parse({"argv": ["x"]}).version is None
+    assert Query.parse({"sql": "SELECT 1", "params": {"host": "h:1"}}) == Query(
+        "SELECT 1", {"host": "h:1"}, 10.0)
     for kind, args in [(Prepare, {"name": 1, "version": version}), (OpenRelay, {"timeout": "x"}),
                        (Prepare, {"name": "ws", "version": version, "early": ["zz"]}),
                        (Bulk, {}), (Kill, {"proc": None}), (Spawn, {"workspace": 3}),
                        (Fan, {**fan, "request": "spawn"}), (Fan, {**fan, "args": []}),
-                       (Fan, {**fan, "scope": "not hex"})]:
+                       (Fan, {**fan, "scope": "not hex"}),
+                       (Query, {}), (Query, {"sql": "SELECT 1", "params": {"h": [1]}}),
+                       (Query, {"sql": "SELECT 1", "timeout": 0})]:
         with pytest.raises((RequestError, ValueError)):
             kind.parse(args)
 
@@ -270,6 +277,7 @@ def test_every_reply_round_trips_the_dict_nodes_send_and_refuses_a_malformed_one
         (KillReply, {}),
         (FreePortReply, {"port": 29500}),
         (FanReply, {"failed": {"h:2": "refused"}, "replies": {"": {"current": True}}}),
+        (QueryReply, {"columns": ["kind", "n"], "rows": [["push.received", 2], [None, 1.5]]}),
     ]
     for kind, value in wire:
         assert kind.from_wire(value).to_wire() == value
@@ -278,7 +286,9 @@ def test_every_reply_round_trips_the_dict_nodes_send_and_refuses_a_malformed_one
                         (CommitReply, {"version": v1}), (RemoveReply, {"versions": [1]}),
                         (FlushReply, {"failed": []}), (SpawnReply, {"proc": True, "pid": 1}),
                         (FreePortReply, {"port": "80"}), (KillReply, []),
-                        (FanReply, {"failed": {}}), (FanReply, {"failed": {}, "replies": []})]:
+                        (FanReply, {"failed": {}}), (FanReply, {"failed": {}, "replies": []}),
+                        (QueryReply, {"columns": ["a"], "rows": [[1, 2]]}),
+                        (QueryReply, {"columns": ["a"], "rows": [[[1]]]})]:
         with pytest.raises(MalformedReply, match=f"malformed {kind.op} reply"):
             kind.from_wire(value)
     assert issubclass(MalformedReply, p.ProtocolError)

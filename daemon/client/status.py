@@ -3,7 +3,7 @@ refusing node is reported, never fatal to the others."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -12,11 +12,35 @@ import trio
 from ..wire import identity
 from ..wire.replies import RemoveReply, StatusReply
 from ..wire.requests import check_workspace_name
-from ..wire.transport import connect, describe_failure
+from ..wire.transport import Channel, connect, describe_failure
 
 TIMEOUT = 10.0
 
 R = TypeVar("R")
+
+
+async def ask_each(hosts: Sequence[str], token: bytes,
+                   talk: Callable[[str, Channel], Awaitable[None]],
+                   timeout: float = TIMEOUT) -> list[tuple[str, Exception | None]]:
+    """Connect to every host at once and run `talk(host, channel)` on each, within `timeout`
+    seconds: per host, in order, None or what failed (never raised: one node's failure is
+    that node's answer, not the command's)."""
+    results: dict[str, Exception | None] = {}
+
+    async def one(host: str) -> None:
+        try:
+            with trio.fail_after(timeout):
+                chan = await connect(host, token, timeout=timeout)
+                async with chan:
+                    await talk(host, chan)
+            results[host] = None
+        except Exception as e:
+            results[host] = e
+
+    async with trio.open_nursery() as nursery:
+        for h in hosts:
+            nursery.start_soon(one, h)
+    return [(h, results[h]) for h in hosts]
 
 
 async def ask_all(hosts: Sequence[str], token: bytes, op: str,
@@ -24,22 +48,14 @@ async def ask_all(hosts: Sequence[str], token: bytes, op: str,
                   **args: object) -> list[tuple[str, R | Exception]]:
     """Send request `op` to every host at once: per host, in order, its reply (decoded by
     `decode`, a reply class's from_wire) or what failed."""
-    results: dict[str, R | Exception] = {}
+    replies: dict[str, R] = {}
 
-    async def one(host: str) -> None:
-        try:
-            with trio.fail_after(TIMEOUT):
-                chan = await connect(host, token, timeout=TIMEOUT)
-                async with chan:
-                    signed = await identity.sign(chan, op, args)  # if the node asks who
-                    results[host] = decode(await chan.request(op, **signed))
-        except Exception as e:  # any failure is that node's answer, never the command's
-            results[host] = e
+    async def talk(host: str, chan: Channel) -> None:
+        signed = await identity.sign(chan, op, args)  # if the node asks who
+        replies[host] = decode(await chan.request(op, **signed))
 
-    async with trio.open_nursery() as nursery:
-        for h in hosts:
-            nursery.start_soon(one, h)
-    return [(h, results[h]) for h in hosts]
+    return [(h, e if e is not None else replies[h])
+            for h, e in await ask_each(hosts, token, talk)]
 
 
 @dataclass(frozen=True)

@@ -56,16 +56,19 @@ import pwd
 import signal
 import socket
 import subprocess
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import trio
 
 from ..wire.identity import Identity
 from ..wire.replies import SpawnReply
 from .dedicated_thread import DedicatedThread
+from .events import EventLog
 
 log = logging.getLogger("monarch_fs.procs")
 
@@ -182,11 +185,7 @@ class RunAs:
 
 def describe_status(returncode: int) -> dict:
     if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return {"code": None, "signal": name}
+        return {"code": None, "signal": _signal_name(-returncode)}
     return {"code": returncode, "signal": None}
 
 
@@ -245,6 +244,15 @@ class RunningProcess:
     emit: Emit
     workspace: str = ""  # the workspace it was pinned to (--workspace), if any
     stderr_tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    # For telemetry: its rank and attempt (RANK or MONARCH_MESH_RANK, and
+    # TORCHELASTIC_RESTART_COUNT, from its environment), whether it is a proc mesh's, when it
+    # started, its argv, and why this daemon stopped it, if it did.
+    rank: int | None = None
+    restart: int | None = None
+    mesh: bool = False
+    started: float = field(default_factory=time.monotonic)
+    argv: str = ""
+    stopped: str = ""
 
     def signal_group(self, sig: int) -> None:
         try:
@@ -257,8 +265,10 @@ class ProcessTable:
     """Every process this daemon supervises: started with a clean environment, killed when
     its owner's connection goes, and never outliving the daemon."""
 
-    def __init__(self, mount: Path, nursery: trio.Nursery, *, allow_root: bool = False):
+    def __init__(self, mount: Path, nursery: trio.Nursery, *, allow_root: bool = False,
+                 events: EventLog | None = None):
         self.mount = mount
+        self.events = events  # starts, ends and refusals are recorded there
         self.nursery = nursery
         # Run processes even when they would run as root (this daemon is root): only when its
         # operator said so (ROOT_PROCS_FLAG).
@@ -328,8 +338,15 @@ class ProcessTable:
         finally:
             if secrets_r is not None:  # the child has its own copy (or never started)
                 os.close(secrets_r)
-        proc = RunningProcess(next(self._ids), _Child(popen), owner, emit, workspace=workspace)
+        env_of = args.get("env") or {}
+        proc = RunningProcess(next(self._ids), _Child(popen), owner, emit, workspace=workspace,
+                              rank=_int_or_none(env_of.get("RANK",
+                                                           env_of.get("MONARCH_MESH_RANK"))),
+                              restart=_int_or_none(env_of.get("TORCHELASTIC_RESTART_COUNT")),
+                              mesh="MONARCH_MESH_NAME" in env_of, argv=" ".join(argv))
         self.procs[proc.id] = proc
+        self._record("proc.started", proc, detail={"cwd": cwd or enter,
+                                                   **({"user": run_as.name} if run_as else {})})
         self.nursery.start_soon(self._supervise, proc, trio.lowlevel.FdStream(out_r),
                                 trio.lowlevel.FdStream(err_r))
         log.info("started proc %d (pid %d%s): %s", proc.id, popen.pid,
@@ -359,6 +376,13 @@ class ProcessTable:
         status = describe_status(returncode)
         self.procs.pop(proc.id, None)
         log.info("proc %d ended: %s", proc.id, status)
+        self._record("proc.exited", proc, code=status["code"], signal=status["signal"],
+                     seconds=round(time.monotonic() - proc.started, 3),
+                     text="\n".join(proc.stderr_tail) or None,
+                     detail={"stopped": proc.stopped} if proc.stopped else None)
+        if proc.mesh and returncode != 0 and not proc.stopped:
+            self._record("mesh.failure", proc, code=status["code"], signal=status["signal"],
+                         text="\n".join(proc.stderr_tail) or None)
         await self._emit(proc, "exit", {"proc": proc.id, **status,
                                         "stderr_tail": list(proc.stderr_tail)})
 
@@ -394,6 +418,21 @@ class ProcessTable:
         except Exception as e:  # the owner is gone; kill_owned_by() stops its processes
             log.debug("proc %d: %s event not delivered: %r", proc.id, kind, e)
 
+    def _record(self, kind: str, proc: RunningProcess, detail: dict | None = None,
+                **fields: Any) -> None:
+        if self.events is not None:
+            if kind == "proc.started":
+                fields["text"] = proc.argv
+            self.events.record(kind, proc=proc.id, pid=proc.process.pid, rank=proc.rank,
+                               restart=proc.restart, workspace=proc.workspace or None,
+                               detail=detail, **fields)
+
+    def describe(self) -> list[dict]:
+        """The running processes, for `monarch-fs top`."""
+        now = time.monotonic()
+        return [{"proc": p.id, "pid": p.process.pid, "rank": p.rank, "argv": p.argv[:200],
+                 "seconds": round(now - p.started, 1)} for p in self.procs.values()]
+
     def pinned_to(self, workspace: str) -> list[int]:
         """The pids of the running processes pinned to `workspace`."""
         return [p.process.pid for p in self.procs.values() if p.workspace == workspace]
@@ -402,13 +441,15 @@ class ProcessTable:
         proc = self.procs.get(proc_id)
         if proc is None or proc.owner is not owner:
             raise SpawnRefused(f"no process {proc_id} of this connection is running")
+        proc.stopped = proc.stopped or f"killed on request ({_signal_name(sig)})"
         proc.signal_group(sig)
 
-    async def stop(self, procs: list[RunningProcess]) -> None:
+    async def stop(self, procs: list[RunningProcess], why: str = "") -> None:
         """SIGTERM each process group, SIGKILL what is still running after STOP_GRACE.
         Safe to call while being cancelled (it shields itself): it is how the daemon exits."""
         with trio.CancelScope(shield=True):
             for proc in procs:
+                proc.stopped = proc.stopped or why
                 proc.signal_group(signal.SIGTERM)
             with trio.move_on_after(STOP_GRACE):
                 for proc in procs:
@@ -418,8 +459,23 @@ class ProcessTable:
                 await proc.process.wait()
 
     async def kill_owned_by(self, owner: object) -> None:
-        await self.stop([p for p in self.procs.values() if p.owner is owner])
+        await self.stop([p for p in self.procs.values() if p.owner is owner],
+                        "its controller went away")
 
     async def stop_all(self) -> None:
-        await self.stop(list(self.procs.values()))
+        await self.stop(list(self.procs.values()), "the daemon stopped")
         self._forker.close()
+
+
+def _int_or_none(value: object) -> int | None:
+    try:
+        return int(str(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"

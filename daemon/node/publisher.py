@@ -37,6 +37,7 @@ from ...fs.version_switch import Staged
 from ..wire.replies import CommitReply, PrepareReply, RemoveReply
 from ..wire.requests import RequestError
 from . import source_path
+from .events import EventLog
 from .fetch import Fetcher
 from .refs import Refs
 
@@ -67,8 +68,9 @@ class Publisher:
     def __init__(self, store: Store, refs: Refs, backing: BackingFiles, fs: SnapshotFS, *,
                  keep: int, max_entries: int, counters: dict[str, int],
                  mount: str | os.PathLike[str] | None = None,
-                 fetcher: Fetcher | None = None) -> None:
+                 fetcher: Fetcher | None = None, events: EventLog | None = None) -> None:
         self.store = store
+        self.events = events  # collects are recorded there
         self.fetcher = fetcher  # an early prepare waits on it for the first-read chunks
         # Workspace -> the version it serves that was published early (push --early) and is
         # not known complete yet; a prepare and commit without `early` complete it.
@@ -610,8 +612,14 @@ class Publisher:
                     yield m.object_ids()
                     yield (c for e in m.entries for c in e.chunks)
 
+            start = trio.current_time()
             try:
                 packs, freed = await trio.to_thread.run_sync(self.store.collect, live)
+                if self.events is not None:
+                    objects, size = await trio.to_thread.run_sync(self.store.usage)
+                    self.events.record("store.collected", count=packs, bytes=freed,
+                                       seconds=round(trio.current_time() - start, 6))
+                    self.events.record("store.size", count=objects, bytes=size)
             except OSError as e:
                 log.warning("collecting the store: %s", e)
                 return

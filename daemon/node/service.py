@@ -26,8 +26,9 @@ from ..wire import bulk, identity
 from ..wire.addresses import parse_addr
 from ..wire.auth import NO_TOKEN_HELP, default_token_file
 from ..wire.limits import Limits, LogOnce, peer_host, serve_listeners
-from ..wire.replies import COUNTERS, StatusReply
+from ..wire.replies import COUNTERS, StatsReply, StatusReply
 from ..wire.transport import accept
+from .events import EventLog, EventLogHandler
 from .fetch import Fetcher
 from .first_reads import FirstReads
 from .procs import ROOT_PROCS_FLAG, ProcessTable, procs_user
@@ -119,6 +120,12 @@ class NodeService:
         # What is read first after each publish: push --early sends it first.
         self.first_reads = FirstReads(self.state / "first-reads")
         self.fs.on_read = self.first_reads.note
+        # What happened here, queryable (`monarch-fs query`); MONARCH_FS_EVENTS=0 turns it off.
+        self.events = EventLog(self.state / "events.db", self.node_name,
+                               max_bytes=settings.events_bound,
+                               max_age=settings.events_max_age,
+                               interval=settings.events_interval,
+                               sample=self.fs.read_counters, enabled=settings.events)
         self.addr = addr  # the bound address, once listening
         self.started = time.time()
         # What crossed this node since it started: a push's edges carry only what is lacking.
@@ -126,7 +133,8 @@ class NodeService:
         self.refs = Refs(self.state / "refs.json")
         self.publisher = Publisher(self.store, self.refs, self.backing, self.fs, keep=keep,
                                    max_entries=max_entries, counters=self.counters,
-                                   mount=self.mount, fetcher=self.fetcher)
+                                   mount=self.mount, fetcher=self.fetcher,
+                                   events=self.events)
         # A root daemon runs no process unless its operator allowed it (procs.py).
         self.allow_root_procs = allow_root_procs
         # "munge" (--identity munge): the requests that act for a user carry a MUNGE credential,
@@ -146,18 +154,31 @@ class NodeService:
         node started. Started (with the bound address) once connections are accepted."""
         if not self.addr:
             self.addr = _dial_addr(*listeners[0].socket.getsockname()[:2])
+        logs = logging.getLogger("monarch_fs")
+        handler = EventLogHandler(self.events)
         try:
             async with trio.open_nursery() as nursery:
+                await nursery.start(self.events.run)
+                if self.events.enabled:
+                    logs.addHandler(handler)
                 self.procs = ProcessTable(self.mount, nursery,
-                                          allow_root=self.allow_root_procs)
+                                          allow_root=self.allow_root_procs, events=self.events)
                 self.publisher.nursery = nursery
                 await nursery.start(serve_listeners, self._handle, listeners, self.limits, log)
                 log.info("%s", self.describe_procs())
+                self.events.record("daemon.started", pid=os.getpid(), peer=self.addr,
+                                   transport=self.transport.kind, text=str(self.mount),
+                                   detail={"workspaces": {n: vs[0].hex() for n, vs in
+                                                          self.refs.workspaces.items()}})
                 task_status.started(self.addr)
         finally:
             if self.procs is not None:
                 await self.procs.stop_all()  # no process outlives its daemon
             self.publisher.nursery = None
+            logs.removeHandler(handler)
+            self.events.record("daemon.stopped", pid=os.getpid(),
+                               seconds=round(time.time() - self.started, 3))
+            await self.events.close()
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         """One connection: the handshake (with the connection limits' timeout), then a
@@ -217,6 +238,15 @@ class NodeService:
             owners={n: describe_user(u) for n, u in self.refs.owners.items()},
             incomplete=sorted(self.publisher.incomplete),
         )
+
+    def stats(self) -> StatsReply:
+        """What `monarch-fs top` shows for this node, now: cheap, nothing read from disk."""
+        now = time.time()
+        procs = self.procs.describe() if self.procs is not None else []
+        return StatsReply(node=self.node_name, time=now, uptime=round(now - self.started, 1),
+                          workspaces={n: vs[0].hex() for n, vs in self.refs.workspaces.items()},
+                          reads=self.fs.read_counters(),
+                          received=self.counters["bytes_received"], procs=procs)
 
     def describe_procs(self) -> str:
         """One line for the log: as whom this node runs processes, or that it refuses them."""

@@ -13,6 +13,7 @@ daemon down.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -37,9 +38,11 @@ from ..wire.replies import (
     NodeReply,
     PrepareReply,
     ProbeReply,
+    QueryReply,
     RelayReply,
     RemoveReply,
     SpawnReply,
+    StatsReply,
     StatusReply,
 )
 from ..wire.requests import (
@@ -55,12 +58,15 @@ from ..wire.requests import (
     OpenRelay,
     Prepare,
     Probe,
+    Query,
     Remove,
     RequestError,
     Spawn,
+    Stats,
     Status,
 )
 from ..wire.transport import Channel, ConnectionLost
+from .events import EventLog
 from .fetch import Upstream
 from .procs import SpawnRefused, free_port
 from .relay import Relay
@@ -104,6 +110,8 @@ class Session:
         # Who asks for the request being answered (--identity munge: its credential's user);
         # requests are answered one at a time, so it is that request's.
         self.asker: Identity | None = None
+        self.events = service.events
+        self.rx = PushReceived()  # what this session received since its last flush
 
     @classmethod
     async def serve(cls, service: NodeService, chan: Channel) -> None:
@@ -140,6 +148,9 @@ class Session:
             self.service.fetcher.remove(self.upstream)  # its readers' wants fail now
         if self.claimed:
             self.publisher.release_claim()
+            self.events.record("push.aborted", version=_hex(self.rx.version),
+                               peer=self.chan.peer, text="the pusher went away before its "
+                               "commit (it failed elsewhere, or was stopped)")
         if self.relay is not None:
             await self.relay.aclose()
         if self.bulk_rx is not None:
@@ -156,6 +167,7 @@ class Session:
         subtrees lack it, and store it if this node lacks it."""
         self.counters["chunks_received"] += 1
         self.counters["bytes_received"] += len(blob)
+        self.rx.chunk(len(blob))
         if self.relay is not None:
             await self.relay.forward(cid, blob)
         if cid == self.version:
@@ -187,6 +199,8 @@ class Session:
 
     async def _query_missing(self, ids: list[bytes]) -> None:
         own = await self.publisher.missing(ids)
+        self.rx.asked += len(ids)
+        self.rx.lacking += len(own)
         if not self.claimed:
             self.claimed = True
             self.publisher.claim()
@@ -216,12 +230,25 @@ class Session:
             self.asker = await self._identify(msg.op, msg.args)
             value = await handler(self, kind.parse(msg.args))
         except REFUSED as e:
+            self._refused(msg.op, msg.args, str(e))
             await self.chan.send(p.Error(str(e), code="refused", id=msg.id))
         except Exception as e:
             log.exception("request %s failed", msg.op)
             await self.chan.send(p.Error(f"internal error: {e!r}", code="internal", id=msg.id))
         else:
             await self.chan.send(p.Reply(msg.id, value.to_wire()))
+
+    def _refused(self, op: str, args: object, why: str) -> None:
+        """Record a refusal: a publish's as the push aborted on this node, with its cause."""
+        args = args if isinstance(args, dict) else {}
+        name, version = args.get("name"), args.get("version")
+        fields = {"workspace": name if isinstance(name, str) else None,
+                  "version": version if isinstance(version, str) else None,
+                  "peer": self.chan.peer, "text": why}
+        if op in ("prepare", "commit"):
+            self.events.record("push.aborted", detail={"phase": op}, **fields)
+        else:
+            self.events.record("request.refused", detail={"op": op}, **fields)
 
     async def _identify(self, op: str, args: dict, scope: str | None = None
                         ) -> Identity | None:
@@ -246,12 +273,20 @@ class Session:
         return await self.service.status()
 
     async def _prepare(self, req: Prepare) -> PrepareReply:
-        return await self.publisher.prepare(req.name, req.version, req.source, self._owner,
-                                            req.early, req.wait)
+        start = time.monotonic()
+        value = await self.publisher.prepare(req.name, req.version, req.source, self._owner,
+                                             req.early, req.wait)
+        self.events.record("push.prepared", workspace=req.name, version=req.version.hex(),
+                           peer=self.chan.peer, seconds=round(time.monotonic() - start, 6),
+                           detail={"early": True} if req.early is not None else None)
+        return value
 
     async def _commit(self, req: Commit) -> CommitReply:
+        start = time.monotonic()
+        before = list(self.service.refs.workspaces.get(req.name, []))
         value = await self.publisher.commit(req.name, req.version, req.source, req.source_id,
                                             self._owner, req.early, req.wait)
+        self._published(req, before, time.monotonic() - start)
         self.service.first_reads.published(req.name, req.version)
         if self.claimed:  # what it has is now retained
             self.claimed = False
@@ -260,16 +295,38 @@ class Session:
             self.publisher.start_collect(committed=True)
         return value
 
+    def _published(self, req: Commit, before: list[bytes], seconds: float) -> None:
+        """Record a commit: the push's last phase here, the version published, and the
+        versions it pushed out of the retained ones (collected from then on)."""
+        ev, name = self.events, req.name
+        previous = before[0].hex() if before else None
+        ev.record("push.committed", workspace=name, version=req.version.hex(),
+                  peer=self.chan.peer, seconds=round(seconds, 6),
+                  detail={"previous": previous, **({"early": True} if req.early else {})})
+        if previous != req.version.hex():
+            ev.record("version.published", workspace=name, version=req.version.hex(),
+                      detail={"previous": previous})
+        kept = set(self.service.refs.workspaces.get(name, []))
+        for v in before:
+            if v not in kept:
+                ev.record("version.dropped", workspace=name, version=v.hex(),
+                          text=f"more than {self.publisher.keep} versions of {name}")
+
     async def _current(self, req: Current) -> CurrentReply:
         return CurrentReply(self.publisher.current(req.name, req.version, req.source,
                                                    self._owner))
 
     async def _remove(self, req: Remove) -> RemoveReply:
-        return await self.publisher.remove(req.name, self.procs.pinned_to, self._owner)
+        value = await self.publisher.remove(req.name, self.procs.pinned_to, self._owner)
+        for v in value.versions:
+            self.events.record("version.dropped", workspace=req.name, version=v.hex(),
+                               peer=self.chan.peer, text=f"workspace {req.name} removed")
+        return value
 
     async def _relay(self, req: OpenRelay) -> RelayReply:
         s = self.service
         self.version = req.version
+        self.rx.opened(req.version, req.children)
         relay = self.relay
         if relay is not None and not req.wants and relay.fetcher is None \
                 and relay.plan == req.children:  # pushing again to the same subtree
@@ -303,6 +360,7 @@ class Session:
                 self.asker = await self._identify(req.request, req.args, req.scope)
                 value = await handler(self, kind.parse(req.args))
             except REFUSED as e:
+                self._refused(req.request, req.args, str(e))
                 failed[""] = str(e)
             except Exception as e:
                 log.exception("request %s (down the control tree) failed", req.request)
@@ -322,6 +380,8 @@ class Session:
             failed[""] = self.writes.errors[0]  # "" is this node, as its parent names it
         if bulk_error:
             failed[""] = f"rdma: {bulk_error}"
+        self.rx.flushed(self.events, self.chan.peer, failed,
+                        self.bulk_rx.kind if self.bulk_rx is not None else "tcp")
         return FlushReply(failed)
 
     async def _bulk(self, req: Bulk) -> BulkReply:
@@ -363,6 +423,59 @@ class Session:
     async def _first_reads(self, req: FirstReads) -> FirstReadsReply:
         return FirstReadsReply(encode_paths(await self.service.first_reads.paths(req.name)))
 
+    async def _query(self, req: Query) -> QueryReply:
+        answer = await self.events.query(req.sql, req.params, timeout=req.timeout)
+        return QueryReply(answer.columns, answer.rows)
+
+    async def _stats(self, req: Stats) -> StatsReply:
+        return self.service.stats()
+
+
+def _hex(version: bytes | None) -> str | None:
+    return version.hex() if version is not None else None
+
+
+class PushReceived:
+    """What one session received of a push between two flushes (chunks, bytes, from the
+    first chunk to the flush), what it was asked and lacked, and its place in the broadcast:
+    the `push.received` row a flush records."""
+
+    def __init__(self) -> None:
+        self.version: bytes | None = None  # the push's manifest, when the client said
+        self.topology = "leaf"
+        self._reset()
+
+    def _reset(self) -> None:
+        self.chunks = self.bytes = self.asked = self.lacking = 0
+        self.started: float | None = None
+
+    def chunk(self, size: int) -> None:
+        self.chunks += 1
+        self.bytes += size
+        if self.started is None:
+            self.started = time.monotonic()
+
+    def opened(self, version: bytes | None, children: list[dict]) -> None:
+        """A relay session: this node forwards to `children` (each with its own subtree)."""
+        def below(kids: list[dict]) -> int:
+            return sum(1 + below(k.get("children", [])) for k in kids)
+
+        self.version = version
+        self.topology = (f"relay to {len(children)} ({below(children)} below)" if children
+                         else "leaf")
+
+    def flushed(self, events: EventLog, peer: str, failed: dict[str, str],
+                transport: str) -> None:
+        if self.chunks or self.asked:
+            seconds = time.monotonic() - self.started if self.started is not None else 0.0
+            events.record("push.received", version=_hex(self.version), peer=peer,
+                          count=self.chunks, bytes=self.bytes, seconds=round(seconds, 6),
+                          topology=self.topology, transport=transport,
+                          text="; ".join(f"{a or 'here'}: {w}" for a, w in failed.items())
+                          or None,
+                          detail={"asked": self.asked, "lacking": self.lacking})
+        self._reset()
+
 
 # A handler takes its own request class (the route's), so the table types it loosely.
 Handler = Callable[[Session, Any], Awaitable[NodeReply]]
@@ -382,6 +495,8 @@ _HANDLERS: list[tuple[type[NodeRequest], Handler]] = [
     (FreePort, Session._free_port),
     (Probe, Session._probe),
     (FirstReads, Session._first_reads),
+    (Query, Session._query),
+    (Stats, Session._stats),
 ]
 # The one dispatch table: every op a node answers, its request class and its handler.
 ROUTES: dict[str, tuple[type[NodeRequest], Handler]] = {

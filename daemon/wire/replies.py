@@ -382,6 +382,72 @@ class FirstReadsReply:
 
 
 
+@dataclass(frozen=True)
+class QueryReply:
+    """A query's result on one node: column names and rows (lists of JSON scalars; blobs as
+    hex)."""
+
+    op: ClassVar[str] = "query"
+    columns: list[str]
+    rows: list[list[Any]]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"columns": self.columns, "rows": self.rows}
+
+    @classmethod
+    def from_wire(cls, value: Mapping[str, Any]) -> QueryReply:
+        columns = _get(cls.op, value, "columns", list)
+        rows = _get(cls.op, value, "rows", list)
+        if not all(isinstance(c, str) for c in columns):
+            raise MalformedReply(f"malformed {cls.op} reply: 'columns' holds a non-string")
+        scalar = (str, int, float, type(None))
+        if not all(isinstance(r, list) and len(r) == len(columns)
+                   and all(isinstance(v, scalar) for v in r) for r in rows):
+            raise MalformedReply(f"malformed {cls.op} reply: a row is not {len(columns)} "
+                                 "scalars")
+        return cls(list(columns), rows)
+
+
+@dataclass(frozen=True)
+class StatsReply:
+    """A node's live figures (`monarch-fs top`): `reads` is the mount's cumulative counters
+    (SnapshotFS.read_counters), `received` the bytes pushed to it so far, `procs` its running
+    processes (proc, pid, rank, argv, seconds), `workspaces` the current version of each."""
+
+    op: ClassVar[str] = "stats"
+    node: str
+    time: float  # the node's clock when it answered
+    uptime: float
+    workspaces: dict[str, str]
+    reads: dict[str, Any]
+    received: int
+    procs: list[dict[str, Any]]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"node": self.node, "time": self.time, "uptime": self.uptime,
+                "workspaces": self.workspaces, "reads": self.reads, "received": self.received,
+                "procs": self.procs}
+
+    @classmethod
+    def from_wire(cls, value: Mapping[str, Any]) -> StatsReply:
+        op = cls.op
+        reads = _get(op, value, "reads", dict)
+        for key in ("bytes", "hits", "misses", "busy_ns", "disk_ns"):
+            _get(op, reads, key, int)
+        ops = _get(op, reads, "ops", dict)
+        if not all(isinstance(k, str) and isinstance(v, int) for k, v in ops.items()):
+            raise MalformedReply(f"malformed {op} reply: 'ops' is {ops!r}")
+        workspaces = _get(op, value, "workspaces", dict)
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in workspaces.items()):
+            raise MalformedReply(f"malformed {op} reply: 'workspaces' is {workspaces!r}")
+        procs = _get(op, value, "procs", list)
+        if not all(isinstance(p, dict) for p in procs):
+            raise MalformedReply(f"malformed {op} reply: 'procs' is {procs!r}")
+        return cls(_get(op, value, "node", str), _number(op, value, "time"),
+                   _number(op, value, "uptime"), dict(workspaces), dict(reads),
+                   _get(op, value, "received", int), list(procs))
+
+
 NodeReply = (StatusReply | PrepareReply | CommitReply | CurrentReply | RemoveReply | RelayReply
              | FanReply | FlushReply | BulkReply | SpawnReply | KillReply | FreePortReply
-             | ProbeReply | FirstReadsReply)
+             | ProbeReply | FirstReadsReply | QueryReply | StatsReply)

@@ -402,5 +402,51 @@ class Probe:
         return cls(len(pad))
 
 
+MAX_QUERY_CHARS = 64 * 1024
+MAX_QUERY_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class Query:
+    """Run one read-only SQL statement over this node's events (daemon/node/events.py) and
+    answer its rows: what `monarch-fs query` sends each node, after taking out of the user's
+    query what every node can do alone (daemon/client/query.py). `params` binds named
+    parameters (`:host` is how the controller names the node); `timeout` bounds its run."""
+
+    op: ClassVar[str] = "query"
+    after_chunks: ClassVar[bool] = False
+    sql: str
+    params: dict = field(default_factory=dict)
+    timeout: float = 10.0
+
+    @classmethod
+    def parse(cls, args: dict) -> Query:
+        sql = args.get("sql")
+        if not isinstance(sql, str) or not sql.strip():
+            raise RequestError("query: sql must be a statement")
+        if len(sql) > MAX_QUERY_CHARS:
+            raise RequestError(f"query: sql is longer than {MAX_QUERY_CHARS} characters")
+        params = args.get("params", {})
+        if not isinstance(params, dict) or not all(
+                isinstance(k, str) and (v is None or isinstance(v, (str, int, float)))
+                for k, v in params.items()):
+            raise RequestError("query: params must map names to strings or numbers")
+        timeout = args.get("timeout", 10.0)
+        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                or not 0 < timeout <= MAX_QUERY_SECONDS):
+            raise RequestError(f"query: timeout must be 0 to {MAX_QUERY_SECONDS:g} seconds, "
+                               f"not {timeout!r}")
+        return cls(sql, dict(params), float(timeout))
+
+
+@dataclass(frozen=True)
+class Stats(_NoArguments):
+    """This node's live figures for `monarch-fs top`: what it serves, what the mount has
+    served so far, what it received, its running processes."""
+
+    op: ClassVar[str] = "stats"
+    after_chunks: ClassVar[bool] = False
+
+
 NodeRequest = (Status | Prepare | Commit | Current | Remove | OpenRelay | Fan | Flush | Bulk
-               | Spawn | Kill | FreePort | Probe | FirstReads)
+               | Spawn | Kill | FreePort | Probe | FirstReads | Query | Stats)
