@@ -81,6 +81,16 @@ def as_user(user: LocalUser, munged: Munged, *args: str, timeout: float = 120):
                          "MONARCH_FS_TOKEN_FILE": str(user.home / "token")})
 
 
+def make_envs(a: LocalUser, b: LocalUser) -> None:
+    """A folder `env` in each user's home, theirs, whose file `who` says whose it is."""
+    for user, text in ((a, "from A\n"), (b, "from B\n")):
+        src = user.home / "env"
+        src.mkdir()
+        (src / "who").write_text(text)
+        os.chown(src, user.pw.pw_uid, user.pw.pw_gid)
+        os.chown(src / "who", user.pw.pw_uid, user.pw.pw_gid)
+
+
 def test_a_process_runs_as_the_user_who_asks(node):
     daemon, munged, _, (a, _b) = node
     out = as_user(a, munged, "run", "--hosts", daemon.addr, "--", "/usr/bin/python3", "-c",
@@ -99,12 +109,7 @@ def test_a_process_runs_as_the_user_who_asks(node):
 
 def test_another_user_cannot_replace_or_remove_a_workspace(node, tmp_path):
     daemon, munged, _, (a, b) = node
-    for user, text in ((a, "from A\n"), (b, "from B\n")):
-        src = user.home / "env"
-        src.mkdir()
-        (src / "who").write_text(text)
-        os.chown(src, user.pw.pw_uid, user.pw.pw_gid)
-        os.chown(src / "who", user.pw.pw_uid, user.pw.pw_gid)
+    make_envs(a, b)
     out = as_user(a, munged, "push", str(a.home / "env"), "--hosts", daemon.addr)
     assert out.returncode == 0, out.stderr
     wait_for(lambda: (daemon.mnt / "env" / "who").exists(), what="A's push served")
@@ -203,12 +208,7 @@ def test_a_push_down_the_control_tree_acts_as_who_asks_on_every_node(tmp_path, m
     with munge_nodes(tmp_path, 3) as (daemons, munged, _, (a, b)):
         hosts = ",".join(d.addr for d in daemons)  # a chain: 0 asks 1, 1 asks 2
         tree = ("--hosts", hosts, "--control", "tree", "--control-fanout", "1")
-        for user, text in ((a, "from A\n"), (b, "from B\n")):
-            src = user.home / "env"
-            src.mkdir()
-            (src / "who").write_text(text)
-            os.chown(src, user.pw.pw_uid, user.pw.pw_gid)
-            os.chown(src / "who", user.pw.pw_uid, user.pw.pw_gid)
+        make_envs(a, b)
         out = as_user(a, munged, "push", str(a.home / "env"), *tree, "--json")
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout)["nodes"] == 3
