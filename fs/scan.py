@@ -408,10 +408,13 @@ def _hash_batch(batch: list[_File], chunk_size: int) -> list[_Hashed]:
     return [_hash_file(f, buf) for f in batch]
 
 
-def _finish(entries: list[Entry], chunk_size: int, cache: ScanCache | None) -> Manifest:
-    """The manifest of a whole scan's `entries`; the cache is saved."""
+def _finish(entries: list[Entry], chunk_size: int, cache: ScanCache | None,
+            validate: bool = True) -> Manifest:
+    """The manifest of a whole scan's `entries` (validated, unless not `validate`); the cache
+    is saved."""
     manifest = Manifest(entries, chunk_size)
-    manifest.validate()
+    if validate:
+        manifest.validate()
     if cache is not None:
         cache.save()
     return manifest
@@ -423,9 +426,12 @@ async def scan(
     chunk_size: int = CHUNK_SIZE,
     progress: Callable[[int, int], None] | None = None,
     cache: ScanCache | None = None,
+    validate: bool = True,
 ) -> Snapshot:
     """Scan `root` into a Snapshot. `progress(done, total)` reports bytes hashed so far (with
-    a cache: of the files it did not know). `cache` is loaded, used, and saved when it changed."""
+    a cache: of the files it did not know). `cache` is loaded, used, and saved when it changed.
+    Not `validate`: the caller validates the manifest before it pushes it (push --watch's
+    check, which mostly finds the tree it has, skips that pass over every entry)."""
     broot = os.fsencode(os.path.abspath(root))
     started = time.time_ns()  # before any stat: the reference for racily clean files
 
@@ -435,7 +441,7 @@ async def scan(
         return _walk(broot, tuple(excludes), cache, chunk_size)
 
     return await _complete(broot, await trio.to_thread.run_sync(walk), chunk_size, progress,
-                           cache)
+                           cache, validate=validate)
 
 
 async def rescan(prev: Snapshot, changed: Iterable[bytes], excludes: Sequence[str] = (),
@@ -466,7 +472,8 @@ async def rescan(prev: Snapshot, changed: Iterable[bytes], excludes: Sequence[st
 
 async def _complete(broot: bytes, walk: _Walk, chunk_size: int,
                     progress: Callable[[int, int], None] | None, cache: ScanCache | None,
-                    build: Callable[[list[Entry]], Manifest] | None = None) -> Snapshot:
+                    build: Callable[[list[Entry]], Manifest] | None = None,
+                    validate: bool = True) -> Snapshot:
     """Hash the files the walk could not take from the cache, and make the snapshot."""
     entries, files, sources = walk.entries, walk.files, walk.sources
 
@@ -515,7 +522,7 @@ async def _complete(broot: bytes, walk: _Walk, chunk_size: int,
         if cache is not None and unchanged:
             cache.record(f.stat, ids)
     manifest = await trio.to_thread.run_sync(
-        (lambda: _finish(entries, chunk_size, cache)) if build is None else
+        (lambda: _finish(entries, chunk_size, cache, validate)) if build is None else
         (lambda: build(entries)))
     return Snapshot(broot, manifest, sources, walk.warnings, cache, hashed_files=len(unique),
                     hashed_bytes=sum(h[0] for h in hashed.values()), cached_files=walk.cached_files)

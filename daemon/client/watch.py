@@ -155,14 +155,22 @@ async def watch(
             say(summary(result, changes), out)
         return None if result.failed else snap
 
-    async def scanned(snap: Snapshot | None, changed: set[bytes]) -> Snapshot:
-        """The tree now: `snap` rescanned at the `changed` paths, or scanned whole."""
-        if snap is not None and changed:
+    async def scanned(snap: Snapshot | None, changed: set[bytes], checking: bool) -> Snapshot:
+        """The tree now: `snap` rescanned at the `changed` paths, or scanned whole. A check
+        (`checking`: a whole scan after a quiet spell) that finds the tree `snap` has returns
+        `snap`, whose folder objects are built (a whole scan's are not: 0.8 s at 100k files,
+        on the next edit), and validates only a tree that differs."""
+        if snap is not None and changed and not checking:
             try:
                 return await rescan(snap, changed, excludes)
             except OSError:  # a folder went away while it was listed: look at everything
                 pass
-        return await scan(root, excludes, cache=cache)
+        fresh = await scan(root, excludes, cache=cache, validate=not checking)
+        if checking:
+            if snap is not None and fresh.manifest.entries == snap.manifest.entries:
+                return snap
+            await trio.to_thread.run_sync(fresh.manifest.validate)
+        return fresh
 
     check_at: float | None = None  # when the whole scan after a quiet spell is due
 
@@ -189,12 +197,13 @@ async def watch(
             gc.disable()  # until the push is done (see the module docstring)
             try:
                 if snap is None or changed or checking:  # (whole when checking)
-                    snap = await scanned(None if checking else snap, changed)
+                    snap = await scanned(snap, changed, checking)
             except (OSError, ValueError) as e:  # the folder went away, an unsafe name...
                 say(f"{time.strftime('%H:%M:%S')} push failed: {e}", err)
                 snap, outcome = None, e
             else:
-                missed = checking and snap.manifest.entries != pushed
+                missed = checking and snap.manifest.entries is not pushed \
+                    and snap.manifest.entries != pushed
                 if missed:
                     say(f"{time.strftime('%H:%M:%S')} the watcher missed a change; a whole "
                         "scan found it", err)
