@@ -309,6 +309,29 @@ async def test_a_query_is_bounded_in_time_and_rows(tmp_path):
     await events.close()
 
 
+async def test_a_name_that_is_not_utf8_is_recorded_escaped_and_never_stops_recording(tmp_path):
+    """A refused request names what it was sent: a workspace or file name that is not UTF-8
+    (decoded with surrogateescape) is stored with its bytes escaped. A row the database
+    refuses anyway is dropped, not retried for ever, and the writer goes on (the fuzz of
+    tests/test_hardening.py once took the daemon down this way)."""
+    events = EventLog(tmp_path / "events.db", "node-0", interval=3600)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(events.run)
+        name = os.fsdecode(b"ws\xff\xfe")
+        events.record("request.refused", workspace=name, text=f"invalid name {name}")
+        await events.flush()
+        events._pending.append(("not a time",) * 3)  # a row no INSERT takes
+        await events.flush()
+        events.record("warning", text="after")
+        await events.flush()
+        answer = await events.query("SELECT kind, workspace, text FROM events ORDER BY id")
+        nursery.cancel_scope.cancel()
+    await events.close()
+    rows = [r for r in answer.rows if r[0] != "error"]  # (the writer's own complaint)
+    assert rows == [["request.refused", "ws\\xff\\xfe", "invalid name ws\\xff\\xfe"],
+                    ["warning", None, "after"]]
+
+
 async def test_a_damaged_database_is_moved_aside_and_recording_goes_on(tmp_path):
     (tmp_path / "events.db").write_bytes(b"not a database at all" * 100)
     events = EventLog(tmp_path / "events.db", "node-0", interval=3600)

@@ -104,6 +104,16 @@ MAX_REPLY_BYTES = 48 << 20  # of the JSON rows (a frame holds 80 MiB)
 MAX_VALUE_BYTES = 1 << 20  # the longest string or blob a query may make (SQLITE_LIMIT_LENGTH)
 
 
+def _utf8(text: str) -> str:
+    """`text` as SQLite can store it: a lone surrogate (a file or workspace name that is not
+    UTF-8, decoded with surrogateescape) becomes a \\x escape of its byte."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return text
+
+
 def _authorize(action: int, *_: object) -> int:
     return sqlite3.SQLITE_OK if action in _ALLOWED else sqlite3.SQLITE_DENY
 
@@ -157,6 +167,9 @@ class EventLog:
         text = fields.get("text")
         if isinstance(text, str) and len(text) > TAIL_CHARS:
             fields["text"] = text[-TAIL_CHARS:]
+        for key, value in fields.items():
+            if isinstance(value, str):
+                fields[key] = _utf8(value)
         fields.update(ts=time.time(), node=self.node, kind=kind,
                       detail=json.dumps(detail, default=str) if detail else None)
         self._pending.append(tuple(fields.get(c) for c in EVENT_COLUMNS))
@@ -183,12 +196,15 @@ class EventLog:
             await self.flush()
 
     async def flush(self) -> None:
-        """Write what gathered, and the read counters since the last write, now."""
+        """Write what gathered, and the read counters since the last write, now. A failure is
+        logged, never raised: telemetry must not stop the daemon."""
         reads = self._reads_row()
         try:
             await trio.to_thread.run_sync(self._write, reads)
-        except (sqlite3.Error, OSError) as e:  # a full disk: the rows stay for the next try
+        except (sqlite3.OperationalError, OSError) as e:  # a full disk: rows kept, tried again
             log.warning("events: writing %s: %s", self.path, e)
+        except Exception as e:  # rows the database refuses: dropped (by _write), not retried
+            log.error("events: writing %s: dropped rows the database refused: %r", self.path, e)
 
     async def close(self) -> None:
         """Write what is left and close; shielded (the daemon is stopping)."""
@@ -274,10 +290,11 @@ class EventLog:
                     db.execute(f"INSERT INTO reads ({', '.join(READ_COLUMNS)}) VALUES "
                                f"({', '.join('?' * len(READ_COLUMNS))})", reads)
                 db.execute("COMMIT")
-            except BaseException:
+            except BaseException as e:
                 if db.in_transaction:
                     db.execute("ROLLBACK")
-                self._pending.extendleft(reversed(rows))  # tried again at the next write
+                if isinstance(e, (sqlite3.OperationalError, OSError)):  # a full disk, a lock
+                    self._pending.extendleft(reversed(rows))  # tried again at the next write
                 raise
             self._retain(db)
 
