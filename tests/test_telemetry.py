@@ -317,7 +317,7 @@ async def test_a_name_that_is_not_utf8_is_recorded_escaped_and_never_stops_recor
     events = EventLog(tmp_path / "events.db", "node-0", interval=3600)
     async with trio.open_nursery() as nursery:
         await nursery.start(events.run)
-        name = os.fsdecode(b"ws\xff\xfe")
+        name = os.fsdecode(b"ws\xff") + "\ud800"  # bytes escaped; any surrogate JSON carries
         events.record("request.refused", workspace=name, text=f"invalid name {name}")
         await events.flush()
         events._pending.append(("not a time",) * 3)  # a row no INSERT takes
@@ -328,7 +328,7 @@ async def test_a_name_that_is_not_utf8_is_recorded_escaped_and_never_stops_recor
         nursery.cancel_scope.cancel()
     await events.close()
     rows = [r for r in answer.rows if r[0] != "error"]  # (the writer's own complaint)
-    assert rows == [["request.refused", "ws\\xff\\xfe", "invalid name ws\\xff\\xfe"],
+    assert rows == [["request.refused", "ws\\udcff\\ud800", "invalid name ws\\udcff\\ud800"],
                     ["warning", None, "after"]]
 
 

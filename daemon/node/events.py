@@ -106,11 +106,11 @@ MAX_VALUE_BYTES = 1 << 20  # the longest string or blob a query may make (SQLITE
 
 def _utf8(text: str) -> str:
     """`text` as SQLite can store it: a lone surrogate (a file or workspace name that is not
-    UTF-8, decoded with surrogateescape) becomes a \\x escape of its byte."""
+    UTF-8, decoded with surrogateescape, or any JSON could carry) becomes its \\u escape."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
     return text
 
 
