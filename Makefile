@@ -42,12 +42,14 @@ typecheck: $(STAMP)
 	  --config-file $(CURDIR)/pyproject.toml --cache-dir $(CURDIR)/$(VENV)/mypy-cache
 
 # The main job end to end on a local 3-node cluster: push, check every node, edit, push again,
-# then a supervised SPMD job (2 nodes x 2 procs) running from a pushed workspace.
+# then a supervised SPMD job (2 nodes x 2 procs) running from a pushed workspace, and the
+# nodes' events asked which rank died.
 demo: $(STAMP)
 	@set -euo pipefail; export PATH="$$PWD/$(VENV)/bin:$$PATH"; \
 	export MONARCH_FS_HOME="$$(mktemp -d /tmp/monarch-fs-demo.XXXXXX)"; C="$$MONARCH_FS_HOME/cluster"; \
 	trap 'monarch-fs cluster down >/dev/null; rm -rf "$$MONARCH_FS_HOME"' EXIT; \
 	step() { printf '\n\033[1m$$ %s\033[0m\n' "$$*"; "$$@"; }; \
+	export MONARCH_FS_EVENTS_INTERVAL=0.2; \
 	step monarch-fs cluster up --nodes 3; \
 	APP="$$MONARCH_FS_HOME/app"; mkdir -p "$$APP"; cp -r fs daemon mesh README.md "$$APP/"; \
 	printf 'print("training step 1")\n' > "$$APP/train.py"; \
@@ -69,6 +71,9 @@ demo: $(STAMP)
 	step monarch-fs push "$$JOB"; \
 	step monarch-fs run --hosts "$$(head -n 2 $$C/hosts | paste -sd, -)" --per-host 2 --max-restarts 1 \
 	  --workspace job -- "$$PWD/$(VENV)/bin/python" train.py --crash-once 3; \
+	printf '\n\033[1mevery node keeps its events; which rank died, and what it printed:\033[0m\n'; \
+	sleep 0.5; \
+	step monarch-fs query "SELECT host, rank, code, restart, text FROM events WHERE kind = 'proc.exited' AND code != 0 ORDER BY ts"; \
 	step monarch-fs cluster down
 
 # The suite (bench/run_all.py: push, reads, import torch, find over 100k files and, as root, a
