@@ -223,7 +223,8 @@ class _Push:
                                                           node.channel.info)
                 except bulk.TransportUnavailable as e:
                     node.fail(str(e))
-        bulk.log_choices({n.addr: n.transport for n in self.healthy}, self.requested)
+        bulk.log_choices({n.addr: n.transport for n in self.reached if n.error is None},
+                         self.requested)  # (down a control tree, the nodes below choose theirs)
 
     def check_limits(self) -> None:
         """Fail the nodes that would refuse this snapshot for its size (each tells its limit
