@@ -64,14 +64,18 @@ class Tree:
         def size(e: Entry) -> int:
             return e.size if e.kind == FILE else 0
 
-        def drop(e: Entry) -> None:  # a path gone, and everything below it
+        def drop(gone: Entry) -> None:  # a path gone, and everything below it
+            # (a loop: a closure that called itself would be a reference cycle, and hold
+            # these dicts of the whole tree until a collection, 50 ms at 100k files)
             nonlocal total
-            entries.pop(e.path, None)
-            changed.append((e, None))
-            total -= size(e)
-            if e.kind == DIR:
-                for child in children.pop(e.path, ()):
-                    drop(child)
+            stack = [gone]
+            while stack:
+                e = stack.pop()
+                entries.pop(e.path, None)
+                changed.append((e, None))
+                total -= size(e)
+                if e.kind == DIR:
+                    stack.extend(reversed(children.pop(e.path, ())))
 
         m = self.manifest
         for i in m.read_folders:

@@ -459,9 +459,9 @@ async def rescan(prev: Snapshot, changed: Iterable[bytes], excludes: Sequence[st
     added: set[bytes] = set()
 
     def build(entries: list[Entry]) -> Manifest:
-        manifest, counted = _edited(prev, found, entries, chunk_size, found.walk.sources)
-        refs.update(counted)
-        manifest.known_ids = counted  # its keys: every chunk once
+        nonlocal refs
+        manifest, refs = _edited(prev, found, entries, chunk_size, found.walk.sources)
+        manifest.known_ids = refs  # its keys: every chunk once
         added.update(manifest.new_objects, (c for e in entries for c in e.chunks))
         return manifest
 

@@ -457,11 +457,8 @@ class PushReceived:
 
     def opened(self, version: bytes | None, children: list[dict]) -> None:
         """A relay session: this node forwards to `children` (each with its own subtree)."""
-        def below(kids: list[dict]) -> int:
-            return sum(1 + below(k.get("children", [])) for k in kids)
-
         self.version = version
-        self.topology = (f"relay to {len(children)} ({below(children)} below)" if children
+        self.topology = (f"relay to {len(children)} ({_below(children)} below)" if children
                          else "leaf")
 
     def flushed(self, events: EventLog, peer: str, failed: dict[str, str],
@@ -475,6 +472,11 @@ class PushReceived:
                           or None,
                           detail={"asked": self.asked, "lacking": self.lacking})
         self._reset()
+
+
+def _below(kids: list[dict]) -> int:
+    """The nodes in a relay plan's subtrees."""
+    return sum(1 + _below(k.get("children", [])) for k in kids)
 
 
 # A handler takes its own request class (the route's), so the table types it loosely.
