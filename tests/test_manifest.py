@@ -256,6 +256,40 @@ def test_a_version_shares_its_unchanged_folders_objects():
     assert len(twins.objects()) == 2 and len(twins.object_ids()) == 3
 
 
+
+def test_an_edited_manifest_is_the_whole_build_and_refuses_a_bad_listing():
+    """Manifest.edited (a rescan's): the folders listed anew, the rest spliced, gives the
+    manifest a whole build gives; a listing that names a child twice or one of another folder
+    is refused."""
+    entries = [Entry(b"", Kind.DIR, 0o755, 0, 0)]
+    for d in range(5):
+        entries.append(Entry(b"d%d" % d, Kind.DIR, 0o755, 0, 0))
+        entries.append(Entry(b"d%d/s" % d, Kind.DIR, 0o755, 0, 0))
+        entries += [Entry(b"d%d/s/f%d" % (d, i), Kind.FILE, 0o644, 1, 0,
+                          chunks=(cid(10 * d + i),)) for i in range(3)]
+    before = Manifest(entries)
+    before.validate()
+    by_path = {e.path: e for e in entries}
+    by_path[b"d2/s/f1"] = Entry(b"d2/s/f1", Kind.FILE, 0o644, 1, 5, chunks=(cid(99),))
+    by_path[b"d2/s/new"] = Entry(b"d2/s/new", Kind.DIR, 0o700, 0, 0)
+    del by_path[b"d3/s/f0"]
+    after = Manifest(sorted(by_path.values(), key=lambda e: e.path.split(b"/")))
+    after.validate()
+
+    def listing(path: bytes) -> tuple[Entry, list[Entry]]:
+        return by_path[path], [e for e in by_path.values() if e.path and e.parent == path]
+
+    edited = before.edited({p: listing(p) for p in (b"d2/s", b"d2/s/new", b"d3/s")})
+    assert edited.id == after.id and edited.entries == after.entries
+    assert edited.objects() == after.objects()
+    assert edited.new_objects == set(after.objects()) - set(before.objects())
+    folder, kids = listing(b"d2/s")
+    with pytest.raises(ManifestError, match="twice"):
+        before.edited({b"d2/s": (folder, kids + kids[:1])})
+    with pytest.raises(ManifestError, match="listed in folder"):
+        before.edited({b"d2/s": (folder, kids + [by_path[b"d1/s/f0"]])})
+
+
 def _with_parents(path: bytes) -> list[tuple]:
     """ROOT, a DIR entry for every proper prefix of `path` (that is itself safe), and `path`."""
     out, parts = [ROOT], path.split(b"/")
