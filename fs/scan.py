@@ -14,6 +14,7 @@ import fnmatch
 import operator
 import os
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +31,10 @@ _BATCH_FILES = 256
 
 class SourceChanged(Exception):
     """A source file changed between the scan and the moment its chunk was sent."""
+
+
+class ScanStopped(Exception):
+    """A scan given up because its `stop` event was set (push --watch: an edit came in)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,13 +233,17 @@ def _list(root: bytes, rel_dir: bytes, excludes: Sequence[str], cache: ScanCache
 
 
 def _walk(root: bytes, excludes: Sequence[str], cache: ScanCache | None = None,
-          chunk_size: int = CHUNK_SIZE, top: bytes = b"", out: _Walk | None = None) -> _Walk:
+          chunk_size: int = CHUNK_SIZE, top: bytes = b"", out: _Walk | None = None,
+          stop: threading.Event | None = None) -> _Walk:
     """Metadata of folder `top` (b"": the root) and every entry below it, added to `out`;
-    regular files the cache does not know are returned for hashing."""
+    regular files the cache does not know are returned for hashing. Raises ScanStopped
+    between two folders once `stop` is set."""
     out = out or _Walk([], [], {}, [])
     out.entries.append(_folder(root, top))
     stack = [top]
     while stack:
+        if stop is not None and stop.is_set():
+            raise ScanStopped
         stack += _list(root, stack.pop(), excludes, cache, chunk_size, out)
     return out
 
@@ -427,18 +436,21 @@ async def scan(
     progress: Callable[[int, int], None] | None = None,
     cache: ScanCache | None = None,
     validate: bool = True,
+    stop: threading.Event | None = None,
 ) -> Snapshot:
     """Scan `root` into a Snapshot. `progress(done, total)` reports bytes hashed so far (with
     a cache: of the files it did not know). `cache` is loaded, used, and saved when it changed.
     Not `validate`: the caller validates the manifest before it pushes it (push --watch's
-    check, which mostly finds the tree it has, skips that pass over every entry)."""
+    check, which mostly finds the tree it has, skips that pass over every entry). `stop`: set
+    from another thread, it ends the walk with ScanStopped (the watch's check gives way to an
+    edit)."""
     broot = os.fsencode(os.path.abspath(root))
     started = time.time_ns()  # before any stat: the reference for racily clean files
 
     def walk() -> _Walk:
         if cache is not None:
             cache.begin(chunk_size, started)
-        return _walk(broot, tuple(excludes), cache, chunk_size)
+        return _walk(broot, tuple(excludes), cache, chunk_size, stop=stop)
 
     return await _complete(broot, await trio.to_thread.run_sync(walk), chunk_size, progress,
                            cache, validate=validate)

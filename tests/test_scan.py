@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,8 @@ import pytest
 from helpers import SMALL
 from monarch_fs.fs.chunk import chunk_id, spans
 from monarch_fs.fs.manifest import Entry, Kind, Manifest, ManifestError
-from monarch_fs.fs.scan import Snapshot, SourceChanged, rescan, scan
+from monarch_fs.fs.scan import ScanStopped, Snapshot, SourceChanged, rescan, scan
+from monarch_fs.fs.scan_cache import ScanCache
 
 
 def make_tree(root: Path) -> dict[str, bytes]:
@@ -252,6 +254,36 @@ async def test_scan_refuses_a_chunk_size_below_the_minimum(tmp_path):
     (tmp_path / "f").write_bytes(b"x")
     with pytest.raises(ManifestError):
         await scan(tmp_path, chunk_size=SMALL - 1)
+
+
+
+async def test_a_scan_stops_between_folders_once_asked_and_the_next_one_is_whole(tmp_path):
+    """push --watch's whole-scan check gives way to an edit: `stop`, set from the watcher's
+    thread while the walk runs, ends it with ScanStopped; its cache is left usable."""
+    root = tmp_path / "src"
+    for i in range(200):
+        (root / f"d{i:03}").mkdir(parents=True)
+        (root / f"d{i:03}" / "f").write_bytes(b"%d" % i)
+    cache = ScanCache(tmp_path / "cache", root)
+    first = await scan(root, chunk_size=SMALL, cache=cache)
+    stop = threading.Event()
+    listed = 0
+    real = os.scandir
+
+    def counting(path):
+        nonlocal listed
+        listed += 1
+        if listed == 50:
+            stop.set()
+        return real(path)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "scandir", counting)
+        with pytest.raises(ScanStopped):
+            await scan(root, chunk_size=SMALL, cache=cache, stop=stop)
+    assert listed == 50  # not one folder more
+    again = await scan(root, chunk_size=SMALL, cache=cache)
+    assert again.manifest.id == first.manifest.id
 
 
 async def test_scan_of_an_empty_directory(tmp_path):

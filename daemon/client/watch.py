@@ -9,7 +9,9 @@ its first change. Changes below excluded paths are ignored.
 The tree is scanned whole once; after that, a change costs a look at the folders that hold the
 changed paths (fs.scan.rescan), and the nodes are asked only about chunks the last push did not
 give them all. Should the watcher miss a change (inotify can drop events under a flood), the
-whole scan that runs once things are quiet after a push finds it and pushes it.
+whole scan that runs once things are quiet after a push finds it and pushes it. That scan
+(about a second at 100k files) gives way to an edit that comes in while it runs: the edit is
+pushed at once, and the check runs again once things are quiet.
 
 Python's cyclic garbage collector is paused while a change is rescanned and pushed: the snapshot
 of a large tree holds dicts of 100k items, and a collection that traverses them would add its
@@ -38,7 +40,7 @@ from watchfiles._rust_notify import RustNotify  # documented: watchfiles' "Rust 
 
 from ...fs.manifest import Entry
 from ...fs.private_files import private_dir
-from ...fs.scan import Snapshot, is_excluded, rescan, scan
+from ...fs.scan import ScanStopped, Snapshot, is_excluded, rescan, scan
 from ...fs.scan_cache import ScanCache
 from . import handoff
 from .progress import fmt_bytes
@@ -47,6 +49,7 @@ from .push import PushResult
 QUIET_MS = 5  # an editor's save is a few events within a millisecond or two
 DEBOUNCE_MS = 1000
 CHECK_MS = 2000  # quiet for this long after a push: scan the whole tree, in case of a miss
+CHECK_POLL_MS = 20  # during that scan, how often the watcher is asked whether an edit came
 
 # push_once(snapshot, held): push `snapshot` of the folder; `held`, the snapshot every node took
 # last (None: not known)
@@ -155,21 +158,47 @@ async def watch(
             say(summary(result, changes), out)
         return None if result.failed else snap
 
-    async def scanned(snap: Snapshot | None, changed: set[bytes], checking: bool) -> Snapshot:
-        """The tree now: `snap` rescanned at the `changed` paths, or scanned whole. A check
-        (`checking`: a whole scan after a quiet spell) that finds the tree `snap` has returns
-        `snap`, whose folder objects are built (a whole scan's are not: 0.8 s at 100k files,
-        on the next edit), and validates only a tree that differs."""
-        if snap is not None and changed and not checking:
+    async def scanned(snap: Snapshot | None, changed: set[bytes]) -> Snapshot:
+        """The tree now: `snap` rescanned at the `changed` paths, or scanned whole."""
+        if snap is not None and changed:
             try:
                 return await rescan(snap, changed, excludes)
             except OSError:  # a folder went away while it was listed: look at everything
                 pass
-        fresh = await scan(root, excludes, cache=cache, validate=not checking)
-        if checking:
-            if snap is not None and fresh.manifest.entries == snap.manifest.entries:
-                return snap
-            await trio.to_thread.run_sync(fresh.manifest.validate)
+        return await scan(root, excludes, cache=cache)
+
+    async def check(snap: Snapshot | None, notify: RustNotify) -> Snapshot | set[bytes] | str:
+        """The whole scan after a quiet spell. It finds the tree `snap` has and returns `snap`
+        (whose folder objects are built; a whole scan's are not, 0.8 s at 100k files on the
+        next edit), or the tree that differs, validated. It gives way to what the watcher
+        reports meanwhile (changed paths, or "stop"), which it returns instead: at 100k files
+        the scan takes about a second, and an edit must not wait for it."""
+        given_up = threading.Event()
+        done = False
+        got: set[bytes] | str = set()
+
+        async def watch_meanwhile() -> None:
+            nonlocal got
+            while not done:  # (polled, not cancelled: what the watcher returns is kept)
+                news = await changes(notify, CHECK_POLL_MS)
+                if news == "stop" or (isinstance(news, set) and news):
+                    got = news
+                    given_up.set()
+                    return
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch_meanwhile)
+            try:
+                fresh = await scan(root, excludes, cache=cache, validate=False, stop=given_up)
+            except ScanStopped:
+                pass
+            finally:
+                done = True
+        if got:
+            return got
+        if snap is not None and fresh.manifest.entries == snap.manifest.entries:
+            return snap
+        await trio.to_thread.run_sync(fresh.manifest.validate)
         return fresh
 
     check_at: float | None = None  # when the whole scan after a quiet spell is due
@@ -196,8 +225,17 @@ async def watch(
         while True:
             gc.disable()  # until the push is done (see the module docstring)
             try:
-                if snap is None or changed or checking:  # (whole when checking)
-                    snap = await scanned(snap, changed, checking)
+                if checking:
+                    found = await check(snap, notify)
+                    if isinstance(found, str):  # "stop"
+                        return
+                    if isinstance(found, set):  # an edit came in: it goes first, the check later
+                        changed, checking = found, False
+                        check_at = time.monotonic() + CHECK_MS / 1e3
+                        continue
+                    snap = found
+                elif snap is None or changed:
+                    snap = await scanned(snap, changed)
             except (OSError, ValueError) as e:  # the folder went away, an unsafe name...
                 say(f"{time.strftime('%H:%M:%S')} push failed: {e}", err)
                 snap, outcome = None, e
