@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import pyfuse3
 import xxhash
 
+from .layered import Layered
 from .manifest import Entry, Kind, Manifest
 
 VERSIONS = b".versions"
@@ -34,7 +35,8 @@ class Tree:
 
     Given the tree of the version `manifest` was loaded knowing (Manifest.base), it is that
     index with the folders the load read listed again: the cost of the change, not of the
-    tree. It also keeps what differs from that version (`changed`, for `changes`)."""
+    tree (its dicts are fs/layered.py's: that index shared, with the changes on top). It also
+    keeps what differs from that version (`changed`, for `changes`)."""
 
     def __init__(self, version: bytes, manifest: Manifest, prev: Tree | None = None):
         self.version = version
@@ -45,19 +47,20 @@ class Tree:
         if prev is not None and base is not None and base is prev.manifest:
             self._update(prev)
             return
-        self.entries: dict[bytes, Entry] = {}
-        self.children: dict[bytes, list[Entry]] = {}  # in name order
+        entries: dict[bytes, Entry] = {}
+        children: dict[bytes, list[Entry]] = {}  # in name order
         self.total_bytes = manifest.total_bytes  # for statfs, which `find` and `df` call
         for e in manifest.entries:  # sorted: parents first, names in order within a directory
-            self.entries[e.path] = e
+            entries[e.path] = e
             if e.kind == DIR:
-                self.children[e.path] = []
+                children[e.path] = []
             if e.path:
-                self.children[e.parent].append(e)
+                children[e.parent].append(e)
+        self.entries, self.children = Layered(entries), Layered(children)
 
     def _update(self, prev: Tree) -> None:
         """`prev`'s index, with each folder the load read listed again (see the class)."""
-        entries, children = prev.entries.copy(), prev.children.copy()  # (fast after deletions)
+        entries, children = prev.entries.derive(), prev.children.derive()
         changed = self.changed
         total = prev.total_bytes
 
