@@ -9,8 +9,8 @@ in. A lookup is two dict lookups at most, whatever the history.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Generic, TypeVar, overload
+from collections.abc import Iterator, Mapping, MutableMapping
+from typing import TypeVar, overload
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -20,8 +20,9 @@ _GONE = object()  # in `_top`: a key of the base that this version no longer has
 FOLD_MIN = 1024  # differences kept on top before a fold is considered at all
 
 
-class Layered(Generic[K, V]):
-    """A mapping: `base` (shared, read-only from here on) with this one's changes on top."""
+class Layered(MutableMapping[K, V]):
+    """A mapping: `base` (shared, read-only from here on) with this one's changes on top.
+    Iterating it (or its keys, items, values) makes a flat copy first: O(size)."""
 
     __slots__ = ("_base", "_top", "_len")
 
@@ -79,16 +80,14 @@ class Layered(Generic[K, V]):
             self._len += 1
         self._top[key] = value
 
-    def pop(self, key: K, default: D) -> V | D:
-        v = self.get(key, _GONE)
-        if v is _GONE:
-            return default
+    def __delitem__(self, key: K) -> None:
+        if key not in self:
+            raise KeyError(key)
         self._len -= 1
         if key in self._base:
             self._top[key] = _GONE
         else:
             del self._top[key]
-        return v  # type: ignore[return-value]
 
     def __len__(self) -> int:
         return self._len
@@ -96,5 +95,8 @@ class Layered(Generic[K, V]):
     def __iter__(self) -> Iterator[K]:
         return iter(self.flat())
 
-    def keys(self):  # noqa: ANN201 -- a dict's keys view (of a flat copy)
-        return self.flat().keys()
+
+def derived(m: Mapping[K, V]) -> Layered[K, V]:
+    """A mapping equal to `m`, to change without changing `m` (a plain dict is shared, not
+    copied: it must not change afterwards)."""
+    return m.derive() if isinstance(m, Layered) else Layered(m if isinstance(m, dict) else dict(m))

@@ -18,7 +18,7 @@ import enum
 import struct
 import weakref
 from array import array
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 from .chunk import CHUNK_SIZE, ID_SIZE, MAX_CHUNK_SIZE, chunk_id
@@ -252,7 +252,7 @@ class Manifest:
         # can be made from that one's at the cost of what changed (fs/inodes.py).
         self.base: weakref.ref[Manifest] | None = None
         self.read_folders: list[int] = []
-        self.known_ids: Iterable[bytes] | None = None  # chunk_ids(), when already counted
+        self.known_ids: Collection[bytes] | None = None  # chunk_ids(), when already counted
         self.totals: tuple[int, int] | None = None  # file_totals()
         self.new_objects: set[bytes] = set()  # edited(): the objects its base does not have
 
@@ -605,11 +605,11 @@ class Manifest:
             self._by_path = {e.path: e for e in self.entries}
         return self._by_path.get(path)
 
-    def chunk_ids(self) -> list[bytes]:
+    def chunk_ids(self) -> Collection[bytes]:
         """Every chunk id the snapshot needs, once each, in file order (or as `known_ids`
-        says, when a rescan counted them)."""
+        says, when a rescan counted them: its counts by id, whose length costs nothing)."""
         if self.known_ids is not None:
-            return list(self.known_ids)
+            return self.known_ids
         return list(dict.fromkeys(c for e in self.entries for c in e.chunks))
 
     @property

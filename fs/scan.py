@@ -16,12 +16,13 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 
 import trio
 
 from .chunk import CHUNK_SIZE, chunk_id, spans
+from .layered import derived
 from .manifest import Entry, Kind, Manifest, sort_key
 from .scan_cache import Key, ScanCache, stat_key
 
@@ -53,7 +54,7 @@ class Snapshot:
 
     root: bytes
     manifest: Manifest
-    sources: dict[bytes, Source]  # chunk id -> one place to read it
+    sources: MutableMapping[bytes, Source]  # chunk id -> one place to read it
     warnings: list[str] = field(default_factory=list)
     cache: ScanCache | None = None
     hashed_files: int = 0  # files read and hashed by the scan
@@ -61,7 +62,7 @@ class Snapshot:
     cached_files: int = 0  # files whose chunk ids came from the cache, unread
     # How many files hold each chunk (made when a rescan first needs it): a rescan keeps a
     # chunk's source only while some file holds it.
-    refs: dict[bytes, int] | None = None
+    refs: MutableMapping[bytes, int] | None = None
     # A rescan's: the version it was rescanned from, and the chunks and folder objects it has
     # that that one may not (what a push asks the nodes about, when they hold that version).
     since: bytes | None = None
@@ -71,7 +72,7 @@ class Snapshot:
         """Whether `cid` is one of this snapshot's chunks or folder objects."""
         return cid in self.chunk_refs() or cid in self.manifest.objects()
 
-    def chunk_refs(self) -> dict[bytes, int]:
+    def chunk_refs(self) -> MutableMapping[bytes, int]:
         if self.refs is None:
             refs: dict[bytes, int] = {}
             for e in self.manifest.entries:
@@ -167,7 +168,7 @@ _name = operator.attrgetter("name")
 class _Walk:
     entries: list[Entry]  # folders, symlinks, and files whose chunk ids came from the cache
     files: list[_File]  # files to hash
-    sources: dict[bytes, Source]  # of the cached files
+    sources: MutableMapping[bytes, Source]  # of the cached files
     warnings: list[str]
     cached_files: int = 0
 
@@ -324,10 +325,11 @@ def _rewalk(prev: Snapshot, changed: Iterable[bytes], excludes: Sequence[str],
     return found
 
 
-def _without_stale(prev: Snapshot, found: _Rewalk) -> dict[bytes, Source]:
+def _without_stale(prev: Snapshot, found: _Rewalk) -> MutableMapping[bytes, Source]:
     """`prev`'s sources, but for the chunks it read from files that changed (the rescan sets
-    those anew, from what it listed), and with those the rescan's walk found."""
-    sources = prev.sources.copy()  # (copy(): fast on a dict that had deletions; dict() is not)
+    those anew, from what it listed), and with those the rescan's walk found. Derived from
+    `prev`'s (fs/layered.py): a copy of 100k sources cost 2.4 ms an edit, and as much to free."""
+    sources = derived(prev.sources)
     changed = {os.path.join(prev.root, e.path) for e in found.stale}
     for e in found.stale:
         for cid in e.chunks:
@@ -339,7 +341,8 @@ def _without_stale(prev: Snapshot, found: _Rewalk) -> dict[bytes, Source]:
 
 
 def _edited(prev: Snapshot, found: _Rewalk, entries: list[Entry], chunk_size: int,
-            sources: dict[bytes, Source]) -> tuple[Manifest, dict[bytes, int]]:
+            sources: MutableMapping[bytes, Source]
+            ) -> tuple[Manifest, MutableMapping[bytes, int]]:
     """The manifest after a rescan, made from `prev`'s at the cost of what was listed, and
     the chunks' reference counts. `sources` loses the chunks nothing holds any more; one that
     a file that changed held, and an unchanged one still does, is read from that one."""
@@ -349,7 +352,7 @@ def _edited(prev: Snapshot, found: _Rewalk, entries: list[Entry], chunk_size: in
             kids.setdefault(e.parent, []).append(e)
     manifest = prev.manifest.edited(
         {path: (folder, kids.get(path, [])) for path, folder in found.listed.items()})
-    refs = prev.chunk_refs().copy()
+    refs = derived(prev.chunk_refs())
     for e in found.replaced:
         for cid in e.chunks:
             refs[cid] -= 1
@@ -467,7 +470,7 @@ async def rescan(prev: Snapshot, changed: Iterable[bytes], excludes: Sequence[st
     found = await trio.to_thread.run_sync(_rewalk, prev, set(changed), tuple(excludes),
                                           chunk_size)
     found.walk.sources = _without_stale(prev, found)
-    refs: dict[bytes, int] = {}
+    refs: MutableMapping[bytes, int] = {}
     added: set[bytes] = set()
 
     def build(entries: list[Entry]) -> Manifest:

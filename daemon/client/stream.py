@@ -14,7 +14,7 @@ wants up to the root: daemon/node/relay.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -122,7 +122,7 @@ class Payload:
     the codec, link_codec.py) get every chunk raw; the nodes below a root receive
     what the root received, forwarded as it arrives."""
 
-    ids: list[bytes]
+    ids: Collection[bytes]  # Manifest.chunk_ids()
     version: bytes
     objects: dict[bytes, bytes]  # Manifest.objects(): children before parents, the root last
     sources: Mapping[bytes, Source]  # Snapshot.sources
