@@ -273,3 +273,31 @@ def test_a_one_shot_push_is_handed_to_the_running_watch_of_its_folder(fresh_clus
     out = one_shot(c, src, home, "--json")
     assert out.returncode == 0 and "watch" not in json.loads(out.stdout)
     assert reads(c.mnt(1) / "ws" / "f") == b"v3"
+
+
+@pytest.mark.mount
+def test_an_edit_saved_then_pushed_by_hand_is_pushed_once(fresh_cluster, tmp_path):
+    """The watch starts pushing an edit as soon as it is saved; a one-shot push typed right
+    after arrives while that push runs, and is answered by it (its scan came after the save),
+    not by a second push of the same tree."""
+    c = fresh_cluster(1)
+    src = tmp_path / "ws"
+    src.mkdir()
+    (src / "f").write_text("v1")
+    home = tmp_path / "home"
+    w = watcher(c, src, tmp_path)
+    try:
+        w.push()
+        (tmp_path / "big").write_bytes(os.urandom(96 << 20))  # a push long enough to arrive in
+        os.rename(tmp_path / "big", src / "big")  # saved at once, as editors do
+        out = one_shot(c, src, home, "--json")
+        assert out.returncode == 0, out.stderr
+        handed = json.loads(out.stdout)
+        pushed = w.push()
+        assert handed["watch"] == w.proc.pid and handed["version"] == pushed["version"]
+        assert pushed["changes"] >= 1 and handed["bytes"] == pushed["bytes"] > 96 << 20
+        w.no_push(1.0)  # and no push of the same tree again
+        assert reads(c.mnt(0) / "ws" / "big") == (src / "big").read_bytes()
+        assert w.stop() == 0
+    finally:
+        w.kill()

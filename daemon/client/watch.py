@@ -92,7 +92,9 @@ class _Filter:
 # (what the one-shot command would have printed, and its exit code).
 Report = Callable[[PushResult | BaseException], dict]
 Judge = Callable[[dict], Report | None]
-POLL_MS = 25  # with hand-offs served: how often the wait for changes looks for one
+# With hand-offs served: how often the wait for changes looks for one. (Not woken by one through
+# the watcher's stop event: RustNotify drops the changes it holds when that is set.)
+POLL_MS = 25
 
 
 async def watch(
@@ -224,6 +226,7 @@ async def watch(
         asked: list[_Asked] = []  # the hand-offs this push answers
         while True:
             gc.disable()  # until the push is done (see the module docstring)
+            pushed_now = False
             try:
                 if checking:
                     found = await check(snap, notify)
@@ -247,12 +250,26 @@ async def watch(
                         "scan found it", err)
                 if missed or not checking or asked:
                     held = await push_and_report(snap, held, len(changed) or int(missed))
+                    pushed_now = True
                     pushed, check_at = snap.manifest.entries, time.monotonic() + CHECK_MS / 1e3
             finally:
                 gc.enable()
             for a in asked:
                 a.answer(outcome)
             changed, checking, asked = set(), False, []
+            if pushed_now and waiting and held is snap:
+                # Hand-offs that came while that push ran: it scanned the tree before they
+                # came, so unless the watcher has seen a change since, it was their push too
+                # (an edit saved and then pushed by hand is pushed once, not twice).
+                got = await changes(notify, 1)
+                if got == "stop":
+                    return
+                if isinstance(got, set) and got:
+                    changed = got
+                else:
+                    for a in waiting:
+                        a.answer(outcome)
+                    waiting[:] = []
             while not (changed or checking or asked):
                 serving = judge is not None
                 left = 0 if check_at is None else max(1, int(1e3 * (check_at - time.monotonic())))
