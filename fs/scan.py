@@ -197,6 +197,7 @@ def _list(root: bytes, rel_dir: bytes, excludes: Sequence[str], cache: ScanCache
     lookup = cache.lookup if cache is not None else None
     entries, files, sources = out.entries, out.files, out.sources
     folders = []
+    cached = 0
     with os.scandir(abs_dir) as it:
         children = sorted(it, key=_name)
     for d in children:
@@ -215,9 +216,13 @@ def _list(root: bytes, rel_dir: bytes, excludes: Sequence[str], cache: ScanCache
             if chunks is None:
                 files.append(_File(rel, d.path, mode, stat_key(st)))
                 continue
-            out.cached_files += 1
+            cached += 1
             size = st.st_size
             entries.append(Entry(rel, Kind.FILE, mode, size, st.st_mtime_ns, b"", chunks))
+            if len(chunks) == 1:  # most files: one chunk, the whole file
+                if chunks[0] not in sources:
+                    sources[chunks[0]] = Source(d.path, 0, size, stat_key(st))
+                continue
             key = None
             for cid, (off, length) in zip(chunks, spans(size, chunk_size)):
                 if cid not in sources:
@@ -230,6 +235,7 @@ def _list(root: bytes, rel_dir: bytes, excludes: Sequence[str], cache: ScanCache
         else:
             out.warnings.append(f"skipped {os.fsdecode(rel)}: not a file, folder or symlink "
                                 f"({stat.filemode(st.st_mode)[0]})")
+    out.cached_files += cached
     return folders
 
 

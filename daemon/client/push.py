@@ -125,6 +125,30 @@ class _Clock:
         self.last = now
 
 
+async def open_links(nodes: Sequence[NodeLink], token: bytes, encrypt: str, timeout: float,
+                     local: bulk.LocalTransport, requested: str) -> None:
+    """Connect each node and choose its bulk transport (--transport); a node that fails is
+    marked, the others go on."""
+    async def open_one(node: NodeLink) -> None:
+        node.chan = await connect(node.addr, token, encrypt=encrypt,
+                                  timeout=min(CONNECT_TIMEOUT, timeout))
+
+    await each(nodes, open_one)
+    for node in nodes:
+        if node.error is None:
+            try:
+                node.transport = bulk.choose_for_peer(local, requested, node.channel.info)
+            except bulk.TransportUnavailable as e:
+                node.fail(str(e))
+
+
+async def _close(links: Sequence[NodeLink]) -> None:
+    """Close `links`, even in a push being cancelled (one that failed before it began)."""
+    with trio.CancelScope(shield=True):
+        for link in links:
+            await bulk.close_peer(link.bulk, link.chan)
+
+
 class _Push:
     """The state of one push; the steps are methods so `push()` reads as the protocol does."""
 
@@ -135,7 +159,9 @@ class _Push:
                  timeout: float, allow_partial: bool, encrypt: str = "auto",
                  store: ControllerStore | None = None, compress: str = "auto",
                  bwlimit: float = 0, sessions: Sessions | None = None, control: str = "star",
-                 control_fanout: int = topology.CONTROL_FANOUT):
+                 control_fanout: int = topology.CONTROL_FANOUT,
+                 links: list[NodeLink] | None = None):
+        """`links`: one per host, connected already (while the folder was scanned)."""
         self.snap = snap
         self.pacer = Pacer(bwlimit)  # one for the whole push: every broadcast shares the limit
         self.token = token
@@ -145,7 +171,8 @@ class _Push:
         self.allow_partial = allow_partial
         self.sessions = sessions  # push --watch: the links stay open after this push
         self.kept: set[str] = set()  # nodes whose session this push took from `sessions`
-        self.nodes = [sessions.link(h) if sessions else NodeLink(h) for h in hosts]
+        self.nodes = links if links is not None else [
+            sessions.link(h) if sessions else NodeLink(h) for h in hosts]
         self.by_addr = {n.addr: n for n in self.nodes}
         # control tree: the roots the dev box talks to, each with the subtree below it
         self.tree = (topology.forest(list(hosts), control_fanout) if control == "tree"
@@ -209,20 +236,13 @@ class _Push:
             raise PushError(stage, failures, len(self.nodes), published)
 
     async def connect(self) -> None:
-        async def open_one(node: NodeLink) -> None:
-            node.chan = await connect(node.addr, self.token, encrypt=self.encrypt,
-                                      timeout=min(CONNECT_TIMEOUT, self.timeout))
-
+        """Connect the nodes the dev box talks to, but those whose session is open: kept from
+        the last push (`sessions`) or opened while the folder was scanned."""
         fresh = [n for n in self.reached if n.chan is None]
-        self.kept = {n.addr for n in self.reached if n.chan is not None}
-        await each(fresh, open_one)
-        for node in fresh:  # which bulk transport each node gets (--transport)
-            if node.error is None:
-                try:
-                    node.transport = bulk.choose_for_peer(self.local, self.requested,
-                                                          node.channel.info)
-                except bulk.TransportUnavailable as e:
-                    node.fail(str(e))
+        if self.sessions is not None:
+            self.kept = {n.addr for n in self.reached if n.chan is not None}
+        await open_links(fresh, self.token, self.encrypt, self.timeout, self.local,
+                         self.requested)
         bulk.log_choices({n.addr: n.transport for n in self.reached if n.error is None},
                          self.requested)  # (down a control tree, the nodes below choose theirs)
 
@@ -598,24 +618,39 @@ async def push(
         raise ValueError(f"unknown topology {topology_kind!r}: use one of {topology.KINDS}")
     control = topology.control(control, len(hosts), early)
 
+    requested = transport if isinstance(transport, str) else transport.requested
+    local = (transport if isinstance(transport, bulk.LocalTransport)
+             else bulk.resolve_local(transport))
+    links: list[NodeLink] | None = None
     if snapshot is None:
         progress.phase("scanning", 0, "entries")
-        snapshot = await scan(src, excludes, progress=lambda done, total: (
-            progress.phase("hashing", total) if done == 0 else progress.update(done)),
-            cache=ScanCache.for_folder(cache_dir, src) if cache_dir else None)
+        if sessions is None and control == "star":  # connect while the folder is scanned
+            links = [NodeLink(h) for h in hosts]
+        try:
+            async with trio.open_nursery() as nursery:
+                if links is not None:
+                    nursery.start_soon(open_links, links, token, encrypt, timeout, local,
+                                       requested)
+                snapshot = await scan(src, excludes, progress=lambda done, total: (
+                    progress.phase("hashing", total) if done == 0 else progress.update(done)),
+                    cache=ScanCache.for_folder(cache_dir, src) if cache_dir else None)
+        except BaseException:
+            await _close(links or [])
+            raise
     snap = snapshot
 
     store: ControllerStore | None = None
     if store_dir is not None:
-        store, busy = await ControllerStore.open(Path(store_dir), store_bound)
+        try:
+            store, busy = await ControllerStore.open(Path(store_dir), store_bound)
+        except BaseException:
+            await _close(links or [])
+            raise
         unexposed += [busy] if busy else []
     clock.mark("scan")
     job = _Push(snap, hosts, token, progress, timeout, allow_partial, encrypt, store, compress,
-                bwlimit, sessions, control, control_fanout)
-    job.started = t0
-    job.requested = transport if isinstance(transport, str) else transport.requested
-    job.local = (transport if isinstance(transport, bulk.LocalTransport)
-                 else bulk.resolve_local(transport))
+                bwlimit, sessions, control, control_fanout, links)
+    job.started, job.requested, job.local = t0, requested, local
     usable = on_usable or (lambda seconds, nodes: None)
 
     async def send_and_publish() -> str:
