@@ -624,13 +624,15 @@ async def push(
     links: list[NodeLink] | None = None
     if snapshot is None:
         progress.phase("scanning", 0, "entries")
-        if sessions is None and control == "star":  # connect while the folder is scanned
+        first: list[NodeLink] = []  # connected while the folder is scanned
+        if sessions is None:  # (down a control tree: its roots, as _Push.connect would)
             links = [NodeLink(h) for h in hosts]
+            roots = ({r["addr"] for r in topology.forest(list(hosts), control_fanout)}
+                     if control == "tree" else set(hosts))
+            first = [link for link in links if link.addr in roots]
         try:
             async with trio.open_nursery() as nursery:
-                if links is not None:
-                    nursery.start_soon(open_links, links, token, encrypt, timeout, local,
-                                       requested)
+                nursery.start_soon(open_links, first, token, encrypt, timeout, local, requested)
                 snapshot = await scan(src, excludes, progress=lambda done, total: (
                     progress.phase("hashing", total) if done == 0 else progress.update(done)),
                     cache=ScanCache.for_folder(cache_dir, src) if cache_dir else None)
