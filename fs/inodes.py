@@ -145,6 +145,11 @@ def changes(before: Tree, after: Tree) -> list[tuple[Entry | None, Entry | None]
             or (a[path] is not b[path] and not a[path].same_content(b[path]))]
 
 
+def _home(key: bytes) -> int:
+    """The inode number a node with `key` gets, unless another live node holds it."""
+    return max(2, xxhash.xxh3_64_intdigest(key) >> 1)
+
+
 def _child(path: bytes, name: bytes) -> bytes:
     return path + b"/" + name if path else name
 
@@ -181,13 +186,16 @@ class InodeTable:
         self.workspaces: dict[bytes, list[Tree]] = {}
         self.mtime_ns = 0  # of the synthetic folders: the newest workspace root's
         self.nodes: dict[int, Node] = {}
-        self._inos: dict[bytes, int] = {}
+        # A node's inode number is its key's hash (_home); the few that are not (the root, and a
+        # node whose home number was taken: 63-bit hashes, so all but never) are listed here.
+        # No map of every key to its number: at 100k inodes that took 4 MB of a node's memory.
+        self._moved: dict[bytes, int] = {}
         self._listings: OrderedDict[tuple[bytes, bytes | None, bytes, bytes],
                                     list[tuple[bytes, Node]]] = OrderedDict()
         self._listed = 0  # entries held in self._listings
         root = Node(b"root", self.synthetic(), special="root")
         self.nodes[pyfuse3.ROOT_INODE] = root
-        self._inos[root.key] = pyfuse3.ROOT_INODE
+        self._moved[root.key] = pyfuse3.ROOT_INODE
 
     def synthetic(self) -> Entry:
         return Entry(b"", DIR, 0o755, 0, self.mtime_ns)
@@ -197,15 +205,24 @@ class InodeTable:
         `node`'s key, else `node` itself, now added. A node's inode number is a hash of what it
         is, so an unchanged file keeps its number across versions, after the kernel forgot it,
         and across daemon restarts."""
-        ino = self._inos.get(node.key)
+        ino = self._find(node.key)
         if ino is not None:
             return ino, self.nodes[ino]
-        ino = max(2, xxhash.xxh3_64_intdigest(node.key) >> 1)
-        while ino in self.nodes:  # another live node hashed here: probe on
-            ino = ino + 1 if ino + 1 < 1 << 63 else 2
-        self._inos[node.key] = ino
+        ino = _home(node.key)
+        if ino in self.nodes:  # another live node hashed here: probe on
+            while ino in self.nodes:
+                ino = ino + 1 if ino + 1 < 1 << 63 else 2
+            self._moved[node.key] = ino
         self.nodes[ino] = node
         return ino, node
+
+    def _find(self, key: bytes) -> int | None:
+        """The inode number of the live node with `key`, if any."""
+        ino = _home(key)
+        node = self.nodes.get(ino)
+        if node is not None and node.key == key:
+            return ino
+        return self._moved.get(key)
 
     def node(self, ino: int) -> Node:
         """The node of an inode the kernel holds; ENOENT for any other."""
@@ -216,7 +233,7 @@ class InodeTable:
 
     def known_ino(self, key: bytes) -> int | None:
         """The inode for key, if the kernel knows it (else it has nothing cached to drop)."""
-        ino = self._inos.get(key)
+        ino = self._find(key)
         return ino if ino is not None and self.nodes[ino].lookups else None
 
     def forget(self, inode_list: list[tuple[int, int]]) -> bool:
@@ -231,8 +248,8 @@ class InodeTable:
             if node.lookups or ino == pyfuse3.ROOT_INODE:
                 continue
             del self.nodes[ino]
-            if self._inos.get(node.key) == ino:
-                del self._inos[node.key]
+            if self._moved.get(node.key) == ino:
+                del self._moved[node.key]
             orphans = orphans or bool(node.entry.chunks) and self.tree(node) is None
         return orphans
 
@@ -323,4 +340,5 @@ class InodeTable:
             key = wsv_key(node.ws)
         else:
             key = dir_key(node.ws, node.view, node.entry.parent)
-        return self._inos.get(key, ino)
+        found = self._find(key)
+        return ino if found is None else found

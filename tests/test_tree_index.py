@@ -159,3 +159,28 @@ def test_an_edit_leaves_no_reference_cycle():
         assert gc.collect() == 0
     finally:
         gc.enable()
+
+
+def test_inode_numbers_are_key_hashes_and_collisions_stay_found(monkeypatch):
+    """An inode's number is its key's hash; a key whose number is taken gets the next free one,
+    and stays found after the node at its home is forgotten (the table keeps no map of every
+    key). Every key here hashes to one number, to make the rare case the only case."""
+    from monarch_fs.fs import inodes
+
+    table = inodes.InodeTable()
+    entry = Entry(b"f", Kind.FILE, 0o644, 1, 0, chunks=(cid(1),))
+    a, b, c = (inodes.Node(k, entry, b"ws") for k in (b"key-a", b"key-b", b"key-c"))
+    assert table.ino(a) == (inodes._home(b"key-a"), a)  # its hash: the same after a restart
+    monkeypatch.setattr(inodes, "_home", lambda key: 5)
+    table = inodes.InodeTable()
+    assert [table.ino(n)[0] for n in (a, b, c)] == [5, 6, 7]
+    assert table.ino(inodes.Node(b"key-b", entry, b"ws")) == (6, b)  # the live node, found
+    for n in (a, b, c):
+        n.lookups = 1
+    table.forget([(5, 1)])  # the one at the home number goes
+    assert 5 not in table.nodes
+    assert table.ino(b)[0] == 6 and table.known_ino(b"key-c") == 7
+    d = inodes.Node(b"key-d", entry, b"ws")
+    assert table.ino(d)[0] == 5  # the home number is free again
+    table.forget([(6, 1)])
+    assert table.known_ino(b"key-b") is None and table.ino(c)[0] == 7
