@@ -37,6 +37,8 @@ def chunk_id(data: bytes | memoryview) -> bytes:
 
 def spans(size: int, chunk_size: int = CHUNK_SIZE) -> list[tuple[int, int]]:
     """(offset, length) of each chunk of a file of `size` bytes; an empty file has none."""
+    if size <= chunk_size:  # most files (a scan asks for every one): without the loop
+        return [(0, size)] if size else []
     return [(off, min(chunk_size, size - off)) for off in range(0, size, chunk_size)]
 
 

@@ -188,7 +188,7 @@ class InodeTable:
         self.nodes: dict[int, Node] = {}
         # A node's inode number is its key's hash (_home); the few that are not (the root, and a
         # node whose home number was taken: 63-bit hashes, so all but never) are listed here.
-        # No map of every key to its number: at 100k inodes that took 4 MB of a node's memory.
+        # No map of every key to its number: serving 100k files, that took 5 MB (151 -> 146 MB).
         self._moved: dict[bytes, int] = {}
         self._listings: OrderedDict[tuple[bytes, bytes | None, bytes, bytes],
                                     list[tuple[bytes, Node]]] = OrderedDict()
@@ -208,10 +208,10 @@ class InodeTable:
         ino = self._find(node.key)
         if ino is not None:
             return ino, self.nodes[ino]
-        ino = _home(node.key)
-        if ino in self.nodes:  # another live node hashed here: probe on
-            while ino in self.nodes:
-                ino = ino + 1 if ino + 1 < 1 << 63 else 2
+        home = ino = _home(node.key)
+        while ino in self.nodes:  # another live node hashed here: probe on
+            ino = ino + 1 if ino + 1 < 1 << 63 else 2
+        if ino != home:
             self._moved[node.key] = ino
         self.nodes[ino] = node
         return ino, node

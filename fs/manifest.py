@@ -482,8 +482,9 @@ class Manifest:
             oids.extend(p_oids[i:i + span])
             spans.extend(p_spans[i:i + span])
 
-        def enter(path: bytes) -> tuple[Iterator[Entry], list[bytes], int, bytes]:
-            """Emit the listed folder at `path`: its children to go, its records, its index."""
+        def enter(path: bytes) -> tuple[Iterator[Entry], list[bytes], int, bytes, bytes | None]:
+            """Emit the listed folder at `path`: its children to go, its records, its index,
+            its path and the last child's name."""
             folder, kids = listed[path]
             if folder.path != path or folder.kind != Kind.DIR:
                 raise ManifestError(f"folder {path!r} listed with the entry of {folder.path!r}")
@@ -492,14 +493,13 @@ class Manifest:
             entries.append(folder)
             oids.append(None)
             spans.append(1)
-            return iter(sorted(kids, key=_by_name)), [], len(entries) - 1, path
+            return iter(sorted(kids, key=_by_name)), [], len(entries) - 1, path, None
 
         # Depth first with a stack (as load does): a closure that called itself would be a
         # reference cycle holding these lists until a collection (dozens of ms at 100k files).
         stack = [enter(b"")]
-        last: bytes | None = None
         while stack:
-            kids, records, at, path = stack[-1]
+            kids, records, at, path, last = stack[-1]
             e = next(kids, None)
             if e is None:  # the folder is done: its object, and its record in its parent's
                 folder = entries[at]
@@ -511,14 +511,13 @@ class Manifest:
                 stack.pop()
                 if stack:
                     stack[-1][1].append(_folder_record(folder.name, oid))
-                last = folder.name
                 continue
             name = e.name
-            if e.parent != path or (records and name == last):
+            if e.parent != path or name == last:
                 raise ManifestError(f"entry {e.path!r} listed in folder {path!r} twice "
-                                    "or in the wrong folder" if e.parent == path else
+                                    "or in the wrong folder" if name == last else
                                     f"entry {e.path!r} listed in folder {path!r}")
-            last = name
+            stack[-1] = (kids, records, at, path, name)
             if e.kind == Kind.DIR:
                 if e.path in listed:
                     stack.append(enter(e.path))

@@ -219,10 +219,6 @@ def _list(root: bytes, rel_dir: bytes, excludes: Sequence[str], cache: ScanCache
             cached += 1
             size = st.st_size
             entries.append(Entry(rel, Kind.FILE, mode, size, st.st_mtime_ns, b"", chunks))
-            if len(chunks) == 1:  # most files: one chunk, the whole file
-                if chunks[0] not in sources:
-                    sources[chunks[0]] = Source(d.path, 0, size, stat_key(st))
-                continue
             key = None
             for cid, (off, length) in zip(chunks, spans(size, chunk_size)):
                 if cid not in sources:
@@ -334,7 +330,7 @@ def _rewalk(prev: Snapshot, changed: Iterable[bytes], excludes: Sequence[str],
 def _without_stale(prev: Snapshot, found: _Rewalk) -> MutableMapping[bytes, Source]:
     """`prev`'s sources, but for the chunks it read from files that changed (the rescan sets
     those anew, from what it listed), and with those the rescan's walk found. Derived from
-    `prev`'s (fs/layered.py): a copy of 100k sources cost 2.4 ms an edit, and as much to free."""
+    `prev`'s (fs/layered.py): a copy of 100k sources cost 2.4 ms an edit."""
     sources = derived(prev.sources)
     changed = {os.path.join(prev.root, e.path) for e in found.stale}
     for e in found.stale:

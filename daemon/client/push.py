@@ -142,13 +142,6 @@ async def open_links(nodes: Sequence[NodeLink], token: bytes, encrypt: str, time
                 node.fail(str(e))
 
 
-async def _close(links: Sequence[NodeLink]) -> None:
-    """Close `links`, even in a push being cancelled (one that failed before it began)."""
-    with trio.CancelScope(shield=True):
-        for link in links:
-            await bulk.close_peer(link.bulk, link.chan)
-
-
 class _Push:
     """The state of one push; the steps are methods so `push()` reads as the protocol does."""
 
@@ -158,10 +151,10 @@ class _Push:
     def __init__(self, snap: Snapshot, hosts: Sequence[str], token: bytes, progress: Progress,
                  timeout: float, allow_partial: bool, encrypt: str = "auto",
                  store: ControllerStore | None = None, compress: str = "auto",
-                 bwlimit: float = 0, sessions: Sessions | None = None, control: str = "star",
-                 control_fanout: int = topology.CONTROL_FANOUT,
-                 links: list[NodeLink] | None = None):
-        """`links`: one per host, connected already (while the folder was scanned)."""
+                 bwlimit: float = 0, sessions: Sessions | None = None,
+                 tree: list[dict] | None = None, links: list[NodeLink] | None = None):
+        """`tree`: the control tree (topology.forest), None for star. `links`: one per host,
+        those the dev box talks to connected already (while the folder was scanned)."""
         self.snap = snap
         self.pacer = Pacer(bwlimit)  # one for the whole push: every broadcast shares the limit
         self.token = token
@@ -175,8 +168,7 @@ class _Push:
             sessions.link(h) if sessions else NodeLink(h) for h in hosts]
         self.by_addr = {n.addr: n for n in self.nodes}
         # control tree: the roots the dev box talks to, each with the subtree below it
-        self.tree = (topology.forest(list(hosts), control_fanout) if control == "tree"
-                     else None)
+        self.tree = tree
         objects = snap.manifest.objects()
         self.version = snap.manifest.id
         self.ids = snap.manifest.chunk_ids()
@@ -621,37 +613,34 @@ async def push(
     requested = transport if isinstance(transport, str) else transport.requested
     local = (transport if isinstance(transport, bulk.LocalTransport)
              else bulk.resolve_local(transport))
+    tree = topology.forest(list(hosts), control_fanout) if control == "tree" else None
     links: list[NodeLink] | None = None
-    if snapshot is None:
-        progress.phase("scanning", 0, "entries")
-        first: list[NodeLink] = []  # connected while the folder is scanned
-        if sessions is None:  # (down a control tree: its roots, as _Push.connect would)
-            links = [NodeLink(h) for h in hosts]
-            roots = ({r["addr"] for r in topology.forest(list(hosts), control_fanout)}
-                     if control == "tree" else set(hosts))
-            first = [link for link in links if link.addr in roots]
-        try:
+    store: ControllerStore | None = None
+    try:
+        if snapshot is None:
+            progress.phase("scanning", 0, "entries")
+            first: list[NodeLink] = []  # the nodes the dev box talks to, connected meanwhile
+            if sessions is None:
+                links = [NodeLink(h) for h in hosts]
+                roots = {r["addr"] for r in tree} if tree is not None else set(hosts)
+                first = [link for link in links if link.addr in roots]
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(open_links, first, token, encrypt, timeout, local, requested)
                 snapshot = await scan(src, excludes, progress=lambda done, total: (
                     progress.phase("hashing", total) if done == 0 else progress.update(done)),
                     cache=ScanCache.for_folder(cache_dir, src) if cache_dir else None)
-        except BaseException:
-            await _close(links or [])
-            raise
-    snap = snapshot
-
-    store: ControllerStore | None = None
-    if store_dir is not None:
-        try:
+        if store_dir is not None:
             store, busy = await ControllerStore.open(Path(store_dir), store_bound)
-        except BaseException:
-            await _close(links or [])
-            raise
-        unexposed += [busy] if busy else []
+            unexposed += [busy] if busy else []
+    except BaseException:  # the push failed before it began: close what it connected
+        with trio.CancelScope(shield=True):
+            for link in links or ():
+                await bulk.close_peer(link.bulk, link.chan)
+        raise
+    snap = snapshot
     clock.mark("scan")
     job = _Push(snap, hosts, token, progress, timeout, allow_partial, encrypt, store, compress,
-                bwlimit, sessions, control, control_fanout, links)
+                bwlimit, sessions, tree, links)
     job.started, job.requested, job.local = t0, requested, local
     usable = on_usable or (lambda seconds, nodes: None)
 
