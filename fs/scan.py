@@ -424,11 +424,13 @@ def _hash_batch(batch: list[_File], chunk_size: int) -> list[_Hashed]:
 
 def _finish(entries: list[Entry], chunk_size: int, cache: ScanCache | None,
             validate: bool = True) -> Manifest:
-    """The manifest of a whole scan's `entries` (validated, unless not `validate`); the cache
-    is saved."""
+    """The manifest of a whole scan's `entries` (validated, unless not `validate`, but for
+    the folders the cache says were validated before); the cache is saved."""
     manifest = Manifest(entries, chunk_size)
     if validate:
-        manifest.validate()
+        manifest.validate(cache.checked if cache is not None else ())
+        if cache is not None:
+            cache.keep_checked(manifest.object_ids())
     if cache is not None:
         cache.save()
     return manifest

@@ -19,6 +19,11 @@ its id, so a stale entry whose chunk must be sent fails the push (SourceChanged 
 which is cleared) and never sends wrong bytes; a stale entry whose old chunk every node already
 holds publishes the file's previous content. `push --no-cache` hashes everything.
 
+Beside it, what was worked out about the folder objects of the last scan, by object id: which
+were validated, and which hold modules without bytecode (`checked`, `bytecode`; the file
+`<cache file>.folders`). A folder object's id is its content, so these facts cannot go stale: a
+one-file edit checks again only the folders on its path.
+
 One cache file per source folder, `<cache_dir>/<xxh3_64 of the absolute path>`, in a compact
 binary format checked by a hash, written atomically (temporary file + rename). A file that is
 missing, truncated, corrupt, from another version or for another chunk size is ignored (the
@@ -32,7 +37,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import xxhash
 
@@ -40,10 +45,14 @@ from .chunk import ID_SIZE
 from .private_files import replace_file
 
 MAGIC = b"MFSSCAN1"
+FOLDERS_MAGIC = b"MFSFOLD1"
+FOLDERS = ".folders"  # the folder facts' file: the cache file's name and this
 RACY_NS = 2_000_000_000
 MAX_FOLDERS = 256  # cache files kept per cache folder; the least recently used go first
 _HEAD = struct.Struct("<8sIIQI16s")  # magic, chunk size, entries, ids, path length, xxh3_128
 _REC = struct.Struct("<QQQqqI")  # st_dev, st_ino, size, mtime_ns, ctime_ns, number of chunks
+_FOLDERS_HEAD = struct.Struct("<8sII16s")  # magic, checked ids, bytecode facts, xxh3_128
+_FACT = struct.Struct("<HIH")  # key length, modules without bytecode, first one's name length
 
 Key = tuple[int, int, int, int, int]  # st_dev, st_ino, size, mtime_ns, ctime_ns
 Cached = dict[tuple[int, int], tuple[int, int, int, tuple[bytes, ...]]]  # (dev, ino) -> size,
@@ -77,6 +86,13 @@ class ScanCache:
         self.loaded = 0  # entries read from the file
         self.hits = 0
         self.stored = 0  # entries recorded by this scan
+        # Facts about folder objects, by id (see the module docstring); kept for the folders
+        # of the last scan only, and saved with the cache when they changed.
+        self.checked: set[bytes] = set()  # folder objects validated (Manifest.validate)
+        # key -> (modules without bytecode, the first one's name): bytecode.py's
+        self.bytecode: dict[bytes, tuple[int, bytes]] = {}
+        self._facts_loaded = False
+        self._facts_dirty = False
 
     @classmethod
     def for_folder(cls, cache_dir: str | os.PathLike[str], folder: str | os.PathLike[str],
@@ -94,6 +110,9 @@ class ScanCache:
             self._old = self._read(self.path, chunk_size)
         elif chunk_size != self.chunk_size:
             self._old = {}
+        if self.path is not None and not self._facts_loaded:
+            self.checked, self.bytecode = _read_facts(self.path + FOLDERS)
+        self._facts_loaded = True
         self.chunk_size = chunk_size
         self._new = {}
         self.hits = self.stored = 0
@@ -121,12 +140,26 @@ class ScanCache:
         self.stored += 1
         return True
 
+    def keep_checked(self, oids: Collection[bytes]) -> None:
+        """The folder objects of the scan's manifest, all validated: the next scan's `known`."""
+        if len(oids) != len(self.checked) or not self.checked.issuperset(oids):
+            self.checked = set(oids)
+            self._facts_dirty = True
+
+    def keep_bytecode(self, facts: dict[bytes, tuple[int, bytes]]) -> None:
+        """bytecode.py's facts for the folders of the scan's manifest (the others are dropped)."""
+        if facts != self.bytecode:
+            self.bytecode = facts
+            self._facts_dirty = True
+
     def save(self) -> bool:
         """Write what this scan saw (only those files: deleted ones are dropped), if anything
-        changed; atomically. True when the file was written. Errors are swallowed: a cache that
-        cannot be written only costs time."""
+        changed; atomically, and the folder facts beside it if they changed. True when the
+        cache file was written. Errors are swallowed: a cache that cannot be written only costs
+        time."""
         changed = self._dirty or len(self._new) != len(self._old)
         self._old, self._new, self._dirty = self._new, dict(self._new), False
+        self.save_facts()
         if self.path is None or not changed:
             return False
         try:
@@ -135,14 +168,24 @@ class ScanCache:
             return False
         return True
 
+    def save_facts(self) -> None:
+        """Write the folder facts, if they changed (atomically; errors only cost time)."""
+        if self.path is not None and self._facts_dirty:
+            self._facts_dirty = False
+            try:
+                _write_facts(self.path + FOLDERS, self.checked, self.bytecode)
+            except OSError:
+                pass
+
     def discard(self) -> None:
         """Forget everything, on disk too: an entry was found stale."""
         self._old, self._new = {}, {}
         if self.path is not None:
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass
+            for path in (self.path, self.path + FOLDERS):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
 
     # ---- the file -------------------------------------------------------------------------
 
@@ -213,18 +256,53 @@ class ScanCache:
         _prune(folder)
 
 
+def _read_facts(path: str) -> tuple[set[bytes], dict[bytes, tuple[int, bytes]]]:
+    """The folder facts kept at `path`; none when it is missing, truncated or corrupt."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        magic, nchecked, nfacts, digest = _FOLDERS_HEAD.unpack_from(data)
+        body = memoryview(data)[_FOLDERS_HEAD.size:]
+        if magic != FOLDERS_MAGIC or xxhash.xxh3_128_digest(body) != digest:
+            return set(), {}
+        end = nchecked * ID_SIZE
+        checked = {bytes(body[i:i + ID_SIZE]) for i in range(0, end, ID_SIZE)}
+        facts: dict[bytes, tuple[int, bytes]] = {}
+        for _ in range(nfacts):
+            klen, count, nlen = _FACT.unpack_from(body, end)
+            start = end + _FACT.size
+            end = start + klen + nlen
+            facts[bytes(body[start:start + klen])] = (count, bytes(body[start + klen:end]))
+        if end != len(body):
+            return set(), {}
+        return checked, facts
+    except (OSError, struct.error, ValueError):
+        return set(), {}
+
+
+def _write_facts(path: str, checked: set[bytes], facts: dict[bytes, tuple[int, bytes]]) -> None:
+    body = b"".join([*checked, *(b"".join([_FACT.pack(len(k), count, len(name)), k, name])
+                                  for k, (count, name) in facts.items())])
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    replace_file(path, _FOLDERS_HEAD.pack(FOLDERS_MAGIC, len(checked), len(facts),
+                                          xxhash.xxh3_128_digest(body)) + body,
+                 f"{path}.{os.getpid()}.{threading.get_ident()}.tmp")
+
+
 def _prune(folder: str, keep: int = MAX_FOLDERS) -> None:
-    """Keep the `keep` most recently used cache files of `folder`."""
+    """Keep the `keep` most recently used cache files of `folder` (with their folder facts)."""
     try:
         with os.scandir(folder) as it:
-            files = [(e.stat().st_mtime_ns, e.path) for e in it if e.is_file()]
+            files = [(e.stat().st_mtime_ns, e.path) for e in it
+                     if e.is_file() and not e.name.endswith(FOLDERS)]
     except OSError:
         return
     if len(files) <= keep:
         return
     files.sort()
     for _, path in files[:len(files) - keep]:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+        for old in (path, path + FOLDERS):
+            try:
+                os.unlink(old)
+            except OSError:
+                pass

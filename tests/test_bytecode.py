@@ -102,3 +102,35 @@ def test_plain_tree_compiles_and_skips_what_cannot_compile(
 
     excluded = cluster2.push(src, "--exclude", "*.pyc")
     assert len(bytecode_warnings(excluded.stderr)) == 1, "excluding *.pyc leaves them out again"
+
+
+def test_what_is_known_of_unchanged_folders_gives_the_same_answer():
+    """missing_bytecode with the facts of an earlier version (push keeps them in the scan
+    cache) answers as it does without them, after edits that change what is missing: a module
+    added to an uncompiled folder, a compiled folder's bytecode deleted, a folder renamed under
+    lib/pythonX.Y (whose modules another Python imports)."""
+    from monarch_fs.daemon.client.bytecode import missing_bytecode
+    from monarch_fs.fs.manifest import Entry, Kind, Manifest
+
+    def tree(paths: list[str]) -> Manifest:
+        dirs = {"/".join(p.split("/")[:i]) for p in paths for i in range(1, p.count("/") + 1)}
+        return Manifest([Entry(b"", Kind.DIR, 0o755, 0, 0)]
+                        + [Entry(d.encode(), Kind.DIR, 0o755, 0, 0) for d in dirs]
+                        + [Entry(p.encode(), Kind.FILE, 0o644, 0, 0) for p in paths])
+
+    lib = SITE.rpartition("/")[0]  # lib/pythonX.Y: this Python's, whose bytecode m.py has
+    first = ["a/x.py", "a/y.py", "b/z.py", f"b/__pycache__/z.{TAG}.pyc", "c/w.py",
+             "c/q.py", f"{lib}/m.py", f"{lib}/__pycache__/m.{TAG}.pyc"]
+    edits = [first + ["a/new.py"],
+             [p for p in first if not p.startswith("b/__pycache__")],
+             [p.replace(lib, "lib/python3.98") for p in first],
+             [p for p in first if not p.startswith("c/")]]
+    _, memo = missing_bytecode(tree(first), TAG)
+    for paths in edits:
+        fresh, _ = missing_bytecode(tree(paths), TAG)
+        known, _ = missing_bytecode(tree(paths), TAG, memo)
+        assert known == fresh
+    counts = [missing_bytecode(tree(p), TAG)[0] for p in [first, *edits]]
+    assert [m.count for m in counts] == [4, 5, 5, 5, 2]
+    assert counts[0].example == "a/x.py" and counts[4].example == "a/x.py"
+    assert missing_bytecode(tree(edits[2]), TAG)[0].count == 5  # m.py is for 3.98 now

@@ -357,9 +357,10 @@ def _bad(entries, **kw) -> None:
     """validate() refuses `entries`, and so does load() of the folder objects a hostile peer
     would build from them (when they can be folder objects at all)."""
     chunk_size = kw.get("chunk_size", CHUNK_SIZE)
-    with pytest.raises(ManifestError):
-        Manifest([Entry(p, Kind(k), mo, s, t, tg, c) for p, k, mo, s, t, tg, c in entries],
-                 chunk_size).validate()
+    for known in ((), {cid(999)}):  # the whole check, and the one that skips known folders
+        with pytest.raises(ManifestError):
+            Manifest([Entry(p, Kind(k), mo, s, t, tg, c) for p, k, mo, s, t, tg, c in entries],
+                     chunk_size).validate(known)
     objects = raw_tree(entries, chunk_size)
     if objects is not None:
         with pytest.raises(ManifestError):
@@ -673,3 +674,31 @@ def test_fuzz_load_of_mutated_objects_raises_only_manifest_error(m, ops):
     finally:
         tracemalloc.stop()
     assert peak < (1 << 20) + 20 * sum(map(len, objects.values()))
+
+
+def test_validate_skips_known_folders_but_not_what_changed():
+    """validate(known): the folders an earlier check passed are not checked again, yet a bad
+    entry in a changed folder is refused, and so is a path that a renamed parent made too
+    long (its own folder unchanged and known)."""
+    def tree(top: bytes, extra: list[Entry] = ()) -> Manifest:
+        return Manifest([Entry(b"", Kind.DIR, 0o755, 0, 0), Entry(top, Kind.DIR, 0o755, 0, 0),
+                         Entry(top + b"/" + b"n" * 200, Kind.DIR, 0o755, 0, 0),
+                         Entry(top + b"/" + b"n" * 200 + b"/f", Kind.FILE, 0o644, 1, 0,
+                               chunks=(cid(1),)),
+                         Entry(b"other", Kind.DIR, 0o755, 0, 0), *extra])
+    before = tree(b"a")
+    before.validate()
+    known = set(before.object_ids())
+    after = tree(b"a", [Entry(b"other/g", Kind.FILE, 0o644, 0, 0)])
+    after.validate(known)  # a valid edit passes
+    assert len(set(after.object_ids()) - known) == 2  # "other" and the root: what was checked
+    bad = tree(b"a", [Entry(b"other/g", Kind.FILE, 0o644, 5, 0)])  # 5 bytes in no chunk
+    with pytest.raises(ManifestError, match="other/g"):
+        bad.validate(known)
+    deep = b"/".join([b"d" * 250] * 16)  # "a", renamed deep down: its paths pass MAX_PATH
+    moved = Manifest([Entry(b"", Kind.DIR, 0o755, 0, 0)] + [
+        Entry(deep[:i], Kind.DIR, 0o755, 0, 0) for i in range(250, len(deep), 251)
+    ] + tree(deep).entries[1:4])
+    assert before.object_ids()[1] in moved.object_ids()  # "a"'s object, unchanged and known
+    with pytest.raises(UnsafePath, match="too long"):
+        moved.validate(known)

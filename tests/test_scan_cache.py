@@ -20,7 +20,14 @@ from helpers import SMALL, mfs, tree, wait_for
 from monarch_fs.fs.chunk import CHUNK_SIZE, chunk_id
 from monarch_fs.fs.manifest import Kind
 from monarch_fs.fs.scan import SourceChanged, scan
-from monarch_fs.fs.scan_cache import RACY_NS, ScanCache, _prune, cache_file, stat_key
+from monarch_fs.fs.scan_cache import (
+    FOLDERS,
+    RACY_NS,
+    ScanCache,
+    _prune,
+    cache_file,
+    stat_key,
+)
 
 RACY = 50_000_000  # 50 ms: tests wait this long after writing instead of the default 2 s
 
@@ -346,9 +353,45 @@ def test_saving_and_loading_15000_entries_round_trips(tmp_path):
 def test_least_recently_used_cache_files_are_pruned(tmp_path):
     for i in range(6):
         (tmp_path / f"c{i}").write_bytes(b"x")
+        (tmp_path / f"c{i}{FOLDERS}").write_bytes(b"x")  # its folder facts go with it
         os.utime(tmp_path / f"c{i}", ns=(i * 10**9, i * 10**9))
     _prune(str(tmp_path), keep=4)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["c2", "c3", "c4", "c5"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        n for i in range(2, 6) for n in (f"c{i}", f"c{i}{FOLDERS}")]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "directory"])
+async def test_folder_facts_are_kept_and_a_damaged_file_of_them_is_ignored(src, tmp_path,
+                                                                          damage):
+    """A scan keeps the ids of the folder objects it validated beside the cache; the next one
+    checks only folders not among them. Damaged, they are ignored: everything is checked."""
+    make_tree(src)
+    past_racy_window(src)
+    snap, _ = await cached_scan(src, tmp_path / "cache")
+    _, cache = await cached_scan(src, tmp_path / "cache")
+    assert cache.checked == set(snap.manifest.object_ids())
+    (src / "pkg1" / "new.py").write_bytes(b"y = 1\n")
+    edited, cache = await cached_scan(src, tmp_path / "cache")
+    assert len(set(edited.manifest.object_ids()) - set(snap.manifest.object_ids())) == 2
+    assert cache.checked == set(edited.manifest.object_ids())  # the last scan's only
+    facts = Path(cache_file(tmp_path / "cache", src) + FOLDERS)
+    data = facts.read_bytes()
+    if damage == "truncated":
+        facts.write_bytes(data[:len(data) // 2])
+    elif damage == "flipped":
+        facts.write_bytes(data[:-3] + bytes([data[-3] ^ 1]) + data[-2:])
+    else:
+        facts.unlink()
+        facts.mkdir()
+    loader = ScanCache.for_folder(tmp_path / "cache", src)
+    loader.begin(SMALL)
+    assert loader.checked == set()
+    again, _ = await cached_scan(src, tmp_path / "cache")
+    assert again.manifest.id == edited.manifest.id == await fresh(src)
+    if damage != "directory":  # written again whole
+        loader = ScanCache.for_folder(tmp_path / "cache", src)
+        loader.begin(SMALL)
+        assert loader.checked == set(again.manifest.object_ids())
 
 
 # --------------------------------------------------------------------------------------------

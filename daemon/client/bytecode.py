@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...fs.manifest import Kind, Manifest
+from ...fs.scan_cache import ScanCache
 
 PYCACHE = b"__pycache__"
 _LIB_PYTHON = re.compile(rb"(?:^|/)lib/python(\d+)\.(\d+)/")
@@ -51,46 +52,68 @@ class Missing:
     tag: str
 
 
-def missing_bytecode(manifest: Manifest, tag: str) -> Missing | None:
+def missing_bytecode(manifest: Manifest, tag: str,
+                     memo: dict[bytes, tuple[int, bytes]] | None = None
+                     ) -> tuple[Missing | None, dict[bytes, tuple[int, bytes]]]:
     """The `.py` files of `manifest` that have no `__pycache__/NAME.TAG.pyc` next to them, in
-    folders that hold no bytecode for TAG at all. A folder with bytecode for some of its modules
-    was compiled; the modules left are the ones compileall could not compile (templates, syntax
-    of another Python), which no node could compile either. None when there are none."""
+    folders that hold no bytecode for TAG at all (None when there are none), and what was found
+    of each folder, for `memo` next time. A folder with bytecode for some of its modules was
+    compiled; the modules left are the ones compileall could not compile (templates, syntax of
+    another Python), which no node could compile either.
+
+    What a folder lacks depends only on its object (its modules, and through its
+    `__pycache__`'s id that folder's files) and the tag: `memo`, by object id and tag, answers
+    for the folders an earlier scan found, so a one-file edit looks at the folders on its
+    path."""
     default = tag.encode()
-    pycs: set[bytes] = set()
-    compiled_dirs: set[tuple[bytes, bytes]] = set()  # (folder, tag) with any .pyc
+    facts: dict[bytes, tuple[int, bytes]] = {}
+    count, example = 0, b""
+    for i, oid in manifest.folders():
+        folder = manifest.entries[i].path
+        t = _tag_for(folder + b"/", default)
+        key = oid + t
+        fact = (memo or {}).get(key) or _folder_missing(manifest, i, t)
+        facts[key] = fact
+        if fact[0]:
+            count += fact[0]
+            path = folder + b"/" + fact[1] if folder else fact[1]
+            if not example or (path.count(b"/"), path) < (example.count(b"/"), example):
+                example = path
+    if not count:
+        return None, facts
+    return Missing(count, example.decode("utf-8", "backslashreplace"), tag), facts
+
+
+def _folder_missing(manifest: Manifest, i: int, tag: bytes) -> tuple[int, bytes]:
+    """(modules without bytecode, the first one's name) of the folder at index `i`."""
+    entries = manifest.entries
     sources: list[bytes] = []
-    for e in manifest:
-        if e.kind != Kind.FILE:
-            continue
-        p = e.path
-        if p.endswith(b".pyc"):
-            head, _, name = p.rpartition(b"/")
-            parent, _, cache = head.rpartition(b"/")
-            if cache == PYCACHE or head == PYCACHE:
-                pycs.add(p)
-                parts = name.split(b".")
-                if len(parts) == 3:  # NAME.TAG.pyc (not NAME.TAG.opt-1.pyc)
-                    compiled_dirs.add((parent if cache == PYCACHE else b"", parts[1]))
-        elif p.endswith(b".py"):
-            sources.append(p)
-    missing = []
-    for p in sources:
-        folder, _, name = p.rpartition(b"/")
-        t = _tag_for(p, default)
-        cache = (folder + b"/" if folder else b"") + PYCACHE
-        if (cache + b"/" + name[:-3] + b"." + t + b".pyc" not in pycs
-                and (folder, t) not in compiled_dirs):
-            missing.append(p)
-    if not missing:
-        return None
-    example = min(missing, key=lambda p: (p.count(b"/"), p))
-    return Missing(len(missing), example.decode("utf-8", "backslashreplace"), tag)
+    pycs: set[bytes] = set()
+    j, end = i + 1, i + manifest.span(i)
+    while j < end:
+        e = entries[j]
+        if e.kind == Kind.FILE and e.name.endswith(b".py"):
+            sources.append(e.name)
+        elif e.kind == Kind.DIR and e.name == PYCACHE:
+            pycs.update(c.name for c in manifest.children(j)
+                        if c.kind == Kind.FILE and c.name.endswith(b".pyc"))
+        j += manifest.span(j)
+    # NAME.TAG.pyc (not NAME.TAG.opt-1.pyc) for any module: the folder was compiled
+    if any(len(parts) == 3 and parts[1] == tag for parts in (p.split(b".") for p in pycs)):
+        return 0, b""
+    missing = [n for n in sources if n[:-3] + b"." + tag + b".pyc" not in pycs]
+    return len(missing), min(missing, default=b"")
 
 
-def warnings(manifest: Manifest, src: str | os.PathLike[str]) -> list[str]:
-    """The one warning line `push` prints for modules without bytecode (or none)."""
-    m = missing_bytecode(manifest, default_tag(src))
+def warnings(manifest: Manifest, src: str | os.PathLike[str],
+             cache: ScanCache | None = None) -> list[str]:
+    """The one warning line `push` prints for modules without bytecode (or none). With the
+    scan's `cache`, what it knows of the folders is used, and kept for the next push."""
+    m, facts = missing_bytecode(manifest, default_tag(src),
+                                cache.bytecode if cache is not None else None)
+    if cache is not None:
+        cache.keep_bytecode(facts)
+        cache.save_facts()
     if m is None:
         return []
     what = "module has" if m.count == 1 else "modules have"

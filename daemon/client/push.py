@@ -718,7 +718,7 @@ async def push(
                if store is not None else {}),
         # (Not again for each push of push --watch: a pass over the whole tree.)
         warnings=unexposed + snap.warnings + job.warnings
-        + (bytecode.warnings(snap.manifest, src) if held is None else []),
+        + (bytecode.warnings(snap.manifest, src, snap.cache) if held is None else []),
         usable_seconds=job.usable_seconds,
         complete_seconds=job.complete_seconds,
         first_reads=job.first_reads if early else None,

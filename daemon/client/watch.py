@@ -200,7 +200,8 @@ async def watch(
             return got
         if snap is not None and fresh.manifest.entries == snap.manifest.entries:
             return snap
-        await trio.to_thread.run_sync(fresh.manifest.validate)
+        await trio.to_thread.run_sync(fresh.manifest.validate,
+                                      cache.checked if cache is not None else ())
         return fresh
 
     check_at: float | None = None  # when the whole scan after a quiet spell is due
