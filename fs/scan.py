@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import trio
 
@@ -38,9 +39,9 @@ class ScanStopped(Exception):
     """A scan given up because its `stop` event was set (push --watch: an edit came in)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Source:
-    """Where the dev box reads one chunk from: a piece of one local file."""
+class Source(NamedTuple):
+    """Where the dev box reads one chunk from: a piece of one local file. (A named tuple, as
+    Entry is: a scan makes one for each chunk of every file.)"""
 
     path: bytes  # absolute path of the file holding the chunk
     offset: int
