@@ -369,6 +369,32 @@ class Manifest:
         assert self._oids is not None
         return ((i, oid) for i, oid in enumerate(self._oids) if oid is not None)
 
+    def ids_beyond(self, objects: Collection[bytes]) -> list[bytes]:
+        """What this version may hold that one whose folder objects are `objects` does not:
+        its folder objects not among them, and the chunks of the files directly inside those.
+        Only the folders that differ are walked (a one-file edit: the few on its path)."""
+        if self._oids is None:
+            self._build()
+        entries, oids, spans = self.entries, self._oids, self._spans
+        assert oids is not None and spans is not None
+        out: dict[bytes, None] = {}
+        stack = [0]
+        while stack:
+            i = stack.pop()
+            oid = oids[i]
+            assert oid is not None
+            if oid in objects:
+                continue
+            out[oid] = None
+            j, end = i + 1, i + spans[i]
+            while j < end:
+                if oids[j] is not None:
+                    stack.append(j)
+                else:
+                    out.update(dict.fromkeys(entries[j].chunks))
+                j += spans[j]
+        return list(out)
+
     def object_ids(self) -> list[bytes]:
         """Every folder's object id, the root's first."""
         if self._oids is None:

@@ -20,9 +20,11 @@ which is cleared) and never sends wrong bytes; a stale entry whose old chunk eve
 holds publishes the file's previous content. `push --no-cache` hashes everything.
 
 Beside it, what was worked out about the folder objects of the last scan, by object id: which
-were validated, and which hold modules without bytecode (`checked`, `bytecode`; the file
-`<cache file>.folders`). A folder object's id is its content, so these facts cannot go stale: a
-one-file edit checks again only the folders on its path.
+were validated, and which hold modules without bytecode (`checked`, `bytecode`); and the last
+version pushed to every node, with its folder objects (`pushed`, `pushed_objects`), so that the
+next push asks the nodes that serve it only about what is new (the file `<cache file>.folders`).
+A folder object's id is its content, so none of these can go stale: a one-file edit checks
+again only the folders on its path.
 
 One cache file per source folder, `<cache_dir>/<xxh3_64 of the absolute path>`, in a compact
 binary format checked by a hash, written atomically (temporary file + rename). A file that is
@@ -51,7 +53,8 @@ RACY_NS = 2_000_000_000
 MAX_FOLDERS = 256  # cache files kept per cache folder; the least recently used go first
 _HEAD = struct.Struct("<8sIIQI16s")  # magic, chunk size, entries, ids, path length, xxh3_128
 _REC = struct.Struct("<QQQqqI")  # st_dev, st_ino, size, mtime_ns, ctime_ns, number of chunks
-_FOLDERS_HEAD = struct.Struct("<8sII16s")  # magic, checked ids, bytecode facts, xxh3_128
+# magic, checked ids, pushed objects, bytecode facts, pushed version (zeros: none), xxh3_128
+_FOLDERS_HEAD = struct.Struct("<8sIII16s16s")
 _FACT = struct.Struct("<HIH")  # key length, modules without bytecode, first one's name length
 
 Key = tuple[int, int, int, int, int]  # st_dev, st_ino, size, mtime_ns, ctime_ns
@@ -91,6 +94,8 @@ class ScanCache:
         self.checked: set[bytes] = set()  # folder objects validated (Manifest.validate)
         # key -> (modules without bytecode, the first one's name): bytecode.py's
         self.bytecode: dict[bytes, tuple[int, bytes]] = {}
+        self.pushed: bytes | None = None  # the version last pushed to every node from here
+        self.pushed_objects: set[bytes] = set()  # its folder objects
         self._facts_loaded = False
         self._facts_dirty = False
 
@@ -111,7 +116,8 @@ class ScanCache:
         elif chunk_size != self.chunk_size:
             self._old = {}
         if self.path is not None and not self._facts_loaded:
-            self.checked, self.bytecode = _read_facts(self.path + FOLDERS)
+            (self.checked, self.bytecode, self.pushed,
+             self.pushed_objects) = _read_facts(self.path + FOLDERS)
         self._facts_loaded = True
         self.chunk_size = chunk_size
         self._new = {}
@@ -168,12 +174,19 @@ class ScanCache:
             return False
         return True
 
+    def keep_pushed(self, version: bytes, oids: Collection[bytes]) -> None:
+        """Every node now serves `version`, whose folder objects are `oids`."""
+        if version != self.pushed:
+            self.pushed, self.pushed_objects = version, set(oids)
+            self._facts_dirty = True
+
     def save_facts(self) -> None:
         """Write the folder facts, if they changed (atomically; errors only cost time)."""
         if self.path is not None and self._facts_dirty:
             self._facts_dirty = False
             try:
-                _write_facts(self.path + FOLDERS, self.checked, self.bytecode)
+                _write_facts(self.path + FOLDERS, self.checked, self.bytecode, self.pushed,
+                             self.pushed_objects)
             except OSError:
                 pass
 
@@ -256,17 +269,23 @@ class ScanCache:
         _prune(folder)
 
 
-def _read_facts(path: str) -> tuple[set[bytes], dict[bytes, tuple[int, bytes]]]:
-    """The folder facts kept at `path`; none when it is missing, truncated or corrupt."""
+Facts = tuple[set[bytes], dict[bytes, tuple[int, bytes]], bytes | None, set[bytes]]
+
+
+def _read_facts(path: str) -> Facts:
+    """The folder facts kept at `path` (checked, bytecode, pushed, pushed_objects); none when
+    it is missing, truncated or corrupt."""
+    none: Facts = (set(), {}, None, set())
     try:
         with open(path, "rb") as f:
             data = f.read()
-        magic, nchecked, nfacts, digest = _FOLDERS_HEAD.unpack_from(data)
+        magic, nchecked, npushed, nfacts, pushed, digest = _FOLDERS_HEAD.unpack_from(data)
         body = memoryview(data)[_FOLDERS_HEAD.size:]
         if magic != FOLDERS_MAGIC or xxhash.xxh3_128_digest(body) != digest:
-            return set(), {}
-        end = nchecked * ID_SIZE
-        checked = {bytes(body[i:i + ID_SIZE]) for i in range(0, end, ID_SIZE)}
+            return none
+        ids = [bytes(body[i:i + ID_SIZE]) for i in range(0, (nchecked + npushed) * ID_SIZE,
+                                                           ID_SIZE)]
+        end = len(ids) * ID_SIZE
         facts: dict[bytes, tuple[int, bytes]] = {}
         for _ in range(nfacts):
             klen, count, nlen = _FACT.unpack_from(body, end)
@@ -274,17 +293,22 @@ def _read_facts(path: str) -> tuple[set[bytes], dict[bytes, tuple[int, bytes]]]:
             end = start + klen + nlen
             facts[bytes(body[start:start + klen])] = (count, bytes(body[start + klen:end]))
         if end != len(body):
-            return set(), {}
-        return checked, facts
+            return none
+        version = pushed if npushed and any(pushed) else None
+        return set(ids[:nchecked]), facts, version, set(ids[nchecked:]) if version else set()
     except (OSError, struct.error, ValueError):
-        return set(), {}
+        return none
 
 
-def _write_facts(path: str, checked: set[bytes], facts: dict[bytes, tuple[int, bytes]]) -> None:
-    body = b"".join([*checked, *(b"".join([_FACT.pack(len(k), count, len(name)), k, name])
-                                  for k, (count, name) in facts.items())])
+def _write_facts(path: str, checked: set[bytes], facts: dict[bytes, tuple[int, bytes]],
+                 pushed: bytes | None, pushed_objects: set[bytes]) -> None:
+    objects = pushed_objects if pushed is not None else set()
+    records = [b"".join([_FACT.pack(len(k), count, len(name)), k, name])
+               for k, (count, name) in facts.items()]
+    body = b"".join([*checked, *objects, *records])
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    replace_file(path, _FOLDERS_HEAD.pack(FOLDERS_MAGIC, len(checked), len(facts),
+    replace_file(path, _FOLDERS_HEAD.pack(FOLDERS_MAGIC, len(checked), len(objects), len(facts),
+                                          pushed or bytes(ID_SIZE),
                                           xxhash.xxh3_128_digest(body)) + body,
                  f"{path}.{os.getpid()}.{threading.get_ident()}.tmp")
 

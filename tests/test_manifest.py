@@ -702,3 +702,23 @@ def test_validate_skips_known_folders_but_not_what_changed():
     assert before.object_ids()[1] in moved.object_ids()  # "a"'s object, unchanged and known
     with pytest.raises(UnsafePath, match="too long"):
         moved.validate(known)
+
+
+def test_ids_beyond_another_version_are_its_new_folders_and_their_files_chunks():
+    """What a push asks nodes that serve an earlier version about: the folder objects that
+    version lacks, and the chunks of the files directly in them, found without walking the
+    unchanged subtrees."""
+    def tree(extra: list[Entry]) -> Manifest:
+        return Manifest([Entry(b"", Kind.DIR, 0o755, 0, 0),
+                         Entry(b"a", Kind.DIR, 0o755, 0, 0),
+                         Entry(b"a/f", Kind.FILE, 0o644, 1, 0, chunks=(cid(1),)),
+                         Entry(b"a/g", Kind.FILE, 0o644, 1, 0, chunks=(cid(2),)),
+                         Entry(b"b", Kind.DIR, 0o755, 0, 0),
+                         Entry(b"b/h", Kind.FILE, 0o644, 1, 0, chunks=(cid(3),)), *extra])
+    before = tree([])
+    after = tree([Entry(b"b/new", Kind.FILE, 0o644, 1, 0, chunks=(cid(4),))])
+    root, a, b = after.object_ids()
+    assert a in before.object_ids() and b not in before.object_ids()
+    assert set(after.ids_beyond(set(before.object_ids()))) == {root, b, cid(3), cid(4)}
+    assert after.ids_beyond(set(after.object_ids())) == []
+    assert set(after.ids_beyond(set())) == {*after.objects(), *after.chunk_ids()}

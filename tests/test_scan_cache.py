@@ -442,3 +442,33 @@ def test_push_through_the_command_line(cluster3, tmp_path, opens):
     expected = tree(src)
     for mnt in cluster3.mounts():
         assert tree(mnt / "cli-src") == expected
+
+
+@pytest.mark.mount
+def test_a_push_after_the_last_from_this_folder_asks_only_about_what_changed(cluster3,
+                                                                            tmp_path):
+    """The scan cache keeps the version last pushed to every node, with its folder objects; a
+    push to nodes that all serve it asks only about what its version adds (Manifest.ids_beyond,
+    checked exactly in tests/test_manifest.py). A node that serves another version, or none,
+    is asked about everything: here, one added to the hosts gets the whole tree."""
+    src = tmp_path / "asked"
+    src.mkdir()
+    make_tree(src)
+    env = {"MONARCH_FS_HOME": str(tmp_path / "home")}
+
+    def push(hosts: list[str]) -> dict:
+        return json.loads(mfs("push", str(src), "--hosts", ",".join(hosts), "--token-file",
+                              cluster3.token_file, "--json", env=env).stdout)
+
+    first = push(cluster3.hosts[:2])
+    facts = ScanCache.for_folder(tmp_path / "home" / "scan-cache", src)
+    facts.begin(CHUNK_SIZE)
+    assert facts.pushed == bytes.fromhex(first["version"]) and facts.pushed_objects
+    (src / "pkg1" / "mod1.py").write_bytes(b"edited = 1\n")
+    second = push(cluster3.hosts)  # node 2 serves nothing: it is sent everything
+    (src / "pkg2" / "new.py").write_bytes(b"new = 2\n")
+    third = push(cluster3.hosts)  # every node serves the second: only the change is asked
+    assert len({first["version"], second["version"], third["version"]}) == 3
+    expected = tree(src)
+    for mnt in cluster3.mounts():
+        assert tree(mnt / "asked") == expected

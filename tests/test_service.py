@@ -23,6 +23,7 @@ from monarch_fs.daemon.wire import protocol as p
 from monarch_fs.daemon.wire.replies import (
     BulkReply,
     CommitReply,
+    CurrentReply,
     FanReply,
     FlushReply,
     FreePortReply,
@@ -267,6 +268,8 @@ def test_every_reply_round_trips_the_dict_nodes_send_and_refuses_a_malformed_one
     v1, v2 = "ab" * 16, "cd" * 16
     wire = [
         (PrepareReply, {"prepared": v1}),
+        (CurrentReply, {"current": False, "serving": v1}),
+        (CurrentReply, {"current": False, "serving": None}),
         (CommitReply, {"version": v2, "previous": v1}),
         (CommitReply, {"version": v1, "previous": None}),
         (RemoveReply, {"versions": [v2, v1]}),
@@ -282,7 +285,10 @@ def test_every_reply_round_trips_the_dict_nodes_send_and_refuses_a_malformed_one
     for kind, value in wire:
         assert kind.from_wire(value).to_wire() == value
         assert list(kind.from_wire(value).to_wire()) == list(value)  # and in the same order
+    # A node from before `serving` serves nothing a push may count on.
+    assert CurrentReply.from_wire({"current": True}) == CurrentReply(True, None)
     for kind, value in [(PrepareReply, {}), (PrepareReply, {"prepared": "xyz"}),
+                        (CurrentReply, {"current": True, "serving": "xyz"}),
                         (CommitReply, {"version": v1}), (RemoveReply, {"versions": [1]}),
                         (FlushReply, {"failed": []}), (SpawnReply, {"proc": True, "pid": 1}),
                         (FreePortReply, {"port": "80"}), (KillReply, []),

@@ -108,12 +108,12 @@ def _folder_missing(manifest: Manifest, i: int, tag: bytes) -> tuple[int, bytes]
 def warnings(manifest: Manifest, src: str | os.PathLike[str],
              cache: ScanCache | None = None) -> list[str]:
     """The one warning line `push` prints for modules without bytecode (or none). With the
-    scan's `cache`, what it knows of the folders is used, and kept for the next push."""
+    scan's `cache`, what it knows of the folders is used, and kept for the next push (the
+    caller saves it)."""
     m, facts = missing_bytecode(manifest, default_tag(src),
                                 cache.bytecode if cache is not None else None)
     if cache is not None:
         cache.keep_bytecode(facts)
-        cache.save_facts()
     if m is None:
         return []
     what = "module has" if m.count == 1 else "modules have"

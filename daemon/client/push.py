@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -164,6 +164,7 @@ class _Push:
         self.allow_partial = allow_partial
         self.sessions = sessions  # push --watch: the links stay open after this push
         self.kept: set[str] = set()  # nodes whose session this push took from `sessions`
+        self.serving: dict[str, bytes | None] = {}  # what each node serves whole (current)
         self.nodes = links if links is not None else [
             sessions.link(h) if sessions else NodeLink(h) for h in hosts]
         self.by_addr = {n.addr: n for n in self.nodes}
@@ -299,18 +300,21 @@ class _Push:
         args = {"name": name, "version": self.version.hex(), **source}
         current: list[bool] = []
         if self.tree is not None:  # a node that fails here is failed by the steps after
-            replies = await self.fan("current", args, fail=False)
+            replies = {a: CurrentReply.from_wire(r)
+                       for a, r in (await self.fan("current", args, fail=False)).items()}
+            self.serving = {a: r.serving for a, r in replies.items()}
             return (len(replies) == len(self.nodes)
-                    and all(CurrentReply.from_wire(r).current for r in replies.values()))
+                    and all(r.current for r in replies.values()))
 
         async def ask(node: NodeLink) -> None:
             signed = await identity.sign(node.channel, "current", args)
             try:
-                reply = await node.channel.request("current", **signed)
+                reply = CurrentReply.from_wire(await node.channel.request("current", **signed))
             except RemoteError:
                 current.append(False)
             else:
-                current.append(CurrentReply.from_wire(reply).current)
+                current.append(reply.current)
+                self.serving[node.addr] = reply.serving
 
         await each(self.nodes, ask, self.timeout)
         stale = [n for n in self.nodes if n.error is not None and n.addr in self.kept]
@@ -335,7 +339,10 @@ class _Push:
         took last (push --watch; prepare still checks every chunk). This one rescanned from
         that one: only what the rescan found new is asked about."""
         objects = self.payload.objects
-        if held is None:
+        known = self.known_objects() if held is None else None
+        if known is not None:
+            ask_for = self.snap.manifest.ids_beyond(known)
+        elif held is None:
             ask_for = [*self.ids, *objects]
         elif self.snap.since == held.manifest.id and self.snap.added is not None:
             ask_for = [c for c in self.snap.added if not held.holds(c)]
@@ -351,6 +358,17 @@ class _Push:
         for root in self.tree or ():  # a root answers for its subtree: what any node lacks
             for addr in topology.subtree(root)[1:]:
                 self.by_addr[addr].missing = self.by_addr[root["addr"]].missing
+
+    def known_objects(self) -> Collection[bytes] | None:
+        """The folder objects of the version every node serves whole (`current` said which),
+        when it is one version and the last pushed from this folder, whose objects its scan
+        cache keeps: every chunk below them is on every node, so only what this version adds
+        is asked about (a one-file edit: its few folders and chunks, not 15k ids a node)."""
+        cache, served = self.snap.cache, set(self.serving.values())
+        if (cache is None or len(self.serving) < len(self.nodes) or len(served) != 1
+                or cache.pushed is None or served.pop() != cache.pushed):
+            return None
+        return cache.pushed_objects
 
     async def broadcast(self, kind: str, fanout: int, head: list[bytes] | None = None) -> str:
         """Send every healthy node what it lacks along a `kind` plan; returns the kind used.
@@ -698,6 +716,11 @@ async def push(
         if store is not None:
             store.close()
 
+    warnings = (unexposed + snap.warnings + job.warnings
+                + (bytecode.warnings(snap.manifest, src, snap.cache) if held is None else []))
+    if snap.cache is not None and held is None and not any(n.error for n in job.nodes):
+        snap.cache.keep_pushed(job.version, snap.manifest.object_ids())
+        snap.cache.save_facts()
     files, size = snap.manifest.file_totals()
     return PushResult(
         version=job.version.hex(),
@@ -717,8 +740,7 @@ async def push(
         store=({"path": str(store.root), "sent_from_store": store.hits, "added": store.added}
                if store is not None else {}),
         # (Not again for each push of push --watch: a pass over the whole tree.)
-        warnings=unexposed + snap.warnings + job.warnings
-        + (bytecode.warnings(snap.manifest, src, snap.cache) if held is None else []),
+        warnings=warnings,
         usable_seconds=job.usable_seconds,
         complete_seconds=job.complete_seconds,
         first_reads=job.first_reads if early else None,

@@ -339,14 +339,23 @@ class Publisher:
         self._prepared.add((name, version, early is not None))
         return PrepareReply(version)
 
+    def serving(self, name: str, owner: int | None) -> bytes | None:
+        """The version `name` serves whole and without problems, if `owner` pushed it: every
+        chunk of it is here, so a push of another version asks only about what that one adds
+        (CurrentReply.serving)."""
+        refs = self.refs
+        if name in self.incomplete or name in self.workspace_problems:
+            return None
+        if refs.owners.get(name) != owner:
+            return None
+        return refs.workspaces.get(name, [None])[0]
+
     def current(self, name: str, version: bytes, source: str | None,
                 owner: int | None) -> bool:
         """Whether `name` serves `version` already, whole and without problems, exposed at
         `source`, pushed by `owner`: a commit of it would change nothing (requests.Current)."""
-        refs = self.refs
-        return (refs.workspaces.get(name, [None])[0] == version and name not in self.incomplete
-                and name not in self.workspace_problems and refs.sources.get(name) == source
-                and refs.owners.get(name) == owner)
+        return (self.serving(name, owner) == version
+                and self.refs.sources.get(name) == source)
 
     async def commit(self, name: str, version: bytes, source: str | None = None,
                      source_id: str | None = None, owner: int | None = None,

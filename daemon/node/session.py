@@ -314,7 +314,8 @@ class Session:
 
     async def _current(self, req: Current) -> CurrentReply:
         return CurrentReply(self.publisher.current(req.name, req.version, req.source,
-                                                   self._owner))
+                                                   self._owner),
+                            self.publisher.serving(req.name, self._owner))
 
     async def _remove(self, req: Remove) -> RemoveReply:
         value = await self.publisher.remove(req.name, self.procs.pinned_to, self._owner)

@@ -204,17 +204,24 @@ class CommitReply:
 
 @dataclass(frozen=True)
 class CurrentReply:
-    """Whether the workspace already serves the version asked about (requests.Current)."""
+    """Whether the workspace already serves the version asked about (requests.Current), and
+    the version it serves whole, if any (for the one who asks to replace it: its owner), so
+    that a push need only ask about what its own version adds to that one. (A node that does
+    not send `serving` serves nothing a push can count on.)"""
 
     op: ClassVar[str] = "current"
     current: bool
+    serving: bytes | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {"current": self.current}
+        return {"current": self.current,
+                "serving": self.serving.hex() if self.serving is not None else None}
 
     @classmethod
     def from_wire(cls, value: Mapping[str, Any]) -> CurrentReply:
-        return cls(_get(cls.op, value, "current", bool))
+        current = _get(cls.op, value, "current", bool)
+        serving = value.get("serving")
+        return cls(current, _hex(cls.op, "serving", serving) if serving is not None else None)
 
 
 @dataclass(frozen=True)
