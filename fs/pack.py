@@ -10,9 +10,11 @@ both find an object through a location packed into one int (`loc`).
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 
 from .private_files import PRIVATE_FILE
@@ -57,30 +59,33 @@ def scan(folder: Path, n: int) -> Iterator[tuple[bytes, int]]:
     """(id, location) of every whole record of a pack, read from its record headers; a torn
     record at the end (a crash mid-append) is cut off once the scan reaches it."""
     path = pack_path(folder, n)
-    size = path.stat().st_size
     off = 0
     with open(path, "rb") as f:
-        while off + RECORD.size <= size:
-            f.seek(off)
-            magic, cid, length = RECORD.unpack(f.read(RECORD.size))
-            end = off + RECORD.size + length
-            if magic != MAGIC or end > size:
-                break
-            yield cid, loc(n, off + RECORD.size, length)
-            off = end
+        size = os.fstat(f.fileno()).st_size
+        # Mapped, the headers are read in place: a seek and a read each took 5x as long (the
+        # dev box's store reopens its unsealed pack at every push: 15k records, 17 ms).
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else nullcontext(
+                b"") as data:
+            while off + RECORD.size <= size:
+                magic, cid, length = RECORD.unpack_from(data, off)
+                end = off + RECORD.size + length
+                if magic != MAGIC or end > size:
+                    break
+                yield cid, loc(n, off + RECORD.size, length)
+                off = end
     if off != size:
         os.truncate(path, off)
 
 
-def write_index(folder: Path, n: int, records: list[bytes]) -> None:
-    """Write a sealed pack's index (IDX records, in append order) durably, under its final name
-    only once complete: a crash leaves no index, never a partial one."""
+def write_index(folder: Path, n: int, records: list[tuple[bytes, int]]) -> None:
+    """Write a sealed pack's index (its records' ids and locations, in append order) durably,
+    under its final name only once complete: a crash leaves no index, never a partial one."""
     path = idx_path(folder, n)
     tmp = path.with_suffix(".tmp")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE)
         try:
-            data = memoryview(b"".join(records))
+            data = memoryview(b"".join(IDX.pack(cid, *unloc(at)[1:]) for cid, at in records))
             while data:
                 data = data[os.write(fd, data):]
             os.fsync(fd)

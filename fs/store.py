@@ -39,7 +39,7 @@ from . import collect as collection
 from . import pack
 from .chunk import ID_SIZE, RAW, CorruptChunk, chunk_id, decode, encode, raw_size
 from .file_objects import FileObjects
-from .pack import IDX, MAGIC, PACK_SHIFT, RECORD, loc, unloc
+from .pack import MAGIC, PACK_SHIFT, RECORD, loc, unloc
 from .private_files import PRIVATE_FILE, fsync_dir, private_dir
 
 PACK_LIMIT = 256 * 1024 * 1024
@@ -90,10 +90,12 @@ class Store:
             else:
                 self.problems.append(f"{p}: not a pack name; ignored")
         numbers.sort()
+        found: list[tuple[bytes, int]] = []  # the last pack's records
         for n in numbers:
             try:
                 listed = pack.read_index(self.packs, n)
-                self._index.update(pack.scan(self.packs, n) if listed is None else listed)
+                found = list(pack.scan(self.packs, n)) if listed is None else listed
+                self._index.update(found)
             except OSError as e:
                 self.problems.append(f"pack {self._pack_path(n)} cannot be read, its objects are "
                                      f"missing: {e.strerror or e}")
@@ -106,8 +108,7 @@ class Store:
             self._open_pack(last + 1)
         else:  # reopened: the records pack.scan found go into its index when it is sealed
             self._open_pack(last)
-            self._records.extend(IDX.pack(cid, *unloc(v)[1:])
-                                 for cid, v in self._index.items() if v >> PACK_SHIFT == last)
+            self._records.extend(found)
 
     # ---- layout -------------------------------------------------------------------------
 
@@ -120,7 +121,8 @@ class Store:
                            PRIVATE_FILE)
         self._size = os.fstat(self._fd).st_size
         self._durable = self._size  # what cut_back() keeps: found on disk, or synced since
-        self._records: list[bytes] = []  # the current pack's IDX records, in append order
+        # The current pack's records, (id, location) in append order: its index once sealed.
+        self._records: list[tuple[bytes, int]] = []
 
     def _seal(self) -> None:
         """Make the full pack durable and write its index, then start the next one. If the
@@ -132,6 +134,11 @@ class Store:
         pack.write_index(self.packs, n, self._records)
         os.close(self._fd)
         self._open_pack(n + 1)
+
+    @property
+    def unsealed(self) -> int:
+        """Records in the open pack, which has no index yet: what opening the store reads."""
+        return len(self._records)
 
     def seal(self) -> None:
         """Seal the open pack now, if it holds anything, so that a collect may delete or
@@ -221,7 +228,7 @@ class Store:
             raise
         self._size = off + size
         self._index[cid] = loc(self._cur, off + RECORD.size, length)
-        self._records.append(IDX.pack(cid, off + RECORD.size, length))
+        self._records.append((cid, self._index[cid]))
         if self._size >= self.pack_limit:
             self._seal()
 
@@ -373,12 +380,11 @@ class Store:
             if self._size <= cut:
                 return freed_objects
             os.ftruncate(self._fd, cut)
-            n, kept = self._cur, []
-            for record in self._records:
-                cid, off, length = IDX.unpack(record)
-                if off < cut:
-                    kept.append(record)
-                elif self._index.get(cid) == loc(n, off, length):
+            kept: list[tuple[bytes, int]] = []
+            for cid, at in self._records:
+                if unloc(at)[1] < cut:
+                    kept.append((cid, at))
+                elif self._index.get(cid) == at:
                     del self._index[cid]
             self._records = kept
             freed, self._size = self._size - cut, cut

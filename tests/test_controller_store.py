@@ -171,3 +171,35 @@ def test_a_link_off_loopback_is_probed(tmp_path, fresh_cluster):
     limit = link_codec.codec_rate() * link_codec.SAVED / (1 << 20)
     assert choice.compression == ("zstd" if choice.rate_mib_s < limit else "none")
     assert "decompression rate x bytes saved" in choice.why
+
+
+def test_a_store_with_many_new_chunks_is_sealed_after_a_push(tmp_path):
+    """The dev box store opens at every push; an open pack has no index and is read record by
+    record, so after a push adds SEAL_RECORDS records the pack is sealed (its index written).
+    The store reopened finds every chunk, through the index, and appends to a new pack."""
+    from monarch_fs.daemon.client.controller_store import SEAL_RECORDS, ControllerStore
+    from monarch_fs.fs.chunk import chunk_id, encode
+
+    async def push_chunks(count: int, seed: int) -> tuple[list[bytes], int]:
+        store, busy = await ControllerStore.open(tmp_path / "store", 1 << 30)
+        assert store is not None and busy is None
+        data = [b"%d-%d" % (seed, i) for i in range(count)]
+        ids = [chunk_id(d) for d in data]
+        for cid, d in zip(ids, data):
+            store.add(cid, encode(d))
+        store.finish(ids[0], "w", sum(map(len, data)))
+        left = store.store.unsealed
+        store.close()
+        return ids, left
+
+    few, left = trio.run(push_chunks, 10, 1)
+    assert left == 10  # not worth a pack of its own yet
+    many, left = trio.run(push_chunks, SEAL_RECORDS, 2)
+    assert left == 0
+    assert sorted(p.name for p in (tmp_path / "store" / "packs").iterdir()) == [
+        "00000001.idx", "00000001.pack", "00000002.pack"]
+    store = Store(tmp_path / "store")
+    try:
+        assert store.missing([*few, *many]) == [] and store.unsealed == 0
+    finally:
+        store.close()
