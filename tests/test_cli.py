@@ -82,3 +82,24 @@ def test_status_names_unreachable_node(cluster3):
     assert out.returncode == 1
     lines = out.stdout.splitlines()
     assert len(lines) == 4 and "127.0.0.1:1" in lines[3] and "UNREACHABLE" in lines[3]
+
+
+@pytest.mark.mount
+def test_the_monarch_fs_command_exits_with_its_output_whole_and_its_code(cluster3, tmp_path):
+    """`monarch-fs` (monarch_fs.__main__) ends without the interpreter's teardown: what it
+    printed arrives whole, through a pipe, and its exit code is the command's."""
+    import subprocess
+    import sys
+
+    src = tmp_path / "whole"
+    src.mkdir()
+    for i in range(300):
+        (src / f"f{i}").write_text(str(i))
+    run = [sys.executable, "-m", "monarch_fs", "--verbose", "push", "--hosts", cluster3.hostfile,
+           "--token-file", cluster3.token_file]
+    ok = subprocess.run([*run, str(src), "--json"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["files"] == 300
+    bad = subprocess.run([*run, str(tmp_path / "nope")], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 1 and "nope" in bad.stderr.splitlines()[-1]
