@@ -235,6 +235,56 @@ def _parse(oid: bytes, blob: bytes | memoryview, path: bytes, counted: int, limi
     return chunk_size, mode, mtime, records
 
 
+class _Lists:
+    """The three lists of a version being made (entries, folder object ids, spans), in tree
+    order, from runs of another version's (`base`) and items of its own between them.
+
+    A run costs nothing until `lists()`, which copies the base's lists once and puts the own
+    items in place of what lay between the runs. Copying each run as it comes (a slice, then
+    an extend) wrote every entry's reference count three times; this writes it once, and
+    the writes are most of what an edit costs at 100k files (the entries lie all over the
+    heap). Runs come in the base's order and do not overlap: unchanged subtrees, found by
+    name in their unchanged order."""
+
+    def __init__(self, base: tuple[list[Entry], list[bytes | None], array[int]] | None = None):
+        self.base = base
+        self.entries: list[Entry] = []  # own items
+        self.oids: list[bytes | None] = []
+        self.spans = array("I")
+        self.runs: list[tuple[int, int, int]] = []  # (own items before it, base start, end)
+        self.n = 0  # the version's length so far
+
+    def take(self, k: int, span: int) -> None:
+        """The base's subtree at `k`, whole."""
+        self.runs.append((len(self.entries), k, k + span))
+        self.n += span
+
+    def add(self, e: Entry) -> int:
+        """An own item (its object id and span set later, for a folder): its own index."""
+        self.entries.append(e)
+        self.oids.append(None)
+        self.spans.append(1)
+        self.n += 1
+        return len(self.entries) - 1
+
+    def lists(self) -> tuple[list[Entry], list[bytes | None], array[int]]:
+        if not self.runs:
+            return self.entries, self.oids, self.spans
+        assert self.base is not None
+        b_entries, b_oids, b_spans = self.base
+        entries, oids, spans = b_entries.copy(), b_oids.copy(), array("I", b_spans)
+        own, at = len(self.entries), len(b_entries)  # what is left to place, and where
+        for before, start, end in reversed(self.runs):  # from the end: indices stay valid
+            entries[end:at] = self.entries[before:own]
+            oids[end:at] = self.oids[before:own]
+            spans[end:at] = self.spans[before:own]
+            own, at = before, start
+        entries[:at] = self.entries[:own]
+        oids[:at] = self.oids[:own]
+        spans[:at] = self.spans[:own]
+        return entries, oids, spans
+
+
 class Manifest:
     """A snapshot's tree, sorted parents first. Its folders, encoded, are content-addressed
     objects (`objects()`), and the root's id is the version (`id`)."""
@@ -419,34 +469,30 @@ class Manifest:
         taken as they are (shared in memory, and checked when they were loaded), so loading
         an edit costs the folders on its path, not the tree."""
         limit = MAX_ENTRIES if max_entries is None else min(max_entries, MAX_ENTRIES)
-        entries: list[Entry] = []
-        oids: list[bytes | None] = []
-        spans = array("I")
         k_entries: list[Entry] = []  # known's, when it has a tree (else no folder is known)
         k_oids: list[bytes | None] = []
         k_spans = array("I")
         if known is not None and known._oids is not None and known._spans is not None:
             k_entries, k_oids, k_spans = known.entries, known._oids, known._spans
+        out = _Lists((k_entries, k_oids, k_spans))
         chunk_size = 0
         read: list[int] = []
 
         def open_folder(path: bytes, oid: bytes, k: int | None):
             """Enter the folder at `path` (known's index `k`): None when known's subtree is
-            taken whole, else (its records, its index, its known children by name)."""
+            taken whole, else (its records, its index and own index, its known children by
+            name)."""
             nonlocal chunk_size
             if k is not None and k_oids[k] == oid:
-                span = k_spans[k]
-                entries.extend(k_entries[k:k + span])
-                oids.extend(k_oids[k:k + span])
-                spans.extend(k_spans[k:k + span])
-                if len(entries) > limit:
-                    raise TooManyEntries(len(entries), limit)
+                out.take(k, k_spans[k])
+                if out.n > limit:
+                    raise TooManyEntries(out.n, limit)
                 return None
             try:
                 blob = get(oid)
             except KeyError:
                 raise MissingObject(oid, path) from None
-            size, mode, mtime, records = _parse(oid, blob, path, len(entries) + 1, limit)
+            size, mode, mtime, records = _parse(oid, blob, path, out.n + 1, limit)
             if not chunk_size:
                 if not (64 * 1024 <= size <= MAX_CHUNK_SIZE):
                     raise ManifestError(f"chunk size {size} out of range")
@@ -458,25 +504,24 @@ class Manifest:
             _check_entry(e, chunk_size)
             if k is not None and k_entries[k] == e:
                 e = k_entries[k]  # the same folder with new contents: one object in memory
-            at = len(entries)
+            at = out.n
             read.append(at)
-            entries.append(e)
-            oids.append(oid)
-            spans.append(1)
+            mine = out.add(e)
+            out.oids[mine] = oid
             kids: dict[bytes, int] = {}
             if k is not None:  # known's children of this folder, by name
                 j, end = k + 1, k + k_spans[k]
                 while j < end:
                     kids[k_entries[j].name] = j
                     j += k_spans[j]
-            return iter(records), at, kids, path, b""
+            return iter(records), (at, mine), kids, path, b""
 
         stack = [open_folder(b"", version, 0 if k_entries else None)]
         while stack:
-            records, at, kids, path, last = stack[-1]
+            records, (at, mine), kids, path, last = stack[-1]
             record = next(records, None)
             if record is None:
-                spans[at] = len(entries) - at
+                out.spans[mine] = out.n - at
                 stack.pop()
                 continue
             kind, mode, size, mtime, name, target, chunks = record
@@ -487,7 +532,7 @@ class Manifest:
             if name <= last:
                 raise ManifestError(f"duplicate entry {child!r}" if name == last else
                                     f"folder {path!r}: children not in name order at {child!r}")
-            stack[-1] = (records, at, kids, path, name)
+            stack[-1] = (records, (at, mine), kids, path, name)
             k = kids.get(name)
             if kind == Kind.DIR:
                 if mode or size or mtime or target or len(chunks) != 1:
@@ -506,13 +551,11 @@ class Manifest:
                 e = k_entries[k]  # unchanged: checked when it was loaded
             else:
                 _check_entry(e, chunk_size)
-            entries.append(e)
-            oids.append(None)
-            spans.append(1)
-            if len(entries) > limit:
-                raise TooManyEntries(len(entries), limit)
+            out.add(e)
+            if out.n > limit:
+                raise TooManyEntries(out.n, limit)
         m = cls((), chunk_size)
-        m.entries, m._oids, m._spans = entries, oids, spans  # in tree order by construction
+        m.entries, m._oids, m._spans = out.lists()  # in tree order by construction
         m.read_folders = read
         if known is not None and k_entries:
             m.base = weakref.ref(known)
@@ -542,46 +585,34 @@ class Manifest:
         if b"" not in listed:
             return self
         cs = self.chunk_size
-        entries: list[Entry] = []
-        oids: list[bytes | None] = []
-        spans = array("I")
+        out = _Lists((p_entries, p_oids, p_spans))
         blobs: dict[bytes, bytes] = {}
 
-        def splice(path: bytes) -> None:
-            i = self.find(path)
-            if i is None or p_entries[i].kind != Kind.DIR:
-                raise ManifestError(f"folder {path!r} is neither listed nor in the tree")
-            span = p_spans[i]
-            entries.extend(p_entries[i:i + span])
-            oids.extend(p_oids[i:i + span])
-            spans.extend(p_spans[i:i + span])
-
-        def enter(path: bytes) -> tuple[Iterator[Entry], list[bytes], int, bytes, bytes | None]:
-            """Emit the listed folder at `path`: its children to go, its records, its index,
-            its path and the last child's name."""
+        def enter(path: bytes) -> tuple[Iterator[Entry], list[bytes], tuple[int, int], bytes,
+                                        bytes | None]:
+            """Emit the listed folder at `path`: its children to go, its records, its index
+            and own index, its path and the last child's name."""
             folder, kids = listed[path]
             if folder.path != path or folder.kind != Kind.DIR:
                 raise ManifestError(f"folder {path!r} listed with the entry of {folder.path!r}")
             check_path(path)
             _check_entry(folder, cs)
-            entries.append(folder)
-            oids.append(None)
-            spans.append(1)
-            return iter(sorted(kids, key=_by_name)), [], len(entries) - 1, path, None
+            at = out.n
+            return iter(sorted(kids, key=_by_name)), [], (at, out.add(folder)), path, None
 
         # Depth first with a stack (as load does): a closure that called itself would be a
         # reference cycle holding these lists until a collection (dozens of ms at 100k files).
         stack = [enter(b"")]
         while stack:
-            kids, records, at, path, last = stack[-1]
+            kids, records, (at, mine), path, last = stack[-1]
             e = next(kids, None)
             if e is None:  # the folder is done: its object, and its record in its parent's
-                folder = entries[at]
+                folder = out.entries[mine]
                 blob = b"".join([_HEAD.pack(MAGIC, cs, folder.mode, folder.mtime_ns,
                                             len(records)), *records])
-                oid = oids[at] = chunk_id(blob)
+                oid = out.oids[mine] = chunk_id(blob)
                 blobs[oid] = blob
-                spans[at] = len(entries) - at
+                out.spans[mine] = out.n - at
                 stack.pop()
                 if stack:
                     stack[-1][1].append(_folder_record(folder.name, oid))
@@ -591,26 +622,27 @@ class Manifest:
                 raise ManifestError(f"entry {e.path!r} listed in folder {path!r} twice "
                                     "or in the wrong folder" if name == last else
                                     f"entry {e.path!r} listed in folder {path!r}")
-            stack[-1] = (kids, records, at, path, name)
+            stack[-1] = (kids, records, (at, mine), path, name)
             if e.kind == Kind.DIR:
                 if e.path in listed:
                     stack.append(enter(e.path))
                     continue
-                k = len(entries)
-                splice(e.path)
-                taken = oids[k]
+                i = self.find(e.path)
+                if i is None or p_entries[i].kind != Kind.DIR:
+                    raise ManifestError(f"folder {e.path!r} is neither listed nor in the tree")
+                out.take(i, p_spans[i])
+                taken = p_oids[i]
                 assert taken is not None
                 records.append(_folder_record(name, taken))
                 continue
             check_path(e.path)
             _check_entry(e, cs)
             records.append(_record(e, name))
-            entries.append(e)
-            oids.append(None)
-            spans.append(1)
+            out.add(e)
 
         m = Manifest((), cs)
-        m.entries, m._oids, m._spans = entries, oids, spans
+        m.entries, m._oids, m._spans = out.lists()
+        oids = m._oids
         old = self._objects
         # Children before their parents, the root last (reversed tree order), each once.
         m._objects = {oid: blobs.get(oid) or old[oid]

@@ -125,6 +125,15 @@ def test_a_tree_made_from_the_version_before_is_the_whole_build(seed):
         loaded = Manifest.load(v, objects.__getitem__, known=prev.manifest)
         fast = Tree(v, loaded, prev)
         whole = Tree(v, Manifest.load(v, objects.__getitem__))
+        # its lists, made of runs of the version before, are the ones a plain load makes
+        assert loaded.entries == whole.manifest.entries == m.entries
+        assert loaded._oids == whole.manifest._oids and loaded._spans == whole.manifest._spans
+        # and so are those of the version before edited in the folders that load read
+        read = [m.find(loaded.entries[i].path) for i in loaded.read_folders]
+        edited = prev.manifest.edited({m.entries[i].path: (m.entries[i], m.children(i))
+                                       for i in read if i is not None})
+        assert (edited.entries, edited._oids, edited._spans) == (
+            m.entries, m._oids, m._spans) and edited.objects() == m.objects()
         assert fast.prev_version == prev.version  # made from it, not built whole
         assert fast.entries.flat() == whole.entries.flat()
         assert fast.children.flat() == whole.children.flat()
