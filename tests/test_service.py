@@ -285,6 +285,10 @@ def test_every_reply_round_trips_the_dict_nodes_send_and_refuses_a_malformed_one
     for kind, value in wire:
         assert kind.from_wire(value).to_wire() == value
         assert list(kind.from_wire(value).to_wire()) == list(value)  # and in the same order
+    # What a commit replaced rides with its reply on the node (freed once sent), never on
+    # the wire.
+    replaced = CommitReply(bytes.fromhex(v1), None, replaced=[object()])
+    assert replaced.to_wire() == {"version": v1, "previous": None}
     # A node from before `serving` serves nothing a push may count on.
     assert CurrentReply.from_wire({"current": True}) == CurrentReply(True, None)
     for kind, value in [(PrepareReply, {}), (PrepareReply, {"prepared": "xyz"}),

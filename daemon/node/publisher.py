@@ -409,7 +409,7 @@ class Publisher:
             await self._prune_backing()
             warnings = await self._relink(name, old_source, source, source_id)
         log.info("published %s = %s", name, version.hex())
-        return CommitReply(version, previous, warnings)
+        return CommitReply(version, previous, warnings, replaced=staged)
 
     async def _relink(self, name: str, old: str | None, new: str | None,
                       new_id: str | None) -> list[str]:

@@ -183,6 +183,10 @@ class CommitReply:
     version: bytes
     previous: bytes | None
     warnings: list[str] = field(default_factory=list)
+    # Not sent: on the node, what the commit replaced (the version it dropped), freed with
+    # the reply once it is sent. Freeing a version of 100k entries took 3 ms, which the push
+    # waited for when it was freed inside the commit.
+    replaced: object = field(default=None, repr=False, compare=False)
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {"version": self.version.hex(),
