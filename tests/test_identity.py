@@ -239,7 +239,9 @@ def test_a_push_down_the_control_tree_acts_as_who_asks_on_every_node(tmp_path, m
                 scope = secrets.token_hex(16)
                 signed = await identity.sign(chan, "current", args, scope=scope)
                 first = await fan(chan, signed, scope)
-                assert first.replies[""] == {"current": False} and not first.failed
+                # (the workspace is A's: what it serves is not said to another)
+                assert first.replies[""] == {"current": False, "serving": None}
+                assert not first.failed
                 again = await fan(chan, signed, scope)
                 assert "already acted on" in again.failed[""], again
                 other = await fan(chan, signed, secrets.token_hex(16))
