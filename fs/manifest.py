@@ -18,10 +18,11 @@ import enum
 import struct
 import weakref
 from array import array
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import NamedTuple
 
 from .chunk import CHUNK_SIZE, ID_SIZE, MAX_CHUNK_SIZE, chunk_id
+from .layered import derived
 
 MAGIC = b"MFSD\x01"  # a folder object
 MAX_ENTRIES = 10_000_000  # what the format allows
@@ -267,6 +268,16 @@ class _Lists:
         self.n += 1
         return len(self.entries) - 1
 
+    def gaps(self) -> Iterator[int]:
+        """The base's indices outside every run: what the version made no longer has as it
+        was (once every run is taken)."""
+        at = 0
+        for _, start, end in self.runs:
+            yield from range(at, start)
+            at = end
+        if self.base is not None:
+            yield from range(at, len(self.base[0]))
+
     def lists(self) -> tuple[list[Entry], list[bytes | None], array[int]]:
         if not self.runs:
             return self.entries, self.oids, self.spans
@@ -293,7 +304,8 @@ class Manifest:
         self.chunk_size = chunk_size
         self.entries = sorted(entries, key=lambda e: e.path.replace(b"/", b"\0"))  # sort_key
         self._by_path: dict[bytes, Entry] | None = None
-        self._objects: dict[bytes, bytes] | None = None
+        self._objects: Mapping[bytes, bytes] | None = None
+        self._folders: int | None = None  # how many folders (objects() has fewer: repeats)
         # The tree, one item per entry: a folder's object id (None for a file or symlink), and
         # how many entries its subtree spans (itself included). Lengths, not positions, so a
         # subtree's items are copied between versions as slices, unchanged. The spans are an
@@ -366,7 +378,7 @@ class Manifest:
 
     # ---- the tree of objects ----------------------------------------------------------------
 
-    def objects(self) -> dict[bytes, bytes]:
+    def objects(self) -> Mapping[bytes, bytes]:
         """Every folder's object by id, children before their parents: the root, last, is the
         version. Built once; it checks nothing (validate does) but that each entry has a
         parent folder, since an entry without one has no object to be in."""
@@ -406,6 +418,7 @@ class Manifest:
             orphan = min(below)
             raise ManifestError(f"entries under {orphan!r} have no parent directory")
         self._objects, self._oids, self._spans = objects, oids, spans
+        self._folders = len(oids) - oids.count(None)
 
     @property
     def id(self) -> bytes:
@@ -642,12 +655,24 @@ class Manifest:
 
         m = Manifest((), cs)
         m.entries, m._oids, m._spans = out.lists()
-        oids = m._oids
         old = self._objects
-        # Children before their parents, the root last (reversed tree order), each once.
-        m._objects = {oid: blobs.get(oid) or old[oid]
-                      for oid in reversed(oids) if oid is not None}
-        m.new_objects = set(blobs) - set(old)
+        gone = [o for j in out.gaps() if (o := p_oids[j]) is not None]  # replaced folders
+        if self._folders is not None:
+            m._folders = self._folders - len(gone) + len(out.oids) - out.oids.count(None)
+        if self._folders == len(old):
+            # No two folders share an object, so a replaced folder's object is gone unless the
+            # edit made it again: this version's are the last one's, less those, plus the new
+            # (children still before their parents), made at the cost of the change.
+            objects = derived(old)
+            for o in gone:
+                if o not in blobs:
+                    del objects[o]
+            objects.update(blobs)
+            m._objects = objects
+        else:  # (an object shared by two folders: whether it is still used takes a pass)
+            m._objects = {oid: blobs.get(oid) or old[oid]  # children before parents
+                          for oid in reversed(m._oids) if oid is not None}
+        m.new_objects = {oid for oid in blobs if oid not in old}
         return m
 
     def find(self, path: bytes) -> int | None:

@@ -722,3 +722,34 @@ def test_ids_beyond_another_version_are_its_new_folders_and_their_files_chunks()
     assert set(after.ids_beyond(set(before.object_ids()))) == {root, b, cid(3), cid(4)}
     assert after.ids_beyond(set(after.object_ids())) == []
     assert set(after.ids_beyond(set())) == {*after.objects(), *after.chunk_ids()}
+
+
+def _children_first(m: Manifest) -> bool:
+    """Whether every folder's object comes after its child folders' in m.objects()."""
+    order = {oid: n for n, oid in enumerate(m.objects())}
+    return all(order[m._oids[j]] < order[oid] for i, oid in m.folders()
+               for j in range(i + 1, i + m.span(i)) if m._oids[j] is not None)
+
+
+def test_an_edit_drops_the_objects_of_what_it_replaced_and_keeps_a_shared_one():
+    """Manifest.edited's objects are the whole build's, children first: a folder the edit
+    removed takes its object with it, unless another folder has the same object."""
+    root = Entry(b"", Kind.DIR, 0o755, 0, 0)
+
+    def folder(name: bytes, mtime: int) -> list[Entry]:
+        return [Entry(name, Kind.DIR, 0o755, 0, mtime),
+                Entry(name + b"/f", Kind.FILE, 0o644, 1, 0, chunks=(cid(1),))]
+
+    for b_mtime in (5, 6):  # b the same as a (one object for both), or not
+        m = Manifest([root, *folder(b"a", 5), *folder(b"b", b_mtime), *folder(b"c", 7)])
+        m.objects()
+        edited = m.edited({b"": (root, [m.get(b"b"), m.get(b"c")])})  # a removed
+        whole = Manifest([root, *folder(b"b", b_mtime), *folder(b"c", 7)])
+        assert dict(edited.objects()) == whole.objects() and edited.id == whole.id
+        assert _children_first(edited)
+        again = edited.edited({b"c": (edited.get(b"c"), [
+            Entry(b"c/g", Kind.FILE, 0o644, 1, 0, chunks=(cid(2),))])})
+        assert dict(again.objects()) == Manifest(
+            [root, *folder(b"b", b_mtime), Entry(b"c", Kind.DIR, 0o755, 0, 7),
+             Entry(b"c/g", Kind.FILE, 0o644, 1, 0, chunks=(cid(2),))]).objects()
+        assert _children_first(again)

@@ -18,7 +18,9 @@ def cid(n: int) -> bytes:
     return chunk_id(b"chunk-%d" % n)
 
 
-def start(rng: random.Random) -> dict[bytes, Entry]:
+def start(rng: random.Random, repeats: bool = True) -> dict[bytes, Entry]:
+    """A tree of 6 folders of 2 of 3 files; with `repeats`, every file holds the same bytes,
+    so folders repeat (one object for several), else none do."""
     tree = {b"": Entry(b"", Kind.DIR, 0o755, 0, 0)}
     for d in range(6):
         folder = b"d%d" % d
@@ -28,7 +30,9 @@ def start(rng: random.Random) -> dict[bytes, Entry]:
             tree[inner] = Entry(inner, Kind.DIR, 0o755, 0, sub)
             for f in range(3):
                 path = inner + b"/f%d" % f
-                tree[path] = Entry(path, Kind.FILE, 0o644, 5, f, chunks=(cid(rng.random()),))
+                r = rng.random()  # (drawn either way: the edits that follow are the same)
+                tree[path] = Entry(path, Kind.FILE, 0o644, 5, f,
+                                   chunks=(cid(0 if repeats else int(r * 10**9)),))
     tree[b"link"] = Entry(b"link", Kind.SYMLINK, 0o777, 2, 0, b"d0")
     return tree
 
@@ -106,7 +110,7 @@ def merged(pairs) -> dict[bytes, tuple]:
 @pytest.mark.parametrize("seed", range(40))
 def test_a_tree_made_from_the_version_before_is_the_whole_build(seed):
     rng = random.Random(seed)
-    tree = start(rng)
+    tree = start(rng, repeats=seed % 2 == 0)
     objects: dict[bytes, bytes] = {}
 
     def version() -> tuple[bytes, Manifest]:
@@ -118,6 +122,7 @@ def test_a_tree_made_from_the_version_before_is_the_whole_build(seed):
     v, m = version()
     loaded = Manifest.load(v, objects.__getitem__)
     prev = Tree(v, loaded)
+    chain = m  # the watch's way: each version edited from the last
     for _ in range(6):
         for _ in range(rng.randint(1, 3)):
             edit(tree, rng)
@@ -130,10 +135,13 @@ def test_a_tree_made_from_the_version_before_is_the_whole_build(seed):
         assert loaded._oids == whole.manifest._oids and loaded._spans == whole.manifest._spans
         # and so are those of the version before edited in the folders that load read
         read = [m.find(loaded.entries[i].path) for i in loaded.read_folders]
-        edited = prev.manifest.edited({m.entries[i].path: (m.entries[i], m.children(i))
+        edited = chain = chain.edited({m.entries[i].path: (m.entries[i], m.children(i))
                                        for i in read if i is not None})
         assert (edited.entries, edited._oids, edited._spans) == (
             m.entries, m._oids, m._spans) and edited.objects() == m.objects()
+        order = {oid: n for n, oid in enumerate(edited.objects())}  # children first
+        assert all(order[edited._oids[j]] < order[oid] for i, oid in edited.folders()
+                   for j in range(i + 1, i + edited.span(i)) if edited._oids[j] is not None)
         assert fast.prev_version == prev.version  # made from it, not built whole
         assert fast.entries.flat() == whole.entries.flat()
         assert fast.children.flat() == whole.children.flat()

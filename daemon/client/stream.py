@@ -124,7 +124,7 @@ class Payload:
 
     ids: Collection[bytes]  # Manifest.chunk_ids()
     version: bytes
-    objects: dict[bytes, bytes]  # Manifest.objects(): children before parents, the root last
+    objects: Mapping[bytes, bytes]  # Manifest.objects(): children before parents, the root last
     sources: Mapping[bytes, Source]  # Snapshot.sources
     read_into: Callable[[bytes, int], bytearray]  # Snapshot.read_into
     store: ControllerStore | None = None
@@ -315,7 +315,7 @@ class Stream:
         # they are written once, in place (fs/file_objects.py). Nothing is published before
         # prepare checks that every chunk it names has arrived (push --early: the first
         # reads' chunks, next, and the rest on demand).
-        manifest = [o for o in pl.objects if any(o in wants[r.addr] for r in live)]
+        manifest = [o for o in pl.objects if o in wanted]
         if self.head is None:
             order = manifest + interleave(needed, pl.sizes)
         else:  # the first reads' chunks next: the version is usable once they are there
