@@ -230,6 +230,8 @@ def test_a_one_shot_push_is_handed_to_the_running_watch_of_its_folder(fresh_clus
         first = w.push()
         socks = list((home / "watch").glob("*.sock"))
         assert [p.name for p in socks] == [f"{w.proc.pid}.sock"]
+        # and the folder a hand-off touches to wake it, which its watcher watches too
+        assert (home / "watch" / f"{w.proc.pid}.wake").is_dir()
         assert stat.S_IMODE((home / "watch").stat().st_mode) == 0o700
 
         # no change: the watch answers, one question per node
@@ -269,6 +271,7 @@ def test_a_one_shot_push_is_handed_to_the_running_watch_of_its_folder(fresh_clus
     finally:
         w.kill()
     assert not list((home / "watch").glob("*.sock"))  # removed on the way out
+    assert not list((home / "watch").glob("*.wake"))
     (src / "f").write_text("v3")
     out = one_shot(c, src, home, "--json")
     assert out.returncode == 0 and "watch" not in json.loads(out.stdout)

@@ -28,11 +28,13 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import TextIO
 
 import trio
@@ -92,9 +94,15 @@ class _Filter:
 # (what the one-shot command would have printed, and its exit code).
 Report = Callable[[PushResult | BaseException], dict]
 Judge = Callable[[dict], Report | None]
-# With hand-offs served: how often the wait for changes looks for one. (Not woken by one through
-# the watcher's stop event: RustNotify drops the changes it holds when that is set.)
-POLL_MS = 25
+# A hand-off wakes the wait for changes by touching a file in a folder of its own that the
+# watcher also watches (HOME/watch/PID.wake, private): the watcher returns what it holds, the
+# wake's path among it, which counts for nothing. (Not through the watcher's stop event:
+# RustNotify drops the changes it holds when that is set.) The wait had looked for hand-offs
+# every 25 ms, which was most of a hand-off's time; it still looks every POLL_MS, should a
+# wake be lost.
+WAKE = "wake"  # the file touched
+POLL_MS = 1000
+FLUSH_STEP_MS = 1  # asking the watcher what it holds up to a hand-off: not a whole quiet_ms
 
 
 async def watch(
@@ -121,7 +129,9 @@ async def watch(
     root = os.path.abspath(src)
     if not os.path.isdir(root):
         raise NotADirectoryError(f"{root} is not a directory")
-    counts = _Filter(root, excludes, ignore)
+    wake = handoff.sockets() / f"{os.getpid()}.wake" if judge is not None else None
+    # (the hand-offs' folder never counts, should it lie inside the one watched)
+    counts = _Filter(root, excludes, [*ignore, *([handoff.sockets()] if wake else [])])
     stop = threading.Event()  # checked by the watcher thread every quiet_ms
     pushing = False
     interrupted = False
@@ -206,11 +216,13 @@ async def watch(
 
     check_at: float | None = None  # when the whole scan after a quiet spell is due
 
-    async def changes(notify: RustNotify, timeout: int) -> set[bytes] | str:
+    async def changes(notify: RustNotify, timeout: int, step: int = 0) -> set[bytes] | str:
         """What changed (relative paths that count), waiting up to `timeout` ms (0: for
-        ever) for a change; or "stop", or "timeout"."""
+        ever) for a change, looking every `step` ms (quiet_ms: a change is over once quiet
+        that long); or "stop", or "timeout"."""
         nonlocal check_at
-        raw = await trio.to_thread.run_sync(notify.watch, debounce_ms, quiet_ms, timeout, stop)
+        raw = await trio.to_thread.run_sync(notify.watch, debounce_ms, step or quiet_ms, timeout,
+                                            stop)
         if isinstance(raw, set):
             if check_at is not None:  # not quiet yet, even if nothing that counts changed
                 check_at = time.monotonic() + CHECK_MS / 1e3
@@ -262,7 +274,7 @@ async def watch(
                 # Hand-offs that came while that push ran: it scanned the tree before they
                 # came, so unless the watcher has seen a change since, it was their push too
                 # (an edit saved and then pushed by hand is pushed once, not twice).
-                got = await changes(notify, 1)
+                got = await changes(notify, 1, FLUSH_STEP_MS)
                 if got == "stop":
                     return
                 if isinstance(got, set) and got:
@@ -272,9 +284,11 @@ async def watch(
                         a.answer(outcome)
                     waiting[:] = []
             while not (changed or checking or asked):
-                serving = judge is not None
                 left = 0 if check_at is None else max(1, int(1e3 * (check_at - time.monotonic())))
-                got = await changes(notify, min(left or POLL_MS, POLL_MS) if serving else left)
+                if not waiting:  # (a hand-off that came meanwhile is taken at once)
+                    got = await changes(notify, min(left or POLL_MS, POLL_MS) if judge else left)
+                else:
+                    got = "timeout"
                 if got == "stop":
                     return
                 if isinstance(got, set):
@@ -283,7 +297,7 @@ async def watch(
                     checking, check_at = True, None
                 asked, waiting[:] = list(waiting), []
                 if asked and not changed and not checking:  # what changed up to the request
-                    got = await changes(notify, 1)
+                    got = await changes(notify, 1, FLUSH_STEP_MS)
                     if got == "stop":
                         return
                     changed = got if isinstance(got, set) else set()
@@ -296,16 +310,24 @@ async def watch(
             cancel.cancel()
             return
 
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        # The watch starts here, before the first push.
-        with RustNotify([root], False, False, 300, True, False) as notify:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(on_signal, signals, nursery.cancel_scope)
-                if judge is not None:
-                    await nursery.start(_serve_handoffs, judge, waiting)
-                say(f"watching {root} (Ctrl-C to stop)", err)
-                await loop(notify)
-                nursery.cancel_scope.cancel()
+    if wake is not None:
+        private_dir(wake.parent)
+        private_dir(wake)
+    try:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            # The watch starts here, before the first push.
+            watched = [root] + ([str(wake)] if wake is not None else [])
+            with RustNotify(watched, False, False, 300, True, False) as notify:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(on_signal, signals, nursery.cancel_scope)
+                    if judge is not None and wake is not None:
+                        await nursery.start(_serve_handoffs, judge, waiting, wake / WAKE)
+                    say(f"watching {root} (Ctrl-C to stop)", err)
+                    await loop(notify)
+                    nursery.cancel_scope.cancel()
+    finally:
+        if wake is not None:
+            shutil.rmtree(wake, ignore_errors=True)
     say("stopped watching" + (" (a push in progress was cancelled)" if interrupted else ""), err)
     return 130 if interrupted else 0
 
@@ -325,11 +347,12 @@ class _Asked:
         self.done.set()
 
 
-async def _serve_handoffs(judge: Judge, waiting: list[_Asked], *,
+async def _serve_handoffs(judge: Judge, waiting: list[_Asked], wake: Path, *,
                           task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                           ) -> None:
     """Take one-shot pushes on a socket in handoff.sockets() until cancelled (then remove it).
-    Each asks whether it is this watch's push (judge), then waits for the next push to end."""
+    Each asks whether it is this watch's push (judge), wakes the watch (by writing `wake`,
+    which its watcher sees), then waits for the next push to end."""
     folder = handoff.sockets()
     private_dir(folder)
     path = folder / f"{os.getpid()}.sock"
@@ -355,6 +378,10 @@ async def _serve_handoffs(judge: Judge, waiting: list[_Asked], *,
                         return
                     asked = _Asked(report)
                     waiting.append(asked)
+                    try:
+                        wake.write_bytes(b"")
+                    except OSError:
+                        pass  # seen at the wait's next look (POLL_MS)
                     await asked.done.wait()
                     await stream.send_all(json.dumps(asked.reply).encode() + b"\n")
                 except (OSError, trio.BrokenResourceError):
