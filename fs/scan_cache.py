@@ -29,8 +29,9 @@ again only the folders on its path.
 One cache file per source folder, `<cache_dir>/<xxh3_64 of the absolute path>`, in a compact
 binary format checked by a hash, written atomically (temporary file + rename). A file that is
 missing, truncated, corrupt, from another version or for another chunk size is ignored (the
-folder is scanned in full), never an error. Entries for files the scan no longer saw are dropped
-when it is saved; it is only rewritten when something changed.
+folder is scanned in full), never an error. It is rewritten when a scan recorded something, or
+left more than an eighth of its entries unused; entries for files the scan no longer saw are
+dropped then (an unused entry matches no file).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ FOLDERS_MAGIC = b"MFSFOLD1"
 FOLDERS = ".folders"  # the folder facts' file: the cache file's name and this
 RACY_NS = 2_000_000_000
 MAX_FOLDERS = 256  # cache files kept per cache folder; the least recently used go first
+UNUSED_SHARE = 8  # a scan that recorded nothing rewrites the file past 1/8 of it unused
 _HEAD = struct.Struct("<8sIIQI16s")  # magic, chunk size, entries, ids, path length, xxh3_128
 _REC = struct.Struct("<QQQqqI")  # st_dev, st_ino, size, mtime_ns, ctime_ns, number of chunks
 # magic, checked ids, pushed objects, bytecode facts, pushed version (zeros: none), xxh3_128
@@ -159,11 +161,16 @@ class ScanCache:
             self._facts_dirty = True
 
     def save(self) -> bool:
-        """Write what this scan saw (only those files: deleted ones are dropped), if anything
-        changed; atomically, and the folder facts beside it if they changed. True when the
-        cache file was written. Errors are swallowed: a cache that cannot be written only costs
-        time."""
-        changed = self._dirty or len(self._new) != len(self._old)
+        """Write what this scan saw (only those files: deleted ones are dropped), if it recorded
+        anything or many of the file's entries went unused; atomically, and the folder facts
+        beside it if they changed. True when the cache file was written. Errors are swallowed:
+        a cache that cannot be written only costs time.
+
+        A few unused entries are not worth a rewrite (8 ms at 15k files): a file just edited
+        is not recorded (racily clean) and its old entry no longer matches it, so every push of
+        an edit would rewrite the cache for it. An unused entry matches no file."""
+        unused = len(self._old) - len(self._new) if not self._dirty else 0
+        changed = self._dirty or unused > len(self._old) // UNUSED_SHARE
         self._old, self._new, self._dirty = self._new, dict(self._new), False
         self.save_facts()
         if self.path is None or not changed:
