@@ -183,8 +183,9 @@ async def watch(
         """The whole scan after a quiet spell. It finds the tree `snap` has and returns `snap`
         (whose folder objects are built; a whole scan's are not, 0.8 s at 100k files on the
         next edit), or the tree that differs, validated. It gives way to what the watcher
-        reports meanwhile (changed paths, or "stop"), which it returns instead: at 100k files
-        the scan takes about a second, and an edit must not wait for it."""
+        reports meanwhile (changed paths, or "stop"), which it returns instead, and to a
+        hand-off ("handoff"): at 100k files the scan takes about a second, and neither an edit
+        nor a push typed by hand must wait for it."""
         given_up = threading.Event()
         done = False
         got: set[bytes] | str = set()
@@ -195,8 +196,12 @@ async def watch(
                 news = await changes(notify, CHECK_POLL_MS)
                 if news == "stop" or (isinstance(news, set) and news):
                     got = news
-                    given_up.set()
-                    return
+                elif waiting:
+                    got = "handoff"
+                else:
+                    continue
+                given_up.set()
+                return
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch_meanwhile)
@@ -243,10 +248,11 @@ async def watch(
             try:
                 if checking:
                     found = await check(snap, notify)
-                    if isinstance(found, str):  # "stop"
+                    if found == "stop":
                         return
-                    if isinstance(found, set):  # an edit came in: it goes first, the check later
-                        changed, checking = found, False
+                    if isinstance(found, (set, str)):  # an edit or a hand-off came in: it goes
+                        # first, the check later (a hand-off's push asks what changed up to it)
+                        changed, checking = (found if isinstance(found, set) else set()), False
                         check_at = time.monotonic() + CHECK_MS / 1e3
                         continue
                     snap = found
