@@ -72,7 +72,7 @@ def missing_bytecode(manifest: Manifest, tag: str,
         folder = manifest.entries[i].path
         t = _tag_for(folder + b"/", default)
         key = oid + t
-        fact = (memo or {}).get(key) or _folder_missing(manifest, i, t)
+        fact = (memo.get(key) if memo else None) or _folder_missing(manifest, i, t)
         facts[key] = fact
         if fact[0]:
             count += fact[0]

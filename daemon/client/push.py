@@ -337,7 +337,9 @@ class _Push:
     async def negotiate(self, held: Snapshot | None = None) -> None:
         """Ask every node which chunks it lacks, of those not in `held`, the snapshot every node
         took last (push --watch; prepare still checks every chunk). This one rescanned from
-        that one: only what the rescan found new is asked about."""
+        that one: only what the rescan found new is asked about. Without `held`, when every
+        node serves the version last pushed from this folder (known_objects), only what this
+        one adds to it."""
         objects = self.payload.objects
         known = self.known_objects() if held is None else None
         if known is not None:
