@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import struct
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pyfuse3
@@ -48,14 +49,13 @@ class Tree:
             self._update(prev)
             return
         entries: dict[bytes, Entry] = {}
-        children: dict[bytes, list[Entry]] = {}  # in name order
+        children: dict[bytes, Sequence[Entry]] = {}  # in name order (the Folders' own)
         self.total_bytes = manifest.total_bytes  # for statfs, which `find` and `df` call
-        for e in manifest.entries:  # sorted: parents first, names in order within a directory
-            entries[e.path] = e
-            if e.kind == DIR:
-                children[e.path] = []
-            if e.path:
-                children[e.parent].append(e)
+        for f in manifest.folders():
+            entries[f.entry.path] = f.entry
+            children[f.entry.path] = f.kids
+            for e in f.kids:
+                entries[e.path] = e
         self.entries, self.children = Layered(entries), Layered(children)
 
     def _update(self, prev: Tree) -> None:
@@ -81,8 +81,8 @@ class Tree:
                     stack.extend(reversed(children.pop(e.path, ())))
 
         m = self.manifest
-        for i in m.read_folders:
-            folder = m.entries[i]
+        for f in m.read_folders:
+            folder = f.entry
             was = entries.get(folder.path)
             if was is not None and was.kind != DIR:  # a file or link became a folder
                 drop(was)
@@ -91,7 +91,7 @@ class Tree:
                 changed.append((was, folder))
             entries[folder.path] = folder
             old = {e.name: e for e in children.get(folder.path, ())} if was is not None else {}
-            kids = m.children(i)
+            kids = f.kids
             for e in kids:
                 before = old.pop(e.name, None)
                 if before is e or e.kind == DIR:

@@ -6,19 +6,21 @@ of the same tree give the same version, and a change gives new objects only for 
 its path, so a push sends, and a node loads, only those (`Manifest.load(known=...)` takes the
 rest from the version it loaded before). Objects travel and are stored as ordinary chunks.
 
-In memory a manifest is the flat list of entries in tree order (parents first, each subtree
-contiguous), which is what the mount, backing files and collection use. Names are bytes (they
+In memory a version is a tree of Folder values, shared whole between the versions that have a
+folder unchanged, so an edit costs the folders on its path in memory too; the flat list of
+entries in tree order (parents first, each subtree contiguous) is what a scan makes, and is made
+from the tree only where a whole pass needs it. Names are bytes (they
 need not be UTF-8). Names that could escape the mount are refused when a manifest is built and
 again when one is loaded, so a hostile peer cannot place them.
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
 import struct
 import weakref
-from array import array
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 from .chunk import CHUNK_SIZE, ID_SIZE, MAX_CHUNK_SIZE, chunk_id
@@ -236,90 +238,99 @@ def _parse(oid: bytes, blob: bytes | memoryview, path: bytes, counted: int, limi
     return chunk_size, mode, mtime, records
 
 
-class _Lists:
-    """The three lists of a version being made (entries, folder object ids, spans), in tree
-    order, from runs of another version's (`base`) and items of its own between them.
+class Folder:
+    """A folder of a version with all that is below it: its entry, its object id, its children
+    in name order (`kids`; a child folder is there by its entry, and in `sub` by name) and how
+    many entries its subtree holds (`span`, itself included).
 
-    A run costs nothing until `lists()`, which copies the base's lists once and puts the own
-    items in place of what lay between the runs. Copying each run as it comes (a slice, then
-    an extend) wrote every entry's reference count three times; this writes it once, and
-    the writes are most of what an edit costs at 100k files (the entries lie all over the
-    heap). Runs come in the base's order and do not overlap: unchanged subtrees, found by
-    name in their unchanged order."""
+    Never changed once its version is made, so versions share every folder they have
+    unchanged, whole: loading or making an edit makes the folders on its path and takes the
+    others as they are. A version as one flat list had to copy the list for every edit, and
+    free the last one's, each O(tree) (a few ms a version at 100k files)."""
 
-    def __init__(self, base: tuple[list[Entry], list[bytes | None], array[int]] | None = None):
-        self.base = base
-        self.entries: list[Entry] = []  # own items
-        self.oids: list[bytes | None] = []
-        self.spans = array("I")
-        self.runs: list[tuple[int, int, int]] = []  # (own items before it, base start, end)
-        self.n = 0  # the version's length so far
+    __slots__ = ("entry", "oid", "kids", "sub", "span")
 
-    def take(self, k: int, span: int) -> None:
-        """The base's subtree at `k`, whole."""
-        self.runs.append((len(self.entries), k, k + span))
-        self.n += span
+    def __init__(self, entry: Entry, oid: bytes, kids: tuple[Entry, ...],
+                 sub: dict[bytes, Folder], span: int):
+        self.entry = entry
+        self.oid = oid
+        self.kids = kids
+        self.sub = sub  # in name order too
+        self.span = span
 
-    def add(self, e: Entry) -> int:
-        """An own item (its object id and span set later, for a folder): its own index."""
-        self.entries.append(e)
-        self.oids.append(None)
-        self.spans.append(1)
-        self.n += 1
-        return len(self.entries) - 1
+    def walk(self) -> Iterator[Entry]:
+        """Every entry of the subtree, in tree order (this folder's first)."""
+        yield self.entry
+        stack = [(iter(self.kids), self.sub)]
+        while stack:
+            kids, sub = stack[-1]
+            for e in kids:
+                if e.kind == Kind.DIR:
+                    f = sub[e.name]
+                    yield f.entry
+                    stack.append((iter(f.kids), f.sub))
+                    break
+                yield e
+            else:
+                stack.pop()
 
-    def gaps(self) -> Iterator[int]:
-        """The base's indices outside every run: what the version made no longer has as it
-        was (once every run is taken)."""
-        at = 0
-        for _, start, end in self.runs:
-            yield from range(at, start)
-            at = end
-        if self.base is not None:
-            yield from range(at, len(self.base[0]))
+    def folders(self) -> Iterator[Folder]:
+        """This folder and every folder below it, parents first."""
+        stack = [self]
+        while stack:
+            f = stack.pop()
+            yield f
+            stack.extend(reversed(f.sub.values()))
 
-    def lists(self) -> tuple[list[Entry], list[bytes | None], array[int]]:
-        if not self.runs:
-            return self.entries, self.oids, self.spans
-        assert self.base is not None
-        b_entries, b_oids, b_spans = self.base
-        entries, oids, spans = b_entries.copy(), b_oids.copy(), array("I", b_spans)
-        own, at = len(self.entries), len(b_entries)  # what is left to place, and where
-        for before, start, end in reversed(self.runs):  # from the end: indices stay valid
-            entries[end:at] = self.entries[before:own]
-            oids[end:at] = self.oids[before:own]
-            spans[end:at] = self.spans[before:own]
-            own, at = before, start
-        entries[:at] = self.entries[:own]
-        oids[:at] = self.oids[:own]
-        spans[:at] = self.spans[:own]
-        return entries, oids, spans
+
+def _blob(folder: Entry, records: list[bytes], chunk_size: int) -> bytes:
+    """A folder's object: its head, then its children's records."""
+    return b"".join([_HEAD.pack(MAGIC, chunk_size, folder.mode, folder.mtime_ns, len(records)),
+                     *records])
 
 
 class Manifest:
-    """A snapshot's tree, sorted parents first. Its folders, encoded, are content-addressed
-    objects (`objects()`), and the root's id is the version (`id`)."""
+    """A snapshot's tree: a Folder per folder (`root`), or, as a scan makes it, the flat list
+    of its entries in tree order (parents first, each subtree contiguous), each made from the
+    other when first needed. Its folders, encoded, are content-addressed objects
+    (`objects()`), and the root's id is the version (`id`)."""
 
-    def __init__(self, entries: Iterable[Entry], chunk_size: int = CHUNK_SIZE):
+    def __init__(self, entries: Iterable[Entry] = (), chunk_size: int = CHUNK_SIZE):
         self.chunk_size = chunk_size
-        self.entries = sorted(entries, key=lambda e: e.path.replace(b"/", b"\0"))  # sort_key
-        self._by_path: dict[bytes, Entry] | None = None
+        self._entries: list[Entry] | None = sorted(
+            entries, key=lambda e: e.path.replace(b"/", b"\0"))  # sort_key
+        self._root: Folder | None = None
         self._objects: Mapping[bytes, bytes] | None = None
         self._folders: int | None = None  # how many folders (objects() has fewer: repeats)
-        # The tree, one item per entry: a folder's object id (None for a file or symlink), and
-        # how many entries its subtree spans (itself included). Lengths, not positions, so a
-        # subtree's items are copied between versions as slices, unchanged. The spans are an
-        # array of 4-byte counts: half what a list's pointers take (0.4 MB at 100k entries).
-        self._oids: list[bytes | None] | None = None
-        self._spans: array[int] | None = None
-        # Loaded knowing another version (`load`'s `known`): that one, and the indices of the
-        # folders read from objects (the rest was taken from it), so an index of this version
-        # can be made from that one's at the cost of what changed (fs/inodes.py).
+        # Loaded knowing another version (`load`'s `known`): that one, and the folders read
+        # from objects (the others were taken from it), so an index of this version can be
+        # made from that one's at the cost of what changed (fs/inodes.py).
         self.base: weakref.ref[Manifest] | None = None
-        self.read_folders: list[int] = []
+        self.read_folders: list[Folder] = []
         self.known_ids: Collection[bytes] | None = None  # chunk_ids(), when already counted
         self.totals: tuple[int, int] | None = None  # file_totals()
         self.new_objects: set[bytes] = set()  # edited(): the objects its base does not have
+
+    @classmethod
+    def _of(cls, root: Folder, chunk_size: int) -> Manifest:
+        m = cls((), chunk_size)
+        m._entries, m._root = None, root
+        return m
+
+    @property
+    def entries(self) -> list[Entry]:
+        """Every entry in tree order (made from the folders once, when a version was loaded or
+        edited: what runs for every version iterates the manifest instead)."""
+        if self._entries is None:
+            self._entries = list(self.root.walk())
+        return self._entries
+
+    @property
+    def root(self) -> Folder:
+        if self._root is None:
+            self._build()
+        assert self._root is not None
+        return self._root
 
     def validate(self, known: Collection[bytes] = ()) -> None:
         """Refuse anything the mount could not serve as is: every field is held to what the
@@ -327,13 +338,14 @@ class Manifest:
         directory of size 2^64-1 once took the daemon down at the first `ls`).
 
         `known`: ids of folder objects validated before (the dev box's scan cache keeps those
-        of its last scan). Their children are not checked again, since a folder's object holds
+        of its last scan). Their subtrees are not checked again, since a folder's object holds
         its children's names and fields and, through their ids, its whole subtree; only every
         path's length is, as it depends on where a folder sits. A one-file edit then checks
         the few folders on its path, not every entry (22 ms at 15k files)."""
         if not (64 * 1024 <= self.chunk_size <= MAX_CHUNK_SIZE):
             raise ManifestError(f"chunk size {self.chunk_size} out of range")
-        if not self.entries or self.entries[0].path != b"" or self.entries[0].kind != Kind.DIR:
+        entries = self.entries
+        if not entries or entries[0].path != b"" or entries[0].kind != Kind.DIR:
             raise ManifestError("manifest has no root directory")
         if known:
             try:
@@ -344,7 +356,7 @@ class Manifest:
                 self._validate_folders(known)
                 return
         seen: dict[bytes, Kind] = {}
-        for e in self.entries:
+        for e in entries:
             check_path(e.path)
             if e.path in seen:
                 raise ManifestError(f"duplicate entry {e.path!r}")
@@ -355,26 +367,26 @@ class Manifest:
 
     def _validate_folders(self, known: Collection[bytes]) -> None:
         """validate() of a built manifest, but for the folders whose object id is `known`."""
-        entries, oids, spans = self.entries, self._oids, self._spans
-        assert oids is not None and spans is not None
+        entries, root = self.entries, self.root
         longest = max(entries, key=lambda e: len(e.path))
         if len(longest.path) > MAX_PATH:
             check_path(longest.path)
-        _check_entry(entries[0], self.chunk_size)
-        if spans[0] != len(entries):  # only a second root is outside the root's subtree
+        _check_entry(root.entry, self.chunk_size)
+        if root.span != len(entries):  # only a second root is outside the root's subtree
             raise ManifestError(f"duplicate entry {entries[1].path!r}")
-        for i, oid in enumerate(oids):
-            if oid is None or oid in known:
+        stack = [root]
+        while stack:
+            f = stack.pop()
+            if f.oid in known:
                 continue
-            j, end, last = i + 1, i + spans[i], None
-            while j < end:
-                e = entries[j]
+            last = None
+            for e in f.kids:
                 check_path(e.path)
                 if e.name == last:
                     raise ManifestError(f"duplicate entry {e.path!r}")
                 _check_entry(e, self.chunk_size)
                 last = e.name
-                j += spans[j]
+            stack.extend(f.sub.values())
 
     # ---- the tree of objects ----------------------------------------------------------------
 
@@ -383,90 +395,117 @@ class Manifest:
         version. Built once; it checks nothing (validate does) but that each entry has a
         parent folder, since an entry without one has no object to be in."""
         if self._objects is None:
-            self._build()
+            if self._root is None:
+                self._build()
+            else:  # loaded: encoded again (a node asks only for the ids: object_ids)
+                self._objects = {f.oid: self._encode(f) for f in reversed(list(
+                    self._root.folders()))}
         assert self._objects is not None
         return self._objects
 
+    def _encode(self, f: Folder) -> bytes:
+        return _blob(f.entry, [_folder_record(e.name, f.sub[e.name].oid) if e.kind == Kind.DIR
+                               else _record(e, e.name) for e in f.kids], self.chunk_size)
+
     def _build(self) -> None:
-        entries, cs = self.entries, self.chunk_size
+        """The folders and their objects, from the entries (a scan's)."""
+        entries, cs = self._entries, self.chunk_size
         if not entries or entries[0].path != b"" or entries[0].kind != Kind.DIR:
             raise ManifestError("manifest has no root directory")
-        oids: list[bytes | None] = [None] * len(entries)
-        spans = array("I", [1]) * len(entries)
         objects: dict[bytes, bytes] = {}
-        below: dict[bytes, list[bytes]] = {}  # folder path -> its children's records, reversed
+        # folder path -> its children's records and entries, and its child folders by name
+        below: dict[bytes, tuple[list[bytes], list[Entry], dict[bytes, Folder]]] = {}
         spanned: dict[bytes, int] = {}  # folder path -> entries below it
-        pack, folder = _ENTRY.pack, Kind.DIR
+        pack, folder, root, count = _ENTRY.pack, Kind.DIR, None, 0
         for i in range(len(entries) - 1, -1, -1):  # children before their parent
-            path, kind, mode, size, mtime, target, chunks = entries[i]
+            e = entries[i]
+            path, kind, mode, size, mtime, target, chunks = e
             parent, _, name = path.rpartition(b"/")
             if kind == folder:
-                records = below.pop(path, [])
+                records, kids, sub = below.pop(path, ([], [], {}))
                 records.reverse()
+                kids.reverse()
                 blob = b"".join([_HEAD.pack(MAGIC, cs, mode, mtime, len(records)), *records])
-                oid = oids[i] = chunk_id(blob)
+                oid = chunk_id(blob)
                 objects[oid] = blob
-                spans[i] += spanned.pop(path, 0)
+                f = Folder(e, oid, tuple(kids), dict(reversed(sub.items())),  # (name order)
+                           1 + spanned.pop(path, 0))
+                count += 1
+                span = f.span
                 record = b"".join([pack(folder, 0, 0, 0, len(name), 0, 1), name, oid])
             else:  # (_record, inline: this loop runs once per entry of every scan)
+                span = 1
                 record = b"".join([pack(kind, mode, size, mtime, len(name), len(target),
                                         len(chunks)), name, target, *chunks])
             if path:
-                below.setdefault(parent, []).append(record)
-                spanned[parent] = spanned.get(parent, 0) + spans[i]
+                lists = below.get(parent)
+                if lists is None:
+                    lists = below[parent] = ([], [], {})
+                lists[0].append(record)
+                lists[1].append(e)
+                if kind == folder:
+                    lists[2][name] = f
+                spanned[parent] = spanned.get(parent, 0) + span
+            elif kind == folder:
+                root = f
         if below:
             orphan = min(below)
             raise ManifestError(f"entries under {orphan!r} have no parent directory")
-        self._objects, self._oids, self._spans = objects, oids, spans
-        self._folders = len(oids) - oids.count(None)
+        self._objects, self._root, self._folders = objects, root, count
 
     @property
     def id(self) -> bytes:
         """The version: the root folder's object id."""
-        if self._oids is None:
-            self._build()
-        assert self._oids is not None and self._oids[0] is not None
-        return self._oids[0]
+        return self.root.oid
 
-    def folders(self) -> Iterator[tuple[int, bytes]]:
-        """(index, object id) of every folder, the root first."""
-        if self._oids is None:
-            self._build()
-        assert self._oids is not None
-        return ((i, oid) for i, oid in enumerate(self._oids) if oid is not None)
+    def folders(self) -> Iterator[Folder]:
+        """Every folder, parents first (the root first)."""
+        return self.root.folders()
+
+    def folder(self, path: bytes) -> Folder | None:
+        """The folder at `path`, found down the tree; None when there is none."""
+        f = self.root
+        for name in path.split(b"/") if path else ():
+            sub = f.sub.get(name)
+            if sub is None:
+                return None
+            f = sub
+        return f
+
+    def get(self, path: bytes) -> Entry | None:
+        """The entry at `path`, found down the tree."""
+        parent, _, name = path.rpartition(b"/")
+        f = self.folder(parent) if path else None
+        if f is None:
+            return self.root.entry if not path else None
+        sub = f.sub.get(name)
+        if sub is not None:
+            return sub.entry
+        kids = f.kids
+        i = bisect.bisect_left(kids, name, key=_by_name)
+        return kids[i] if i < len(kids) and kids[i].name == name else None
 
     def ids_beyond(self, objects: Collection[bytes]) -> list[bytes]:
         """What this version may hold that one whose folder objects are `objects` does not:
         its folder objects not among them, and the chunks of the files directly inside those.
         Only the folders that differ are walked (a one-file edit: the few on its path)."""
-        if self._oids is None:
-            self._build()
-        entries, oids, spans = self.entries, self._oids, self._spans
-        assert oids is not None and spans is not None
         out: dict[bytes, None] = {}
-        stack = [0]
+        stack = [self.root]
         while stack:
-            i = stack.pop()
-            oid = oids[i]
-            assert oid is not None
-            if oid in objects:
+            f = stack.pop()
+            if f.oid in objects:
                 continue
-            out[oid] = None
-            j, end = i + 1, i + spans[i]
-            while j < end:
-                if oids[j] is not None:
-                    stack.append(j)
+            out[f.oid] = None
+            for e in f.kids:
+                if e.kind == Kind.DIR:
+                    stack.append(f.sub[e.name])
                 else:
-                    out.update(dict.fromkeys(entries[j].chunks))
-                j += spans[j]
+                    out.update(dict.fromkeys(e.chunks))
         return list(out)
 
     def object_ids(self) -> list[bytes]:
         """Every folder's object id, the root's first."""
-        if self._oids is None:
-            self._build()
-        assert self._oids is not None
-        return [o for o in self._oids if o is not None]
+        return [f.oid for f in self.root.folders()]
 
     @classmethod
     def load(cls, version: bytes, get: Callable[[bytes], bytes | memoryview],
@@ -478,34 +517,30 @@ class Manifest:
         allows) are refused as soon as they are counted.
 
         `known`: a version loaded before (a node passes the one it loaded last). A folder whose
-        object id is the one `known` has at the same path is that subtree: its entries are
-        taken as they are (shared in memory, and checked when they were loaded), so loading
-        an edit costs the folders on its path, not the tree."""
+        object id is the one `known` has at the same path is that subtree, taken as it is
+        (shared in memory, and checked when it was loaded), so loading an edit costs the
+        folders on its path, not the tree."""
         limit = MAX_ENTRIES if max_entries is None else min(max_entries, MAX_ENTRIES)
-        k_entries: list[Entry] = []  # known's, when it has a tree (else no folder is known)
-        k_oids: list[bytes | None] = []
-        k_spans = array("I")
-        if known is not None and known._oids is not None and known._spans is not None:
-            k_entries, k_oids, k_spans = known.entries, known._oids, known._spans
-        out = _Lists((k_entries, k_oids, k_spans))
+        k_root = known._root if known is not None else None
         chunk_size = 0
-        read: list[int] = []
+        count = 0  # entries so far
+        read: list[Folder] = []
 
-        def open_folder(path: bytes, oid: bytes, k: int | None):
-            """Enter the folder at `path` (known's index `k`): None when known's subtree is
-            taken whole, else (its records, its index and own index, its known children by
-            name)."""
-            nonlocal chunk_size
-            if k is not None and k_oids[k] == oid:
-                out.take(k, k_spans[k])
-                if out.n > limit:
-                    raise TooManyEntries(out.n, limit)
-                return None
+        def open_folder(path: bytes, oid: bytes, k: Folder | None) -> Folder | list:
+            """Enter the folder at `path` (known's there: `k`): known's whole when its object
+            is the same, else a frame: [its records, the Folder made, its kids so far, `k`,
+            k's children by name, its path, the last child's name, the count before it]."""
+            nonlocal chunk_size, count
+            if k is not None and k.oid == oid:
+                count += k.span
+                if count > limit:
+                    raise TooManyEntries(count, limit)
+                return k
             try:
                 blob = get(oid)
             except KeyError:
                 raise MissingObject(oid, path) from None
-            size, mode, mtime, records = _parse(oid, blob, path, out.n + 1, limit)
+            size, mode, mtime, records = _parse(oid, blob, path, count + 1, limit)
             if not chunk_size:
                 if not (64 * 1024 <= size <= MAX_CHUNK_SIZE):
                     raise ManifestError(f"chunk size {size} out of range")
@@ -515,26 +550,25 @@ class Manifest:
                                     f"{chunk_size}")
             e = Entry(path, Kind.DIR, mode, 0, mtime)
             _check_entry(e, chunk_size)
-            if k is not None and k_entries[k] == e:
-                e = k_entries[k]  # the same folder with new contents: one object in memory
-            at = out.n
-            read.append(at)
-            mine = out.add(e)
-            out.oids[mine] = oid
-            kids: dict[bytes, int] = {}
-            if k is not None:  # known's children of this folder, by name
-                j, end = k + 1, k + k_spans[k]
-                while j < end:
-                    kids[k_entries[j].name] = j
-                    j += k_spans[j]
-            return iter(records), (at, mine), kids, path, b""
+            if k is not None and k.entry == e:
+                e = k.entry  # the same folder with new contents: one object in memory
+            f = Folder(e, oid, (), {}, 0)
+            read.append(f)
+            count += 1
+            kids = {c.name: c for c in k.kids} if k is not None else {}
+            return [iter(records), f, [], k, kids, path, b"", count - 1]
 
-        stack = [open_folder(b"", version, 0 if k_entries else None)]
+        top = open_folder(b"", version, k_root)
+        if isinstance(top, Folder):  # the version known is
+            assert known is not None
+            chunk_size = known.chunk_size
+        stack = [top] if isinstance(top, list) else []
         while stack:
-            records, (at, mine), kids, path, last = stack[-1]
+            frame = stack[-1]
+            records, f, kids, k_folder, k_kids, path, last, start = frame
             record = next(records, None)
             if record is None:
-                out.spans[mine] = out.n - at
+                f.kids, f.span = tuple(kids), count - start
                 stack.pop()
                 continue
             kind, mode, size, mtime, name, target, chunks = record
@@ -545,120 +579,132 @@ class Manifest:
             if name <= last:
                 raise ManifestError(f"duplicate entry {child!r}" if name == last else
                                     f"folder {path!r}: children not in name order at {child!r}")
-            stack[-1] = (records, (at, mine), kids, path, name)
-            k = kids.get(name)
+            frame[6] = name
             if kind == Kind.DIR:
                 if mode or size or mtime or target or len(chunks) != 1:
                     raise ManifestError(f"directory {child!r}: a folder's record has only "
                                         "its object id")
-                if k is not None and k_entries[k].kind != Kind.DIR:
-                    k = None
+                k = k_folder.sub.get(name) if k_folder is not None else None
                 inner = open_folder(child, chunks[0], k)
-                if inner is not None:
+                sub = inner if isinstance(inner, Folder) else inner[1]
+                kids.append(sub.entry)
+                f.sub[name] = sub
+                if isinstance(inner, list):
                     stack.append(inner)
                 continue
             if kind not in _KINDS:
                 raise ManifestError(f"entry {child!r}: unknown kind {kind}")
             e = Entry(child, _KINDS[kind], mode, size, mtime, target, chunks)
-            if k is not None and k_entries[k] == e:
-                e = k_entries[k]  # unchanged: checked when it was loaded
+            was = k_kids.get(name)
+            if was is not None and was == e:
+                e = was  # unchanged: checked when it was loaded
             else:
                 _check_entry(e, chunk_size)
-            out.add(e)
-            if out.n > limit:
-                raise TooManyEntries(out.n, limit)
-        m = cls((), chunk_size)
-        m.entries, m._oids, m._spans = out.lists()  # in tree order by construction
+            kids.append(e)
+            count += 1
+            if count > limit:
+                raise TooManyEntries(count, limit)
+        m = cls._of(top if isinstance(top, Folder) else top[1], chunk_size)
         m.read_folders = read
-        if known is not None and k_entries:
+        if known is not None and k_root is not None:
             m.base = weakref.ref(known)
         return m
 
-    def edited(self, folders: dict[bytes, tuple[Entry, list[Entry]]]) -> Manifest:
+    def edited(self, folders: dict[bytes, tuple[Entry, Sequence[Entry]]]) -> Manifest:
         """This tree with each folder in `folders` (path -> its entry and all its children,
-        in any order) listed anew, built at the cost of those folders: every other subtree,
-        its folder objects included, is taken from this one as it is. A child folder not in
+        in any order) listed anew, built at the cost of those folders: every other folder,
+        its object included, is taken from this one as it is. A child folder not in
         `folders` must be one this tree has at that path (a new folder is listed there, and
         so is every folder below it). The folders above a listed one get new objects too.
         What is new is checked as validate() would; the rest was checked before."""
-        if self._oids is None or self._spans is None or self._objects is None:
-            self._build()
-        p_entries, p_oids, p_spans = self.entries, self._oids, self._spans
-        assert p_oids is not None and p_spans is not None and self._objects is not None
+        old_root, old = self.root, self.objects()
         listed = dict(folders)
         for path in folders:  # the folders above a listed one list what they listed before
             while path:
                 path = path.rpartition(b"/")[0]
                 if path in listed:
                     break
-                i = self.find(path)
-                if i is None or p_entries[i].kind != Kind.DIR:
+                was = self.folder(path)
+                if was is None:
                     raise ManifestError(f"folder {path!r} is neither listed nor in the tree")
-                listed[path] = (p_entries[i], self.children(i))
+                listed[path] = (was.entry, was.kids)
         if b"" not in listed:
             return self
         cs = self.chunk_size
-        out = _Lists((p_entries, p_oids, p_spans))
         blobs: dict[bytes, bytes] = {}
+        made = 0
 
-        def enter(path: bytes) -> tuple[Iterator[Entry], list[bytes], tuple[int, int], bytes,
-                                        bytes | None]:
-            """Emit the listed folder at `path`: its children to go, its records, its index
-            and own index, its path and the last child's name."""
+        def enter(path: bytes) -> list:
+            """A listed folder to make: [its children to go, its records, its kids, its
+            child folders, its entry, its path, the last child's name, its span so far]."""
             folder, kids = listed[path]
             if folder.path != path or folder.kind != Kind.DIR:
                 raise ManifestError(f"folder {path!r} listed with the entry of {folder.path!r}")
             check_path(path)
             _check_entry(folder, cs)
-            at = out.n
-            return iter(sorted(kids, key=_by_name)), [], (at, out.add(folder)), path, None
+            return [iter(sorted(kids, key=_by_name)), [], [], {}, folder, path, None, 1]
 
         # Depth first with a stack (as load does): a closure that called itself would be a
-        # reference cycle holding these lists until a collection (dozens of ms at 100k files).
+        # reference cycle, held until a collection.
         stack = [enter(b"")]
+        root = None
         while stack:
-            kids, records, (at, mine), path, last = stack[-1]
+            frame = stack[-1]
+            kids, records, out, sub, folder, path, last, span = frame
             e = next(kids, None)
-            if e is None:  # the folder is done: its object, and its record in its parent's
-                folder = out.entries[mine]
-                blob = b"".join([_HEAD.pack(MAGIC, cs, folder.mode, folder.mtime_ns,
-                                            len(records)), *records])
-                oid = out.oids[mine] = chunk_id(blob)
+            if e is None:  # the folder is done: its object, and its place in its parent
+                blob = _blob(folder, records, cs)
+                oid = chunk_id(blob)
                 blobs[oid] = blob
-                out.spans[mine] = out.n - at
+                made += 1
+                f = Folder(folder, oid, tuple(out), sub, span)
                 stack.pop()
-                if stack:
-                    stack[-1][1].append(_folder_record(folder.name, oid))
+                if not stack:
+                    root = f
+                    continue
+                parent = stack[-1]
+                parent[1].append(_folder_record(folder.name, oid))
+                parent[2].append(folder)
+                parent[3][folder.name] = f
+                parent[7] += span
                 continue
             name = e.name
             if e.parent != path or name == last:
                 raise ManifestError(f"entry {e.path!r} listed in folder {path!r} twice "
                                     "or in the wrong folder" if name == last else
                                     f"entry {e.path!r} listed in folder {path!r}")
-            stack[-1] = (kids, records, (at, mine), path, name)
+            frame[6] = name
             if e.kind == Kind.DIR:
                 if e.path in listed:
                     stack.append(enter(e.path))
                     continue
-                i = self.find(e.path)
-                if i is None or p_entries[i].kind != Kind.DIR:
+                was = self.folder(e.path)
+                if was is None:
                     raise ManifestError(f"folder {e.path!r} is neither listed nor in the tree")
-                out.take(i, p_spans[i])
-                taken = p_oids[i]
-                assert taken is not None
-                records.append(_folder_record(name, taken))
+                records.append(_folder_record(name, was.oid))
+                out.append(was.entry)
+                sub[name] = was
+                frame[7] += was.span
                 continue
             check_path(e.path)
             _check_entry(e, cs)
             records.append(_record(e, name))
-            out.add(e)
+            out.append(e)
+            frame[7] += 1
 
-        m = Manifest((), cs)
-        m.entries, m._oids, m._spans = out.lists()
-        old = self._objects
-        gone = [o for j in out.gaps() if (o := p_oids[j]) is not None]  # replaced folders
+        assert root is not None
+        m = Manifest._of(root, cs)
+        gone = []  # the folders of this version the new one does not share
+        pairs: list[tuple[Folder, Folder | None]] = [(old_root, root)]
+        while pairs:
+            was, now = pairs.pop()
+            if now is was:
+                continue
+            gone.append(was.oid)
+            pairs.extend((s, now.sub.get(n) if now is not None else None)
+                         for n, s in was.sub.items())
         if self._folders is not None:
-            m._folders = self._folders - len(gone) + len(out.oids) - out.oids.count(None)
+            m._folders = self._folders - len(gone) + made
         if self._folders == len(old):
             # No two folders share an object, so a replaced folder's object is gone unless the
             # edit made it again: this version's are the last one's, less those, plus the new
@@ -670,35 +716,18 @@ class Manifest:
             objects.update(blobs)
             m._objects = objects
         else:  # (an object shared by two folders: whether it is still used takes a pass)
-            m._objects = {oid: blobs.get(oid) or old[oid]  # children before parents
-                          for oid in reversed(m._oids) if oid is not None}
+            m._objects = {f.oid: blobs.get(f.oid) or old[f.oid]  # children before parents
+                          for f in reversed(list(root.folders()))}
         m.new_objects = {oid for oid in blobs if oid not in old}
         return m
 
-    def find(self, path: bytes) -> int | None:
-        """The index of the entry at `path`, found down the tree (no index of every path)."""
-        if self._spans is None:
-            self._build()
-        assert self._spans is not None
-        i = 0
-        for name in path.split(b"/") if path else ():
-            if self.entries[i].kind != Kind.DIR:
-                return None
-            j, end = i + 1, i + self._spans[i]
-            while j < end and self.entries[j].name != name:
-                j += self._spans[j]
-            if j >= end:
-                return None
-            i = j
-        return i
-
     def added_entries(self) -> list[Entry]:
-        """The entries of the folders `load` read: with every other subtree taken from its base
-        (Manifest.base), the only ones this version may have that the base does not. All of
-        them when it was not loaded against a base."""
+        """The entries of the folders `load` read: with every other folder taken from its
+        base (Manifest.base), the only ones this version may have that the base does not. All
+        of them when it was not loaded against a base."""
         if self.base is None:
-            return self.entries
-        return [e for i in self.read_folders for e in self.children(i)]
+            return list(self)
+        return [e for f in self.read_folders for e in f.kids]
 
     def added_chunk_ids(self) -> list[bytes] | None:
         """The chunks of added_entries(); None if it was not loaded against a base."""
@@ -706,41 +735,21 @@ class Manifest:
             return None
         return list(dict.fromkeys(c for e in self.added_entries() for c in e.chunks))
 
-    def span(self, i: int) -> int:
-        """How many entries the subtree at index `i` holds, itself included."""
-        if self._spans is None:
-            self._build()
-        assert self._spans is not None
-        return self._spans[i]
-
-    def children(self, i: int) -> list[Entry]:
-        """The entries directly inside the folder at index `i`, in name order."""
-        assert self._spans is not None
-        out, j, end = [], i + 1, i + self._spans[i]
-        while j < end:
-            out.append(self.entries[j])
-            j += self._spans[j]
-        return out
-
     # ---- lookups ------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Entry]:
-        return iter(self.entries)
+        """The entries in tree order, without making the list of them."""
+        return iter(self._entries) if self._entries is not None else self.root.walk()
 
     def __len__(self) -> int:
-        return len(self.entries)
-
-    def get(self, path: bytes) -> Entry | None:
-        if self._by_path is None:
-            self._by_path = {e.path: e for e in self.entries}
-        return self._by_path.get(path)
+        return len(self._entries) if self._entries is not None else self.root.span
 
     def chunk_ids(self) -> Collection[bytes]:
         """Every chunk id the snapshot needs, once each, in file order (or as `known_ids`
         says, when a rescan counted them: its counts by id, whose length costs nothing)."""
         if self.known_ids is not None:
             return self.known_ids
-        return list(dict.fromkeys(c for e in self.entries for c in e.chunks))
+        return list(dict.fromkeys(c for e in self for c in e.chunks))
 
     @property
     def total_bytes(self) -> int:
@@ -749,6 +758,6 @@ class Manifest:
     def file_totals(self) -> tuple[int, int]:
         """(files, bytes), counted once (or set by a rescan from the change: `totals`)."""
         if self.totals is None:
-            files = [e.size for e in self.entries if e.kind == Kind.FILE]
+            files = [e.size for e in self if e.kind == Kind.FILE]
             self.totals = (len(files), sum(files))
         return self.totals

@@ -76,7 +76,7 @@ class Snapshot:
     def chunk_refs(self) -> MutableMapping[bytes, int]:
         if self.refs is None:
             refs: dict[bytes, int] = {}
-            for e in self.manifest.entries:
+            for e in self.manifest:
                 for cid in e.chunks:
                     refs[cid] = refs.get(cid, 0) + 1
             self.refs = refs
@@ -270,22 +270,18 @@ def _rewalk(prev: Snapshot, changed: Iterable[bytes], excludes: Sequence[str],
     found = _Rewalk(_Walk([], [], {}, []), {}, [], [])
     out, listed = found.walk, found.listed
 
-    def in_tree(path: bytes) -> Entry | None:
-        i = tree.find(path)
-        return None if i is None else tree.entries[i]
-
     def known_folder(path: bytes) -> bytes:
         """The nearest folder, `path` or above it, that the tree has and that still is one:
         listing it again finds what changed at `path` (a new folder is walked from there)."""
-        while path and not (getattr(in_tree(path), "kind", None) == Kind.DIR
+        while path and not (tree.folder(path) is not None
                             and _is_folder(os.path.join(root, path))):
             path = path.rpartition(b"/")[0]
         return path
 
     def drop(e: Entry) -> None:  # a path of the tree that is gone, and all below it
-        i = tree.find(e.path)
-        assert i is not None
-        below = tree.entries[i:i + tree.span(i)]
+        f = tree.folder(e.path)
+        assert f is not None
+        below = list(f.walk())
         found.replaced += below
         found.stale += below
 
@@ -299,9 +295,9 @@ def _rewalk(prev: Snapshot, changed: Iterable[bytes], excludes: Sequence[str],
         listed[d] = _folder(root, d)
         now = {e.path: e for e in fresh.entries}
         hashed = {f.path for f in fresh.files}
-        i = tree.find(d)
-        assert i is not None
-        for old in tree.children(i):
+        f = tree.folder(d)
+        assert f is not None
+        for old in f.kids:
             new = now.get(old.path)
             if old.kind == Kind.DIR:
                 if new is None or new.kind != Kind.DIR:
@@ -315,7 +311,7 @@ def _rewalk(prev: Snapshot, changed: Iterable[bytes], excludes: Sequence[str],
             if old.path in hashed or new != old:
                 found.stale.append(old)
         for e in fresh.entries:
-            if e.kind == Kind.DIR and getattr(in_tree(e.path), "kind", None) != Kind.DIR:
+            if e.kind == Kind.DIR and tree.folder(e.path) is None:
                 before = len(out.entries)  # a new folder: walked whole
                 _walk(root, excludes, prev.cache, chunk_size, e.path, out)
                 listed.update((f.path, f) for f in out.entries[before:] if f.kind == Kind.DIR)
@@ -375,7 +371,7 @@ def _edited(prev: Snapshot, found: _Rewalk, entries: list[Entry], chunk_size: in
     orphans = {cid for e in found.stale for cid in e.chunks
                if cid in refs and cid not in sources}
     if orphans:  # rare: a file that did not change holds the same chunk; find it
-        for e in manifest.entries:
+        for e in manifest:
             for cid, (off, length) in zip(e.chunks, spans(e.size, chunk_size)):
                 if cid in orphans and cid not in sources:
                     sources[cid] = Source(os.path.join(prev.root, e.path), off, length)

@@ -727,8 +727,7 @@ def test_ids_beyond_another_version_are_its_new_folders_and_their_files_chunks()
 def _children_first(m: Manifest) -> bool:
     """Whether every folder's object comes after its child folders' in m.objects()."""
     order = {oid: n for n, oid in enumerate(m.objects())}
-    return all(order[m._oids[j]] < order[oid] for i, oid in m.folders()
-               for j in range(i + 1, i + m.span(i)) if m._oids[j] is not None)
+    return all(order[s.oid] < order[f.oid] for f in m.folders() for s in f.sub.values())
 
 
 def test_an_edit_drops_the_objects_of_what_it_replaced_and_keeps_a_shared_one():

@@ -107,6 +107,11 @@ def merged(pairs) -> dict[bytes, tuple]:
                                                             and a.same_content(b))}
 
 
+def shape(m: Manifest) -> list:
+    """Every folder of `m` as values: entry, object id, children, child folders, span."""
+    return [(f.entry, f.oid, f.kids, list(f.sub), f.span) for f in m.folders()]
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_a_tree_made_from_the_version_before_is_the_whole_build(seed):
     rng = random.Random(seed)
@@ -130,18 +135,21 @@ def test_a_tree_made_from_the_version_before_is_the_whole_build(seed):
         loaded = Manifest.load(v, objects.__getitem__, known=prev.manifest)
         fast = Tree(v, loaded, prev)
         whole = Tree(v, Manifest.load(v, objects.__getitem__))
-        # its lists, made of runs of the version before, are the ones a plain load makes
+        # its folders are the ones a plain load makes, and those it did not read are the
+        # version before's own (shared in memory, whole)
         assert loaded.entries == whole.manifest.entries == m.entries
-        assert loaded._oids == whole.manifest._oids and loaded._spans == whole.manifest._spans
+        assert shape(loaded) == shape(whole.manifest) == shape(m)
+        read = {id(f) for f in loaded.read_folders}
+        for f in loaded.folders():
+            if id(f) not in read:
+                assert prev.manifest.folder(f.entry.path) is f
         # and so are those of the version before edited in the folders that load read
-        read = [m.find(loaded.entries[i].path) for i in loaded.read_folders]
-        edited = chain = chain.edited({m.entries[i].path: (m.entries[i], m.children(i))
-                                       for i in read if i is not None})
-        assert (edited.entries, edited._oids, edited._spans) == (
-            m.entries, m._oids, m._spans) and edited.objects() == m.objects()
+        edited = chain = chain.edited({f.entry.path: (f.entry, f.kids)
+                                       for f in loaded.read_folders})
+        assert shape(edited) == shape(m) and edited.objects() == m.objects()
         order = {oid: n for n, oid in enumerate(edited.objects())}  # children first
-        assert all(order[edited._oids[j]] < order[oid] for i, oid in edited.folders()
-                   for j in range(i + 1, i + edited.span(i)) if edited._oids[j] is not None)
+        assert all(order[s.oid] < order[f.oid] for f in edited.folders()
+                   for s in f.sub.values())
         assert fast.prev_version == prev.version  # made from it, not built whole
         assert fast.entries.flat() == whole.entries.flat()
         assert fast.children.flat() == whole.children.flat()

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...fs.manifest import Kind, Manifest
+from ...fs.manifest import Folder, Kind, Manifest
 from ...fs.scan_cache import ScanCache
 
 PYCACHE = b"__pycache__"
@@ -68,11 +68,11 @@ def missing_bytecode(manifest: Manifest, tag: str,
     default = tag.encode()
     facts: dict[bytes, tuple[int, bytes]] = {}
     count, example = 0, b""
-    for i, oid in manifest.folders():
-        folder = manifest.entries[i].path
+    for f in manifest.folders():
+        folder = f.entry.path
         t = _tag_for(folder + b"/", default)
-        key = oid + t
-        fact = (memo.get(key) if memo else None) or _folder_missing(manifest, i, t)
+        key = f.oid + t
+        fact = (memo.get(key) if memo else None) or _folder_missing(f, t)
         facts[key] = fact
         if fact[0]:
             count += fact[0]
@@ -84,20 +84,16 @@ def missing_bytecode(manifest: Manifest, tag: str,
     return Missing(count, example.decode("utf-8", "backslashreplace"), tag), facts
 
 
-def _folder_missing(manifest: Manifest, i: int, tag: bytes) -> tuple[int, bytes]:
-    """(modules without bytecode, the first one's name) of the folder at index `i`."""
-    entries = manifest.entries
+def _folder_missing(folder: Folder, tag: bytes) -> tuple[int, bytes]:
+    """(modules without bytecode, the first one's name) of `folder`."""
     sources: list[bytes] = []
     pycs: set[bytes] = set()
-    j, end = i + 1, i + manifest.span(i)
-    while j < end:
-        e = entries[j]
+    for e in folder.kids:
         if e.kind == Kind.FILE and e.name.endswith(b".py"):
             sources.append(e.name)
         elif e.kind == Kind.DIR and e.name == PYCACHE:
-            pycs.update(c.name for c in manifest.children(j)
+            pycs.update(c.name for c in folder.sub[e.name].kids
                         if c.kind == Kind.FILE and c.name.endswith(b".pyc"))
-        j += manifest.span(j)
     # NAME.TAG.pyc (not NAME.TAG.opt-1.pyc) for any module: the folder was compiled
     if any(len(parts) == 3 and parts[1] == tag for parts in (p.split(b".") for p in pycs)):
         return 0, b""

@@ -40,7 +40,6 @@ from typing import TextIO
 import trio
 from watchfiles._rust_notify import RustNotify  # documented: watchfiles' "Rust backend" API
 
-from ...fs.manifest import Entry
 from ...fs.private_files import private_dir
 from ...fs.scan import ScanStopped, Snapshot, is_excluded, rescan, scan
 from ...fs.scan_cache import ScanCache
@@ -213,7 +212,7 @@ async def watch(
                 done = True
         if got:
             return got
-        if snap is not None and fresh.manifest.entries == snap.manifest.entries:
+        if snap is not None and fresh.manifest.entries == list(snap.manifest):  # (no list kept)
             return snap
         await trio.to_thread.run_sync(fresh.manifest.validate,
                                       cache.checked if cache is not None else ())
@@ -237,7 +236,7 @@ async def watch(
     async def loop(notify: RustNotify) -> None:
         nonlocal outcome, check_at
         snap: Snapshot | None = None  # the tree as last scanned (None: scan it whole)
-        pushed: list[Entry] = []  # the entries of the last push
+        pushed = b""  # the version last pushed
         held: Snapshot | None = None  # what every node took last
         changed: set[bytes] = set()
         checking = False  # a whole scan after a quiet spell: did the watcher miss anything?
@@ -262,15 +261,14 @@ async def watch(
                 say(f"{time.strftime('%H:%M:%S')} push failed: {e}", err)
                 snap, outcome = None, e
             else:
-                missed = checking and snap.manifest.entries is not pushed \
-                    and snap.manifest.entries != pushed
+                missed = checking and snap.manifest.id != pushed
                 if missed:
                     say(f"{time.strftime('%H:%M:%S')} the watcher missed a change; a whole "
                         "scan found it", err)
                 if missed or not checking or asked:
                     held = await push_and_report(snap, held, len(changed) or int(missed))
                     pushed_now = True
-                    pushed, check_at = snap.manifest.entries, time.monotonic() + CHECK_MS / 1e3
+                    pushed, check_at = snap.manifest.id, time.monotonic() + CHECK_MS / 1e3
             finally:
                 gc.enable()
             for a in asked:

@@ -171,7 +171,7 @@ class Publisher:
                     by_path[new.path] = new
             backed = list(by_path.values())
         else:
-            backed = [e for e in manifest.entries if backing_wanted(e)]
+            backed = [e for e in manifest if backing_wanted(e)]
         self._backed_files[manifest] = backed
         return backed
 
@@ -619,7 +619,7 @@ class Publisher:
                 yield held
                 for m in manifests:
                     yield m.object_ids()
-                    yield (c for e in m.entries for c in e.chunks)
+                    yield (c for e in m for c in e.chunks)
 
             start = trio.current_time()
             try:
