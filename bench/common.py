@@ -300,11 +300,11 @@ class LocalCluster:
         cluster.up(self.nodes, self.dir, root_procs=False)
 
     def push(self, src: Path, name: str | None = None, excludes: Sequence[str] = (),
-             timeout: float = 900) -> tuple[float, dict]:
-        """Wall-clock seconds around `monarch-fs push --json` and its JSON result."""
+             timeout: float = 900, args: Sequence[str] = ()) -> tuple[float, dict]:
+        """Wall-clock seconds around `monarch-fs push --json [ARGS]` and its JSON result."""
         sync()
         cmd = [self.cli, "push", str(src), "--hosts", f"@{self.dir / 'hosts'}",
-               "--token-file", str(self.dir / "token"), "--json"]
+               "--token-file", str(self.dir / "token"), "--json", *args]
         if name:
             cmd += ["--name", name]
         for pattern in excludes:

@@ -3,8 +3,10 @@
 change, and after one edited file until every node shows the edit; `monarch-fs push` (its
 interpreter start included: what a user waits for) next to `rsync -a` into 4 local folders one
 after another, and `push --watch` from the moment the file is saved until every node shows it.
-The one-shot push is measured twice: as a new process on its own, and handed to a `push
---watch` of the tree that runs (daemon/client/handoff.py).
+The one-shot push is measured three ways: as a new process on its own; handed to a `push
+--watch` of the tree that runs (daemon/client/handoff.py); and as `push --keep-warm`, typed the
+same every time, whose first run leaves a `push --watch --on-demand` behind that takes the
+later ones.
 
     .venv/bin/python -m bench.edit_loop_bench [--files 15000,100000] [--nodes 4] [--rounds 5]
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 import os
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -145,29 +148,62 @@ def handed_off(cl: LocalCluster, tree: Path, edit: Edit, roots: list[Path],
     takes the push over (daemon/client/handoff.py): `n` no-change pushes and `n` edits."""
     cmd, env = cl.push_args(tree, "--watch", "--name", tree.name)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    out: dict[str, list[float]] = {"nochange": [], "edit": []}
-
-    def push() -> float:
-        seconds, result = cl.push(tree, tree.name)
-        if result.get("watch") != proc.pid:
-            raise BenchError("monarch-fs push was not handed to the running push --watch")
-        return seconds
-
     try:
-        sock = cl.home / "watch" / f"{proc.pid}.sock"
-        t0 = time.perf_counter()
-        while not sock.exists():
-            if proc.poll() is not None or time.perf_counter() - t0 > WATCH_TIMEOUT:
-                raise BenchError("push --watch did not start listening for pushes")
-            time.sleep(0.05)
-        push()  # untimed: the watch's first push is done
-        for _ in range(n):
-            out["nochange"].append(push())
-            data = edit.next()
-            out["edit"].append(push())
-            check_shows(roots, edit.rel, data, "monarch-fs push (handed off)")
+        return handed_rounds(cl, tree, edit, roots, n, proc.pid, (), "monarch-fs push",
+                             alive=lambda: proc.poll() is None)
     finally:
         interrupt(proc)
+
+
+def kept_warm(cl: LocalCluster, tree: Path, edit: Edit, roots: list[Path],
+              n: int) -> dict[str, list[float]]:
+    """`monarch-fs push --keep-warm`, the same command every time: the first (untimed) pushes
+    and leaves a `push --watch --on-demand` of the tree in the background, which every later
+    one is handed to: `n` no-change pushes and `n` edits. That watch is stopped at the end, by
+    its pid."""
+    cmd, env = cl.push_args(tree, "--json", "--name", tree.name, "--keep-warm")
+    first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    line = next((ln for ln in first.stderr.splitlines() if ln.startswith("keeping ")), None)
+    if first.returncode or line is None:
+        raise BenchError(f"push --keep-warm left no watch behind: {first.stderr.strip()}")
+    pid = int(line.split(" pid ")[1].split(",")[0])
+    sock = cl.home / "watch" / f"{pid}.sock"
+    try:
+        return handed_rounds(cl, tree, edit, roots, n, pid, ("--keep-warm",),
+                             "monarch-fs push --keep-warm")
+    finally:
+        if sock.exists():  # (not our child: its socket goes when it stops)
+            os.kill(pid, signal.SIGINT)
+            t0 = time.perf_counter()
+            while sock.exists() and time.perf_counter() - t0 < WATCH_TIMEOUT:
+                time.sleep(0.05)
+
+
+def handed_rounds(cl: LocalCluster, tree: Path, edit: Edit, roots: list[Path], n: int,
+                  pid: int, args: tuple[str, ...], who: str,
+                  alive: Callable[[], bool] = lambda: True) -> dict[str, list[float]]:
+    """Once the watch `pid` listens for pushes: `n` no-change pushes and `n` edits, each a
+    `monarch-fs push ARGS` that must be handed to it (seconds, CLI start included)."""
+    sock = cl.home / "watch" / f"{pid}.sock"
+    t0 = time.perf_counter()
+    while not sock.exists():
+        if not alive() or time.perf_counter() - t0 > WATCH_TIMEOUT:
+            raise BenchError(f"{who}: the watch did not start listening for pushes")
+        time.sleep(0.05)
+
+    def push() -> float:
+        seconds, result = cl.push(tree, tree.name, args=args)
+        if result.get("watch") != pid:
+            raise BenchError(f"{who} was not handed to the running watch")
+        return seconds
+
+    out: dict[str, list[float]] = {"nochange": [], "edit": []}
+    push()  # untimed: the watch's own first push is done
+    for _ in range(n):
+        out["nochange"].append(push())
+        data = edit.next()
+        out["edit"].append(push())
+        check_shows(roots, edit.rel, data, f"{who} (handed off)")
     return out
 
 
@@ -216,6 +252,7 @@ def one_tree(work: Path, cache: Path, files: int, nodes: int, n: int, watch_edit
                 in_check = watch_latencies(cl, tree, edit, mounts, PAUSED_EDITS, IN_CHECK_S)
                 paused = watch_latencies(cl, tree, edit, mounts, PAUSED_EDITS, PAUSE_S)
                 handed = handed_off(cl, tree, edit, mounts, n)
+                warm = kept_warm(cl, tree, edit, mounts, n)
             finally:
                 edit.restore()
     finally:
@@ -226,14 +263,16 @@ def one_tree(work: Path, cache: Path, files: int, nodes: int, n: int, watch_edit
            "watch": summary([round(s, 4) for s in watch]), "edit_phases": edit_phases,
            "watch_paused": summary([round(s, 4) for s in paused]),
            "watch_in_check": summary([round(s, 4) for s in in_check]),
-           **{f"handoff_{k}": summary([round(s, 4) for s in v]) for k, v in handed.items()}}
+           **{f"handoff_{k}": summary([round(s, 4) for s in v]) for k, v in handed.items()},
+           **{f"warm_{k}": summary([round(s, 4) for s in v]) for k, v in warm.items()}}
     log(f"  {files:,} files: no change {res['mfs_nochange']['median']:.3f}s (rsync "
         f"{res['rsync_nochange']['median']:.3f}s), edit {res['mfs_edit']['median']:.3f}s "
         f"(rsync {res['rsync_edit']['median']:.3f}s), --watch {res['watch']['median']:.3f}s "
         f"({res['watch_in_check']['median']:.3f}s during the whole-scan check, "
         f"{res['watch_paused']['median']:.3f}s after it), "
         f"handed to --watch: no change {res['handoff_nochange']['median']:.3f}s, edit "
-        f"{res['handoff_edit']['median']:.3f}s")
+        f"{res['handoff_edit']['median']:.3f}s, --keep-warm: no change "
+        f"{res['warm_nochange']['median']:.3f}s, edit {res['warm_edit']['median']:.3f}s")
     return res
 
 
@@ -257,7 +296,10 @@ def table(res: dict) -> list[str]:
     for key, label, target in (("nochange", "no-change push", t["nochange_s"]),
                                ("edit", "one edit visible on every node", t["edit_s"])):
         r = base[f"rsync_{key}"]["median"]
-        for side, how in (("mfs", "a new process"), ("handoff", "handed to a running --watch")):
+        for side, how in (("mfs", "a new process"), ("handoff", "handed to a running --watch"),
+                          ("warm", "a new process, kept warm by the last: --keep-warm")):
+            if f"{side}_{key}" not in base:
+                continue
             m = base[f"{side}_{key}"]["median"]
             lines.append(f"| {label}, {base['files']:,} files, {base['nodes']} nodes, CLI "
                          f"start included ({how}) | <= {target} s | {m:.3f} s; rsync {r:.3f} s "
@@ -270,27 +312,28 @@ def table(res: dict) -> list[str]:
     for big in trees[1:]:
         for key, label in (("nochange", "no-change push"), ("edit", "one edit"),
                            ("watch", "--watch edit")):
-            for side, how in (("mfs", "new process"), ("handoff", "handed to --watch")):
-                if key == "watch" and side == "handoff":
+            for side, how in (("mfs", "new process"), ("handoff", "handed to --watch"),
+                              ("warm", "new process, --keep-warm")):
+                if key == "watch" and side != "mfs":
                     continue
                 k = "watch" if key == "watch" else f"{side}_{key}"
+                if k not in big or k not in base:
+                    continue
                 x = big[k]["median"] / base[k]["median"]
                 lines.append(f"| {label}{'' if key == 'watch' else f' ({how})'}, "
                              f"{big['files']:,} files against {base['files']:,} | <= "
                              f"{t['scale']}x | {x:.2f}x ({big[k]['median']:.3f} s) | "
                              f"{_met(x, t['scale'])} |")
-    lines += ["", "| files | no change | handed off | rsync | edit | handed off | rsync | "
-              f"--watch edit | {IN_CHECK_S:g} s after the last (in the check) | {PAUSE_S:g} s "
-              "after the last |",
-              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines += ["", "| files | no change | handed off | --keep-warm | rsync | edit | handed off | "
+              f"--keep-warm | rsync | --watch edit | {IN_CHECK_S:g} s after the last (in the "
+              f"check) | {PAUSE_S:g} s after the last |",
+              "| ---: " * 12 + "|"]
     for tr in trees:
-        lines.append(f"| {tr['files']:,} | {tr['mfs_nochange']['median']:.3f} s | "
-                     f"{tr['handoff_nochange']['median']:.3f} s | "
-                     f"{tr['rsync_nochange']['median']:.3f} s | {tr['mfs_edit']['median']:.3f} s"
-                     f" | {tr['handoff_edit']['median']:.3f} s | "
-                     f"{tr['rsync_edit']['median']:.3f} s | {tr['watch']['median']:.3f} s | "
-                     + " ".join(f"{tr[k]['median']:.3f} s |" if k in tr else "|"
-                                for k in ("watch_in_check", "watch_paused")))
+        lines.append(f"| {tr['files']:,} | " + " ".join(
+            f"{tr[k]['median']:.3f} s |" if k in tr else "|"
+            for k in ("mfs_nochange", "handoff_nochange", "warm_nochange", "rsync_nochange",
+                      "mfs_edit", "handoff_edit", "warm_edit", "rsync_edit", "watch",
+                      "watch_in_check", "watch_paused")))
     phases = ", ".join(f"{k} {v:.3f} s" for k, v in base["edit_phases"].items())
     lines += ["", f"A push of {base['files']:,} files with an edit, step by step (`push --json`'s "
               f"phases, the CLI's start not included): {phases}."]

@@ -259,7 +259,10 @@ def goals(res: dict) -> list[dict]:
         t, base = edit_loop_bench.TARGETS, el["trees"][0]
         where = f"{base['files']:,} files, {base['nodes']} nodes (issue 20)"
         for key, label in (("nochange", "no-change push"), ("edit", "one edit shown")):
-            for side, how in (("mfs", "new process"), ("handoff", "handed to --watch")):
+            for side, how in (("mfs", "new process"), ("handoff", "handed to --watch"),
+                              ("warm", "new process, --keep-warm")):
+                if f"{side}_{key}" not in base:
+                    continue
                 v, r = base[f"{side}_{key}"]["median"], base[f"rsync_{key}"]["median"]
                 goal(f"{label} ({how}), {where}", f"<= {t[f'{key}_s']} s", v,
                      lambda v, lim=t[f"{key}_s"]: v <= lim, f"{v:.3f} s (rsync {r:.3f} s)")
@@ -267,7 +270,9 @@ def goals(res: dict) -> list[dict]:
         goal(f"one edit in --watch, {where}", f"<= {t['watch_s']} s", w,
              lambda v: v <= t["watch_s"], f"{w:.3f} s")
         for big in el["trees"][1:]:
-            for key in ("handoff_edit", "watch"):
+            for key in ("handoff_edit", "warm_nochange", "warm_edit", "watch"):
+                if key not in big or key not in base:
+                    continue
                 x = big[key]["median"] / base[key]["median"]
                 goal(f"{key.replace('_', ' ')}, {big['files']:,} files against "
                      f"{base['files']:,} (issue 20)", f"<= {t['scale']}x", x,

@@ -40,7 +40,7 @@ from .daemon.wire.limits import Limits
 from .daemon.wire.replies import StatusReply
 from .fs.scan import Snapshot, SourceChanged
 from .fs.scan_cache import ScanCache
-from .options import build_parser
+from .options import KEEP_WARM_IDLE, build_parser
 from .settings import settings
 
 log = logging.getLogger("monarch_fs")
@@ -153,6 +153,9 @@ def cmd_push(args: argparse.Namespace) -> int:
         else:
             print(f"usable on {nodes} nodes after {seconds:.2f} s", flush=True)
 
+    if (args.on_demand or args.idle) and not args.watch and not args.keep_warm:
+        raise ValueError("--on-demand and --idle are for push --watch (a one-shot push leaves "
+                         "such a watch behind with --keep-warm)")
     if args.watch:
         from .daemon.client.watch import watch
 
@@ -179,7 +182,8 @@ def cmd_push(args: argparse.Namespace) -> int:
                 return await watch(args.src, lambda snap, held: run(None, snap, held, sessions),
                                    cache=cache, excludes=args.exclude,
                                    ignore=[cache_dir] if cache_dir else [],
-                                   json_lines=args.json, judge=judge)
+                                   json_lines=args.json, judge=judge, on_demand=args.on_demand,
+                                   idle_s=args.idle * 60 if args.idle else None)
 
         return trio.run(watching)
     bar = BarProgress() if sys.stderr.isatty() and not args.json else None
@@ -191,6 +195,11 @@ def cmd_push(args: argparse.Namespace) -> int:
         if bar:
             bar.close()
     out, err, code = push_report(outcome, args.json)
+    if args.keep_warm and code == 0:  # (a push handed to a warm watch never gets here)
+        idle = args.idle or KEEP_WARM_IDLE
+        pid = handoff.start_warm(args.argv, idle)
+        err += (f"keeping {args.src} warm for the next push: push --watch --on-demand, pid "
+                f"{pid}, stops after {idle:g} min without a push\n")
     sys.stderr.write(err)
     sys.stdout.write(out)
     return code
@@ -205,7 +214,7 @@ def handoff_key(args: argparse.Namespace, cwd: str, env: Mapping[str, str]) -> t
 
     options = {k: v for k, v in vars(args).items()
                if k not in ("watch", "json", "verbose", "src", "hosts", "token_file", "name",
-                            "daemon_args")}
+                            "daemon_args", "argv", "keep_warm", "on_demand", "idle")}
     src = absolute(args.src)
     spec = args.hosts
     if spec and spec.startswith("@"):  # a host file
@@ -527,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         argv = argv[:argv.index("--")]
     args = build_parser().parse_args(argv)
     args.daemon_args = daemon_args
+    args.argv = argv
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)

@@ -4,6 +4,7 @@ place (cli.py holds what each command does)."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from .daemon.client import slurm
 from .daemon.client.link_codec import POLICIES as COMPRESS_POLICIES
@@ -23,26 +24,25 @@ ENCRYPT_HELP = ("encrypt sessions (every frame is authenticated either way): aut
                 "requires, and either is enough")
 
 
-def positive_rate(text: str) -> float:
-    """A rate in MiB/s for --bwlimit: a positive number (argparse says which option)."""
-    try:
-        rate = float(text)
-    except ValueError:
-        rate = 0.0
-    if not rate > 0 or rate == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of MiB/s")
-    return rate
+KEEP_WARM_IDLE = 30.0  # minutes a --keep-warm watch lives without a push, by default
 
 
-def positive_seconds(text: str) -> float:
-    """A number of seconds above zero (argparse says which option)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
-    return value
+def positive(unit: str) -> Callable[[str], float]:
+    """An argparse type: a positive, finite number of `unit` (argparse says which option)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = 0.0
+        if not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of {unit}")
+        return value
+    return parse
+
+
+positive_minutes = positive("minutes")  # --idle
+positive_rate = positive("MiB/s")  # --bwlimit
+positive_seconds = positive("seconds")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,6 +125,17 @@ def build_parser() -> argparse.ArgumentParser:
                         'with --early, first {"event": "usable", ...} when usable)')
     p.add_argument("--watch", action="store_true",
                    help="keep watching SRC and push again after every change (Ctrl-C stops)")
+    p.add_argument("--on-demand", action="store_true",
+                   help="with --watch: keep the tree and the sessions warm, but push only when "
+                        "a `monarch-fs push` of SRC with the same options is handed over")
+    p.add_argument("--keep-warm", action="store_true",
+                   help="after the push, leave a `push --watch --on-demand` of SRC in the "
+                        "background (unless one runs), so that the next push of SRC with the "
+                        "same options costs what changed, not a look at every file; it stops "
+                        "after --idle minutes without a push")
+    p.add_argument("--idle", type=positive_minutes, metavar="MIN",
+                   help="with --watch: stop after MIN minutes without a push (default: never; "
+                        f"with --keep-warm: {KEEP_WARM_IDLE:g})")
     p.add_argument("--no-cache", action="store_true",
                    help="hash every file: do not use or update the scan cache "
                         "(default: $MONARCH_FS_HOME/scan-cache, so unchanged files are not read)")

@@ -304,3 +304,41 @@ def test_an_edit_saved_then_pushed_by_hand_is_pushed_once(fresh_cluster, tmp_pat
         assert w.stop() == 0
     finally:
         w.kill()
+
+
+@pytest.mark.mount
+def test_keep_warm_leaves_a_watch_that_pushes_only_when_asked_and_stops_when_idle(
+        fresh_cluster, tmp_path):
+    """`push --keep-warm` pushes, then leaves a `push --watch --on-demand` of the folder in the
+    background: an edit is taken in but not pushed until the next `monarch-fs push` of the
+    folder, which that watch pushes; it stops after --idle minutes without a push, removing
+    its socket."""
+    c = fresh_cluster(2)
+    src = tmp_path / "ws"
+    src.mkdir()
+    (src / "f").write_text("v1")
+    home = tmp_path / "home"
+    wrong = one_shot(c, src, home, "--idle", "5")  # --idle alone: for a watch, not one push
+    assert wrong.returncode == 1 and "--idle are for push --watch" in wrong.stderr
+    out = one_shot(c, src, home, "--json", "--keep-warm", "--idle", "0.1")
+    assert out.returncode == 0, out.stderr
+    assert "watch" not in json.loads(out.stdout)  # pushed by the command itself
+    line = next(ln for ln in out.stderr.splitlines() if ln.startswith("keeping "))
+    pid = int(line.split(" pid ")[1].split(",")[0])
+    sock = home / "watch" / f"{pid}.sock"
+    try:
+        wait_for(sock.exists, what="the warm watch's socket")
+        assert all(reads(m / "ws" / "f") == b"v1" for m in c.mounts())
+        (src / "f").write_text("v2")
+        time.sleep(1.0)  # the watcher saw it; on demand, nothing is pushed
+        assert all(reads(m / "ws" / "f") == b"v1" for m in c.mounts())
+        again = one_shot(c, src, home, "--json", "--keep-warm", "--idle", "0.1")
+        assert again.returncode == 0, again.stderr
+        assert json.loads(again.stdout)["watch"] == pid  # handed to it
+        assert "keeping " not in again.stderr  # and no second watch started
+        assert all(reads(m / "ws" / "f") == b"v2" for m in c.mounts())
+        wait_for(lambda: not sock.exists(), timeout=60, what="the warm watch to stop when idle")
+        assert "no push for 0.1 min" in (home / "watch" / "warm.log").read_text()
+    finally:
+        if sock.exists():  # (ours: started by the push above)
+            os.kill(pid, signal.SIGTERM)

@@ -77,3 +77,23 @@ def hand_off(argv: list[str]) -> int | None:
         sys.stderr.write(reply.get("stderr", ""))
         return int(reply.get("code", 1))
     return None
+
+
+def start_warm(argv: list[str], idle_minutes: float) -> int:
+    """Leave `monarch-fs ARGV --watch --on-demand` running in the background (push --keep-warm),
+    in a session of its own so that closing the terminal does not stop it, its stderr appended
+    to HOME/watch/warm.log; it stops after `idle_minutes` without a push. Its pid."""
+    import subprocess  # (here: every command imports this module first, and few need it)
+
+    folder = sockets()
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    log = os.open(folder / "warm.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
+                  0o600)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "monarch_fs", *argv, "--watch", "--on-demand", "--idle",
+             f"{idle_minutes:g}"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=log, start_new_session=True)
+    finally:
+        os.close(log)
+    return proc.pid

@@ -337,7 +337,8 @@ class _Push:
     async def negotiate(self, held: Snapshot | None = None) -> None:
         """Ask every node which chunks it lacks, of those not in `held`, the snapshot every node
         took last (push --watch; prepare still checks every chunk). This one rescanned from
-        that one: only what the rescan found new is asked about. Without `held`, when every
+        that one: only what the rescan found new is asked about; else what its folders that
+        differ from `held`'s hold. Without `held`, when every
         node serves the version last pushed from this folder (known_objects), only what this
         one adds to it."""
         objects = self.payload.objects
@@ -349,9 +350,10 @@ class _Push:
         elif self.snap.since == held.manifest.id and self.snap.added is not None:
             ask_for = [c for c in self.snap.added if not held.holds(c)]
             ask_for += [self.version] if self.version not in ask_for else []
-        else:
-            ask_for = [c for c in [*self.ids, *objects]
-                       if not held.holds(c) or c == self.version]
+        else:  # scanned whole, or rescanned from a tree never pushed (--on-demand): what
+            # differs from `held`, found down the folders that do
+            ask_for = self.snap.manifest.ids_beyond(held.manifest.objects())
+            ask_for += [self.version] if self.version not in ask_for else []
 
         async def ask(node: NodeLink) -> None:
             node.missing = set(await node.channel.query_missing(ask_for))

@@ -17,6 +17,11 @@ Python's cyclic garbage collector is paused while a change is rescanned and push
 of a large tree holds dicts of 100k items, and a collection that traverses them would add its
 15 ms or more to the edit it lands in (measured at 100k files); it runs between pushes instead.
 
+With --on-demand (what `push --keep-warm` leaves in the background) the watch pushes first, then
+only what a one-shot `monarch-fs push` hands over (handoff.py): changes are still rescanned as
+they come, so the one-shot command costs its start and the push of what changed, as git's
+fsmonitor spares `git status` its walk. With an idle time it stops after that long without a push.
+
 One line per push goes to stdout (a JSON object per line with --json); a failed push is reported
 on stderr and watching goes on. SIGINT (Ctrl-C) or SIGTERM stops watching: exit status 0, or 130
 when a push had to be cancelled mid-way (publishing is two-phase, so unless that push was already
@@ -117,12 +122,16 @@ async def watch(
     quiet_ms: int = QUIET_MS,
     debounce_ms: int = DEBOUNCE_MS,
     judge: Judge | None = None,
+    on_demand: bool = False,
+    idle_s: float | None = None,
 ) -> int:
     """Push now, then after every change of `src` (see the module docstring), until SIGINT or
     SIGTERM. `push_once` does one push; `cache` is the folder's scan cache, for the whole
     scans; `ignore` lists paths whose changes never count (the scan cache, should it live
     inside the folder). With `judge`, one-shot pushes of this folder are taken over a socket
-    in handoff.sockets() (see handoff.py). Returns the exit status."""
+    in handoff.sockets() (see handoff.py). `on_demand`: after the first push, push only what
+    is handed over (changes are still rescanned as they come, so a hand-off costs the push
+    alone). `idle_s`: stop after that many seconds without a push. Returns the exit status."""
     out = out or sys.stdout
     err = err or sys.stderr
     root = os.path.abspath(src)
@@ -236,16 +245,19 @@ async def watch(
     async def loop(notify: RustNotify) -> None:
         nonlocal outcome, check_at
         snap: Snapshot | None = None  # the tree as last scanned (None: scan it whole)
+        tracked: Snapshot | None = None  # what a whole-scan check checked
         pushed = b""  # the version last pushed
         held: Snapshot | None = None  # what every node took last
         changed: set[bytes] = set()
         checking = False  # a whole scan after a quiet spell: did the watcher miss anything?
         asked: list[_Asked] = []  # the hand-offs this push answers
+        last_push = time.monotonic()
         while True:
             gc.disable()  # until the push is done (see the module docstring)
             pushed_now = False
             try:
                 if checking:
+                    tracked = snap
                     found = await check(snap, notify)
                     if found == "stop":
                         return
@@ -261,14 +273,20 @@ async def watch(
                 say(f"{time.strftime('%H:%M:%S')} push failed: {e}", err)
                 snap, outcome = None, e
             else:
-                missed = checking and snap.manifest.id != pushed
+                # (on demand, the tree may hold changes taken in but not pushed: a miss is a
+                # tree the check found that differs from the one it checked)
+                missed = checking and snap.manifest.id != pushed and (
+                    not on_demand or snap is not tracked)
                 if missed:
                     say(f"{time.strftime('%H:%M:%S')} the watcher missed a change; a whole "
                         "scan found it", err)
-                if missed or not checking or asked:
+                if asked or (not on_demand and (missed or not checking)):
                     held = await push_and_report(snap, held, len(changed) or int(missed))
                     pushed_now = True
                     pushed, check_at = snap.manifest.id, time.monotonic() + CHECK_MS / 1e3
+                    last_push = time.monotonic()
+                elif on_demand and not checking:  # changes taken in, for the next hand-off
+                    check_at = time.monotonic() + CHECK_MS / 1e3
             finally:
                 gc.enable()
             for a in asked:
@@ -288,9 +306,13 @@ async def watch(
                         a.answer(outcome)
                     waiting[:] = []
             while not (changed or checking or asked):
+                if idle_s is not None and not waiting and time.monotonic() - last_push > idle_s:
+                    say(f"{time.strftime('%H:%M:%S')} no push for {idle_s / 60:g} min", err)
+                    return
                 left = 0 if check_at is None else max(1, int(1e3 * (check_at - time.monotonic())))
                 if not waiting:  # (a hand-off that came meanwhile is taken at once)
-                    got = await changes(notify, min(left or POLL_MS, POLL_MS) if judge else left)
+                    polls = judge is not None or idle_s is not None
+                    got = await changes(notify, min(left or POLL_MS, POLL_MS) if polls else left)
                 else:
                     got = "timeout"
                 if got == "stop":
