@@ -88,7 +88,7 @@ class ScanCache:
         self._new: Cached = {}
         self._dirty = False
         self._since_ns = 0
-        self.loaded = 0  # entries read from the file
+        self.loaded = 0  # entries the file holds (read now, or kept from the last read or write)
         self.hits = 0
         self.stored = 0  # entries recorded by this scan
         # Facts about folder objects, by id (see the module docstring); kept for the folders
@@ -100,6 +100,12 @@ class ScanCache:
         self.pushed_objects: set[bytes] = set()  # its folder objects
         self._facts_loaded = False
         self._facts_dirty = False
+        # The file as this cache last read or wrote it (dev, ino, size, ctime): while it is
+        # that file, `_old` holds what it says (or less: entries the last scan did not use,
+        # which match no file), and the next scan does not read and decode it again: 60 ms
+        # and 400k new objects for the collector at 100k files (push --watch's checks).
+        self._file: tuple[int, int, int, int] | None = None
+        self._in_file = 0  # how many entries it holds
 
     @classmethod
     def for_folder(cls, cache_dir: str | os.PathLike[str], folder: str | os.PathLike[str],
@@ -114,7 +120,11 @@ class ScanCache:
         started_ns = time.time_ns() if started_ns is None else started_ns
         self._since_ns = started_ns - self.racy_ns
         if self.path is not None:
-            self._old = self._read(self.path, chunk_size)
+            if chunk_size != self.chunk_size or self._file is None \
+                    or self._file != _file_key(self.path):
+                self._old = self._read(self.path, chunk_size)
+                self._in_file = len(self._old)
+            self._file = self._touch(self.path) if self._old else None
         elif chunk_size != self.chunk_size:
             self._old = {}
         if self.path is not None and not self._facts_loaded:
@@ -124,7 +134,7 @@ class ScanCache:
         self.chunk_size = chunk_size
         self._new = {}
         self.hits = self.stored = 0
-        self.loaded = len(self._old)
+        self.loaded = self._in_file
         self._dirty = False
 
     def lookup(self, st: os.stat_result) -> tuple[bytes, ...] | None:
@@ -169,8 +179,8 @@ class ScanCache:
         A few unused entries are not worth a rewrite (8 ms at 15k files): a file just edited
         is not recorded (racily clean) and its old entry no longer matches it, so every push of
         an edit would rewrite the cache for it. An unused entry matches no file."""
-        unused = len(self._old) - len(self._new) if not self._dirty else 0
-        changed = self._dirty or unused > len(self._old) // UNUSED_SHARE
+        unused = self._in_file - len(self._new) if not self._dirty else 0
+        changed = self._dirty or unused > self._in_file // UNUSED_SHARE
         self._old, self._new, self._dirty = self._new, dict(self._new), False
         self.save_facts()
         if self.path is None or not changed:
@@ -199,7 +209,7 @@ class ScanCache:
 
     def discard(self) -> None:
         """Forget everything, on disk too: an entry was found stale."""
-        self._old, self._new = {}, {}
+        self._old, self._new, self._file = {}, {}, None
         if self.path is not None:
             for path in (self.path, self.path + FOLDERS):
                 try:
@@ -216,14 +226,18 @@ class ScanCache:
         except OSError:
             return {}
         try:
-            entries = self._decode(data, chunk_size)
+            return self._decode(data, chunk_size)
         except (struct.error, ValueError):
             return {}
+
+    @staticmethod
+    def _touch(path: str) -> tuple[int, int, int, int] | None:
+        """Mark the file recently used (not pruned); its key after that."""
         try:
-            os.utime(path)  # recently used: not pruned
+            os.utime(path)
         except OSError:
-            pass
-        return entries
+            return None
+        return _file_key(path)
 
     def _decode(self, data: bytes, chunk_size: int) -> Cached:
         if len(data) < _HEAD.size:
@@ -273,7 +287,17 @@ class ScanCache:
         folder = os.path.dirname(path)
         os.makedirs(folder, mode=0o700, exist_ok=True)
         replace_file(path, data, f"{path}.{os.getpid()}.{threading.get_ident()}.tmp")
+        self._file, self._in_file = _file_key(path), len(self._old)
         _prune(folder)
+
+
+def _file_key(path: str) -> tuple[int, int, int, int] | None:
+    """What tells a cache file from any other at `path` (a write replaces it: a new inode)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns)
 
 
 Facts = tuple[set[bytes], dict[bytes, tuple[int, bytes]], bytes | None, set[bytes]]
