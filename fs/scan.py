@@ -36,7 +36,14 @@ class SourceChanged(Exception):
 
 
 class ScanStopped(Exception):
-    """A scan given up because its `stop` event was set (push --watch: an edit came in)."""
+    """A scan given up because its `stop` event was set (push --watch: an edit came in).
+    `found`: what the walk had found, for the catcher to drop when it suits it (take it and
+    set it to None: this exception's frames are a reference cycle, and what it holds would be
+    left to the collector, 270k objects at 100k files, 0.2 s)."""
+
+    def __init__(self, found: object = None):
+        super().__init__("scan stopped")
+        self.found = found
 
 
 class Source(NamedTuple):
@@ -173,6 +180,12 @@ class _Walk:
     warnings: list[str]
     cached_files: int = 0
 
+    def moved(self) -> _Walk:
+        """A walk with what this one found, this one left empty."""
+        moved = _Walk(self.entries, self.files, self.sources, self.warnings, self.cached_files)
+        self.entries, self.files, self.sources, self.warnings = [], [], {}, []
+        return moved
+
 
 def _is_folder(path: bytes) -> bool:
     """A folder itself, not a link to one (whose target is outside the snapshot's tree)."""
@@ -246,13 +259,8 @@ def _walk(root: bytes, excludes: Sequence[str], cache: ScanCache | None = None,
     out.entries.append(_folder(root, top))
     stack = [top]
     while stack:
-        if stop is not None and stop.is_set():
-            # Dropped here: held by the exception's frames, what the walk found would be left
-            # to the collector (270k objects at 100k files, 0.2 s, in the push that stopped it)
-            out.entries.clear()
-            out.files.clear()
-            out.sources.clear()
-            raise ScanStopped
+        if stop is not None and stop.is_set():  # (what it found goes with the exception,
+            raise ScanStopped(out.moved())  # not with the frames: see ScanStopped)
         stack += _list(root, stack.pop(), excludes, cache, chunk_size, out)
     return out
 

@@ -3,10 +3,12 @@ dedup, skipped special files, excludes, sources that change after the scan)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import stat
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -279,9 +281,22 @@ async def test_a_scan_stops_between_folders_once_asked_and_the_next_one_is_whole
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(os, "scandir", counting)
-        with pytest.raises(ScanStopped):
+        with pytest.raises(ScanStopped) as stopped:
             await scan(root, chunk_size=SMALL, cache=cache, stop=stop)
     assert listed == 50  # not one folder more
+    # What the walk found goes with the exception, for the catcher to drop when it suits it
+    # (the watch: after the push that stopped it). The frames, a reference cycle, do not hold
+    # it: it is freed with its last reference, not left to the collector.
+    found = stopped.value.found
+    assert len(found.entries) > 50
+    stopped.value.found = None
+    gc.disable()
+    try:
+        gone = weakref.ref(found)
+        del found
+        assert gone() is None
+    finally:
+        gc.enable()
     again = await scan(root, chunk_size=SMALL, cache=cache)
     assert again.manifest.id == first.manifest.id
 
