@@ -4,11 +4,13 @@ pushes fill several."""
 
 from __future__ import annotations
 
+import json
 import os
+import time
 
 import pytest
 
-from helpers import tree, wait_for
+from helpers import mfs, tree, wait_for
 
 pytestmark = pytest.mark.mount
 
@@ -122,3 +124,35 @@ def test_a_pack_left_mostly_dead_is_compacted_and_its_live_file_still_reads(smal
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # read from the store
         assert f.read() == first["m0.py"]
     assert tree(c.mnt(0) / "ws") == tree(src)
+
+
+def test_small_pushes_put_the_collect_off_and_a_large_one_does_not(fresh_cluster, tmp_path,
+                                                                    monkeypatch):
+    """A collect passes over every retained version: after pushes that brought under 1 MiB
+    (an edit loop's) it waits 30 s, so edits seconds apart do not each pay for one; a push that
+    brings more collects once publishes pause for 1 s. Seen in the node's `store.collected`
+    events, through `monarch-fs query`."""
+    monkeypatch.setenv("MONARCH_FS_EVENTS_INTERVAL", "0.2")  # events written every 0.2 s
+    c = fresh_cluster(1)
+    src = tmp_path / "ws"
+    src.mkdir()
+    fill(src)  # 2.4 MiB
+
+    def collected_since_commit() -> bool:
+        """Whether a collect ran after the last commit."""
+        out = mfs("query", "SELECT kind FROM events WHERE kind IN ('store.collected', "
+                  "'push.committed') ORDER BY ts", "--hosts", c.hostfile, "--token-file",
+                  c.token_file, "--json")
+        kinds = [r["kind"] for r in json.loads(out.stdout)["rows"]]
+        return "push.committed" in kinds and kinds[-1] == "store.collected"
+
+    c.push(src)
+    wait_for(collected_since_commit, 20, "the collect after a large push")
+    for i in range(2):  # two small edits
+        (src / "m0.py").write_bytes(b"edit %d\n" % i)
+        c.push(src)
+    time.sleep(3)  # past COLLECT_DELAY, twice over
+    assert not collected_since_commit()
+    fill(src)
+    c.push(src)
+    wait_for(collected_since_commit, 20, "the collect after a large push again")
