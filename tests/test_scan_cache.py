@@ -223,17 +223,23 @@ async def test_deleted_and_renamed_files(src, tmp_path, opens):
     assert cache.loaded == len(inodes) and last.hashed_files == 0
 
 
-def test_a_scan_that_records_nothing_rewrites_only_for_many_unused_entries(tmp_path):
-    """A file just edited is not recorded (racily clean), and its old entry goes unused: not
-    worth rewriting 15k entries at every push of an edit. Past an eighth unused, it is."""
+def saved_cache(tmp_path: Path, n: int) -> tuple[Path, ScanCache, list[SimpleNamespace]]:
+    """A cache file of `n` recorded files (their stats: SimpleNamespace), written."""
     path = tmp_path / "cache" / "c"
     cache = ScanCache(path, tmp_path)
     cache.begin(CHUNK_SIZE, started_ns=time.time_ns() + 10**12)
     stats = [SimpleNamespace(st_dev=7, st_ino=1000 + i, st_size=10, st_mtime_ns=5,
-                             st_ctime_ns=5) for i in range(80)]
+                             st_ctime_ns=5) for i in range(n)]
     for st in stats:
         cache.record(stat_key(st), [chunk_id(b"%d" % st.st_ino)])
     assert cache.save()
+    return path, cache, stats
+
+
+def test_a_scan_that_records_nothing_rewrites_only_for_many_unused_entries(tmp_path):
+    """A file just edited is not recorded (racily clean), and its old entry goes unused: not
+    worth rewriting 15k entries at every push of an edit. Past an eighth unused, it is."""
+    path, cache, stats = saved_cache(tmp_path, 80)
 
     def scan_seeing(n: int) -> bool:
         cache.begin(CHUNK_SIZE)
@@ -505,14 +511,7 @@ def test_a_cache_file_is_read_again_only_when_another_wrote_it(tmp_path, opens):
     """push --watch's whole-scan checks begin a scan every few seconds: while the file is the
     one this cache last read or wrote, it is not read and decoded again (60 ms and 400k objects
     at 100k files). Once another process replaced it, it is, and says what that one wrote."""
-    path = tmp_path / "cache" / "c"
-    cache = ScanCache(path, tmp_path)
-    cache.begin(CHUNK_SIZE, started_ns=time.time_ns() + 10**12)
-    stats = [SimpleNamespace(st_dev=7, st_ino=1000 + i, st_size=10, st_mtime_ns=5,
-                             st_ctime_ns=5) for i in range(10)]
-    for st in stats:
-        cache.record(stat_key(st), [chunk_id(b"%d" % st.st_ino)])
-    assert cache.save()
+    path, cache, stats = saved_cache(tmp_path, 10)
     seen = opens(path.parent)
     for _ in range(3):
         cache.begin(CHUNK_SIZE)
