@@ -289,6 +289,34 @@ def _blob(folder: Entry, records: list[bytes], chunk_size: int) -> bytes:
                      *records])
 
 
+class _Making:
+    """A folder Manifest.edited is making: its entry, its children still to place (in name
+    order), and its records, children and child folders so far."""
+
+    __slots__ = ("folder", "todo", "records", "kids", "sub", "last")
+
+    def __init__(self, folder: Entry, kids: Iterable[Entry]):
+        self.folder = folder
+        self.todo = iter(sorted(kids, key=_by_name))
+        self.records: list[bytes] = []
+        self.kids: list[Entry] = []
+        self.sub: dict[bytes, Folder] = {}
+        self.last: bytes | None = None  # the last child's name
+
+    def add(self, f: Folder) -> None:
+        """A child folder, made or taken whole."""
+        name = f.entry.name
+        self.records.append(_folder_record(name, f.oid))
+        self.kids.append(f.entry)
+        self.sub[name] = f
+
+    def made(self, chunk_size: int) -> tuple[Folder, bytes]:
+        """The Folder, and its object."""
+        blob = _blob(self.folder, self.records, chunk_size)
+        span = 1 + len(self.kids) - len(self.sub) + sum(f.span for f in self.sub.values())
+        return Folder(self.folder, chunk_id(blob), tuple(self.kids), self.sub, span), blob
+
+
 class Manifest:
     """A snapshot's tree: a Folder per folder (`root`), or, as a scan makes it, the flat list
     of its entries in tree order (parents first, each subtree contiguous), each made from the
@@ -425,7 +453,7 @@ class Manifest:
                 records, kids, sub = below.pop(path, ([], [], {}))
                 records.reverse()
                 kids.reverse()
-                blob = b"".join([_HEAD.pack(MAGIC, cs, mode, mtime, len(records)), *records])
+                blob = _blob(e, records, cs)
                 oid = chunk_id(blob)
                 objects[oid] = blob
                 f = Folder(e, oid, tuple(kids), dict(reversed(sub.items())),  # (name order)
@@ -634,46 +662,37 @@ class Manifest:
         blobs: dict[bytes, bytes] = {}
         made = 0
 
-        def enter(path: bytes) -> list:
-            """A listed folder to make: [its children to go, its records, its kids, its
-            child folders, its entry, its path, the last child's name, its span so far]."""
+        def enter(path: bytes) -> _Making:
             folder, kids = listed[path]
             if folder.path != path or folder.kind != Kind.DIR:
                 raise ManifestError(f"folder {path!r} listed with the entry of {folder.path!r}")
             check_path(path)
             _check_entry(folder, cs)
-            return [iter(sorted(kids, key=_by_name)), [], [], {}, folder, path, None, 1]
+            return _Making(folder, kids)
 
         # Depth first with a stack (as load does): a closure that called itself would be a
         # reference cycle, held until a collection.
         stack = [enter(b"")]
         root = None
         while stack:
-            frame = stack[-1]
-            kids, records, out, sub, folder, path, last, span = frame
-            e = next(kids, None)
+            top = stack[-1]
+            e = next(top.todo, None)
             if e is None:  # the folder is done: its object, and its place in its parent
-                blob = _blob(folder, records, cs)
-                oid = chunk_id(blob)
-                blobs[oid] = blob
+                f, blob = top.made(cs)
+                blobs[f.oid] = blob
                 made += 1
-                f = Folder(folder, oid, tuple(out), sub, span)
                 stack.pop()
-                if not stack:
+                if stack:
+                    stack[-1].add(f)
+                else:
                     root = f
-                    continue
-                parent = stack[-1]
-                parent[1].append(_folder_record(folder.name, oid))
-                parent[2].append(folder)
-                parent[3][folder.name] = f
-                parent[7] += span
                 continue
-            name = e.name
-            if e.parent != path or name == last:
+            name, path = e.name, top.folder.path
+            if e.parent != path or name == top.last:
                 raise ManifestError(f"entry {e.path!r} listed in folder {path!r} twice "
-                                    "or in the wrong folder" if name == last else
+                                    "or in the wrong folder" if name == top.last else
                                     f"entry {e.path!r} listed in folder {path!r}")
-            frame[6] = name
+            top.last = name
             if e.kind == Kind.DIR:
                 if e.path in listed:
                     stack.append(enter(e.path))
@@ -681,16 +700,12 @@ class Manifest:
                 was = self.folder(e.path)
                 if was is None:
                     raise ManifestError(f"folder {e.path!r} is neither listed nor in the tree")
-                records.append(_folder_record(name, was.oid))
-                out.append(was.entry)
-                sub[name] = was
-                frame[7] += was.span
+                top.add(was)
                 continue
             check_path(e.path)
             _check_entry(e, cs)
-            records.append(_record(e, name))
-            out.append(e)
-            frame[7] += 1
+            top.records.append(_record(e, name))
+            top.kids.append(e)
 
         assert root is not None
         m = Manifest._of(root, cs)

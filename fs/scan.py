@@ -292,9 +292,9 @@ def _rewalk(prev: Snapshot, changed: Iterable[bytes], excludes: Sequence[str],
         return path
 
     def drop(e: Entry) -> None:  # a path of the tree that is gone, and all below it
-        f = tree.folder(e.path)
-        assert f is not None
-        below = list(f.walk())
+        folder = tree.folder(e.path)
+        assert folder is not None
+        below = list(folder.walk())
         found.replaced += below
         found.stale += below
 
@@ -308,9 +308,9 @@ def _rewalk(prev: Snapshot, changed: Iterable[bytes], excludes: Sequence[str],
         listed[d] = _folder(root, d)
         now = {e.path: e for e in fresh.entries}
         hashed = {f.path for f in fresh.files}
-        f = tree.folder(d)
-        assert f is not None
-        for old in f.kids:
+        folder = tree.folder(d)
+        assert folder is not None
+        for old in folder.kids:
             new = now.get(old.path)
             if old.kind == Kind.DIR:
                 if new is None or new.kind != Kind.DIR:

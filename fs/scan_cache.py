@@ -102,8 +102,8 @@ class ScanCache:
         self._facts_dirty = False
         # The file as this cache last read or wrote it (dev, ino, size, ctime): while it is
         # that file, `_old` holds what it says (or less: entries the last scan did not use,
-        # which match no file), and the next scan does not read and decode it again: 60 ms
-        # and 400k new objects for the collector at 100k files (push --watch's checks).
+        # which match no file), and the next scan does not read and decode it again (push
+        # --watch's checks): at 100k files, 96 ms and 300k objects the collector tracks.
         self._file: tuple[int, int, int, int] | None = None
         self._in_file = 0  # how many entries it holds
 

@@ -509,7 +509,7 @@ def test_a_push_after_the_last_from_this_folder_asks_only_about_what_changed(clu
 
 def test_a_cache_file_is_read_again_only_when_another_wrote_it(tmp_path, opens):
     """push --watch's whole-scan checks begin a scan every few seconds: while the file is the
-    one this cache last read or wrote, it is not read and decoded again (60 ms and 400k objects
+    one this cache last read or wrote, it is not read and decoded again (96 ms and 300k objects
     at 100k files). Once another process replaced it, it is, and says what that one wrote."""
     path, cache, stats = saved_cache(tmp_path, 10)
     seen = opens(path.parent)

@@ -244,6 +244,12 @@ async def watch(
             return {rel for _, path in raw if (rel := counts(path)) is not None}
         return raw
 
+    async def held_changes(notify: RustNotify) -> set[bytes] | None:
+        """What the watcher holds now (a hand-off's push asks what changed up to it), asked
+        in FLUSH_STEP_MS steps; None for "stop"."""
+        got = await changes(notify, 1, FLUSH_STEP_MS)
+        return None if got == "stop" else got if isinstance(got, set) else set()
+
     async def loop(notify: RustNotify) -> None:
         nonlocal outcome, check_at
         snap: Snapshot | None = None  # the tree as last scanned (None: scan it whole)
@@ -264,16 +270,16 @@ async def watch(
                     if found == "stop":
                         return
                     if isinstance(found, (set, str)):  # an edit or a hand-off came in: it goes
-                        # first, now (the collector still paused: the walk the check gave up
-                        # left it 100k objects at 100k files, 0.1 s), and the check later
+                        # first, in this turn (what the check's walk found is dropped, and the
+                        # collector runs, after its push), and the check later
                         checking, check_at = False, time.monotonic() + CHECK_MS / 1e3
                         changed = found if isinstance(found, set) else set()
-                        if found == "handoff":  # its push asks what changed up to it
+                        if found == "handoff":
                             asked, waiting[:] = list(waiting), []
-                            got = await changes(notify, 1, FLUSH_STEP_MS)
-                            if got == "stop":
+                            held_now = await held_changes(notify)
+                            if held_now is None:
                                 return
-                            changed = got if isinstance(got, set) else set()
+                            changed = held_now
                         if changed or snap is None:
                             snap = await scanned(snap, changed)
                     else:
@@ -310,11 +316,11 @@ async def watch(
                 # Hand-offs that came while that push ran: it scanned the tree before they
                 # came, so unless the watcher has seen a change since, it was their push too
                 # (an edit saved and then pushed by hand is pushed once, not twice).
-                got = await changes(notify, 1, FLUSH_STEP_MS)
-                if got == "stop":
+                held_now = await held_changes(notify)
+                if held_now is None:
                     return
-                if isinstance(got, set) and got:
-                    changed = got
+                if held_now:
+                    changed = held_now
                 else:
                     for a in waiting:
                         a.answer(outcome)
@@ -337,10 +343,10 @@ async def watch(
                     checking, check_at = True, None
                 asked, waiting[:] = list(waiting), []
                 if asked and not changed and not checking:  # what changed up to the request
-                    got = await changes(notify, 1, FLUSH_STEP_MS)
-                    if got == "stop":
+                    held_now = await held_changes(notify)
+                    if held_now is None:
                         return
-                    changed = got if isinstance(got, set) else set()
+                    changed = held_now
 
     async def on_signal(signals, cancel: trio.CancelScope) -> None:
         nonlocal interrupted

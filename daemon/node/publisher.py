@@ -52,9 +52,9 @@ KEEP_VERSIONS = 3
 # be that much garbage). A removal, a push that went away or a forgotten file collects at once.
 # Pushes that brought less than COLLECT_SMALL since the last collect (an edit loop's: a few
 # files) mostly replaced as little: their collect waits COLLECT_MAX_WAIT, not COLLECT_DELAY, so
-# a person's edits seconds apart do not each cost a pass over every retained version (0.13 s
-# of CPU per node at 100k files). (A push that deletes a large file is the exception: its
-# space comes back that much later.)
+# a person's edits seconds apart do not each cost a pass over every retained version (as
+# above: 0.3 s of CPU with 100k files). (A push that deletes a large file is the exception:
+# its space comes back that much later.)
 COLLECT_DELAY = 1.0
 COLLECT_MAX_WAIT = 30.0
 COLLECT_BYTES = 256 << 20
