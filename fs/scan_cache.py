@@ -147,6 +147,17 @@ class ScanCache:
         self.hits += 1
         return e[3]
 
+    def vouches(self, path: bytes, cid: bytes) -> bool:
+        """Whether this cache says that the file at `path`, as it is now, holds chunk `cid`."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return False
+        ino = (st.st_dev, st.st_ino)
+        e = self._new.get(ino) or self._old.get(ino)
+        return e is not None and e[:3] == (st.st_size, st.st_mtime_ns, st.st_ctime_ns) \
+            and cid in e[3]
+
     def record(self, key: Key, chunks: Sequence[bytes]) -> bool:
         """Remember what a file with stat `key` hashed to; False when it changed too recently
         to be trusted later (racily clean) and was not recorded."""

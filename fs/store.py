@@ -57,6 +57,18 @@ class StoreBusy(Exception):
     """Another process owns this store."""
 
 
+def lock(root: Path) -> int:
+    """The lock of the store at `root`, taken: a file descriptor, closed to release it.
+    StoreBusy when another process holds it."""
+    fd = os.open(root / "lock", os.O_RDWR | os.O_CREAT, PRIVATE_FILE)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StoreBusy(f"store {root} is in use by another process") from None
+    return fd
+
+
 class Store:
     """The node's content-addressed chunk store: append-only pack files and an index of where
     each chunk is, verified against its id on the way in and on the way out."""
@@ -67,12 +79,7 @@ class Store:
         private_dir(self.root)
         private_dir(self.packs)
         self.pack_limit = pack_limit
-        self._lockfd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT, PRIVATE_FILE)
-        try:
-            fcntl.flock(self._lockfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lockfd)
-            raise StoreBusy(f"store {self.root} is in use by another process") from None
+        self._lockfd = lock(self.root)
         self._index: dict[bytes, int] = {}  # id -> pack.loc(pack, offset, length)
         # Large files' chunks, stored once as the file itself (what passthrough binds).
         self.objects = FileObjects(self.root / "files")

@@ -143,7 +143,8 @@ def cmd_push(args: argparse.Namespace) -> int:
             store_bound=settings.store_bound, compress=args.compress, early=args.early,
             on_usable=usable, first_reads_dir=home_dir() / "first-reads",
             bwlimit=args.bwlimit * (1 << 20), snapshot=snapshot, held=held,
-            sessions=sessions, control=args.control, control_fanout=args.control_fanout)
+            sessions=sessions, control=args.control, control_fanout=args.control_fanout,
+            freeze_scan=True)
 
     def usable(seconds: float, nodes: int) -> None:
         """push --early: the version is served everywhere (the rest still streams)."""

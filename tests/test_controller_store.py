@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from helpers import mfs, tree
+from helpers import Opens, mfs, tree
 from monarch_fs.daemon.client import link_codec
 from monarch_fs.daemon.wire.auth import resolve_token
 from monarch_fs.daemon.wire.transport import connect
@@ -100,6 +100,32 @@ def test_push_to_fresh_nodes_sends_from_the_store_without_reading_the_source(
     assert link["why"].startswith("loopback")
     assert r3["bytes_sent"] >= r3["bytes"]
     assert tree(third.mnt(0) / "env") == want
+
+
+def test_a_push_that_sends_nothing_marks_its_snapshot_without_opening_the_store(
+        tmp_path, fresh_cluster):
+    """Every node serves the version already: the store is not opened (an open reads every
+    pack's index, 50 ms at 100k chunks), but the snapshot is recorded as pushed now, so the
+    bound drops it last."""
+    src = make_src(tmp_path / "env", size=1 << 20)
+    c = fresh_cluster(1)
+    r1 = c.push_json(src)
+    [before] = store_status()["snapshots"]
+    seen = Opens(settings.store_dir / "packs")
+    try:
+        r2 = c.push_json(src)
+        assert seen.files() == []
+    finally:
+        seen.close()
+    assert (r2["version"], r2["chunks_sent"]) == (r1["version"], 0)
+    assert r2["store"] == {"path": str(settings.store_dir), "sent_from_store": 0, "added": 0}
+    [after] = store_status()["snapshots"]
+    assert after["version"] == before["version"] and after["pushed"] > before["pushed"]
+
+    (src / "pkg" / "m0.py").write_text("# edited\n")  # a push that sends opens it again
+    r3 = c.push_json(src)
+    assert r3["chunks_sent"] == 1 and r3["store"]["added"] == 0
+    assert {h["version"] for h in store_status()["snapshots"]} == {r1["version"], r3["version"]}
 
 
 def test_bound_drops_the_least_recently_pushed(tmp_path, fresh_cluster, monkeypatch):

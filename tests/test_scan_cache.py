@@ -7,20 +7,18 @@ checked too, but they are not the evidence."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import struct
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from helpers import SMALL, mfs, tree, wait_for
+from helpers import SMALL, Opens, mfs, tree, wait_for
 from monarch_fs.fs.chunk import CHUNK_SIZE, chunk_id
 from monarch_fs.fs.manifest import Kind
-from monarch_fs.fs.scan import SourceChanged, scan
+from monarch_fs.fs.scan import SourceChanged, rescan, scan
 from monarch_fs.fs.scan_cache import (
     FOLDERS,
     RACY_NS,
@@ -31,49 +29,6 @@ from monarch_fs.fs.scan_cache import (
 )
 
 RACY = 50_000_000  # 50 ms: tests wait this long after writing instead of the default 2 s
-
-IN_OPEN = 0x20
-IN_ISDIR = 0x40000000
-_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then len bytes of name
-
-
-class Opens:
-    """The files below `root` that anything opened since the last call, as inotify saw it."""
-
-    def __init__(self, root: Path):
-        self.libc = ctypes.CDLL(None, use_errno=True)
-        self.fd = self.libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
-        assert self.fd >= 0, os.strerror(ctypes.get_errno())
-        self.dirs: dict[int, bytes] = {}
-        self.root = os.fsencode(root)
-        self.rewatch()
-
-    def rewatch(self) -> None:
-        """Watch every folder of the tree (call after creating folders)."""
-        for dirpath, _, _ in os.walk(self.root):
-            wd = self.libc.inotify_add_watch(self.fd, dirpath, IN_OPEN)
-            assert wd >= 0, os.strerror(ctypes.get_errno())
-            self.dirs[wd] = dirpath
-
-    def files(self) -> list[str]:
-        opened = []
-        while True:
-            try:
-                buf = os.read(self.fd, 65536)
-            except BlockingIOError:
-                return sorted(opened)
-            pos = 0
-            while pos < len(buf):
-                wd, mask, _, n = _EVENT.unpack_from(buf, pos)
-                name = buf[pos + _EVENT.size:pos + _EVENT.size + n].rstrip(b"\0")
-                pos += _EVENT.size + n
-                if mask & IN_OPEN and not mask & IN_ISDIR and name:
-                    full = os.path.join(self.dirs[wd], name)
-                    opened.append(os.fsdecode(os.path.relpath(full, self.root)))
-
-    def close(self) -> None:
-        os.close(self.fd)
-
 
 @pytest.fixture
 def opens():
@@ -171,6 +126,27 @@ async def test_a_one_file_edit_hashes_exactly_that_file(src, tmp_path, opens):
     assert snap.hashed_files == 2 and snap.cached_files == len(files) - 1
     assert snap.manifest.id == await fresh(src)
     assert content(snap, "pkg1/mod4.py") == b"edited = True\n"
+
+
+async def test_a_chunk_of_an_edited_file_is_read_from_an_unread_file_that_still_holds_it(
+        src, tmp_path):
+    """dup1 and dup2 hold the same bytes, and a scan with the cache read neither: where their
+    chunk is read from is found when a push asks. Once dup1 is edited, a rescan (push --watch)
+    finds that chunk in dup2, which still holds it."""
+    files = make_tree(src)
+    past_racy_window(src)
+    await cached_scan(src, tmp_path / "cache")
+    snap, _ = await cached_scan(src, tmp_path / "cache")
+    assert snap.hashed_files == 0
+    old = snap.manifest.get(b"dup1").chunks[0]
+    assert snap.sources[old].unread and snap.read_chunk(old) == files["dup1"]
+    (src / "dup1").write_bytes(b"dup1 edited")
+    again = await rescan(snap, [b"dup1"], chunk_size=SMALL)
+    assert again.manifest.id == await fresh(src)
+    assert again.sources[old].path == os.path.join(os.fsencode(src), b"dup2")
+    assert again.read_chunk(old) == files["dup2"]
+    assert content(again, "dup1") == b"dup1 edited"
+    assert not again.sources[again.manifest.get(b"dup1").chunks[0]].unread  # read: hashed
 
 
 async def test_same_size_same_mtime_rewrite_is_caught_by_ctime(src, tmp_path, opens):

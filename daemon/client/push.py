@@ -31,7 +31,7 @@ from typing import TypeVar
 import trio
 
 from ...fs.manifest import Kind
-from ...fs.scan import Snapshot, SourceChanged, scan
+from ...fs.scan import Snapshot, SourceChanged, collector_paused, scan
 from ...fs.scan_cache import ScanCache
 from ..wire import bulk, identity, topology
 from ..wire.replies import (
@@ -149,8 +149,7 @@ class _Push:
     requested = "tcp"
 
     def __init__(self, snap: Snapshot, hosts: Sequence[str], token: bytes, progress: Progress,
-                 timeout: float, allow_partial: bool, encrypt: str = "auto",
-                 store: ControllerStore | None = None, compress: str = "auto",
+                 timeout: float, allow_partial: bool, encrypt: str = "auto", compress: str = "auto",
                  bwlimit: float = 0, sessions: Sessions | None = None,
                  tree: list[dict] | None = None, links: list[NodeLink] | None = None):
         """`tree`: the control tree (topology.forest), None for star. `links`: one per host,
@@ -173,8 +172,7 @@ class _Push:
         objects = snap.manifest.objects()
         self.version = snap.manifest.id
         self.ids = snap.manifest.chunk_ids()
-        self.payload = Payload(self.ids, self.version, objects, snap.sources, snap.read_into,
-                               store)
+        self.payload = Payload(self.ids, self.version, objects, snap.sources, snap.read_into)
         self.compress = compress
         # Per root, chosen when it first gets chunks (once per session, with `sessions`).
         self.links: dict[str, LinkChoice] = sessions.codecs if sessions else {}
@@ -593,6 +591,7 @@ async def push(
     sessions: Sessions | None = None,
     control: str = "auto",
     control_fanout: int = topology.CONTROL_FANOUT,
+    freeze_scan: bool = False,
 ) -> PushResult:
     """Push `src` to every host as workspace `name` (default: the folder's name). With
     `cache_dir`, the scan keeps a cache of the folder there, so unchanged files are not read.
@@ -612,7 +611,8 @@ async def push(
     asked about. `sessions`: the nodes' sessions, kept open after the push
     for the next (push --watch; the caller closes them). `control` (auto, star, tree) is how
     the requests reach the nodes (topology.control); a tree has `control_fanout` children a
-    node."""
+    node. `freeze_scan`: the process ends with the push (the command line), and what its
+    scan made is frozen out of the collector's passes (fs.scan.collector_paused)."""
     t0 = time.monotonic()
     clock = _Clock(t0)
     progress = progress or Progress()
@@ -646,14 +646,14 @@ async def push(
                 links = [NodeLink(h) for h in hosts]
                 roots = {r["addr"] for r in tree} if tree is not None else set(hosts)
                 first = [link for link in links if link.addr in roots]
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(open_links, first, token, encrypt, timeout, local, requested)
-                snapshot = await scan(src, excludes, progress=lambda done, total: (
-                    progress.phase("hashing", total) if done == 0 else progress.update(done)),
-                    cache=ScanCache.for_folder(cache_dir, src) if cache_dir else None)
-        if store_dir is not None:
-            store, busy = await ControllerStore.open(Path(store_dir), store_bound)
-            unexposed += [busy] if busy else []
+            with collector_paused(freeze=freeze_scan):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(open_links, first, token, encrypt, timeout, local,
+                                       requested)
+                    snapshot = await scan(src, excludes, progress=lambda done, total: (
+                        progress.phase("hashing", total) if done == 0 else
+                        progress.update(done)),
+                        cache=ScanCache.for_folder(cache_dir, src) if cache_dir else None)
     except BaseException:  # the push failed before it began: close what it connected
         with trio.CancelScope(shield=True):
             for link in links or ():
@@ -661,14 +661,27 @@ async def push(
         raise
     snap = snapshot
     clock.mark("scan")
-    job = _Push(snap, hosts, token, progress, timeout, allow_partial, encrypt, store, compress,
+    job = _Push(snap, hosts, token, progress, timeout, allow_partial, encrypt, compress,
                 bwlimit, sessions, tree, links)
     job.started, job.requested, job.local = t0, requested, local
     usable = on_usable or (lambda seconds, nodes: None)
+    store_root = Path(store_dir) if store_dir is not None else None
+    store_opened = marked = False
+
+    async def open_store() -> None:
+        """The dev box store, for a push that sends (once; without it if it is busy)."""
+        nonlocal store, store_opened
+        if store_root is not None and not store_opened:
+            store_opened = True
+            store, busy = await ControllerStore.open(store_root, store_bound)
+            unexposed.extend([busy] if busy else [])
+            job.payload.store = store
 
     async def send_and_publish() -> str:
         """The push proper, once some node does not serve the version yet; the topology used."""
-        await job.negotiate(held)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(open_store)  # (in a worker thread, while the nodes answer)
+            await job.negotiate(held)
         job.check("negotiating")
         clock.mark("negotiate")
         if early:
@@ -712,6 +725,11 @@ async def push(
             if early:
                 job.usable_seconds = job.complete_seconds = round(time.monotonic() - t0, 3)
                 usable(job.usable_seconds, len(job.healthy))
+            if store_root is not None:
+                marked = await trio.to_thread.run_sync(
+                    ControllerStore.mark_pushed, store_root, job.version, name)
+        if not marked:
+            await open_store()
         if store is not None:
             unexposed += await trio.to_thread.run_sync(keep, store, snap, job, name)
             clock.mark("keep")
@@ -742,7 +760,9 @@ async def push(
         failed={n.addr: n.error for n in job.nodes if n.error},
         links=[c.to_json() for c in job.links.values()],
         store=({"path": str(store.root), "sent_from_store": store.hits, "added": store.added}
-               if store is not None else {}),
+               if store is not None else
+               {"path": str(store_root), "sent_from_store": 0, "added": 0} if marked
+               else {}),
         # (Not again for each push of push --watch: a pass over the whole tree.)
         warnings=warnings,
         usable_seconds=job.usable_seconds,

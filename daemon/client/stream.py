@@ -140,8 +140,10 @@ class Payload:
         page cache). Measured on the torch venv, loopback: 5.4 client CPU-s reading the
         source, 7.3 decompressing from the store. A read is checked against the id; a file
         that changed unseen falls back to the store."""
+        if cid in self.objects:  # (not a chunk: asking the sources would find every chunk)
+            return False
         src = self.sources.get(cid)
-        return src is not None and src.cached is not None
+        return src is not None and src.unread
 
     def read(self, cid: bytes) -> bytearray:
         """A chunk's bytes after one free byte (for its codec byte, when it goes raw)."""
