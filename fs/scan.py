@@ -76,7 +76,7 @@ class Sources(Mapping[bytes, Source]):
                 for cid, (off, length) in zip(e.chunks, spans(e.size, self.manifest.chunk_size)):
                     if cid not in found and cid not in read:
                         found[cid] = Source(os.path.join(self.root, e.path), off, length, True)
-            self._unread = found
+            self._unread = found  # (two threads asking at once both make it: either is right)
         return self._unread
 
     def __getitem__(self, cid: bytes) -> Source:
@@ -233,7 +233,7 @@ def _folder(root: bytes, rel: bytes) -> Entry:
 
 
 def _list(root: bytes, rel_dir: bytes, excludes: Sequence[str], cache: ScanCache | None,
-          chunk_size: int, out: _Walk) -> list[bytes]:
+          out: _Walk) -> list[bytes]:
     """Add the entries of folder `rel_dir`'s children to `out` (a file the cache does not
     know goes to out.files, for hashing); its subfolders, to list next."""
     abs_dir = os.path.join(root, rel_dir) if rel_dir else root
@@ -273,7 +273,7 @@ def _list(root: bytes, rel_dir: bytes, excludes: Sequence[str], cache: ScanCache
 
 
 def _walk(root: bytes, excludes: Sequence[str], cache: ScanCache | None = None,
-          chunk_size: int = CHUNK_SIZE, top: bytes = b"", out: _Walk | None = None,
+          top: bytes = b"", out: _Walk | None = None,
           stop: threading.Event | None = None) -> _Walk:
     """Metadata of folder `top` (b"": the root) and every entry below it, added to `out`;
     regular files the cache does not know are returned for hashing. Raises ScanStopped
@@ -284,7 +284,7 @@ def _walk(root: bytes, excludes: Sequence[str], cache: ScanCache | None = None,
     while stack:
         if stop is not None and stop.is_set():  # (what it found goes with the exception,
             raise ScanStopped(out.moved())  # not with the frames: see ScanStopped)
-        stack += _list(root, stack.pop(), excludes, cache, chunk_size, out)
+        stack += _list(root, stack.pop(), excludes, cache, out)
     return out
 
 
@@ -298,8 +298,7 @@ class _Rewalk:
     stale: list[Entry]  # of those, the ones gone or changed (their files may hold other bytes)
 
 
-def _rewalk(prev: Snapshot, changed: Iterable[bytes], excludes: Sequence[str],
-            chunk_size: int) -> _Rewalk:
+def _rewalk(prev: Snapshot, changed: Iterable[bytes], excludes: Sequence[str]) -> _Rewalk:
     """List again the folders of `prev` that hold the paths `changed` (relative), walk whole
     the folders that are new, and look at nothing else."""
     root, tree = prev.root, prev.manifest
@@ -327,7 +326,7 @@ def _rewalk(prev: Snapshot, changed: Iterable[bytes], excludes: Sequence[str],
         if d in listed:
             continue
         fresh = _Walk([], [], [])
-        _list(root, d, excludes, prev.cache, chunk_size, fresh)
+        _list(root, d, excludes, prev.cache, fresh)
         listed[d] = _folder(root, d)
         now = {e.path: e for e in fresh.entries}
         hashed = {f.path for f in fresh.files}
@@ -349,7 +348,7 @@ def _rewalk(prev: Snapshot, changed: Iterable[bytes], excludes: Sequence[str],
         for e in fresh.entries:
             if e.kind == Kind.DIR and tree.folder(e.path) is None:
                 before = len(out.entries)  # a new folder: walked whole
-                _walk(root, excludes, prev.cache, chunk_size, e.path, out)
+                _walk(root, excludes, prev.cache, e.path, out)
                 listed.update((f.path, f) for f in out.entries[before:] if f.kind == Kind.DIR)
             else:
                 out.entries.append(e)
@@ -482,7 +481,7 @@ async def scan(
     def walk() -> _Walk:
         if cache is not None:
             cache.begin(chunk_size, started)
-        return _walk(broot, tuple(excludes), cache, chunk_size, stop=stop)
+        return _walk(broot, tuple(excludes), cache, stop=stop)
 
     return await _complete(broot, await trio.to_thread.run_sync(walk), chunk_size, progress,
                            cache, validate=validate)
@@ -514,8 +513,7 @@ async def rescan(prev: Snapshot, changed: Iterable[bytes], excludes: Sequence[st
     100k files as in one of 100. What a watcher missed is missed here too: a whole `scan` is
     the check (push --watch runs one when it is idle). The scan cache is not saved: it keeps
     what the last whole scan saw."""
-    found = await trio.to_thread.run_sync(_rewalk, prev, set(changed), tuple(excludes),
-                                          chunk_size)
+    found = await trio.to_thread.run_sync(_rewalk, prev, set(changed), tuple(excludes))
     read = _without_stale(prev, found)
     refs: MutableMapping[bytes, int] = {}
     added: set[bytes] = set()
