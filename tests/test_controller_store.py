@@ -102,11 +102,12 @@ def test_push_to_fresh_nodes_sends_from_the_store_without_reading_the_source(
     assert tree(third.mnt(0) / "env") == want
 
 
-def test_a_push_that_sends_nothing_marks_its_snapshot_without_opening_the_store(
-        tmp_path, fresh_cluster):
-    """Every node serves the version already: the store is not opened (an open reads every
-    pack's index, 50 ms at 100k chunks), but the snapshot is recorded as pushed now, so the
-    bound drops it last."""
+def test_a_push_that_sends_nothing_or_little_leaves_the_store_closed(tmp_path, fresh_cluster):
+    """Every node serves the version already, then an edit of a few bytes, then no change
+    again: the store is not opened (an open reads every pack's index, 50 ms at 100k chunks),
+    but the snapshot it holds of the workspace is recorded as pushed now, so the bound drops
+    it last. A push to a fresh node later sends the rest from the store, and reads the edited
+    file's chunk and the changed folders from the source."""
     src = make_src(tmp_path / "env", size=1 << 20)
     c = fresh_cluster(1)
     r1 = c.push_json(src)
@@ -115,17 +116,30 @@ def test_a_push_that_sends_nothing_marks_its_snapshot_without_opening_the_store(
     try:
         r2 = c.push_json(src)
         assert seen.files() == []
+        assert (r2["version"], r2["chunks_sent"]) == (r1["version"], 0)
+        [again] = store_status()["snapshots"]
+        assert again["version"] == before["version"] and again["pushed"] > before["pushed"]
+
+        (src / "pkg" / "m0.py").write_text("# edited\n")
+        r3 = c.push_json(src)
+        assert seen.files() == []
+        assert c.push_json(src)["version"] == r3["version"]  # and no change again
+        assert seen.files() == []
     finally:
         seen.close()
-    assert (r2["version"], r2["chunks_sent"]) == (r1["version"], 0)
-    assert r2["store"] == {"path": str(settings.store_dir), "sent_from_store": 0, "added": 0}
-    [after] = store_status()["snapshots"]
-    assert after["version"] == before["version"] and after["pushed"] > before["pushed"]
+    assert r3["chunks_sent"] == 1 and r3["version"] != r1["version"]
+    assert r2["store"] == r3["store"] == {"path": str(settings.store_dir),
+                                          "sent_from_store": 0, "added": 0}
+    [last] = store_status()["snapshots"]
+    assert last["version"] == before["version"] and last["pushed"] > again["pushed"]
+    assert tree(c.mnt(0) / "env") == tree(src)
 
-    (src / "pkg" / "m0.py").write_text("# edited\n")  # a push that sends opens it again
-    r3 = c.push_json(src)
-    assert r3["chunks_sent"] == 1 and r3["store"]["added"] == 0
-    assert {h["version"] for h in store_status()["snapshots"]} == {r1["version"], r3["version"]}
+    fresh = fresh_cluster(1)
+    r4 = fresh.push_json(src, "--compress", "on")
+    assert r4["version"] == r3["version"]
+    # every chunk but the edited file's, every folder object but the root's and pkg's
+    assert r4["store"]["sent_from_store"] == r4["chunks_sent"] - 1 + folders(src) - 2
+    assert tree(fresh.mnt(0) / "env") == tree(src)
 
 
 def test_bound_drops_the_least_recently_pushed(tmp_path, fresh_cluster, monkeypatch):

@@ -10,6 +10,11 @@ are found. After a push, when the packs exceed the bound (MONARCH_FS_STORE_MIB, 
 GiB), the least recently pushed snapshots are forgotten, never the one just pushed, and a
 collect frees what only they used.
 
+A push that sends nothing, or little to nodes that serve a version of the workspace (an edit:
+less than SMALL_PUSH), does not open the store when it holds this snapshot, or one of the same
+workspace: it only records that snapshot as pushed now (ControllerStore.mark_pushed), since an
+open reads every pack's index.
+
 A Store is owned by one process at a time (an exclusive lock): a push that finds it busy (a
 `push --watch` pushing right now) waits briefly, then pushes without it and says so.
 """
@@ -34,6 +39,7 @@ from ...settings import settings
 RECORD = "snapshots.json"
 BUSY_WAIT = 2.0  # seconds a push waits for a store another push holds
 SEAL_RECORDS = 2048  # an open pack with this many records is sealed after a push (finish)
+SMALL_PUSH = 4 << 20  # a push that sends less goes without the store (mark_pushed)
 DEFAULT_BOUND = 20 << 30  # a torch venv is ~0.5 GiB in the store: some 40 of them
 
 
@@ -101,21 +107,25 @@ class ControllerStore:
 
     @staticmethod
     def mark_pushed(root: Path, version: bytes, workspace: str) -> bool:
-        """After a push that sent nothing (every node served `version`): when the store holds
-        that version, record it as pushed now without opening the store, whose open reads
-        every pack's index (50 ms at 100k chunks, more with every snapshot it holds). False
-        when it does not hold it, or another push holds the store: the push then opens it
-        and fills it. Blocking."""
+        """After a push that sent nothing, or little (push.py: _Push.small_update): record, without
+        opening the store (its open reads every pack's index: 50 ms at 100k chunks, more with
+        every snapshot it holds), that what it holds of this push was pushed now. That is
+        `version`, or else the last snapshot of `workspace` it holds, most of this one (a
+        later push that needs the few chunks the edits since then sent reads them from the
+        source, and keeps them). False when it holds neither, or another push holds the
+        store: the push then opens it and fills it. Blocking."""
         try:
             fd = lock(root)
         except (StoreBusy, OSError):
             return False
         try:
             summary = read_summary(root, 0)
-            mine = [h for h in summary.snapshots if h.version == version.hex()]
+            mine = [h for h in summary.snapshots if h.version == version.hex()] or [
+                h for h in summary.snapshots if h.workspace == workspace]
             if not mine:
                 return False
-            mine[0].pushed, mine[0].workspace = time.time(), workspace
+            last = max(mine, key=lambda h: h.pushed)
+            last.pushed, last.workspace = time.time(), workspace
             _write_record(root, summary.objects, summary.bytes, summary.snapshots)
             return True
         finally:

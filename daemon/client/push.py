@@ -45,7 +45,7 @@ from ..wire.replies import (
 from ..wire.requests import check_source_path, check_workspace_name
 from ..wire.transport import CONNECT_TIMEOUT, RemoteError, connect
 from . import bytecode, first_reads, link_codec
-from .controller_store import ControllerStore
+from .controller_store import SMALL_PUSH, ControllerStore
 from .link_codec import LinkChoice
 from .links import STALL_TIMEOUT, NodeLink, Sessions, each
 from .progress import Progress
@@ -361,6 +361,18 @@ class _Push:
             for addr in topology.subtree(root)[1:]:
                 self.by_addr[addr].missing = self.by_addr[root["addr"]].missing
 
+    def lacking_bytes(self) -> int:
+        """What the node that lacks most lacks, in bytes (after negotiate)."""
+        sizes = self.payload.sizes
+        return max((sum(sizes.get(c, 0) for c in n.missing) for n in self.healthy), default=0)
+
+    def small_update(self) -> bool:
+        """Whether every node this push sends to serves a version of the workspace already,
+        and lacks less than SMALL_PUSH of this one (after negotiate): an edit, for which the
+        dev box store, there for fresh nodes, is not opened (controller_store.py)."""
+        return all(self.serving.get(n.addr) for n in self.healthy if n.missing) \
+            and self.lacking_bytes() < SMALL_PUSH
+
     def known_objects(self) -> Collection[bytes] | None:
         """The folder objects of the version every node serves whole (`current` said which),
         when it is one version and the last pushed from this folder, whose objects its scan
@@ -382,9 +394,7 @@ class _Push:
             roots = [r for r in self.tree if self.by_addr[r["addr"]] in lacking]
             kind = "control tree"
         else:
-            sizes = self.payload.sizes
-            payload = max(sum(sizes.get(c, 0) for c in n.missing) for n in lacking)
-            kind = topology.choose(kind, len(lacking), payload)
+            kind = topology.choose(kind, len(lacking), self.lacking_bytes())
             roots = topology.plan([n.addr for n in lacking], kind, fanout)
         by_addr = self.by_addr
         await self.choose_compression([by_addr[r["addr"]] for r in roots])
@@ -679,11 +689,11 @@ async def push(
 
     async def send_and_publish() -> str:
         """The push proper, once some node does not serve the version yet; the topology used."""
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(open_store)  # (in a worker thread, while the nodes answer)
-            await job.negotiate(held)
+        await job.negotiate(held)
         job.check("negotiating")
         clock.mark("negotiate")
+        if not job.small_update():
+            await open_store()
         if early:
             lists = await first_reads.learn(job.healthy, name, timeout)
             paths = (first_reads.known(Path(first_reads_dir), name, lists)
@@ -725,9 +735,9 @@ async def push(
             if early:
                 job.usable_seconds = job.complete_seconds = round(time.monotonic() - t0, 3)
                 usable(job.usable_seconds, len(job.healthy))
-            if store_root is not None:
-                marked = await trio.to_thread.run_sync(
-                    ControllerStore.mark_pushed, store_root, job.version, name)
+        if store_root is not None and not store_opened:
+            marked = await trio.to_thread.run_sync(
+                ControllerStore.mark_pushed, store_root, job.version, name)
         if not marked:
             await open_store()
         if store is not None:
