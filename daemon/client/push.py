@@ -610,10 +610,11 @@ async def push(
     MOUNT/NAME), so a venv's scripts, which name that path, run there; None (the default)
     does so where the path allows it, and otherwise pushes without it and warns. With
     `store_dir`, chunks are sent from the dev box's store there and kept in it
-    (controller_store.py; `store_bound` bytes). `compress` (auto, on, off) is the policy for
-    each link (link_codec.py). With `early`, the version is published as soon as every node
-    holds the manifest and the chunks the first reads need (see the module docstring);
-    `on_usable(seconds, nodes)` is called then. The first reads are the nodes'
+    (controller_store.py; `store_bound` bytes; a push that sends nothing, or an edit, only
+    marks what it holds as pushed: `_Push.small_update`). `compress` (auto, on, off) is the
+    policy for each link (link_codec.py). With `early`, the version is published as soon as
+    every node holds the manifest and the chunks the first reads need (see the module
+    docstring); `on_usable(seconds, nodes)` is called then. The first reads are the nodes'
     (first_reads.py), merged with those kept in `first_reads_dir` on the dev box. `bwlimit`
     (bytes a second, 0 for none) bounds what the dev box streams (stream.Pacer). `snapshot`:
     `src` as the caller scanned it (push --watch: fs.scan.rescan), not scanned again here;

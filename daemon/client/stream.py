@@ -140,8 +140,8 @@ class Payload:
         page cache). Measured on the torch venv, loopback: 5.4 client CPU-s reading the
         source, 7.3 decompressing from the store. A read is checked against the id; a file
         that changed unseen falls back to the store."""
-        if cid in self.objects:  # (not a chunk: asking the sources would find every chunk)
-            return False
+        if cid in self.objects:  # a folder object: the sources, asked about it, would look
+            return False  # through every file of the manifest first (Sources)
         src = self.sources.get(cid)
         return src is not None and src.unread
 
