@@ -184,11 +184,13 @@ class FileObjects:
     # ---- durability ---------------------------------------------------------------------
 
     def sync(self, fill: Callable[[bytes], bytes | memoryview | None],
-             spill: Callable[[bytes, bytes], None]) -> None:
+             spill: Callable[[bytes, bytes], None] | None) -> None:
         """Make every unrecorded file object durable and recorded. A chunk it lacks is taken
         from the rest of the store (`fill`: its verified bytes, or None); one that cannot be
         completed has the chunks it holds copied elsewhere (`spill`, to the open pack) so that
-        they are durable, and stays unrecorded (deleted at the next start)."""
+        they are durable, and stays unrecorded (deleted at the next start). Without `spill`
+        (an early prepare, which counts on nothing but the manifest: daemon/node/incomplete.py)
+        those chunks stay where they are, not durable."""
         done = []
         for obj in [o for o in list(self.objects.values()) if not o.recorded]:
             for cid, off, length in obj.spans:
@@ -202,16 +204,37 @@ class FileObjects:
                     obj.written.add(off)
                     self._unexpect(cid, obj, off)
             if obj.complete:
-                os.fdatasync(obj.fd)
-                if obj.direct >= 0:
-                    os.close(obj.direct)
-                    obj.direct = -1
-                os.rename(self.root / (obj.key + PART), self.root / obj.key)
+                self._flush(obj)
                 done.append(obj)
-            else:
+            elif spill is not None:
                 for cid, off, length in obj.spans:
                     if off in obj.written and self.index.get(cid, (None,))[0] is obj:
                         spill(cid, os.pread(obj.fd, length, off))
+        self._record(done)
+
+    def seal(self, keys: Iterable[str]) -> int:
+        """Record those of the file objects `keys` that are complete now, ahead of the next
+        sync (push --early: a large file whose last chunk arrived, which passthrough may bind
+        from then on); how many were."""
+        done = []
+        for key in keys:
+            obj = self.objects.get(key)
+            if obj is not None and not obj.recorded and obj.complete:
+                self._flush(obj)
+                done.append(obj)
+        self._record(done)
+        return len(done)
+
+    def _flush(self, obj: FileObject) -> None:
+        """A complete object's data to disk, under its final name."""
+        os.fdatasync(obj.fd)
+        if obj.direct >= 0:
+            os.close(obj.direct)
+            obj.direct = -1
+        os.rename(self.root / (obj.key + PART), self.root / obj.key)
+
+    def _record(self, done: list[FileObject]) -> None:
+        """Write the records of flushed objects, after their names: trusted from then on."""
         if not done:
             return
         fsync_dir(self.root)  # the data's names before the records that trust them

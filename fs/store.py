@@ -188,6 +188,10 @@ class Store:
         written through it); the bytes asked for."""
         return self.objects.will_need(ids)
 
+    def seal_files(self, keys: Iterable[str]) -> int:
+        """Record the complete file objects among `keys` now (FileObjects.seal)."""
+        return self.objects.seal(keys)
+
     def file_object(self, key: str) -> Path | None:
         """The complete, durable file object `key` (passthrough binds it), if there is one."""
         return self.objects.path(key)
@@ -350,12 +354,13 @@ class Store:
             raise CorruptChunk(f"chunk {cid.hex()}: its file object holds other bytes")
         return data
 
-    def sync(self) -> None:
+    def sync(self, spill: bool = True) -> None:
         """Make every object written so far durable: the open pack's data, and the folder that
         names the packs (a sealed pack was flushed when it was sealed). Only the store's own
         files: a syncfs would also wait for everything else written to this filesystem (backing
-        files, or the other nodes' stores of a local cluster)."""
-        self.objects.sync(self._fill, self._spill)
+        files, or the other nodes' stores of a local cluster). Without `spill`, the chunks of
+        file objects still arriving stay there, not durable (FileObjects.sync)."""
+        self.objects.sync(self._fill, self._spill if spill else None)
         with self._lock:
             os.fdatasync(self._fd)
             self._durable = self._size

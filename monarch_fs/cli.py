@@ -301,7 +301,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             ws = ", ".join(
                 f"{name}={vs[0][:12]}" + (f" (+{len(vs) - 1} older)" if len(vs) > 1 else "")
                 + (f" by {s.owners[name]}" if name in s.owners else "")
-                + (" (incomplete: push --early still streaming)" if name in s.incomplete else "")
+                + (_incomplete_note(s, name) if name in s.incomplete else "")
                 for name, vs in sorted(s.workspaces.items())) or "no workspaces"
             print(f"{n.host}  {s.node}  {ws}  store {fmt_bytes(s.store_bytes)}"
                   f" in {s.store_objects} objects  transport {s.transport.get('transport', 'tcp')}"
@@ -315,6 +315,15 @@ def cmd_status(args: argparse.Namespace) -> int:
             for problem in s.problems:
                 print(f"{n.host}  problem: {problem}")
     return 0 if all(n.reachable for n in nodes) else 1
+
+
+def _incomplete_note(s: StatusReply, name: str) -> str:
+    """What `status` says of a workspace serving a version published early (push --early)."""
+    lacks = s.incomplete_chunks.get(name)
+    if lacks is None:
+        return " (incomplete: published early)"
+    return (f" (incomplete: published early, {lacks} chunks not here yet; a push of it "
+            "completes it)")
 
 
 def store_line(held: Summary) -> str:

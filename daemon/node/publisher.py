@@ -39,6 +39,7 @@ from ..wire.requests import RequestError
 from . import source_path
 from .events import EventLog
 from .fetch import Fetcher
+from .incomplete import Incomplete
 from .refs import Refs
 
 log = logging.getLogger("monarch_fs.daemon")
@@ -78,9 +79,9 @@ class Publisher:
         self.store = store
         self.events = events  # collects are recorded there
         self.fetcher = fetcher  # an early prepare waits on it for the first-read chunks
-        # Workspace -> the version it serves that was published early (push --early) and is
-        # not known complete yet; a prepare and commit without `early` complete it.
-        self.incomplete: dict[str, bytes] = {}
+        # The versions published early (push --early) and not known complete, saved in refs.json;
+        # a prepare and commit without `early` complete one.
+        self.incomplete = Incomplete(refs, store)
         # Where the mount is: a workspace exposed at its source path links to MOUNT/NAME
         # (source_path.py). None: nothing is exposed there (a service built without a mount).
         self.mount = Path(mount) if mount is not None else None
@@ -212,6 +213,19 @@ class Publisher:
                 continue
             self.refs.workspaces[name] = [v for v, _ in loaded]
             await self.fs.set_workspace(name.encode(), loaded)
+        self.incomplete.settle_loaded(await self.lacking(self.refs.early))
+
+    async def lacking(self, early: dict[str, list[bytes]]) -> dict[bytes, int]:
+        """How many chunks each of the `early` versions (by workspace) lacks, for those whose
+        manifest loads."""
+        out = {}
+        for v in {v for vs in early.values() for v in vs}:
+            try:
+                m = await self.manifest(v)
+            except (*_UNLOADABLE, OSError):
+                continue
+            out[v] = await trio.to_thread.run_sync(self.incomplete.lacking, self.store, m)
+        return out
 
     # ---- the two-phase publish ------------------------------------------------------------
 
@@ -237,7 +251,7 @@ class Publisher:
         not published early)."""
         version = manifest.id
         return (any(version in vs for vs in self.refs.workspaces.values())
-                and version not in self.incomplete.values()
+                and not self.incomplete.has(version)
                 and self._manifests.get(version) is manifest)
 
     async def _checked_manifest(self, version: bytes) -> Manifest:
@@ -293,7 +307,10 @@ class Publisher:
                     await self._check_complete(version)
                 else:
                     await self._check_early(version, early)
-                await trio.to_thread.run_sync(self.store.sync)
+                # Early: what arrived of the large files still arriving is not made durable
+                # (copied to a pack): the version is recorded as early, so a crash that
+                # loses it makes it lack more, never makes it whole (incomplete.py).
+                await trio.to_thread.run_sync(self.store.sync, early is None)
             if early is not None and self.nursery is not None:  # read right after publishing
                 self.nursery.start_soon(self._will_need, early)
         except BaseException:
@@ -350,7 +367,7 @@ class Publisher:
         chunk of it is here, so a push of another version asks only about what that one adds
         (CurrentReply.serving)."""
         refs = self.refs
-        if name in self.incomplete or name in self.workspace_problems:
+        if self.incomplete.current(name) or name in self.workspace_problems:
             return None
         if refs.owners.get(name) != owner:
             return None
@@ -382,6 +399,7 @@ class Publisher:
             # before the save: a commit that fails leaves no trace in memory, on disk, or in
             # the mount (issue 16, finding 5). Backing files are only a cache of the store.
             versions = self.refs.next_versions(name, version, self.keep)
+            previous_versions = self.refs.workspaces.get(name, []) + [version]
             staged = await self.fs.stage(name.encode(),
                                          [(v, await self.manifest(v)) for v in versions])
             if self.fs.passthrough and self.nursery is not None:
@@ -393,22 +411,23 @@ class Publisher:
                 entries = await trio.to_thread.run_sync(self._backed,
                                                         await self.manifest(version), staged)
                 if early is not None:  # only the files that are whole: never a partial one
-                    entries = await trio.to_thread.run_sync(self._whole_files, entries)
+                    entries = await trio.to_thread.run_sync(self.incomplete.watch, version,
+                                                            entries)
+                    await self._seal(entries)
                 await self.nursery.start(self._write_backing, entries)
             previous = self.refs.workspaces.get(name, [None])[0]
             old_source = self.refs.sources.get(name)
+            early_versions = self.incomplete.after_commit(name, version, versions,
+                                                          early is not None)
             try:
-                await self.refs.publish(name, versions, source, owner)
+                await self.refs.publish(name, versions, source, owner, early_versions)
             except OSError as e:
                 raise RequestError(f"cannot save {self.refs.path}: {e.strerror or e}; "
                                    f"{name!r} stays at its last version") from None
             await self.fs.switch(staged)
             self.workspace_problems.pop(name, None)
             self._prepared.discard((name, version, early is not None))
-            if early is not None:
-                self.incomplete[name] = version
-            else:
-                self.incomplete.pop(name, None)
+            self.incomplete.drop([v for v in previous_versions if v not in early_versions])
             if self._pinned.get(name) == version:
                 del self._pinned[name]
             self._drop_manifests()
@@ -484,7 +503,7 @@ class Publisher:
                 self._removing.discard(name)
             await self._relink(name, source, None, None)
             await self.fs.remove_workspace(name.encode())
-            self.incomplete.pop(name, None)
+            self.incomplete.drop(versions)
             self._drop_manifests()
             await self._prune_backing()
         try:
@@ -497,11 +516,25 @@ class Publisher:
 
     # ---- backing files --------------------------------------------------------------------
 
-    def _whole_files(self, entries: list[Entry]) -> list[Entry]:
-        """The backed files of an early version (push --early) whose chunks have all arrived (the
-        first reads': their opens are passthrough at once); the rest get their backing files
-        at the commit that completes the version. Blocking: a worker thread."""
-        return [e for e in entries if not self.store.missing(e.chunks)]
+    def stored(self, cids: list[bytes]) -> None:
+        """Chunks were written: a large file of an early version that is whole now is bound by
+        passthrough from its next open on (its file object recorded, or a copy written)."""
+        whole = self.incomplete.stored(cids)
+        if whole and self.fs.passthrough and self.nursery is not None:
+            self.nursery.start_soon(self._bind_whole, whole)
+
+    async def _bind_whole(self, entries: list[Entry]) -> None:
+        await self._seal(entries)
+        await self._write_backing(entries)
+
+    async def _seal(self, entries: list[Entry]) -> None:
+        """Record the file objects of these whole files now (not at the next prepare), so
+        passthrough binds them rather than a copy (incomplete.py). Not during a collect or
+        a cut back, which drop unrecorded objects."""
+        if entries:
+            async with self._gc_lock:
+                await trio.to_thread.run_sync(self.store.seal_files,
+                                              [backing_key(e) for e in entries])
 
     async def _write_backing(self, entries: list[Entry], *,
                              task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -523,12 +556,18 @@ class Publisher:
     async def recover(self) -> None:
         """At start, once the mount decided on passthrough: write the backing files the
         current versions lack (files of older retained versions without one are read through
-        the daemon), drop unused ones, and collect what a crash left behind."""
+        the daemon), drop unused ones, and collect what a crash left behind. Of a version
+        published early, only the files that are whole (the others once they are)."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._collect)
             if self.fs.passthrough:
                 for versions in list(self.refs.workspaces.values()):
-                    await self._write_backing((await self.manifest(versions[0])).entries)
+                    entries = (await self.manifest(versions[0])).entries
+                    if self.incomplete.has(versions[0]):
+                        entries = await trio.to_thread.run_sync(
+                            self.incomplete.watch, versions[0],
+                            [e for e in entries if backing_wanted(e)])
+                    await self._write_backing(entries)
                 await self._prune_backing()
 
     async def _prune_backing(self) -> None:

@@ -49,6 +49,10 @@ class Refs:
         # name -> the uid of the user who pushed it (--identity munge), who alone may replace
         # or remove it; saved as "owners". A workspace pushed without identity has none.
         self.owners: dict[str, int] = {}
+        # name -> its retained versions that were published early (push --early) and may lack
+        # chunks (daemon/node/incomplete.py); saved as "early", in the same write as the publish
+        # that made them current, so that no restart takes one for a whole version.
+        self.early: dict[str, list[bytes]] = {}
         self.problems: list[str] = []
         try:
             text = self.path.read_text(encoding="utf-8")
@@ -91,6 +95,15 @@ class Refs:
                 else:
                     self.problems.append(f"{self.path}: workspace {ascii(name)}: owner {uid!r} "
                                          "is not a uid; anyone may replace it")
+        early = data.get("early", {})
+        for name, versions in (early.items() if isinstance(early, dict) else ()):
+            known = self.workspaces.get(name) or self.held.get(name) or []
+            try:
+                self.early[name] = [v for v in map(bytes.fromhex, versions) if v in known]
+            except (ValueError, TypeError):  # which versions are whole is unknown: none is
+                self.problems.append(f"{self.path}: workspace {ascii(name)}: its early versions "
+                                     "are unreadable; every version of it is taken as incomplete")
+                self.early[name] = list(known)
 
     def _set_aside(self, why: str) -> None:
         aside = self.path.with_name(f"{self.path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -124,11 +137,14 @@ class Refs:
                          "(--name)")
 
     async def publish(self, name: str, versions: list[bytes], source: str | None = None,
-                      owner: int | None = None) -> None:
+                      owner: int | None = None, early: list[bytes] | None = None) -> None:
         """Save `versions` for `name` (pushed from `source`, None: not exposed there; by user
-        `owner`, None: no identity), then take them in memory. Raises OSError, changing
-        nothing, if the save fails."""
+        `owner`, None: no identity; `early`: those of them that may lack chunks), then take
+        them in memory. Raises OSError, changing nothing, if the save fails."""
         new = {**self.workspaces, name: versions}
+        incomplete = {n: vs for n, vs in self.early.items() if n != name}
+        if early:
+            incomplete[name] = [v for v in early if v in versions]
         held = {n: vs for n, vs in self.held.items() if n != name}
         sources = {n: s for n, s in self.sources.items() if n != name}
         if source is not None:
@@ -137,8 +153,9 @@ class Refs:
         if owner is not None:
             owners[name] = owner
         with trio.CancelScope(shield=True):  # memory follows the disk, even when cancelled
-            await self._save_in_thread({**held, **new}, sources, owners)
+            await self._save_in_thread({**held, **new}, sources, owners, incomplete)
             self.workspaces, self.held, self.sources, self.owners = new, held, sources, owners
+            self.early = incomplete
 
     async def remove(self, name: str) -> list[bytes]:
         """Forget workspace `name`, persisted; returns the versions it had. Raises KeyError for
@@ -147,34 +164,37 @@ class Refs:
         rest = {n: vs for n, vs in self.workspaces.items() if n != name}
         sources = {n: s for n, s in self.sources.items() if n != name}
         owners = {n: u for n, u in self.owners.items() if n != name}
+        early = {n: vs for n, vs in self.early.items() if n != name}
         with trio.CancelScope(shield=True):
-            await self._save_in_thread({**self.held, **rest}, sources, owners)
-            self.workspaces, self.sources, self.owners = rest, sources, owners
+            await self._save_in_thread({**self.held, **rest}, sources, owners, early)
+            self.workspaces, self.sources, self.owners, self.early = rest, sources, owners, early
         return versions
 
     async def _save_in_thread(self, workspaces: dict[str, list[bytes]],
-                              sources: dict[str, str], owners: dict[str, int]) -> None:
+                              sources: dict[str, str], owners: dict[str, int],
+                              early: dict[str, list[bytes]]) -> None:
         """The save fsyncs the file and its folder: off the trio thread, which also answers
         FUSE requests. The callers (a commit, a removal) hold the daemon's publish lock, so
         nothing changes this object meanwhile; memory is changed back on the trio thread."""
-        await trio.to_thread.run_sync(self._save, workspaces, sources, owners)
+        await trio.to_thread.run_sync(self._save, workspaces, sources, owners, early)
 
     def _save(self, workspaces: dict[str, list[bytes]], sources: dict[str, str],
-              owners: dict[str, int]) -> None:
-        self._write(workspaces, sources, owners)
+              owners: dict[str, int], early: dict[str, list[bytes]]) -> None:
+        self._write(workspaces, sources, owners, early)
         try:
             fsync_dir(self.path.parent)
         except OSError:
             # The new list is in place but may not survive a crash: put the old one back (best
             # effort), so the disk does not keep a commit that reported failure.
             try:
-                self._write({**self.held, **self.workspaces}, self.sources, self.owners)
+                self._write({**self.held, **self.workspaces}, self.sources, self.owners,
+                            self.early)
             except OSError:
                 pass
             raise
 
     def _write(self, workspaces: dict[str, list[bytes]], sources: dict[str, str],
-               owners: dict[str, int]) -> None:
+               owners: dict[str, int], early: dict[str, list[bytes]]) -> None:
         """Replace the file by one holding `workspaces`; on failure the old file stays."""
         data: dict[str, dict] = {
             "workspaces": {n: [v.hex() for v in vs] for n, vs in workspaces.items()}}
@@ -182,5 +202,7 @@ class Refs:
             data["sources"] = sources
         if owners:
             data["owners"] = owners
+        if any(early.values()):
+            data["early"] = {n: [v.hex() for v in vs] for n, vs in early.items() if vs}
         replace_file(self.path, json.dumps(data, indent=1).encode(),
                      self.path.with_suffix(".tmp"), fsync=True)

@@ -236,8 +236,23 @@ class NodeService:
             mode=self.mount_mode,
             identity=self.identity,
             owners={n: describe_user(u) for n, u in self.refs.owners.items()},
-            incomplete=sorted(self.publisher.incomplete),
+            incomplete=self.publisher.incomplete.names(),
+            incomplete_chunks=await self._incomplete_chunks(),
         )
+
+    async def _incomplete_chunks(self) -> dict[str, int]:
+        """Workspace -> how many chunks its current version lacks, for those serving one
+        published early."""
+        names = self.publisher.incomplete.names()
+        current = {n: [self.refs.workspaces[n][0]] for n in names}
+        lacking = await self.publisher.lacking(current)
+        return {n: lacking[vs[0]] for n, vs in current.items() if vs[0] in lacking}
+
+    def chunks_stored(self, cids: list[bytes]) -> None:
+        """A batch of chunks was written: wake the readers waiting for them (push --early),
+        and follow the early versions' large files."""
+        self.fetcher.stored(cids)
+        self.publisher.stored(cids)
 
     def stats(self) -> StatsReply:
         """What `monarch-fs top` shows for this node, now: cheap, nothing read from disk."""

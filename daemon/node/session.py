@@ -97,7 +97,7 @@ class Session:
         self.counters = service.counters
         self.writes = ChunkWrites(service.store, raw=service.store_raw,
                                   counters=service.counters, limiter=service.write_limiter,
-                                  on_stored=service.fetcher.stored)
+                                  on_stored=service.chunks_stored)
         self.relay: Relay | None = None
         # The manifest's root object id, when the client said which it is (OpenRelay.version):
         # the manifest comes first, and says where each large file's chunks go

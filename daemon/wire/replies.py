@@ -56,6 +56,15 @@ def _number(op: str, value: Mapping[str, Any], key: str) -> float:
     return got
 
 
+def _counts(value: object) -> dict[str, int]:
+    """A {name: count} field of a newer reply; what is not one is left out (an older node
+    sends none)."""
+    if not isinstance(value, dict):
+        return {}
+    return {k: v for k, v in value.items()
+            if isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)}
+
+
 def _hex(op: str, key: str, text: object) -> bytes:
     got = from_hex(text)
     if got is None:
@@ -104,6 +113,7 @@ class StatusReply:
     # Workspaces serving a version published early (push --early) whose chunks have not all
     # arrived yet: a read of a missing chunk fetches it, or fails with EIO.
     incomplete: list[str] = field(default_factory=list)
+    incomplete_chunks: dict[str, int] = field(default_factory=dict)  # name -> chunks it lacks
 
     def to_wire(self) -> dict[str, Any]:
         return {"node": self.node, "addr": self.addr, "mount": self.mount, **self.transport,
@@ -115,7 +125,7 @@ class StatusReply:
                 "workspaces": self.workspaces, "problems": self.problems, "mode": self.mode,
                 "root_procs": self.root_procs, "procs_user": self.procs_user,
                 "identity": self.identity, "owners": self.owners,
-                "incomplete": self.incomplete}
+                "incomplete": self.incomplete, "incomplete_chunks": self.incomplete_chunks}
 
     @classmethod
     def from_wire(cls, value: Mapping[str, Any]) -> StatusReply:
@@ -155,7 +165,8 @@ class StatusReply:
             mode=mode, root_procs=_get(op, value, "root_procs", bool),
             procs_user=_get(op, value, "procs_user", str), identity=identity,
             owners=dict(owners), incomplete=[str(n) for n in value.get("incomplete", [])
-                                             if isinstance(n, str)])
+                                             if isinstance(n, str)],
+            incomplete_chunks=_counts(value.get("incomplete_chunks", {})))
 
 
 @dataclass(frozen=True)
