@@ -127,17 +127,20 @@ class Snapshot:
             self.refs = refs
         return self.refs
 
-    def read_chunk(self, cid: bytes) -> bytes | bytearray:
+    def read_chunk(self, cid: bytes) -> bytes | bytearray | memoryview:
         """The raw bytes of a chunk, read again from its source and checked against its id."""
         return self.read_into(cid, 0)
 
-    def read_into(self, cid: bytes, lead: int) -> bytearray:
+    def read_into(self, cid: bytes, lead: int,
+                  alloc: Callable[[int], bytearray | memoryview] = bytearray
+                  ) -> bytearray | memoryview:
         """read_chunk's bytes after `lead` bytes left free for the caller (a blob's codec byte:
-        a raw link's 1 GB would otherwise be copied once more to put it in front). One
-        open and pread: Python's open() adds an fstat and an ioctl per file, and 22k files
-        made it a quarter of a push's CPU on the dev box."""
+        a raw link's 1 GB would otherwise be copied once more to put it in front), in a buffer
+        of `alloc(lead + length)` (a pool's: daemon/wire/buffers.py). One open and pread:
+        Python's open() adds an fstat and an ioctl per file, and 22k files made it a quarter
+        of a push's CPU on the dev box."""
         src = self.sources[cid]
-        buf = bytearray(lead + src.length)
+        buf = alloc(lead + src.length)
         try:
             fd = os.open(src.path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:

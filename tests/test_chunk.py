@@ -64,6 +64,19 @@ def test_encode_compresses_only_when_it_saves_space():
     assert chunk.encode(b"a" * 100) == bytes([RAW]) + b"a" * 100  # too small to bother
 
 
+def test_a_large_chunk_that_does_not_compress_is_judged_by_a_sample():
+    """A 4 MiB random chunk is stored raw after zstd saw 64 KiB of it, not 4 MiB; a library-
+    like one (4 bits of entropy a byte) still compresses."""
+    noise = os.urandom(CHUNK_SIZE)
+    assert not chunk.compressible(noise)
+    assert chunk.encode(noise) == bytes([RAW]) + noise
+    half = noise.translate(bytes(i & 0x0F for i in range(256)))
+    assert chunk.compressible(half)
+    blob = chunk.encode(half)
+    assert blob[0] == ZSTD and len(blob) < 0.7 * len(half)
+    assert chunk.decode(chunk_id(half), blob) == half
+
+
 def test_decode_refuses_bytes_that_do_not_match_the_id():
     data = b"hello world " * 1000
     for blob in (chunk.encode(data), bytes([RAW]) + data):

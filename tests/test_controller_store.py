@@ -23,14 +23,22 @@ from monarch_fs.settings import settings
 pytestmark = pytest.mark.mount
 
 
-def make_src(root: Path, seed: int = 0, size: int = 9 << 20) -> Path:
-    """A folder of text-like small files and one large random file of several chunks, old
-    enough (mtime and ctime) for the scan cache to vouch for it."""
+# Random bytes of 4 bits each: a library-like file that zstd halves (a random one does not
+# compress, and its wire form is its file: test_a_chunk_that_does_not_compress_...).
+HALF = bytes(range(256)).translate(bytes(i & 0x0F for i in range(256)))
+
+
+def make_src(root: Path, seed: int = 0, size: int = 9 << 20, random: int = 0) -> Path:
+    """A folder of text-like small files, one large compressible file of several chunks and
+    (`random` bytes) one that does not compress, old enough (mtime and ctime) for the scan
+    cache to vouch for them."""
     root.mkdir(parents=True)
     (root / "pkg").mkdir()
     for i in range(40):
         (root / "pkg" / f"m{i}.py").write_text(f"# module {seed}.{i}\n" + "x = 1\n" * (200 + i))
-    (root / "big.bin").write_bytes(os.urandom(size))
+    (root / "big.bin").write_bytes(os.urandom(size).translate(HALF))
+    if random:
+        (root / "random.bin").write_bytes(os.urandom(random))
     os.sync()
     time.sleep(2.2)  # the scan cache records no file changed less than 2 s before a scan
     return root
@@ -102,6 +110,31 @@ def test_push_to_fresh_nodes_sends_from_the_store_without_reading_the_source(
     assert tree(third.mnt(0) / "env") == want
 
 
+def test_a_chunk_that_does_not_compress_is_read_from_its_file_not_copied(
+        tmp_path, fresh_cluster):
+    """A file that does not compress goes raw on every link, so the dev box store does not
+    copy it (47% of a push's CPU was that copy): it records its chunks' ids, and a push to a
+    fresh node over a zstd link reads them from the file, checked, and nothing else."""
+    src = make_src(tmp_path / "env", size=5 << 20, random=9 << 20)
+    want = tree(src)
+    r1 = fresh_cluster(1).push_json(src, "--compress", "on")
+    packs = sum(p.stat().st_size for p in (settings.store_dir / "packs").glob("*.pack"))
+    assert packs < 4 << 20  # the compressible files, compressed; not the random one
+    sourced = (settings.store_dir / "sourced.ids").read_bytes()
+    assert len(sourced) == 3 * 16  # random.bin's three chunks
+
+    os.sync()
+    evict(src)
+    second = fresh_cluster(1)
+    r2 = second.push_json(src, "--compress", "on")
+    assert r2["version"] == r1["version"]
+    assert resident_bytes(src) == (src / "random.bin").stat().st_size, \
+        "the push read more than the file that does not compress"
+    assert r2["store"]["sent_from_store"] == r2["chunks_total"] - 3 + folders(src)
+    assert r2["bytes_sent"] == r1["bytes_sent"]
+    assert tree(second.mnt(0) / "env") == want
+
+
 def test_a_push_that_sends_nothing_or_little_leaves_the_store_closed(tmp_path, fresh_cluster):
     """Every node serves the version already, then an edit of a few bytes, then no change
     again: the store is not opened (an open reads every pack's index, 50 ms at 100k chunks),
@@ -150,7 +183,7 @@ def test_bound_drops_the_least_recently_pushed(tmp_path, fresh_cluster, monkeypa
     c = fresh_cluster(1)
     versions = []
     for i in range(4):
-        src = make_src(tmp_path / f"ws{i}", seed=i, size=1 << 20)
+        src = make_src(tmp_path / f"ws{i}", seed=i, size=2 << 20)  # ~1 MiB compressed
         versions.append(c.push_json(src, "--name", f"ws{i}")["version"])
     held = store_status()
     kept = [h["version"] for h in held["snapshots"]]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 
 import pytest
@@ -762,6 +763,29 @@ def test_decrypted_data_parts_are_writable():
     w.server.receive_data(w.client.send(Data([b"x" * 10, bytes(2 * IN_PLACE)])))
     got = drain(w.server)[0]
     assert all(not part.readonly for part in got.parts)
+
+
+def test_encrypted_chunks_sealed_together_arrive_whole_and_in_place():
+    """Several large encrypted frames sealed before any is written (one send_many) each get
+    their own space for their ciphertext; received in place, a chunk's plaintext stays in the
+    frame's own buffer, writable and with its raw bytes on a page (an O_DIRECT write's)."""
+    import ctypes
+
+    w = encrypted_pair(True, True)
+    blobs = [b"\0" + os.urandom(4 * IN_PLACE) for _ in range(3)]  # raw blobs
+    parts = [part for b in blobs for part in w.client.send_parts(PutChunk(b"c" * 16, b))]
+    data = b"".join(parts)
+    w.client.sent()
+    assert blobs[0][1:64] not in data
+    events, _ = recv_into_all(w.server, data, IN_PLACE)
+    assert [bytes(m.blob) for m in events] == blobs
+    for m in events:
+        assert not m.blob.readonly
+        raw = m.blob[1:]
+        assert ctypes.addressof(ctypes.c_char.from_buffer(raw)) % 4096 == 0
+    again = w.client.send(PutChunk(b"d" * 16, blobs[0]))  # the arena's space, used again
+    w.server.receive_data(again)
+    assert drain(w.server)[0] == PutChunk(b"d" * 16, blobs[0])
 
 
 def test_without_encryption_payloads_are_authenticated_but_readable():

@@ -15,6 +15,11 @@ less than SMALL_PUSH), does not open the store when it holds this snapshot, or o
 workspace: it only records that snapshot as pushed now (ControllerStore.mark_pushed), since an
 open reads every pack's index.
 
+A chunk that does not compress is not copied into the store: its wire form is the file it was
+read from, which a later push reads either way (encoding.py). The store only records its id,
+in `sourced.ids` (SOURCED), so that it is not tried again; a push that finds the file changed
+reads it as any changed file.
+
 A Store is owned by one process at a time (an exclusive lock): a push that finds it busy (a
 `push --watch` pushing right now) waits briefly, then pushes without it and says so.
 """
@@ -30,13 +35,14 @@ from pathlib import Path
 
 import trio
 
-from ...fs.chunk import RAW, CorruptChunk, decode, encode
+from ...fs.chunk import ID_SIZE, RAW, CorruptChunk, compressible, decode, encode
 from ...fs.manifest import Manifest
 from ...fs.private_files import replace_file
 from ...fs.store import Store, StoreBusy, lock
 from ...settings import settings
 
 RECORD = "snapshots.json"
+SOURCED = "sourced.ids"  # ids of chunks whose wire form is their source file, 16 bytes each
 BUSY_WAIT = 2.0  # seconds a push waits for a store another push holds
 SEAL_RECORDS = 2048  # an open pack with this many records is sealed after a push (finish)
 SMALL_PUSH = 4 << 20  # a push that sends less goes without the store (mark_pushed)
@@ -87,6 +93,10 @@ class ControllerStore:
         self.bound = bound
         self.hits = 0  # blobs (chunks, manifest) this push sent from the store
         self.added = 0  # chunks added after publishing (the nodes had them already)
+        self.sourced = _read_ids(self.root / SOURCED)  # see the module docstring
+        self._sourced_changed = False
+        # Chunks the keeper had no room for (keeper.py): left for a later push to keep.
+        self.skipped: set[bytes] = set()
 
     @classmethod
     async def open(cls, root: Path, bound: int,
@@ -140,15 +150,43 @@ class ControllerStore:
         self.hits += 1
         return self.store.get_blob(cid)
 
-    def add(self, cid: bytes, blob: bytes) -> None:
+    def add(self, cid: bytes, blob: bytes | memoryview) -> None:
         """Keep a blob just encoded from bytes checked against `cid` (not decoded again)."""
         self.store.put_blob(cid, blob, verified=True)
 
-    def fill(self, ids: Iterable[bytes], read: Callable[[bytes], bytes | bytearray]) -> int:
-        """Add the chunks of `ids` the store lacks (those the nodes already had); how many."""
+    def holds(self, cid: bytes) -> bool:
+        """Whether the store has the chunk, or knows that its source is its wire form."""
+        return cid in self.sourced or self.store.has(cid)
+
+    def is_sourced(self, cid: bytes) -> bool:
+        return cid in self.sourced
+
+    def add_sourced(self, cid: bytes) -> None:
+        """Record that the chunk `cid`, read from a file, does not compress (thread-safe: a
+        set's add is atomic)."""
+        if cid not in self.sourced:
+            self.sourced.add(cid)
+            self._sourced_changed = True
+
+    def fill(self, ids: Iterable[bytes],
+             read: Callable[[bytes], bytes | bytearray | memoryview],
+             objects: Iterable[bytes] = ()) -> int:
+        """Add the chunks of `ids` the store lacks (those the nodes already had) and has not
+        left to a later push (`skipped`); how many. `objects`: those of `ids` that are folder
+        objects (no file to read them from again: always kept)."""
         added = 0
+        folders = set(objects)
         for cid in self.store.missing(ids):
-            self.store.put_blob(cid, encode(read(cid)), verified=True)
+            if cid in self.sourced or cid in self.skipped:
+                continue
+            data = read(cid)
+            blob = encode(data) if compressible(data) else None
+            if blob is not None and blob[0] != RAW:
+                self.store.put_blob(cid, blob, verified=True)
+            elif cid in folders:
+                self.store.put_blob(cid, blob or bytes([RAW]) + data, verified=True)
+            else:
+                self.add_sourced(cid)
             added += 1
         return added
 
@@ -177,6 +215,12 @@ class ControllerStore:
             live = list(self._live(held))
             self.store.seal()
             self.store.collect(live.copy)
+            self.sourced = {cid for group in live for cid in group if cid in self.sourced}
+            self._sourced_changed = True
+        if self._sourced_changed:
+            replace_file(self.root / SOURCED, b"".join(sorted(self.sourced)),
+                         self.root / f"{SOURCED}.{os.getpid()}.tmp")
+            self._sourced_changed = False
         self._write(held)
         return dropped
 
@@ -203,6 +247,15 @@ class ControllerStore:
 def _write_record(root: Path, objects: int, size: int, held: list[Held]) -> None:
     data = {"objects": objects, "bytes": size, "snapshots": [asdict(h) for h in held]}
     replace_file(root / RECORD, json.dumps(data).encode(), root / f"{RECORD}.{os.getpid()}.tmp")
+
+
+def _read_ids(path: Path) -> set[bytes]:
+    """The ids in a file of ids back to back; an absent or torn file holds what it holds."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return set()
+    return {data[i : i + ID_SIZE] for i in range(0, len(data) - len(data) % ID_SIZE, ID_SIZE)}
 
 
 def as_raw(cid: bytes, blob: bytes) -> bytes:

@@ -537,7 +537,9 @@ def keep(store: ControllerStore, snap: Snapshot, job: _Push, name: str) -> list[
     record the snapshot and apply the bound; the lines to report. Blocking."""
     lines: list[str] = []
     try:
-        store.added = store.fill([*job.ids, *job.payload.objects], job.payload.read)
+        store.added = store.fill([*job.ids, *job.payload.objects],
+                                 lambda cid: memoryview(job.payload.read(cid))[1:],
+                                 job.payload.objects)
     except (SourceChanged, OSError) as e:  # published already: the next push reads it again
         lines.append(f"the dev box store misses some chunks of this push: {e}")
     return lines + store.finish(job.version, name, snap.manifest.total_bytes)

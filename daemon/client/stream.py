@@ -24,13 +24,18 @@ from ...fs import chunk
 from ...fs.scan import Source, SourceChanged
 from ..wire import bulk, topology
 from ..wire import protocol as p
+from ..wire.buffers import BufferPool
 from ..wire.replies import FlushReply, RelayReply
 from ..wire.transport import CONNECT_TIMEOUT, Channel, connect, describe_failure
-from .controller_store import ControllerStore, as_raw
+from . import encoding
+from .controller_store import ControllerStore
+from .encoding import Later
+from .keeper import Keeper
 from .links import NODE_ERRORS, NodeLink, each
 from .progress import Progress
 
 _QUEUE = 4  # batches buffered per root
+READ_BUFFERS = 24  # 4 MiB buffers kept for reads: the queues', the encoders' and the keeper's
 _ENCODERS = 2
 LARGE_CHUNK = 1 << 20  # interleave(): chunks this big cost link time more than CPU
 SMALL_RUN = 4 << 20
@@ -126,9 +131,12 @@ class Payload:
     version: bytes
     objects: Mapping[bytes, bytes]  # Manifest.objects(): children before parents, the root last
     sources: Mapping[bytes, Source]  # Snapshot.sources
-    read_into: Callable[[bytes, int], bytearray]  # Snapshot.read_into
+    read_into: Callable[..., bytearray | memoryview]  # Snapshot.read_into
     store: ControllerStore | None = None
     raw_roots: set[str] = field(default_factory=set)
+    keeper: Keeper | None = None  # set while a Stream runs with a store
+    # What chunks are read into: reused once sent (and kept), not a new 4 MiB each.
+    buffers: BufferPool = field(default_factory=lambda: BufferPool(READ_BUFFERS))
 
     @cached_property
     def sizes(self) -> Sizes:
@@ -145,48 +153,27 @@ class Payload:
         src = self.sources.get(cid)
         return src is not None and src.unread
 
-    def read(self, cid: bytes) -> bytearray:
+    def read(self, cid: bytes) -> bytearray | memoryview:
         """A chunk's bytes after one free byte (for its codec byte, when it goes raw)."""
         obj = self.objects.get(cid)
         if obj is not None:
             return bytearray(1) + obj
-        return self.read_into(cid, 1)
+        return self.read_into(cid, 1, self.buffers.take)
 
     def encoded(self, cids: list[bytes], zstd: bool = True,
-                raw: bool = False) -> tuple[Batch, Batch]:
-        """(wire form, raw form) of `cids`, each only if asked (else empty), on a worker
-        thread. For the wire form, a chunk the store holds comes from it, unread. For the raw
-        form, a chunk of a file the scan cache vouches for is read from the source (see
-        `_fresh`), any other the store holds is decompressed from it. A chunk the store lacks
-        is read from the source (checked against its id), compressed and kept in the store."""
-        blobs: Batch = []
-        raws: Batch = []
-        store = self.store
-        for cid in cids:
-            blob = store.get(cid) if store is not None and (zstd or not self._fresh(cid)) \
-                else None
-            if blob is not None:
-                if raw:
-                    raws.append((cid, as_raw(cid, blob)))
-            else:
-                try:
-                    buf = self.read(cid)
-                except SourceChanged:
-                    if store is None or not store.store.has(cid):
-                        raise
-                    raws.append((cid, as_raw(cid, store.store.get_blob(cid))))
-                    continue  # raw only: the file changed unseen; the store has the id's bytes
-                if zstd or (store is not None and not store.store.has(cid)):
-                    blob = chunk.encode(memoryview(buf)[1:])
-                    if store is not None:
-                        store.add(cid, blob)
-                if raw:
-                    buf[0] = chunk.RAW
-                    raws.append((cid, memoryview(buf)))  # the raw blob in place: not copied again
-            if zstd:
-                assert blob is not None
-                blobs.append((cid, blob))
-        return blobs, raws
+                raw: bool = False) -> tuple[Batch, Batch, Later]:
+        """(wire form, raw form, what to keep in the store) of `cids`, each form only if asked
+        (else empty), on a worker thread (encoding.py: read once, compressed only for a link
+        that takes zstd)."""
+        keeper = self.keeper
+        return encoding.encoded(cids, zstd=zstd, raw=raw, store=self.store,
+                                objects=self.objects, read=self.read, fresh=self._fresh,
+                                kept=keeper.ids if keeper is not None else ())
+
+    def keep(self, later: Later) -> None:
+        """Hand what `encoded` did not keep to the keeper (trio thread; see keeper.py)."""
+        if later and self.keeper is not None:
+            self.keeper.offer(later)
 
 
 class Stream:
@@ -221,15 +208,28 @@ class Stream:
         relays negotiate asked), then read and compress each chunk once and stream it to every
         root whose subtree lacks it."""
         failed: BaseException | None = None
-        async with trio.open_nursery() as readers:  # push --early: the roots' wants
+        pl = self.payload
+        async with trio.open_nursery() as keeping:
+            keeper = None
+            if pl.store is not None and pl.keeper is None:  # keeps beside the send
+                keeper = pl.keeper = Keeper(pl.store)
+                keeping.start_soon(keeper.run)
             try:
-                await self._run(roots, readers, opened)
-            except BaseException as e:  # raised as itself below (SourceChanged, a cancel),
-                failed = e  # not wrapped in an ExceptionGroup by this nursery
+                async with trio.open_nursery() as readers:  # push --early: the roots' wants
+                    try:
+                        await self._run(roots, readers, opened)
+                    except BaseException as e:  # raised as itself below (SourceChanged, a
+                        failed = e  # cancel), not wrapped in an ExceptionGroup by a nursery
+                    finally:
+                        readers.cancel_scope.cancel()
+                        for addr, chan in self.data.items():
+                            await bulk.close_peer(self.senders.get(addr), chan)
             finally:
-                readers.cancel_scope.cancel()
-                for addr, chan in self.data.items():
-                    await bulk.close_peer(self.senders.get(addr), chan)
+                if keeper is not None:  # what it holds is kept before this nursery ends
+                    keeper.close()
+                    pl.keeper = None
+                if failed is not None:
+                    keeping.cancel_scope.cancel()
         if failed is not None:
             raise failed
 
@@ -252,8 +252,9 @@ class Stream:
                     # channel the flush goes on.
                     with trio.CancelScope(shield=True), trio.fail_after(self.timeout):
                         raw = root.addr in self.payload.raw_roots
-                        blobs, raws = await trio.to_thread.run_sync(self.payload.encoded, known,
-                                                                    not raw, raw)
+                        blobs, raws, later = await trio.to_thread.run_sync(
+                            self.payload.encoded, known, not raw, raw)
+                        self.payload.keep(later)
                         batch = raws if raw else blobs
                         await chan.send_many(bulk.frames_for(batch))
                         self.wanted += len(batch)
@@ -350,8 +351,9 @@ class Stream:
             raw_needed = any(r.addr in pl.raw_roots for r in live)
             zstd_needed = any(r.addr not in pl.raw_roots for r in live)
             try:
-                blobs, raws = await trio.to_thread.run_sync(pl.encoded, cids, zstd_needed,
-                                                            raw_needed)
+                blobs, raws, later = await trio.to_thread.run_sync(pl.encoded, cids,
+                                                                   zstd_needed, raw_needed)
+                pl.keep(later)
             except (SourceChanged, OSError, chunk.CorruptChunk) as e:
                 local_error.append(e)
                 nursery.cancel_scope.cancel()

@@ -17,13 +17,12 @@ recv_into (the asyncio BufferedProtocol pattern); its payload arrives as a view 
 
 from __future__ import annotations
 
-import ctypes
 import enum
 import os
-import sys
 from collections.abc import Callable
 
 from . import frames, handshake
+from .buffers import BufferPool
 from .frames import HEADER, MAX_FRAME, MAX_HANDSHAKE_FRAME, Buffer, FrameType
 from .handshake import NONCE_SIZE
 from .protocol import (
@@ -48,44 +47,6 @@ _EARLY_SCRATCH = 4096  # ... and before the peer has authenticated
 # fs/file_objects.py: a buffered write's copy into the page cache was most of a node's CPU
 # per ingested byte).
 _CHUNK_DATA = HEADER.size + ID_SIZE + 1
-ALIGN = 4096
-
-
-def aligned(size: int, lead: int = 0, raw: bytearray | None = None) -> memoryview:
-    """A writable buffer of `size` bytes whose byte `lead` starts on an ALIGN boundary: in
-    `raw` (at least size + ALIGN bytes), else in a new zeroed one."""
-    raw = bytearray(size + ALIGN) if raw is None else raw
-    address = ctypes.addressof(ctypes.c_char.from_buffer(raw))
-    start = (-(address + lead)) % ALIGN
-    return memoryview(raw)[start : start + size]
-
-
-class FrameBuffers:
-    """Buffers for large frames received in place, taken again once nothing holds a view of
-    them. A new buffer per 4 MiB chunk paid a zero-fill and a page fault per 4 KiB on its first
-    touch: 1.6 of a node's 11 busy CPU-seconds receiving the torch venv. A frame's payload
-    travels on as views (relay queues, store writes, a DATA part the mesh rebuilds a tensor
-    on), so a buffer is taken again only when no view of it is left: every memoryview of a
-    bytearray holds a reference to it, so its reference count says so."""
-
-    KEEP = 16  # buffers kept per connection, at most (each POOLED bytes)
-    POOLED = 4 * 1024 * 1024 + 64 * 1024  # a 4 MiB chunk's frame fits; larger frames are not kept
-
-    def __init__(self) -> None:
-        self._pool: list[bytearray] = []
-
-    def take(self, size: int, lead: int) -> memoryview:
-        if size + ALIGN > self.POOLED:
-            return aligned(size, lead)
-        for raw in self._pool:
-            # Three references: the pool's, `raw`'s and getrefcount's own argument.
-            if sys.getrefcount(raw) == 3:
-                return aligned(size, lead, raw)
-        raw = bytearray(self.POOLED)
-        if len(self._pool) < self.KEEP:
-            self._pool.append(raw)
-        return aligned(size, lead, raw)
-
 
 class Role(enum.Enum):
     CLIENT = "client"
@@ -144,7 +105,7 @@ class Connection:
         self._sent: set[FrameType] = set()  # handshake frames we have sent
         self._buf = bytearray()
         self._frame: memoryview | None = None  # a large frame being received in place
-        self._buffers = FrameBuffers()
+        self._buffers = BufferPool()  # large frames' buffers, reused
         self._got = 0  # bytes of self._frame received so far
         self._scratch: memoryview | None = None  # get_buffer() between large frames
         self._eof = False
@@ -154,11 +115,14 @@ class Connection:
 
     def send(self, msg: Message) -> bytes:
         """The bytes that carry `msg`. Raises ProtocolError if it may not be sent now."""
-        return b"".join(self.send_parts(msg))
+        data = b"".join(self.send_parts(msg))
+        self.sent()
+        return data
 
     def send_parts(self, msg: Message) -> list[Buffer]:
         """send(), as a list of buffers to write in order: a chunk's blob or a DATA part is one
-        of them, not copied. Raises ProtocolError if `msg` may not be sent now."""
+        of them, not copied. They stay valid until `sent()` (an encrypted frame's ciphertext
+        is in space the sealer reuses). Raises ProtocolError if `msg` may not be sent now."""
         ftype = frames.FRAME_TYPES.get(type(msg))
         if ftype is None:
             raise TypeError(f"not a protocol message: {msg!r}")
@@ -188,6 +152,11 @@ class Connection:
         elif ftype is FrameType.WELCOME:  # sealed as such; what follows in the agreed mode
             self._keys()[0].encrypt = self.encrypted
         return data
+
+    def sent(self) -> None:
+        """The buffers send_parts() returned so far are written: their space may be reused."""
+        if self._sealer is not None:
+            self._sealer.sent()
 
     def _start_session(self, client_nonce: bytes, server_nonce: bytes) -> tuple[Sealer, Opener]:
         c2s, s2c, self.bulk_key = derive_keys(self._token, client_nonce, server_nonce)

@@ -55,13 +55,36 @@ def _nonce(seq: int) -> bytes:
 
 
 class Sealer:
-    """Seals the frames one side sends, in order (its sequence numbers count them)."""
+    """Seals the frames one side sends, in order (its sequence numbers count them).
+
+    An encrypted frame's ciphertext goes into an arena the sealer keeps and reuses: a new 4
+    MiB buffer per chunk would pay an allocation and a page fault per 4 KiB of it. What
+    `seal` returns is valid until `sent()`, which the writer calls once those buffers are
+    written (transport.Channel), and the arena's space is used again."""
+
+    ARENA = 8 << 20  # bytes, at least: a 4 MiB chunk's frame fits twice
 
     def __init__(self, key: bytes) -> None:
         self._key = key
         self._aead = AESGCM(key)
         self._seq = 0
         self.encrypt = False  # set once both sides agreed (after WELCOME)
+        self._arena = bytearray(0)
+        self._used = 0
+
+    def _space(self, size: int) -> memoryview:
+        """`size` bytes of the arena (a new, larger one if it is full: the old stays alive
+        as long as the buffers handed out of it)."""
+        if self._used + size > len(self._arena):
+            self._arena = bytearray(max(self.ARENA, size))
+            self._used = 0
+        view = memoryview(self._arena)[self._used : self._used + size]
+        self._used += size
+        return view
+
+    def sent(self) -> None:
+        """Everything `seal` returned so far has been written: its space may be used again."""
+        self._used = 0
 
     def seal(self, header: bytes, parts: list[Buffer]) -> list[Buffer]:
         """The frame to write: [header, payload or its ciphertext..., tag]. `header` already
@@ -77,9 +100,13 @@ class Sealer:
         gcm = Cipher(algorithms.AES(self._key), modes.GCM(nonce)).encryptor()
         gcm.authenticate_additional_data(header)
         if self.encrypt:
-            out: list[Buffer] = [header, *(gcm.update(p) for p in parts)]
+            # update_into asks for a block's slack past each part: the tag's room gives it.
+            out = self._space(size + TAG_SIZE)
+            at = 0
+            for p in parts:
+                at += gcm.update_into(p, out[at:])
             gcm.finalize()
-            return [*out, gcm.tag]
+            return [header, out[:at], gcm.tag]
         for p in parts:
             gcm.authenticate_additional_data(p)
         gcm.finalize()
@@ -87,7 +114,9 @@ class Sealer:
 
 
 class Opener:
-    """Checks (and decrypts) the frames one side receives, in order."""
+    """Checks (and decrypts) the frames one side receives, in order. A large frame received
+    into a buffer of its own (connection.py) is decrypted in place: its payload stays where
+    it was received (on a page, for an O_DIRECT write), not copied to a new buffer."""
 
     def __init__(self, key: bytes) -> None:
         self._aead = AESGCM(key)
@@ -101,8 +130,12 @@ class Opener:
         self._seq += 1
         try:
             if self.encrypt:
-                return memoryview(self._aead.decrypt(nonce, frame[header_size:],
-                                                     frame[:header_size]))
+                sealed = frame[header_size:]
+                if frame.readonly or len(sealed) <= _JOIN:
+                    return memoryview(self._aead.decrypt(nonce, sealed, frame[:header_size]))
+                plain = sealed[:-TAG_SIZE]
+                self._aead.decrypt_into(nonce, sealed, frame[:header_size], plain)
+                return plain
             self._aead.decrypt(nonce, frame[-TAG_SIZE:], frame[:-TAG_SIZE])
         except InvalidTag:
             raise SealError("frame failed authentication: the connection was tampered with "

@@ -163,6 +163,8 @@ class Channel:
             except BaseException:
                 self._send_broken = True
                 raise
+            finally:
+                self.conn.sent()
 
     async def _write(self, parts: list) -> None:
         if self._sock is None:

@@ -1,0 +1,151 @@
+"""The machine's limits for the data path, measured in plain Python in the same run as the
+figures they bound (a ratio against last week's limit means nothing on a shared VM):
+
+- one TCP stream over loopback: 4 MiB `sendall` in one process, `recv_into` a preallocated
+  buffer in another (the most one Python stream can move);
+- O_DIRECT writes of 4 MiB and an fsync (a node writing content once, durably, at its best);
+- buffered writes of 4 MiB into the page cache (what a node's write costs without O_DIRECT);
+- AES-256-GCM, sealing only (GMAC) and encrypting 4 MiB buffers; xxh3_128 of 4 MiB.
+
+    python -m bench.limits            # JSON, best of 3 and the range of each
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import socket
+import sys
+import tempfile
+import time
+from multiprocessing import get_context
+from pathlib import Path
+
+MiB = 1 << 20
+BLOCK = 4 * MiB
+
+
+def _receiver(port_out, total: int) -> None:  # the other process of loopback_stream
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port_out.send(srv.getsockname()[1])
+    conn, _ = srv.accept()
+    buf = bytearray(BLOCK)
+    view = memoryview(buf)
+    got = 0
+    while got < total:
+        n = conn.recv_into(view)
+        if not n:
+            break
+        got += n
+    conn.sendall(b"k")
+    conn.close()
+    srv.close()
+
+
+def loopback_stream(size: int = 1 << 30) -> float:
+    """Bytes a second one Python TCP stream moves over loopback (sendall / recv_into)."""
+    ctx = get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver, args=(child, size))
+    proc.start()
+    try:
+        port = parent.recv()
+        s = socket.create_connection(("127.0.0.1", port))
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        data = os.urandom(BLOCK)
+        t0 = time.perf_counter()
+        for _ in range(size // BLOCK):
+            s.sendall(data)
+        s.recv(1)
+        seconds = time.perf_counter() - t0
+        s.close()
+    finally:
+        proc.join(10)
+    return size / seconds
+
+
+def direct_write(directory: Path, size: int = 1 << 30) -> float:
+    """Bytes a second written with O_DIRECT (4 MiB writes) and made durable by an fsync."""
+    buf = mmap.mmap(-1, BLOCK)
+    buf.write(os.urandom(BLOCK))
+    path = directory / "limits-direct.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(size // BLOCK):
+            os.write(fd, buf)
+        os.fsync(fd)
+        return size / (time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+        path.unlink()
+        buf.close()
+
+
+def page_cache_write(directory: Path, size: int = 1 << 30) -> float:
+    """Bytes a second written into the page cache (buffered 4 MiB writes, no fsync)."""
+    data = os.urandom(BLOCK)
+    path = directory / "limits-buffered.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(size // BLOCK):
+            os.write(fd, data)
+        return size / (time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+        path.unlink()
+
+
+def crypto_rates(rounds: int = 64) -> dict[str, float]:
+    """AES-256-GCM over 4 MiB: tag only (the bytes as associated data) and encrypting; xxh3."""
+    import xxhash
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    aead = AESGCM(os.urandom(32))
+    data = os.urandom(BLOCK)
+    out = bytearray(BLOCK + 16)
+    nonce = bytes(12)
+    rates = {}
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        aead.encrypt(nonce, b"", data)
+    rates["gmac"] = rounds * BLOCK / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        aead.encrypt_into(nonce, data, None, out)
+    rates["aes_gcm"] = rounds * BLOCK / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        xxhash.xxh3_128_digest(data)
+    rates["xxh3"] = rounds * BLOCK / (time.perf_counter() - t0)
+    return rates
+
+
+def measure(directory: Path | None = None, runs: int = 3, size: int = 1 << 30) -> dict:
+    """Each limit's best of `runs` and its range, in bytes a second."""
+    directory = Path(directory or tempfile.gettempdir())
+    samples: dict[str, list[float]] = {}
+    for _ in range(runs):
+        samples.setdefault("loopback_stream", []).append(loopback_stream(size))
+        samples.setdefault("direct_write_fsync", []).append(direct_write(directory, size))
+        samples.setdefault("page_cache_write", []).append(page_cache_write(directory, size))
+        for k, v in crypto_rates().items():
+            samples.setdefault(k, []).append(v)
+    return {k: {"best": max(v), "min": min(v), "runs": len(v)} for k, v in samples.items()}
+
+
+def line(limits: dict) -> str:
+    """One line of the limits, GB/s (best, range)."""
+    return "; ".join(f"{k} {v['best'] / 1e9:.2f} GB/s ({v['min'] / 1e9:.2f}-{v['best'] / 1e9:.2f})"
+                     for k, v in limits.items())
+
+
+if __name__ == "__main__":
+    where = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/work")
+    res = measure(where)
+    print(json.dumps(res))
+    print(line(res), file=sys.stderr)

@@ -1,0 +1,81 @@
+"""A push's chunks in the forms its links take: the wire form (zstd when that saves 1/16, else
+raw) and the raw form (for links faster than the codec: link_codec.py), each read or encoded
+once, on a worker thread, and what of it goes into the dev box store.
+
+The send path does only what the bytes need to leave: a read, and a compression only for a
+link that takes zstd. Everything else is kept off it:
+
+- a chunk that does not compress (its sample says so: chunk.compressible) is sent as read, and
+  the dev box store only records that its wire form is its source (ControllerStore.sourced): a
+  copy would be written for nothing, since a later push reads the same bytes from the file
+  either way. Writing 1 GiB of such data into the store was 47% of the push process's samples
+  (py-spy), and the whole chunk's zstd attempt 18%;
+- a chunk that does compress but went raw (a loopback link) is handed to the keeper
+  (keeper.py), which compresses it and keeps it in the store on threads of its own, beside the
+  send; a chunk that went zstd hands its blob over, only to be written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+
+from ...fs import chunk
+from ...fs.scan import SourceChanged
+from .controller_store import ControllerStore, as_raw
+
+Batch = list[tuple[bytes, bytes | memoryview]]
+# What the keeper is handed (keeper.py): a chunk id, its blob or its bytes (raw, after one free
+# byte), and whether it is the blob already (only to be written).
+Later = list[tuple[bytes, bytes | bytearray | memoryview, bool]]
+
+
+def encoded(cids: list[bytes], *, zstd: bool, raw: bool, store: ControllerStore | None,
+            objects: Mapping[bytes, bytes], read: Callable[[bytes], bytearray | memoryview],
+            fresh: Callable[[bytes], bool], kept: Collection[bytes] = ()
+            ) -> tuple[Batch, Batch, Later]:
+    """(wire forms, raw forms, what the keeper is to keep) of `cids`; each form only if asked
+    (else empty). `read` gives a chunk's bytes after one free byte, checked against its id;
+    `fresh(cid)`: whether a raw link had better read it from its source than decompress the
+    stored blob (stream.Payload._fresh). `objects`: the manifest's folder objects, which have
+    no file to be read from again. `kept`: ids the keeper has in hand already."""
+    blobs: Batch = []
+    raws: Batch = []
+    later: Later = []
+    for cid in cids:
+        blob = (store.get(cid) if store is not None and (zstd or not fresh(cid))
+                else None)
+        if blob is not None:
+            if raw:
+                raws.append((cid, as_raw(cid, blob)))
+            if zstd:
+                blobs.append((cid, blob))
+            continue
+        try:
+            buf = read(cid)
+        except SourceChanged:
+            if store is None or not store.store.has(cid):
+                raise
+            raws.append((cid, as_raw(cid, store.store.get_blob(cid))))
+            continue  # raw only: the file changed unseen; the store has the id's bytes
+        data = memoryview(buf)[1:]
+        sourced = store is not None and store.is_sourced(cid)
+        squeeze = not sourced and chunk.compressible(data)
+        packed = chunk.encode(data) if zstd and squeeze else None
+        if packed is not None and packed[0] == chunk.RAW:
+            packed, squeeze = None, False  # the sample was wrong: it did not save enough
+        buf[0] = chunk.RAW  # the raw blob in place: not copied again
+        if raw:
+            raws.append((cid, memoryview(buf)))
+        if zstd:
+            blobs.append((cid, packed if packed is not None else memoryview(buf)))
+        if store is None or sourced or store.store.has(cid) or cid in kept:
+            continue
+        if packed is not None:
+            later.append((cid, packed, True))
+        elif squeeze:
+            later.append((cid, buf, False))
+        elif cid in objects:  # no file to read it from again: its few bytes are kept
+            later.append((cid, bytes(buf), True))
+        else:  # raw on every link: its file is its wire form
+            store.add_sourced(cid)
+    return blobs, raws, later
