@@ -16,11 +16,13 @@ PYFUSE3_SHA256 := 88399a9494b88603230bba300f4ba9ad63fece5ed514ca3633d555a0c6a42b
 APT_PACKAGES := fuse3 libfuse3-dev pkg-config rsync zstd iproute2 \
                 slurmctld slurmd slurm-client munge
 
-.PHONY: test test-fast lint typecheck demo bench system-deps clean
+.PHONY: test test-fast lint typecheck docs demo bench system-deps clean
 
-# Everything: type check, lint, then every test (real daemons, FUSE mounts, namespaces as root).
+# Everything: type check, lint, a strict build of the docs, then every test (real daemons, FUSE
+# mounts, namespaces as root; tests/test_docs.py runs the docs' examples).
 test: $(STAMP) $(STOCK_PYFUSE3)/.built typecheck
 	$(VENV)/bin/ruff check
+	$(MAKE) --no-print-directory docs MKDOCS_FLAGS=--strict
 	$(PY) -m pytest -q
 
 # The pure part: no mount, no network namespace, nothing slow (see the markers in pyproject.toml).
@@ -30,6 +32,14 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check
+
+# The documentation site (mkdocs.yml, docs/) into build/site; make test adds --strict, where a
+# broken link, anchor, nav entry or API reference fails the build. docs/hooks.py fills in the
+# references generated from the code.
+MKDOCS_FLAGS ?=
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build $(MKDOCS_FLAGS)
+	@echo "docs: build/site/index.html"
 
 # mypy over everything installed as monarch_fs. It cannot follow the install's folder mapping
 # (fs/ is monarch_fs.fs), so it reads a tree of symlinks that spells the installed names.
@@ -53,14 +63,14 @@ demo: $(STAMP)
 	step monarch-fs cluster up --nodes 3; \
 	APP="$$MONARCH_FS_HOME/app"; mkdir -p "$$APP"; cp -r fs daemon mesh README.md "$$APP/"; \
 	printf 'print("training step 1")\n' > "$$APP/train.py"; \
-	step monarch-fs push "$$APP" --exclude __pycache__; \
+	step monarch-fs push "$$APP" --compile; \
 	printf '\n\033[1mevery node serves the same files (sha256 of the whole tree):\033[0m\n'; \
 	for i in 0 1 2; do \
 	  printf '  node-%s  %s\n' $$i "$$(cd $$C/node-$$i/mnt/app && find . -type f -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)"; \
 	done; \
 	printf '\n\033[1medit train.py and push again:\033[0m\n'; \
 	printf 'print("training step 2: edited")\n' > "$$APP/train.py"; \
-	step monarch-fs push "$$APP" --exclude __pycache__; \
+	step monarch-fs push "$$APP" --compile; \
 	for i in 0 1 2; do printf '  node-%s: %s\n' $$i "$$(python3 $$C/node-$$i/mnt/app/train.py)"; done; \
 	printf '\n\033[1mthe previous version stays readable under .versions:\033[0m\n'; \
 	ls "$$C/node-0/mnt/.versions/app"; \
@@ -68,7 +78,7 @@ demo: $(STAMP)
 	printf '\n\033[1ma supervised 2x2 job from a pushed workspace: torch gloo all_reduce on 2 nodes x 2 procs;\n'; \
 	printf 'rank 3 crashes on the first attempt, the job is stopped and restarted once:\033[0m\n'; \
 	JOB="$$MONARCH_FS_HOME/job"; mkdir -p "$$JOB"; cp tests/allreduce_job.py "$$JOB/train.py"; \
-	step monarch-fs push "$$JOB"; \
+	step monarch-fs push "$$JOB" --compile; \
 	step monarch-fs run --hosts "$$(head -n 2 $$C/hosts | paste -sd, -)" --per-host 2 --max-restarts 1 \
 	  --workspace job -- "$$PWD/$(VENV)/bin/python" train.py --crash-once 3; \
 	printf '\n\033[1mevery node keeps its events; which rank died, and what it printed:\033[0m\n'; \
@@ -118,7 +128,7 @@ system-deps:
 	fi
 
 $(STAMP): pyproject.toml $(PYFUSE3_STAMP)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,docs]'
 	@touch $(STAMP)
 
 # pyfuse3 from its sdist, fetched by name with pip and checked against a pinned sha256, with

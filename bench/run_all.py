@@ -39,8 +39,9 @@ Workloads, one module each (each also runs on its own; see its docstring for the
 Generated inputs are seeded and cached in --cache (default /tmp/monarch-fs-bench), so only the
 first run pays for them. Every cluster runs from its own folder under a fresh run folder and is
 stopped (cluster.down) whatever happens. Results: bench/results/bench-DATE.json and .md (a quick
-run writes to bench/results/tmp/, which git ignores), and a full run replaces the table in the
-README's "Benchmarks" section. The goals of issue 5 are judged from the figures of this run.
+run writes to bench/results/tmp/, which git ignores), and a full run replaces the section
+"The latest run" of docs/benchmarks.md (the site's Benchmarks page). The goals of issue 5 are
+judged from the figures of this run.
 """
 
 from __future__ import annotations
@@ -496,9 +497,10 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def update_readme(report: dict, md_path: Path, readme: Path = REPO / "README.md") -> None:
-    """Replace the table between the README's bench markers (adding the section at the end the
-    first time); nothing else in the README is touched."""
+def update_readme(report: dict, md_path: Path,
+                  readme: Path = REPO / "docs" / "benchmarks.md") -> None:
+    """Replace the table between the bench markers of the docs' Benchmarks page (adding the
+    section at the end the first time); nothing else on the page is touched."""
     rel = os.path.relpath(md_path, readme.parent)
     body = [
         README_BEGIN, "",
@@ -535,7 +537,7 @@ def render(json_path: Path, readme: bool = True) -> int:
                 and not any("error" in r for r in report["results"].values()))
     if readme and complete and not report["quick"]:
         update_readme(report, md_path)
-        log("updated the Benchmarks section of README.md")
+        log("updated the latest run in docs/benchmarks.md")
     return 0
 
 
@@ -560,10 +562,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cold-runs", type=int, help="cold runs per side (default 3)")
     parser.add_argument("--warm-runs", type=int, help="warm runs per side (default 5; import: 9)")
     parser.add_argument("--no-readme", action="store_true",
-                        help="do not rewrite the README's Benchmarks section")
+                        help="do not rewrite the latest run in docs/benchmarks.md")
     parser.add_argument("--render", type=Path, metavar="JSON",
                         help="measure nothing: rewrite the .md next to a saved bench-*.json (and "
-                        "the README, for a full run) from it, e.g. after changing the report")
+                        "docs/benchmarks.md, for a full run) from it, e.g. after changing the "
+                        "report")
     args = parser.parse_args(argv)
     if args.render:
         return render(args.render, readme=not args.no_readme)
@@ -630,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = [n for n, r in results.items() if "error" in r]
     if not args.quick and not args.no_readme and not failed and only == list(WORKLOADS):
         update_readme(report, stem.with_suffix(".md"))
-        log("updated the Benchmarks section of README.md")
+        log("updated the latest run in docs/benchmarks.md")
     if failed:
         log(f"FAILED: {', '.join(failed)}")
         return 1

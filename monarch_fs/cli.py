@@ -247,7 +247,7 @@ def push_report(outcome: PushResult | BaseException, as_json: bool,
         out = [f"pushed {result.name} {result.version[:12]} to {result.nodes} nodes in "
                f"{result.seconds:.2f}s{by}: {result.files} files, {fmt_bytes(result.bytes)}; "
                f"sent {fmt_bytes(result.bytes_sent)} ({result.chunks_sent} chunks; the "
-               f"snapshot has {result.chunks_total}), {result.topology}, {result.transport})",
+               f"snapshot has {result.chunks_total}), {result.topology}, {result.transport}",
                *link_lines(result)]
         if result.usable_seconds is not None and result.complete_seconds is not None:
             out.append(f"usable after {result.usable_seconds:.2f}s, complete after "

@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "serves now, the same on every node; {workspace} is its folder")
     r.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="set NAME in every proc's environment (repeatable); procs start from "
-                        "a small clean environment, not the daemon's (see the README)")
+                        "a small clean environment, not the daemon's (see the docs: Identity)")
     r.add_argument("--token-file", metavar="F")
     r.add_argument("--transport", choices=TRANSPORTS, default="auto",
                    help="auto (RDMA when this host and a node both have a usable device, else "

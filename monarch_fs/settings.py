@@ -3,8 +3,9 @@
 `settings` reads `os.environ` each time a field is used, never at import time: a variable set
 after import (a test's monkeypatch, a child's environment) is what counts, and a malformed value
 fails where it is used, naming the variable, not whatever happens to import this module first.
-A variable set to the empty string counts as unset. The README's "Environment" table lists the
-same variables; keep the two together.
+A variable set to the empty string counts as unset. The docs' settings table
+(docs/reference/settings.md) is generated from these properties: each docstring starts
+"MONARCH_FS_NAME (default): what it does", under the `# ---- who reads it ----` section.
 
 It sits at the package top so every layer can import it (fs/ must not import daemon/ or mesh/).
 Variables the code only *gives* to child processes (MONARCH_FS_MOUNT, MONARCH_FS_WORKSPACE,

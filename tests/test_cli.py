@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -64,6 +65,23 @@ def test_push_json_has_the_documented_fields(cluster3, tmp_path):
                         "bytes_sent", "nodes", "seconds"}
     assert (out["files"], out["bytes"], out["chunks_total"], out["nodes"]) == (2, 1001, 2, 3)
     assert out["chunks_sent"] == 6  # two new chunks to each of three nodes
+
+
+@pytest.mark.mount
+def test_push_summary_is_one_balanced_line(cluster3, tmp_path):
+    """The line a person reads after a push: what, where, how much, and how (a stray `)`
+    once closed a parenthesis that was never opened)."""
+    src = tmp_path / "summary"
+    src.mkdir()
+    (src / "a").write_text("a" * 1000)
+    (src / "b").write_text("b")
+    out = mfs("push", str(src), "--hosts", cluster3.hostfile, "--token-file",
+              cluster3.token_file)
+    line, = out.stdout.splitlines()
+    assert re.fullmatch(r"pushed summary [0-9a-f]{12} to 3 nodes in \d+\.\d\ds: 2 files, "
+                        r"1001 B; sent \d+\.\d KiB \(6 chunks; the snapshot has 2\), star, tcp",
+                        line), line
+    assert line.count("(") == line.count(")")
 
 
 @pytest.mark.mount

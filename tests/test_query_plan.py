@@ -6,12 +6,11 @@ here are real SQLite databases with the nodes' schema, filled with random events
 from __future__ import annotations
 
 import random
-import re
 import sqlite3
-from pathlib import Path
 
 import pytest
 
+from doc_examples import REPO, marked_blocks
 from monarch_fs.daemon.client import query as q
 from monarch_fs.daemon.node.events import EVENT_COLUMNS, SCHEMA, TABLES
 from monarch_fs.daemon.wire.replies import QueryReply
@@ -136,14 +135,13 @@ def test_bad_input_is_one_clear_error(sql, error):
         q.check(q.plan(sql))
 
 
-def test_the_readme_questions_plan_and_split():
-    """The README's four questions are valid queries over these tables, and each sends the
-    nodes a filtered or aggregated part (none ships every row)."""
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    part = readme.split("**Four questions, and their queries:**", 1)[1]
-    part = part.split("**`monarch-fs top`**")[0]
-    queries = re.findall(r"```sql\n(.*?)```", part, re.S)
-    assert len(queries) == 4
+def test_the_docs_questions_plan_and_split():
+    """The questions of docs/guides/telemetry.md are valid queries over these tables, and each
+    sends the nodes a filtered or aggregated part (none ships every row). tests/test_docs.py
+    runs them on a real cluster."""
+    queries = [b.code for b in marked_blocks(REPO / "docs" / "guides" / "telemetry.md")
+               if b.lang == "sql"]
+    assert len(queries) == 5
     for sql in queries:
         p = q.plan(sql)
         q.check(p)

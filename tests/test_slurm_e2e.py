@@ -1,9 +1,9 @@
-"""Issue 18's "Done when": the README's sbatch script, submitted by a normal user to a real
-2-node SLURM cluster (tests/slurm.py), starts that user's daemons on both nodes, pushes a real
-venv, and runs 2 x 2 ranks of the venv's console script as that user; when the job ends, no
-daemon, mount or process is left.
+"""Issue 18's "Done when": the sbatch script of docs/guides/slurm.md, submitted by a normal
+user to a real 2-node SLURM cluster (tests/slurm.py), starts that user's daemons on both
+nodes, pushes a real venv, and runs 2 x 2 ranks of the venv's console script as that user; when
+the job ends, no daemon, mount or process is left.
 
-The script is the README's, taken from it, with only what this machine makes different put in:
+The script is the page's, taken from it, with only what this machine makes different put in:
 the `monarch-fs` command (this environment's python sits under /root, which the user cannot
 enter: a wrapper runs it with the system's python3), 2 ranks per node (2 CPUs), and a mount
 path per node (here the nodes share /tmp). The venv sits in the user's home, which node1 does
@@ -23,6 +23,7 @@ import pytest
 from users import SYSTEM_PYTHON, fuse_device_mode, system_python_reason, write_monarch_fs_command
 
 import slurm as slurm_cluster  # tests/slurm.py
+from doc_examples import block_run_elsewhere
 from monarch_fs.daemon.client import slurm as slurm_mod
 from monarch_fs.fs.mount_check import FUSE_DEVICE
 from netns import NetnsUnsupported
@@ -50,22 +51,20 @@ def main():
 
 
 def readme_script() -> str:
-    """The sbatch script of the README's "On a SLURM cluster" section, as printed there."""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("## On a SLURM cluster"):]
-    m = re.search(r"```sh\n(#!/bin/sh\n#SBATCH.*?)```", section, re.S)
-    assert m, "no sbatch script in the README's SLURM section"
-    return m.group(1)
+    """The sbatch script of docs/guides/slurm.md, as printed there."""
+    script = block_run_elsewhere("docs/guides/slurm.md", "tests/test_slurm_e2e.py")
+    assert script.startswith("#!/bin/sh\n#SBATCH"), script[:40]
+    return script
 
 
 def adapt(script: str, mfs: Path, mounts: str) -> str:
-    """The README's script with this machine's differences, each replacement checked."""
+    """The page's script with this machine's differences, each replacement checked."""
     out = script
     for old, new in (
             ("MFS=$HOME/monarch-fs/.venv/bin/monarch-fs", f"MFS={mfs}"),
             ("$MFS slurm up ", f"$MFS slurm up --mount '{mounts}-{{job}}-{{node}}' "),
             ("--per-host 8", "--per-host 2")):
-        assert out.count(old) == 1, f"the README's script no longer has {old!r}"
+        assert out.count(old) == 1, f"the page's script no longer has {old!r}"
         out = out.replace(old, new)
     return out
 
@@ -167,7 +166,7 @@ def test_the_readme_sbatch_script_as_a_user_on_two_nodes():
 def run_readme_job(cluster: slurm_cluster.SlurmCluster) -> None:
     user = cluster.ensure_user(f"mfse{cluster.id[-6:]}")
     home = Path(user.pw_dir)
-    venv = home / "envs" / "train"  # the README's $HOME/envs/train
+    venv = home / "envs" / "train"  # the page's $HOME/envs/train
     make_venv(user, venv, home / "src" / "mypkg")
     cluster.node_hide(1, venv.parent)  # node1 has no shared home
     bin_dir = cluster.dir / "bin"

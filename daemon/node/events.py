@@ -45,7 +45,7 @@ from ..wire.requests import RequestError
 
 log = logging.getLogger("monarch_fs.daemon")
 
-# Columns of `events`, after id. Kinds and which columns each fills: README "Telemetry".
+# Columns of `events`, after id. Kinds and which columns each fills: docs/reference/events.md.
 EVENT_COLUMNS = ("ts", "node", "kind", "workspace", "version", "peer", "proc", "pid", "rank",
                  "restart", "code", "signal", "count", "bytes", "seconds", "topology",
                  "transport", "text", "detail")
@@ -61,7 +61,7 @@ CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY,
     ts REAL NOT NULL,       -- seconds since the epoch
     node TEXT NOT NULL,     -- the daemon's --node-name
-    kind TEXT NOT NULL,     -- push.received, proc.exited, ... (README)
+    kind TEXT NOT NULL,     -- push.received, proc.exited, ... (docs: the kinds of event)
     workspace TEXT, version TEXT, peer TEXT,
     proc INTEGER, pid INTEGER, rank INTEGER, restart INTEGER, code INTEGER, signal TEXT,
     count INTEGER, bytes INTEGER, seconds REAL,
