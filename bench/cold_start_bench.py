@@ -216,11 +216,14 @@ class ColdStart:
         done = import_end(imp, root) - t0
         rec = {"push_s": round(pushed_s, 3), "import_done_s": round(done, 3),
                "bytes": result["bytes"], "files": result["files"],
-               "bytes_sent": result["bytes_sent"]}
+               "bytes_sent": result["bytes_sent"], "phases": result.get("phases")}
         if early:
             rec.update(usable_s=round(usable or 0.0, 3),
                        usable_seconds=result.get("usable_seconds"),
-                       complete_seconds=result.get("complete_seconds"))
+                       complete_seconds=result.get("complete_seconds"),
+                       first_reads=result.get("first_reads"),
+                       first_read_bytes=result.get("first_read_bytes"),
+                       chunks_wanted=result.get("chunks_wanted"))
         return rec
 
 

@@ -53,6 +53,7 @@ class FileObject:
     spans: list[tuple[bytes, int, int]]  # (chunk id, offset, length), in file order
     written: set[int] = field(default_factory=set)  # offsets written
     recorded: bool = False  # complete, flushed, and its .ids record durable
+    renamed: bool = False  # complete and flushed, under its final name
 
     @property
     def complete(self) -> bool:
@@ -177,9 +178,15 @@ class FileObjects:
         return asked
 
     def path(self, key: str) -> Path | None:
-        """The complete, recorded file object `key`, if there is one (for passthrough)."""
+        """The file object `key`, if it is complete (for passthrough). Recorded or not: every
+        chunk in it was verified as it was written, and one not yet recorded is only not
+        trusted after a crash (push --early binds a large file as soon as it is whole, while
+        the rest of the version streams; a crash makes that version lack it again). A reader
+        that opens it as it is renamed finds it under its new name next time."""
         obj = self.objects.get(key)
-        return self.root / key if obj is not None and obj.recorded else None
+        if obj is None or not obj.complete:
+            return None
+        return self.root / (key if obj.renamed or obj.recorded else key + PART)
 
     # ---- durability ---------------------------------------------------------------------
 
@@ -212,19 +219,6 @@ class FileObjects:
                         spill(cid, os.pread(obj.fd, length, off))
         self._record(done)
 
-    def seal(self, keys: Iterable[str]) -> int:
-        """Record those of the file objects `keys` that are complete now, ahead of the next
-        sync (push --early: a large file whose last chunk arrived, which passthrough may bind
-        from then on); how many were."""
-        done = []
-        for key in keys:
-            obj = self.objects.get(key)
-            if obj is not None and not obj.recorded and obj.complete:
-                self._flush(obj)
-                done.append(obj)
-        self._record(done)
-        return len(done)
-
     def _flush(self, obj: FileObject) -> None:
         """A complete object's data to disk, under its final name."""
         os.fdatasync(obj.fd)
@@ -232,6 +226,7 @@ class FileObjects:
             os.close(obj.direct)
             obj.direct = -1
         os.rename(self.root / (obj.key + PART), self.root / obj.key)
+        obj.renamed = True
 
     def _record(self, done: list[FileObject]) -> None:
         """Write the records of flushed objects, after their names: trusted from then on."""

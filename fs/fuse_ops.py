@@ -29,12 +29,14 @@ import trio
 
 from . import passthrough, version_switch
 from .backing import BackingFiles
+from .backing import key as backing_key
 from .backing import wanted as backing_wanted
 from .chunk_cache import ChunkCache
 from .handler_guard import guard_handlers
 from .inodes import DIR, FILE, SYMLINK, InodeTable, Node, Tree, dir_key
 from .manifest import Manifest
 from .open_mode import OpenMode
+from .residency import resident_chunks
 from .version_switch import Staged
 
 log = logging.getLogger(__name__)
@@ -68,9 +70,10 @@ class SnapshotFS(OpenMode):
         # Called when the kernel forgets a file that no served version has any more (removed
         # or dropped while a reader held it): held_chunks() no longer counts its chunks.
         self.on_orphan_forgotten: Callable[[], None] | None = None
-        # Told (workspace, path) of each open or read: the daemon records the first reads
-        # after a publish (push --early sends them first). Must be cheap: it is on every read.
-        self.on_read: Callable[[bytes, bytes], None] | None = None
+        # Told (workspace, path, chunk index) of each read, and (..., None) of each open: the
+        # daemon records the first reads after a publish (push --early sends them first).
+        # Must be cheap: it is on every read.
+        self.on_read: Callable[[bytes, bytes, int | None], None] | None = None
 
     @property
     def workspaces(self) -> dict[bytes, list[Tree]]:
@@ -85,6 +88,22 @@ class SnapshotFS(OpenMode):
         return {"ops": dict(self.ops), "bytes": self.bytes_served, "hits": self.chunks.hits,
                 "misses": self.chunks.misses, "busy_ns": self.busy_ns,
                 "disk_ns": self.chunks.load_ns}
+
+    def resident_chunks(self, ws: bytes, path: bytes) -> list[int] | None:
+        """The chunks of file `path` of workspace `ws` (its current version) in the page
+        cache, if it is read by passthrough from its file object, which was written past the
+        page cache: what was read of it since (fs/residency.py). None if that is not known
+        (no passthrough, a small file, or a backing copy, written through the page cache).
+        Blocking: a worker thread."""
+        trees = self.table.workspaces.get(ws)
+        backing = self.backing
+        if not trees or not self.passthrough or backing is None or backing.store is None:
+            return None
+        entry = trees[0].entries.get(path)
+        if entry is None or not backing_wanted(entry):
+            return None
+        obj = backing.store.file_object(backing_key(entry))
+        return None if obj is None else resident_chunks(obj, trees[0].manifest.chunk_size)
 
     def held_chunks(self) -> list[bytes]:
         """The chunks of every file the kernel still holds (see InodeTable.held_chunks)."""
@@ -233,7 +252,7 @@ class SnapshotFS(OpenMode):
         if self.no_open:
             raise pyfuse3.FUSEError(errno.ENOSYS)  # no-open: reads come with the inode
         if self.on_read is not None:
-            self.on_read(node.ws, node.entry.path)
+            self.on_read(node.ws, node.entry.path, None)
         backing_id = await self._backing_id(inode, node) if self.passthrough else 0
         node.opens += 1
         if backing_id:
@@ -247,9 +266,10 @@ class SnapshotFS(OpenMode):
         # the node (and the content it was opened with) outlives any publish.
         node = self.table.node(fh)
         entry, chunk_size = node.entry, node.chunk_size
-        if self.on_read is not None:
-            self.on_read(node.ws, entry.path)
         end = min(off + size, entry.size)
+        if self.on_read is not None and end > off:
+            for i in range(off // chunk_size, (end - 1) // chunk_size + 1):
+                self.on_read(node.ws, entry.path, i)
         if end > off:
             self.bytes_served += end - off
         parts = []

@@ -188,10 +188,6 @@ class Store:
         written through it); the bytes asked for."""
         return self.objects.will_need(ids)
 
-    def seal_files(self, keys: Iterable[str]) -> int:
-        """Record the complete file objects among `keys` now (FileObjects.seal)."""
-        return self.objects.seal(keys)
-
     def file_object(self, key: str) -> Path | None:
         """The complete, durable file object `key` (passthrough binds it), if there is one."""
         return self.objects.path(key)

@@ -254,6 +254,7 @@ def test_a_large_file_is_passthrough_once_whole_while_the_rest_streams(fresh_clu
     src.mkdir()
     first = os.urandom(8 * MiB)
     (src / "a.bin").write_bytes(first)  # streamed first (folder order), whole after ~1 s
+    (src / "a2.bin").write_bytes(first)  # the same content: one file object for both
     (src / "b.bin").write_bytes(os.urandom(BIG_MIB * MiB))  # then ~5 s of this one
     push = start_early_push(c, src, *PACED)
     try:
@@ -265,6 +266,7 @@ def test_a_large_file_is_passthrough_once_whole_while_the_rest_streams(fresh_clu
         before = int(os.getxattr(c.mnt(0), "user.monarch.passthrough_opens"))
         assert f.read_bytes() == first
         assert int(os.getxattr(c.mnt(0), "user.monarch.passthrough_opens")) == before + 1
+        assert (c.mnt(0) / "ws" / "a2.bin").read_bytes() == first
     finally:
         finish(push)
     assert incomplete(c) == [[]]
@@ -287,3 +289,40 @@ def test_refs_keep_which_versions_are_early_in_the_publish_that_saves_them(tmp_p
     (tmp_path / "refs.json").write_text(json.dumps(data))
     damaged = Refs(tmp_path / "refs.json")
     assert damaged.early == {"ws": [b]} and "early versions" in damaged.problems[0]
+
+
+@pytest.mark.mount
+def test_first_reads_are_recorded_per_chunk_and_only_those_chunks_go_first(fresh_cluster,
+                                                                          tmp_path):
+    """`import torch` reads part of libtorch_cpu.so: the nodes record first reads per chunk
+    (a passthrough file's from its page cache, a file read through the daemon from its reads),
+    and push --early sends those chunks first, not the whole file."""
+    c = fresh_cluster(1)
+    src = tmp_path / "ws"
+    big = make_tree(src, BIG_MIB)
+    c.push(src)
+    f = c.mnt(0) / "ws" / "big.bin"
+    for k in (5, 11):  # a page in the middle of two chunks
+        assert read_at(f, k * CHUNK + MiB, 4096) == big[k * CHUNK + MiB:][:4096]
+    assert (c.mnt(0) / "ws" / "small.txt").read_text() == "hello\n"
+    finish(start_early_push(c, src))  # nothing to send: it learns what was read
+    kept = Path(os.environ["MONARCH_FS_HOME"]) / "first-reads" / "ws.json"
+
+    def chunks_read() -> set[int]:
+        data = json.loads(kept.read_text())
+        return {k for i, k in data["reads"] if data["paths"][i] == "big.bin" and k >= 0}
+
+    got = chunks_read()
+    assert {5, 11} <= got and len(got) <= 4, got  # (readahead may take the next one)
+    fresh = fresh_cluster(1)
+    push = start_early_push(fresh, src, *PACED)
+    try:
+        wait_usable(push)
+        g = fresh.mnt(0) / "ws" / "big.bin"
+        assert read_at(g, 13 * CHUNK + MiB, 4096) == big[13 * CHUNK + MiB:][:4096]  # wanted
+    finally:
+        out = finish(push)
+    assert out["first_reads"] == 2, out
+    assert out["first_read_bytes"] == len(got) * CHUNK + len("hello\n"), out
+    finish(start_early_push(fresh, src))  # learns what the fresh node read, through itself
+    assert 13 in chunks_read()

@@ -1,7 +1,8 @@
-"""What push --early sends first: the files the nodes read first after earlier publishes of a
-workspace (recorded by each daemon: daemon/node/first_reads.py), merged across the nodes and
-kept on the dev box ($MONARCH_FS_HOME/first-reads/NAME.json), so that a push to the fresh nodes
-of a new allocation, which have recorded nothing, still knows them.
+"""What push --early sends first: what the nodes read first after earlier publishes of a
+workspace, file by file and chunk by chunk (recorded by each daemon: daemon/node/
+first_reads.py), merged across the nodes and kept on the dev box ($MONARCH_FS_HOME/first-reads/
+NAME.json), so that a push to the fresh nodes of a new allocation, which have recorded nothing,
+still knows them.
 """
 
 from __future__ import annotations
@@ -11,15 +12,15 @@ from pathlib import Path
 
 import trio
 
-from ..wire.path_lists import MAX_PATHS, decode_paths, load_paths, save_paths
+from ..wire.read_lists import MAX_READS, Read, decode_reads, load_reads, save_reads
 from ..wire.replies import FirstReadsReply
 from .links import NODE_ERRORS, NodeLink
 
 
-def merge(lists: Sequence[Sequence[bytes]], limit: int = MAX_PATHS) -> list[bytes]:
-    """One list from several, each path once: round robin over the lists, so every node's
+def merge(lists: Sequence[Sequence[Read]], limit: int = MAX_READS) -> list[Read]:
+    """One list from several, each read once: round robin over the lists, so every node's
     first reads come early, in each node's order."""
-    out: dict[bytes, None] = {}
+    out: dict[Read, None] = {}
     for i in range(max((len(x) for x in lists), default=0)):
         for x in lists:
             if i < len(x):
@@ -27,16 +28,16 @@ def merge(lists: Sequence[Sequence[bytes]], limit: int = MAX_PATHS) -> list[byte
     return list(out)[:limit]
 
 
-async def learn(nodes: Sequence[NodeLink], name: str, timeout: float) -> list[list[bytes]]:
+async def learn(nodes: Sequence[NodeLink], name: str, timeout: float) -> list[list[Read]]:
     """Each healthy node's first reads of `name` (none from a node that cannot say: an older
     daemon, or one that fails; the push finds out about a failed node in its own steps)."""
-    found: list[list[bytes]] = []
+    found: list[list[Read]] = []
 
     async def ask(node: NodeLink) -> None:
         try:
             with trio.fail_after(timeout):
                 reply = await node.channel.request("first_reads", name=name)
-            found.append(decode_paths(FirstReadsReply.from_wire(reply).paths))
+            found.append(decode_reads(FirstReadsReply.from_wire(reply).to_wire()))
         except NODE_ERRORS:
             pass
 
@@ -47,19 +48,19 @@ async def learn(nodes: Sequence[NodeLink], name: str, timeout: float) -> list[li
     return found
 
 
-def known(folder: Path, name: str, fresh: Sequence[Sequence[bytes]]) -> list[bytes]:
+def known(folder: Path, name: str, fresh: Sequence[Sequence[Read]]) -> list[Read]:
     """The list to send first: the nodes' fresh lists, then what the dev box kept from earlier
     pushes; saved back when the nodes told something."""
     path = folder / f"{name}.json"
     try:
-        kept = load_paths(path)
+        kept = load_reads(path)
     except (OSError, ValueError, KeyError, TypeError):
         kept = []
     if not any(fresh):
         return kept
     merged = merge([merge(fresh), kept])
     try:
-        save_paths(path, merged)
+        save_reads(path, merged)
     except OSError:
         pass  # a cache: the next push asks the nodes again
     return merged

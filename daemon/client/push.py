@@ -34,6 +34,7 @@ from ...fs.manifest import Kind
 from ...fs.scan import Snapshot, SourceChanged, collector_paused, scan
 from ...fs.scan_cache import ScanCache
 from ..wire import bulk, identity, topology
+from ..wire.read_lists import Read
 from ..wire.replies import (
     CommitReply,
     CurrentReply,
@@ -62,7 +63,11 @@ class PushError(Exception):
         self.stage = stage
         self.failures = failures
         self.published = list(published)
-        if published:
+        if published and stage != "committing":  # push --early: after its early publish
+            head = (f"push failed on {len(failures)} of {nodes} nodes while {stage}, after "
+                    f"{len(published)} served the version published early: they lack what did "
+                    "not arrive until a push of it completes it")
+        elif published:
             head = (f"commit failed on {len(failures)} of {nodes} nodes "
                     f"({len(published)} switched to the new version)")
         else:
@@ -96,6 +101,7 @@ class PushResult:
     usable_seconds: float | None = None
     complete_seconds: float | None = None
     first_reads: int | None = None  # push --early: files sent first (the nodes' first reads)
+    first_read_bytes: int | None = None  # push --early: what of them went first, in bytes
     chunks_wanted: int | None = None  # push --early: sent ahead of the stream, for a reader
     # Seconds each step took, in order (scan, connect, current, negotiate, send, publish, keep):
     # where a slow push spent its time.
@@ -104,7 +110,8 @@ class PushResult:
     def to_json(self) -> dict:
         return {k: v for k, v in asdict(self).items()
                 if v is not None or k not in ("usable_seconds", "complete_seconds",
-                                              "first_reads", "chunks_wanted")}
+                                              "first_reads", "first_read_bytes",
+                                              "chunks_wanted")}
 
     def left_behind(self) -> list[str]:
         """The warning lines for the nodes an --allow-partial push left behind."""
@@ -182,6 +189,7 @@ class _Push:
         self.started = time.monotonic()
         self.chunks_wanted = 0  # push --early: sent ahead of the stream, for a node's reader
         self.first_reads = 0  # push --early: files whose chunks went first
+        self.first_read_bytes = 0  # and those chunks' bytes
         self.usable_seconds: float | None = None  # push --early
         self.complete_seconds: float | None = None
 
@@ -474,18 +482,35 @@ class _Push:
             self.by_addr[addr].fail(str(e))
             return None
 
-    def first_read_chunks(self, paths: Sequence[bytes]) -> list[bytes]:
-        """The chunks push --early sends first and waits for: those of the files in `paths`
-        (the nodes' first reads of earlier publishes: first_reads.py), in that order. Without
-        such a list, the small files (under stream.LARGE_CHUNK): cheap in bytes, while each
-        would cost a round trip if fetched on demand; a large file's chunks are few and are
-        worth fetching on demand, ahead of the stream."""
+    def first_read_chunks(self, reads: Sequence[Read]) -> list[bytes]:
+        """The chunks push --early sends first and waits for: those the nodes read first
+        after earlier publishes (first_reads.py), in that order: each chunk read, and all of a
+        file of which nothing but its opening is known. Without such a list, the small files
+        (under stream.LARGE_CHUNK): cheap in bytes, while each would cost a round trip if
+        fetched on demand; a large file's chunks are few and are worth fetching on demand,
+        ahead of the stream."""
         files = {e.path: e for e in self.snap.manifest if e.kind == Kind.FILE}
-        chosen = [files[p] for p in paths if p in files]
+        by_chunk = {p for p, k in reads if k is not None}
+        head: list[bytes] = []
+        chosen: set[bytes] = set()
+        for path, k in reads:
+            e = files.get(path)
+            if e is None:  # not in this snapshot
+                continue
+            if k is None:
+                if path not in by_chunk:
+                    head += e.chunks
+            elif k < len(e.chunks):
+                head.append(e.chunks[k])
+            chosen.add(path)
         if not chosen:  # no list, or none of its files is in this snapshot
-            chosen = [e for e in files.values() if e.size < LARGE_CHUNK]
+            small = [e for e in files.values() if e.size < LARGE_CHUNK]
+            chosen = {e.path for e in small}
+            head = [c for e in small for c in e.chunks]
         self.first_reads = len(chosen)
-        return list(dict.fromkeys(c for e in chosen for c in e.chunks))
+        head = list(dict.fromkeys(head))
+        self.first_read_bytes = sum(self.payload.sizes[c] for c in head)
+        return head
 
     async def push_early(self, name: str, source: dict[str, str], kind: str, fanout: int,
                          head: list[bytes], usable: Callable[[float, int], None]) -> str:
@@ -495,6 +520,7 @@ class _Push:
         topology kind used."""
         used = "none"
         failed: list[Exception] = []  # raised here, not as a group out of the nursery
+        published: list[str] = []  # the nodes that serve it early
 
         async def stream() -> None:
             nonlocal used
@@ -513,10 +539,10 @@ class _Push:
                 nursery.cancel_scope.cancel()
             else:
                 self.usable_seconds = round(time.monotonic() - self.started, 3)
-                usable(self.usable_seconds, len(self.healthy))
+                published = [n.addr for n in self.healthy]
+                usable(self.usable_seconds, len(published))
         if failed:
             raise failed[0]
-        published = [n.addr for n in self.healthy]
         self.check("sending chunks", published)
         if self.allow_partial:  # as in push(): what a failed relay parent left behind
             await self.negotiate()
@@ -690,6 +716,12 @@ async def push(
             unexposed.extend([busy] if busy else [])
             job.payload.store = store
 
+    async def learn_reads() -> list[Read]:
+        """push --early: what the nodes read first, with what the dev box kept."""
+        lists = await first_reads.learn(job.healthy, name, timeout)
+        return (first_reads.known(Path(first_reads_dir), name, lists) if first_reads_dir
+                else first_reads.merge(lists))
+
     async def send_and_publish() -> str:
         """The push proper, once some node does not serve the version yet; the topology used."""
         await job.negotiate(held)
@@ -698,11 +730,8 @@ async def push(
         if not job.small_update():
             await open_store()
         if early:
-            lists = await first_reads.learn(job.healthy, name, timeout)
-            paths = (first_reads.known(Path(first_reads_dir), name, lists)
-                     if first_reads_dir else first_reads.merge(lists))
             used = await job.push_early(name, source, topology_kind, fanout,
-                                        job.first_read_chunks(paths), usable)
+                                        job.first_read_chunks(await learn_reads()), usable)
             clock.mark("send and publish")
             return used
         used = await job.broadcast(topology_kind, fanout)
@@ -738,6 +767,9 @@ async def push(
             if early:
                 job.usable_seconds = job.complete_seconds = round(time.monotonic() - t0, 3)
                 usable(job.usable_seconds, len(job.healthy))
+                # What the nodes read since it was published, kept for the fresh nodes of
+                # the next allocation.
+                job.first_read_chunks(await learn_reads())
         if store_root is not None and not store_opened:
             marked = await trio.to_thread.run_sync(
                 ControllerStore.mark_pushed, store_root, job.version, name)
@@ -781,6 +813,7 @@ async def push(
         usable_seconds=job.usable_seconds,
         complete_seconds=job.complete_seconds,
         first_reads=job.first_reads if early else None,
+        first_read_bytes=job.first_read_bytes if early else None,
         chunks_wanted=job.chunks_wanted if early else None,
         phases=clock.phases,
     )

@@ -1,5 +1,4 @@
-"""Versions served before every chunk arrived (push --early): which ones, what they lack, and
-their large files that became whole since.
+"""Versions served before every chunk arrived (push --early): which ones, and what they lack.
 
 Which versions are early is saved in refs.json ("early": daemon/node/refs.py), in the same
 write as the publish that made one current, so a restart never takes an early version for a
@@ -14,41 +13,27 @@ publish, and a crash or a cut back of the store loses the ones not yet durable; 
 at the publish would be wrong both ways.
 
 A large file of an early version is read through the daemon until all of it is here (a
-passthrough binding of a partial file would read holes): `watch` follows the chunks each one
-still lacks, and `stored` says which became whole, which the publisher then records (its file
-object) and binds by passthrough from the next open on.
+passthrough binding of a partial file would read holes), then bound by passthrough from its
+next open on (fs/file_objects.py: FileObjects.path).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from dataclasses import dataclass, field
 
-from ...fs.manifest import Entry, Manifest
+from ...fs.manifest import Manifest
 from ...fs.store import Store
 from .refs import Refs
 
 log = logging.getLogger("monarch_fs.daemon")
 
 
-@dataclass(eq=False)
-class _Partial:
-    """A large file of an early version, and the chunks of it not stored yet."""
-
-    version: bytes
-    entry: Entry
-    lacks: set[bytes] = field(default_factory=set)
-
-
 class Incomplete:
-    """The early versions of every workspace (as refs.json keeps them) and the partial files
-    of those being completed (see the module docstring)."""
+    """The early versions of every workspace, as refs.json keeps them (see the module
+    docstring)."""
 
-    def __init__(self, refs: Refs, store: Store) -> None:
+    def __init__(self, refs: Refs) -> None:
         self.refs = refs
-        self.store = store
-        self._waiting: dict[bytes, list[_Partial]] = {}  # chunk id -> the files that lack it
 
     def has(self, version: bytes) -> bool:
         """Whether `version` is an early version of some workspace."""
@@ -91,50 +76,3 @@ class Incomplete:
                 self.refs.early[name] = left
             else:
                 del self.refs.early[name]
-
-    # ---- large files becoming whole -------------------------------------------------------
-
-    def watch(self, version: bytes, entries: Iterable[Entry]) -> list[Entry]:
-        """Follow the files `entries` of early version `version` until they are whole; returns
-        those whole already. Blocking (store lookups): a worker thread."""
-        self.drop([version])  # followed already (an early push of it again)
-        whole = []
-        for e in entries:
-            lacks = set(self.store.missing(e.chunks))
-            if not lacks:
-                whole.append(e)
-                continue
-            partial = _Partial(version, e, lacks)
-            for cid in lacks:
-                self._waiting.setdefault(cid, []).append(partial)
-        return whole
-
-    def stored(self, cids: Iterable[bytes]) -> list[Entry]:
-        """These chunks were written (or their write failed: the store says which): the
-        followed files that are whole now."""
-        whole: list[Entry] = []
-        waiting, has = self._waiting, self.store.has
-        if not waiting:
-            return whole
-        for cid in cids:
-            partials = waiting.get(cid)
-            if partials is None or not has(cid):
-                continue
-            del waiting[cid]
-            for p in partials:
-                p.lacks.discard(cid)
-                if not p.lacks:
-                    whole.append(p.entry)
-        return whole
-
-    def drop(self, versions: Iterable[bytes]) -> None:
-        """Stop following the files of `versions` (completed, or no longer served)."""
-        gone = set(versions)
-        if not gone or not self._waiting:
-            return
-        for cid, partials in list(self._waiting.items()):
-            kept = [p for p in partials if p.version not in gone]
-            if kept:
-                self._waiting[cid] = kept
-            else:
-                del self._waiting[cid]

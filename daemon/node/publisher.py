@@ -81,7 +81,7 @@ class Publisher:
         self.fetcher = fetcher  # an early prepare waits on it for the first-read chunks
         # The versions published early (push --early) and not known complete, saved in refs.json;
         # a prepare and commit without `early` complete one.
-        self.incomplete = Incomplete(refs, store)
+        self.incomplete = Incomplete(refs)
         # Where the mount is: a workspace exposed at its source path links to MOUNT/NAME
         # (source_path.py). None: nothing is exposed there (a service built without a mount).
         self.mount = Path(mount) if mount is not None else None
@@ -399,7 +399,6 @@ class Publisher:
             # before the save: a commit that fails leaves no trace in memory, on disk, or in
             # the mount (issue 16, finding 5). Backing files are only a cache of the store.
             versions = self.refs.next_versions(name, version, self.keep)
-            previous_versions = self.refs.workspaces.get(name, []) + [version]
             staged = await self.fs.stage(name.encode(),
                                          [(v, await self.manifest(v)) for v in versions])
             if self.fs.passthrough and self.nursery is not None:
@@ -411,9 +410,7 @@ class Publisher:
                 entries = await trio.to_thread.run_sync(self._backed,
                                                         await self.manifest(version), staged)
                 if early is not None:  # only the files that are whole: never a partial one
-                    entries = await trio.to_thread.run_sync(self.incomplete.watch, version,
-                                                            entries)
-                    await self._seal(entries)
+                    entries = await trio.to_thread.run_sync(self._whole_files, entries)
                 await self.nursery.start(self._write_backing, entries)
             previous = self.refs.workspaces.get(name, [None])[0]
             old_source = self.refs.sources.get(name)
@@ -427,7 +424,6 @@ class Publisher:
             await self.fs.switch(staged)
             self.workspace_problems.pop(name, None)
             self._prepared.discard((name, version, early is not None))
-            self.incomplete.drop([v for v in previous_versions if v not in early_versions])
             if self._pinned.get(name) == version:
                 del self._pinned[name]
             self._drop_manifests()
@@ -503,7 +499,6 @@ class Publisher:
                 self._removing.discard(name)
             await self._relink(name, source, None, None)
             await self.fs.remove_workspace(name.encode())
-            self.incomplete.drop(versions)
             self._drop_manifests()
             await self._prune_backing()
         try:
@@ -516,25 +511,13 @@ class Publisher:
 
     # ---- backing files --------------------------------------------------------------------
 
-    def stored(self, cids: list[bytes]) -> None:
-        """Chunks were written: a large file of an early version that is whole now is bound by
-        passthrough from its next open on (its file object recorded, or a copy written)."""
-        whole = self.incomplete.stored(cids)
-        if whole and self.fs.passthrough and self.nursery is not None:
-            self.nursery.start_soon(self._bind_whole, whole)
-
-    async def _bind_whole(self, entries: list[Entry]) -> None:
-        await self._seal(entries)
-        await self._write_backing(entries)
-
-    async def _seal(self, entries: list[Entry]) -> None:
-        """Record the file objects of these whole files now (not at the next prepare), so
-        passthrough binds them rather than a copy (incomplete.py). Not during a collect or
-        a cut back, which drop unrecorded objects."""
-        if entries:
-            async with self._gc_lock:
-                await trio.to_thread.run_sync(self.store.seal_files,
-                                              [backing_key(e) for e in entries])
+    def _whole_files(self, entries: list[Entry]) -> list[Entry]:
+        """The backed files of an early version (push --early) whose chunks have all arrived
+        (their opens are passthrough at once). A file still arriving into its file object is
+        bound from the first open after it is complete (FileObjects.path); the others get
+        their backing copies at the commit that completes the version. Blocking: a worker
+        thread."""
+        return [e for e in entries if not self.store.missing(e.chunks)]
 
     async def _write_backing(self, entries: list[Entry], *,
                              task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -565,8 +548,7 @@ class Publisher:
                     entries = (await self.manifest(versions[0])).entries
                     if self.incomplete.has(versions[0]):
                         entries = await trio.to_thread.run_sync(
-                            self.incomplete.watch, versions[0],
-                            [e for e in entries if backing_wanted(e)])
+                            self._whole_files, [e for e in entries if backing_wanted(e)])
                     await self._write_backing(entries)
                 await self._prune_backing()
 

@@ -118,7 +118,7 @@ class NodeService:
         self.fs = SnapshotFS(self.store.get, self.backing, self.store.get_if_cached,
                              self.fetcher.fetch)
         # What is read first after each publish: push --early sends it first.
-        self.first_reads = FirstReads(self.state / "first-reads")
+        self.first_reads = FirstReads(self.state / "first-reads", self.fs.resident_chunks)
         self.fs.on_read = self.first_reads.note
         # What happened here, queryable (`monarch-fs query`); MONARCH_FS_EVENTS=0 turns it off.
         self.events = EventLog(self.state / "events.db", self.node_name,
@@ -163,7 +163,7 @@ class NodeService:
                     logs.addHandler(handler)
                 self.procs = ProcessTable(self.mount, nursery,
                                           allow_root=self.allow_root_procs, events=self.events)
-                self.publisher.nursery = nursery
+                self.publisher.nursery = self.first_reads.nursery = nursery
                 await nursery.start(serve_listeners, self._handle, listeners, self.limits, log)
                 log.info("%s", self.describe_procs())
                 self.events.record("daemon.started", pid=os.getpid(), peer=self.addr,
@@ -174,7 +174,7 @@ class NodeService:
         finally:
             if self.procs is not None:
                 await self.procs.stop_all()  # no process outlives its daemon
-            self.publisher.nursery = None
+            self.publisher.nursery = self.first_reads.nursery = None
             logs.removeHandler(handler)
             self.events.record("daemon.stopped", pid=os.getpid(),
                                seconds=round(time.time() - self.started, 3))
@@ -248,11 +248,7 @@ class NodeService:
         lacking = await self.publisher.lacking(current)
         return {n: lacking[vs[0]] for n, vs in current.items() if vs[0] in lacking}
 
-    def chunks_stored(self, cids: list[bytes]) -> None:
-        """A batch of chunks was written: wake the readers waiting for them (push --early),
-        and follow the early versions' large files."""
-        self.fetcher.stored(cids)
-        self.publisher.stored(cids)
+
 
     def stats(self) -> StatsReply:
         """What `monarch-fs top` shows for this node, now: cheap, nothing read from disk."""

@@ -25,7 +25,7 @@ from ...fs.manifest import ManifestError
 from ..wire import bulk, identity
 from ..wire import protocol as p
 from ..wire.identity import Identity, IdentityError
-from ..wire.path_lists import encode_paths
+from ..wire.read_lists import encode_reads
 from ..wire.replies import (
     BulkReply,
     CommitReply,
@@ -97,7 +97,7 @@ class Session:
         self.counters = service.counters
         self.writes = ChunkWrites(service.store, raw=service.store_raw,
                                   counters=service.counters, limiter=service.write_limiter,
-                                  on_stored=service.chunks_stored)
+                                  on_stored=service.fetcher.stored)
         self.relay: Relay | None = None
         # The manifest's root object id, when the client said which it is (OpenRelay.version):
         # the manifest comes first, and says where each large file's chunks go
@@ -422,7 +422,7 @@ class Session:
         return ProbeReply(req.size)
 
     async def _first_reads(self, req: FirstReads) -> FirstReadsReply:
-        return FirstReadsReply(encode_paths(await self.service.first_reads.paths(req.name)))
+        return FirstReadsReply(**encode_reads(await self.service.first_reads.reads(req.name)))
 
     async def _query(self, req: Query) -> QueryReply:
         answer = await self.events.query(req.sql, req.params, timeout=req.timeout)

@@ -386,21 +386,30 @@ class ProbeReply:
 
 @dataclass(frozen=True)
 class FirstReadsReply:
-    """The paths this node read first in a workspace, in order (push --early sends them
-    first); strings, with surrogate escapes for names that are not UTF-8."""
+    """What this node read first in a workspace, in order (push --early sends it first): the
+    paths, strings with surrogate escapes for names that are not UTF-8, and the reads, [path
+    index, chunk index or -1] (wire/read_lists.py; None from an older node: whole files)."""
 
     op: ClassVar[str] = "first_reads"
     paths: list[str]
+    reads: list[list[int]] | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {"paths": self.paths}
+        return {"paths": self.paths, **({"reads": self.reads} if self.reads is not None else {})}
 
     @classmethod
     def from_wire(cls, value: Mapping[str, Any]) -> FirstReadsReply:
         paths = _get(cls.op, value, "paths", list)
         if not all(isinstance(p, str) for p in paths):
             raise MalformedReply(f"malformed {cls.op} reply: 'paths' holds a non-string")
-        return cls(list(paths))
+        reads = value.get("reads")
+        if reads is not None and not (isinstance(reads, list) and all(
+                isinstance(r, list) and len(r) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in r)
+                and 0 <= r[0] < len(paths) and r[1] >= -1 for r in reads)):
+            raise MalformedReply(f"malformed {cls.op} reply: 'reads' is not a list of "
+                                 "[path index, chunk index]")
+        return cls(list(paths), reads)
 
 
 
