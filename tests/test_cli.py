@@ -79,7 +79,8 @@ def test_push_summary_is_one_balanced_line(cluster3, tmp_path):
               cluster3.token_file)
     line, = out.stdout.splitlines()
     assert re.fullmatch(r"pushed summary [0-9a-f]{12} to 3 nodes in \d+\.\d\ds: 2 files, "
-                        r"1001 B; sent [\d.]+ (?:B|KiB) \(6 chunks; the snapshot has 2\), star, tcp",
+                        r"1001 B; sent [\d.]+ (?:B|KiB) \(6 chunks; the snapshot has 2\), "
+                        r"star, tcp",
                         line), line
     assert line.count("(") == line.count(")")
 
