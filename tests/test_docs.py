@@ -174,7 +174,7 @@ def test_the_json_reference_lists_every_field():
     result = PushResult(version="ab" * 16, name="env", files=1, bytes=1, chunks_total=1,
                         chunks_sent=1, bytes_sent=1, nodes=1, seconds=0.1,
                         usable_seconds=0.05, complete_seconds=0.1, first_reads=1,
-                        chunks_wanted=0)
+                        first_read_bytes=1, chunks_wanted=0)
     printed = json.loads(push_report(result, True, watch=1234)[0])
     assert set(printed) >= {f.name for f in dataclasses.fields(PushResult)} - {"warnings"}
     for name in printed:
