@@ -38,8 +38,8 @@ from .daemon.wire.auth import (
 from .daemon.wire.bulk import resolve_local
 from .daemon.wire.limits import Limits
 from .daemon.wire.replies import StatusReply
-from .fs.scan import Snapshot, SourceChanged
 from .fs.scan_cache import ScanCache
+from .fs.snapshot import Snapshot, SourceChanged
 from .options import KEEP_WARM_IDLE, build_parser
 from .settings import settings
 

@@ -31,8 +31,9 @@ from typing import TypeVar
 import trio
 
 from ...fs.manifest import Kind
-from ...fs.scan import Snapshot, SourceChanged, collector_paused, scan
+from ...fs.scan import collector_paused, scan
 from ...fs.scan_cache import ScanCache
+from ...fs.snapshot import Snapshot, SourceChanged
 from ..wire import bulk, identity, topology
 from ..wire.read_lists import Read
 from ..wire.replies import (
