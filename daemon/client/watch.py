@@ -52,7 +52,7 @@ from ...fs.scan_cache import ScanCache
 from ...fs.snapshot import Snapshot
 from . import handoff
 from .progress import fmt_bytes
-from .push import PushResult
+from .push_result import PushResult
 
 QUIET_MS = 5  # an editor's save is a few events within a millisecond or two
 DEBOUNCE_MS = 1000
