@@ -231,6 +231,9 @@ class _Push:
         for root in self.tree or ():
             self.cut_off(root, None)
         failures = {n.addr: n.error for n in self.nodes if n.error}
+        if failures and self.payload.store is not None:  # did its copy of a chunk fail them?
+            failures = self.payload.store.heal(
+                failures, lambda cid: memoryview(self.payload.read(cid))[1:])
         if failures and (not self.allow_partial or not self.healthy):
             raise PushError(stage, failures, len(self.nodes), published)
 
