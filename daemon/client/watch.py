@@ -357,7 +357,7 @@ async def watch(
             return
 
     if wake is not None:
-        private_dir(wake.parent)
+        handoff.own_sockets()  # this user's alone, or refused
         private_dir(wake)
     try:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -399,9 +399,7 @@ async def _serve_handoffs(judge: Judge, waiting: list[_Asked], wake: Path, *,
     """Take one-shot pushes on a socket in handoff.sockets() until cancelled (then remove it).
     Each asks whether it is this watch's push (judge), wakes the watch (by writing `wake`,
     which its watcher sees), then waits for the next push to end."""
-    folder = handoff.sockets()
-    private_dir(folder)
-    path = folder / f"{os.getpid()}.sock"
+    path = handoff.own_sockets() / f"{os.getpid()}.sock"
     path.unlink(missing_ok=True)
     sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
     try:
@@ -411,6 +409,8 @@ async def _serve_handoffs(judge: Judge, waiting: list[_Asked], wake: Path, *,
 
         async def one(stream: trio.SocketStream) -> None:
             async with stream:
+                if handoff.peer_uid(stream.socket) != os.geteuid():
+                    return  # only this user's pushes are taken (and told anything)
                 try:
                     with trio.fail_after(handoff.ASK_TIMEOUT):
                         line = await _read_line(stream)
