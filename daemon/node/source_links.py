@@ -79,15 +79,17 @@ class SourceLinks:
         except (OSError, ValueError, AttributeError):
             pass
 
-    def _rights(self, owner: int | None) -> int | None | str:
-        """Whose rights act for workspace owner `owner`: None (the daemon's own), a uid, or
-        why nobody's (a warning)."""
+    def _rights(self, owner: int | None, source: str) -> int | None | str:
+        """Whose rights act at `source` for workspace owner `owner`: None (the daemon's own),
+        a uid, or why nobody's (a warning)."""
         if os.geteuid() != 0 or owner == 0:
             return None
         if owner is not None:
             return owner
         if self.identity:
             return "nobody known pushed it"
+        if under(source, self.prefixes):
+            return None
         where = ", ".join(self.prefixes) if self.prefixes else "none set"
         return ("this root daemon has no --identity munge, so it does not know who asks, and "
                 f"exposes source paths only under --source-prefix ({where})")
@@ -99,27 +101,24 @@ class SourceLinks:
         stays). Warnings, never raises."""
         out: list[str | None] = []
         if old is not None and old != new:
-            record = self.made.get(name, {"uid": self._rights(owner), "folders": []})
-            uid = record["uid"]
-            if not isinstance(uid, str):
-                out.append(await self._run(uid, {"op": "withdraw", "source": old,
-                                                 "target": target,
-                                                 "folders": record["folders"]}))
-            self.made.pop(name, None)
+            record = self.made.pop(name, None) or {"uid": self._rights(owner, old),
+                                                   "folders": []}
+            if not isinstance(record["uid"], str):
+                out.append(await self._run(record["uid"], {
+                    "op": "withdraw", "source": old, "target": target,
+                    "folders": record["folders"]}))
         if new is not None:
-            rights = self._rights(owner)
-            if isinstance(rights, str) and (self.identity or not under(new, self.prefixes)):
+            rights = self._rights(owner, new)
+            if isinstance(rights, str):
                 out.append(None if _is_source_folder(new, new_id)
                            else f"not exposed at {new}: {rights}")
             else:
-                rights = None if isinstance(rights, str) else rights  # under a prefix
                 made: list[str] = []
                 out.append(await self._run(rights, {
                     "op": "expose", "source": new, "target": target, "source_id": new_id,
                     "claimed": claimed}, made))
-                if made or name in self.made:
-                    kept = self.made.get(name, {}).get("folders", []) if old == new else []
-                    self.made[name] = {"uid": rights, "folders": [*kept, *made]}
+                kept = self.made.get(name, {}).get("folders", []) if old == new else []
+                self.made[name] = {"uid": rights, "folders": [*kept, *made]}
         await trio.to_thread.run_sync(self._save)
         return [w for w in out if w]
 
