@@ -147,8 +147,10 @@ def up(node_args: list[str], *, timeout: float = UP_TIMEOUT,
     if n < 1:
         raise SlurmError(f"job {job}: $SLURM_JOB_NUM_NODES is not set")
     d = job_dir(job)
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(d, 0o700)
+    try:  # never another user's, in a shared MONARCH_FS_HOME: the job's token goes there
+        own_private_dir(d)
+    except PermissionError as e:
+        raise SlurmError(str(e)) from None
     if (d / "step").exists() and (d / "hosts").exists():
         raise SlurmError(f"job {job}: the daemons are already up (hosts in {d / 'hosts'}); "
                          "`monarch-fs slurm down` stops them")

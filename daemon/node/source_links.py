@@ -12,7 +12,8 @@ daemon made root-owned folders in A's home and a link there, so A's python ran B
 - with the shared token only (no identity), a root daemon does not know who asks: it exposes
   a source path only under a --source-prefix its operator chose (none by default), and the
   push's warning says so; the dev box's own folder on its own machine is still left quietly;
-- a daemon that is not root acts as itself: it has no one else's rights to lend.
+- a daemon that is not root acts as itself, for its own user or on the token alone: it makes
+  no link for another user whose credential asks, since it would lend its own rights.
 
 The folders made for a link are recorded in STATE/source-folders.json with whose rights made
 them; withdrawing the link (rm, a push from elsewhere or with --no-at-source) removes them
@@ -82,7 +83,11 @@ class SourceLinks:
     def _rights(self, owner: int | None, source: str) -> int | None | str:
         """Whose rights act at `source` for workspace owner `owner`: None (the daemon's own),
         a uid, or why nobody's (a warning)."""
-        if os.geteuid() != 0 or owner == 0:
+        me = os.geteuid()
+        if me != 0 and owner not in (None, me):  # it has no other user's rights to act with
+            return (f"this daemon runs as uid {me} and makes links only for its own user, "
+                    f"not uid {owner}")
+        if me != 0 or owner == 0:
             return None
         if owner is not None:
             return owner
