@@ -9,6 +9,7 @@ make that so, used by fs/ and the node's refs alike.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 PRIVATE_FILE = 0o600
@@ -48,3 +49,36 @@ def replace_file(path: str | os.PathLike[str], data: bytes, tmp: str | os.PathLi
         except OSError:
             pass
         raise
+
+
+def untrusted(st: os.stat_result) -> str | None:
+    """Why a folder (its lstat) is not one only this user controls, or None: a link, not a
+    folder, another user's, or open to others (mode not 0700)."""
+    if stat.S_ISLNK(st.st_mode):
+        return "is a link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a folder"
+    if st.st_uid != os.geteuid():
+        return f"belongs to uid {st.st_uid}, not this process's user (uid {os.geteuid()})"
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        return f"has mode {stat.S_IMODE(st.st_mode):04o}, not 0700"
+    return None
+
+
+def own_private_dir(path: Path) -> None:
+    """Make `path` a folder only this user may enter (0700), or take one that is so already.
+    Under a shared /tmp, a name such as /tmp/monarch-fs-JOB can be made first by any user, who
+    could then swap what is inside: such a folder, or a link there, is refused (lstat, no link
+    followed) with a PermissionError naming its owner and mode, never adopted."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+        os.chmod(path, 0o700)  # whatever the umask; nobody else can rename ours in /tmp
+        return
+    except FileExistsError:
+        pass
+    why = untrusted(os.lstat(path))
+    if why is not None:
+        raise PermissionError(f"{path} was there already and {why}: another user may have made "
+                              "it first (its name is predictable); remove it, or use another "
+                              "folder")

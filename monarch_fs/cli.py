@@ -106,6 +106,7 @@ def cmd_daemon(args: argparse.Namespace, serve: Callable[[Any], Awaitable[Any]] 
                             limits=limits, allow_root_procs=args.allow_root_procs,
                             identity_mode="" if args.identity == "token" else args.identity,
                             munge_socket=munge_socket,
+                            source_prefixes=tuple(args.source_prefix),
                             max_entries=args.max_entries or settings.max_entries,
                             allow_other=allow_other)
         if serve is not None:

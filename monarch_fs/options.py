@@ -4,6 +4,7 @@ place (cli.py holds what each command does)."""
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 
 from .daemon.client import slurm
@@ -43,6 +44,14 @@ def positive(unit: str) -> Callable[[str], float]:
 positive_minutes = positive("minutes")  # --idle
 positive_rate = positive("MiB/s")  # --bwlimit
 positive_seconds = positive("seconds")
+
+
+def folder_prefix(text: str) -> str:
+    """An argparse type: an absolute, normal folder path (--source-prefix)."""
+    if not text.startswith("/") or os.path.normpath(text) != text or text == "/":
+        raise argparse.ArgumentTypeError(f"{text!r} is not an absolute, normal folder path "
+                                         "other than /")
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "credential; a root daemon runs each process as the user who asks, and "
                         "a workspace belongs to who pushed it. token (default): the shared "
                         "token only, processes run as the daemon's user")
+    d.add_argument("--source-prefix", action="append", default=[], type=folder_prefix,
+                   metavar="PATH",
+                   help="as root without --identity munge, expose pushed folders at their "
+                        "source path (push --at-source) only under PATH (repeatable; default "
+                        "none: nobody known asks, and root's rights are not lent to a token)")
     d.add_argument("--munge-socket", metavar="PATH",
                    help="munged's socket (default $MONARCH_FS_MUNGE_SOCKET, else "
                         f"{identity.DEFAULT_SOCKET})")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from helpers import Opens, mfs, tree
+from helpers import Opens, flip_bits, mfs, tree
 from monarch_fs.daemon.client import link_codec
 from monarch_fs.daemon.wire.auth import resolve_token
 from monarch_fs.daemon.wire.transport import connect
@@ -108,6 +108,29 @@ def test_push_to_fresh_nodes_sends_from_the_store_without_reading_the_source(
     assert link["why"].startswith("loopback")
     assert r3["bytes_sent"] >= r3["bytes"]
     assert tree(third.mnt(0) / "env") == want
+
+
+def test_a_damaged_store_copy_is_replaced_from_the_source(tmp_path, fresh_cluster):
+    """Issue 33, finding 7: 4 bytes flipped in a pack of the dev box store made every push to a
+    fresh node fail the same way (`rejected chunk ...`), naming neither the store nor a way
+    out. Now the failed push names the store, replaces its copy from the source, and the
+    next push serves the right bytes."""
+    src = make_src(tmp_path / "env")
+    want = tree(src)
+    fresh_cluster(1).push_json(src, "--compress", "on")
+    root = Path(store_status()["path"])
+    pack = max(root.glob("packs/*.pack"), key=lambda p: p.stat().st_size)
+    middle = pack.stat().st_size // 2
+    for i in range(4):
+        flip_bits(pack, middle + i, 0xFF)
+
+    second = fresh_cluster(1)
+    failed = second.push(src, "--compress", "on", check=False)
+    assert failed.returncode != 0
+    assert (f"the dev box store {root} held a damaged copy; replaced it from the source; "
+            "push again") in failed.stderr, failed.stderr
+    second.push_json(src, "--compress", "on")
+    assert tree(second.mnt(0) / "env") == want
 
 
 def test_a_chunk_that_does_not_compress_is_read_from_its_file_not_copied(

@@ -13,7 +13,10 @@ import pytest
 import trio
 import trio._core._thread_cache as thread_cache
 
+from helpers import start_daemon, stop_daemon
 from monarch_fs.daemon.node.procs import MAX_SECRETS, ProcessTable, SpawnRefused
+from monarch_fs.daemon.wire.auth import load_token
+from monarch_fs.daemon.wire.transport import RemoteError, connect
 from procwatch import Started
 
 
@@ -176,3 +179,39 @@ async def test_bad_secrets_are_refused(tmp_path):
                                   None)
         await table.stop_all()
     assert owner.events == [] and table.procs == {}
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@pytest.mark.mount
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="a root daemon with --allow-root-procs")
+async def test_refused_spawns_leak_no_descriptor(tmp_path):
+    """Issue 33, finding 6: an argv holding a NUL byte or a variable name holding '=' was
+    refused only by Popen, after the daemon made the child's two pipes, which stayed open
+    (19 -> 519 fds after 250 requests). Now 1,000 refusals, each saying why, leave the
+    real daemon's descriptors as they were."""
+    daemon = start_daemon(tmp_path / "node", "--allow-root-procs")
+    try:
+        chan = await connect(daemon.addr, load_token(daemon.token_file))
+        async with chan:
+            async def refuse(i: int) -> str:
+                args = ({"argv": ["/bin/true", f"a\0{i}"]} if i % 2 else
+                        {"argv": ["/bin/true"], "env": {f"X=Y{i}": "1"}})
+                with pytest.raises(RemoteError) as e:
+                    await chan.request("spawn", **args)
+                return e.value.message
+
+            await refuse(0)  # the first answer may open what the daemon keeps (its log)
+            before = open_fds(daemon.pid)
+            for i in range(1000):
+                await refuse(i)
+            assert open_fds(daemon.pid) <= before + 2, "the refusals leaked descriptors"
+            assert "argument 1 holds a NUL byte" in await refuse(1)
+            assert "name 'X=Y0' is empty or holds '='" in await refuse(0)
+            reply = await chan.request("spawn", argv=["/bin/true"])  # still starts processes
+            assert reply["pid"] > 0
+    finally:
+        stop_daemon(daemon)

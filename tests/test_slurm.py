@@ -233,3 +233,43 @@ def test_a_nodes_lines_parse_back_and_paths_expand():
     assert slurm_mod.expand("/tmp/m-{job}-{node}", "7", "n1") == "/tmp/m-7-n1"
     with pytest.raises(slurm_mod.SlurmError, match="only {job} and {node}"):
         slurm_mod.expand("/tmp/{user}", "7", "n1")
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a folder another user's")
+@pytest.mark.parametrize("planted", ["state folder", "mount link"])
+def test_a_job_folder_another_user_made_first_is_refused(tmp_path, planted):
+    """Issue 33, finding 8: /tmp/monarch-fs-JOB.state made first by another user (0777; job
+    ids are predictable) was taken as the node's, who could then swap the token in it. The
+    node refuses it (and a link at the mount's path), naming the node, the folder, its owner,
+    and leaves it as it is."""
+    shared = tmp_path / "tmp"  # a shared /tmp: sticky, anyone writes
+    shared.mkdir()
+    shared.chmod(0o1777)
+    mount, state = shared / "monarch-fs-77", shared / "monarch-fs-77.state"
+    if planted == "state folder":
+        state.mkdir()
+        state.chmod(0o777)
+        (state / "token").write_text("the other user's\n")
+        for p in (state, state / "token"):
+            os.chown(p, 65534, 65534)
+        why = f"{state} was there already and belongs to uid 65534"
+    else:
+        (shared / "elsewhere").mkdir()
+        mount.symlink_to(shared / "elsewhere")
+        os.lchown(mount, 65534, 65534)
+        why = f"{mount} was there already and is a link"
+    env = {**os.environ, "SLURM_JOB_ID": "77", "SLURM_PROCID": "0", "SLURMD_NODENAME": "n7",
+           "SLURM_STEP_ID": "0"}
+    out = subprocess.run([sys.executable, "-m", "monarch_fs.cli", "slurm", "node", "--mount",
+                          str(shared / "monarch-fs-{job}")], input="a-token\n", env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert out.stdout.startswith(f"{slurm_mod.FAILED} 0 n7 77.0 {why}"), out.stdout
+    assert f"monarch-fs: error: n7: {why}" in out.stderr, out.stderr
+    assert "another user may have made it first" in out.stderr
+    if planted == "state folder":
+        assert (state / "token").read_text() == "the other user's\n"
+        assert os.stat(state).st_uid == 65534
+    else:
+        assert list((shared / "elsewhere").iterdir()) == []

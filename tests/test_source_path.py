@@ -187,7 +187,8 @@ def test_a_link_another_user_made_is_not_followed(tmp_path):
 
 async def test_commit_links_the_source_records_it_and_rm_removes_it(tmp_path):
     src = str(tmp_path / "devbox" / "ws")  # does not exist here: the node makes the link
-    async with serving(tmp_path) as [node]:
+    # (a root daemon on the token alone does so under its --source-prefix only)
+    async with serving(tmp_path, source_prefixes=(str(tmp_path),)) as [node]:
         chan = await connect(node.addr, TOKEN)
         async with chan:
             v1 = await send_version(chan, b"one")
@@ -213,6 +214,30 @@ async def test_commit_links_the_source_records_it_and_rm_removes_it(tmp_path):
             # path is forgotten.
             await chan.request("commit", name="other", version=v2)
             assert "sources" not in json.loads((node.state / "refs.json").read_text())
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="a root daemon's rule")
+async def test_a_root_daemon_on_the_token_alone_exposes_only_under_its_prefix(tmp_path):
+    """Nobody known asks: root's rights are not lent to whoever holds the token (issue 33,
+    finding 1: a token holder made folders under /root)."""
+    outside = str(tmp_path / "elsewhere" / "ws")
+    async with serving(tmp_path, source_prefixes=(str(tmp_path / "venvs"),)) as [node]:
+        chan = await connect(node.addr, TOKEN)
+        async with chan:
+            v1 = await send_version(chan, b"one")
+            reply = await chan.request("commit", name="ws", version=v1, source=outside)
+            assert reply["warnings"] == [
+                f"not exposed at {outside}: this root daemon has no --identity munge, so it "
+                "does not know who asks, and exposes source paths only under --source-prefix "
+                f"({tmp_path / 'venvs'})"]
+            assert not os.path.lexists(tmp_path / "elsewhere")
+            inside = str(tmp_path / "venvs" / "a" / "ws")
+            assert "warnings" not in await chan.request("commit", name="ws", version=v1,
+                                                        source=inside)
+            assert os.readlink(inside) == str(node.mount / "ws")
+            await chan.request("remove", name="ws")  # the folder it made goes with the link
+            assert not os.path.lexists(tmp_path / "venvs" / "a")
 
 
 async def test_a_source_in_the_node_mount_is_refused_before_anything_changes(tmp_path):
@@ -247,7 +272,8 @@ def test_a_pushed_venv_console_script_runs_on_nodes_without_its_path(tmp_path):
     src = devbox / "venv"
     make_venv(src)
     pip = str(src / "bin" / "pip")
-    with NetCluster(2, rate="1gbit") as c:
+    # root daemons on the token alone: they expose under their --source-prefix only
+    with NetCluster(2, rate="1gbit", daemon_args=["--source-prefix", str(devbox)]) as c:
         for i in range(2):
             c.hide_on_node(i, devbox)
             assert c.run_on_node(i, ["ls", "-A", str(devbox)], check=True).stdout == ""

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -342,3 +344,70 @@ def test_keep_warm_leaves_a_watch_that_pushes_only_when_asked_and_stops_when_idl
     finally:
         if sock.exists():  # (ours: started by the push above)
             os.kill(pid, signal.SIGTERM)
+
+
+# Another user's "watch": it records what it is told and says every push is its own, done.
+FAKE_WATCH = r"""
+import socket, sys
+fd, log, ready = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+s = socket.socket(fileno=fd)
+s.listen(4)
+open(ready, "w").close()
+while True:
+    c, _ = s.accept()
+    c.settimeout(2)
+    try:
+        data = c.recv(1 << 20)
+    except OSError:
+        data = b""
+    with open(log, "ab") as f:
+        f.write(data)
+    c.sendall(b'{"mine": true}\n{"stdout": "pushed proj 000000000000 (faked)\\n", "code": 0}\n')
+    c.close()
+"""
+
+
+@pytest.mark.mount
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+@pytest.mark.parametrize("whose", ["folder", "listener"])
+def test_another_users_socket_is_told_nothing(fresh_cluster, tmp_path, whose):
+    """Issue 33, finding 9: in a shared MONARCH_FS_HOME (1777), another user made watch/ (0777)
+    and a socket answering {"mine": true}: the push printed `pushed proj 000000000000` and
+    exited 0, nothing pushed, and that user read the push's argv, cwd and MONARCH_FS_*. Now
+    a watch folder not this user's alone is not used (a warning says whose), and a socket whose
+    listener is another user's (SO_PEERCRED) is told nothing: the push runs itself."""
+    nobody = 65534
+    shared = Path(tempfile.mkdtemp(prefix="mfs-shared-home-"))
+    shared.chmod(0o1777)
+    try:
+        watch = shared / "watch"
+        watch.mkdir(mode=0o700)
+        if whose == "folder":  # made first by the other user, open to all
+            os.chown(watch, nobody, nobody)
+            watch.chmod(0o777)
+        log, ready = shared / "told", shared / "ready"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(str(watch / "1.sock"))  # the other user listens on it (its credentials)
+        fake = subprocess.Popen(["/usr/bin/python3", "-I", "-c", FAKE_WATCH, str(sock.fileno()),
+                                 str(log), str(ready)], pass_fds=[sock.fileno()], user=nobody,
+                                group=nobody, extra_groups=[], cwd="/")
+        sock.close()
+        try:
+            wait_for(ready.exists, what="the other user's socket listening")
+            c = fresh_cluster(1)
+            src = tmp_path / "proj"
+            src.mkdir()
+            (src / "f").write_text("real")
+            out = one_shot(c, src, shared)
+            assert out.returncode == 0, out.stderr
+            assert "(faked)" not in out.stdout, out.stdout
+            assert reads(c.mnt(0) / "proj" / "f") == b"real"
+            assert not log.exists() or log.read_bytes() == b"", "the other user was told"
+            if whose == "folder":
+                assert f"warning: {watch} belongs to uid {nobody}" in out.stderr, out.stderr
+        finally:
+            fake.kill()
+            fake.wait()
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
@@ -38,9 +39,12 @@ import trio
 from ...fs.chunk import ID_SIZE, RAW, CorruptChunk, compressible, decode, encode
 from ...fs.manifest import Manifest
 from ...fs.private_files import replace_file
+from ...fs.snapshot import SourceChanged
 from ...fs.store import Store, StoreBusy, lock
 from ...settings import settings
 
+# A node's answer to a chunk whose bytes are not its id's (daemon/node/writes.py).
+REJECTED = re.compile(r"rejected chunk ([0-9a-f]{32}): ")
 RECORD = "snapshots.json"
 SOURCED = "sourced.ids"  # ids of chunks whose wire form is their source file, 16 bytes each
 BUSY_WAIT = 2.0  # seconds a push waits for a store another push holds
@@ -96,6 +100,7 @@ class ControllerStore:
         self._sourced_changed = False
         # Chunks the keeper had no room for (keeper.py): left for a later push to keep.
         self.skipped: set[bytes] = set()
+        self._healed: set[bytes] = set()  # damaged copies replaced (heal): once each
 
     @classmethod
     async def open(cls, root: Path, bound: int,
@@ -188,6 +193,37 @@ class ControllerStore:
                 self.add_sourced(cid)
             added += 1
         return added
+
+    def heal(self, failures: dict[str, str],
+             read: Callable[[bytes], bytes | bytearray | memoryview]) -> dict[str, str]:
+        """`failures` (node: error), each rejection of a chunk this store sent checked against
+        its copy here: a damaged copy is dropped and, when the source still has the chunk,
+        replaced from it (its new record, later in the packs, is the one the next open
+        indexes), and the error says so and what to do (issue 33, finding 7: every push to a
+        fresh node failed the same way, naming neither the store nor a way out). Blocking."""
+        out = dict(failures)
+        for addr, error in failures.items():
+            found = REJECTED.search(error)
+            cid = bytes.fromhex(found[1]) if found else b""
+            if not cid or not self.store.has(cid) or cid in self._healed:
+                continue
+            try:
+                decode(cid, self.store.get_blob(cid))
+                continue  # whole here: damaged on the way, not in this store
+            except (CorruptChunk, KeyError, OSError):
+                pass
+            self._healed.add(cid)
+            self.store.forget(cid)
+            try:
+                data = read(cid)
+                blob = encode(data)
+                self.store.put_blob(cid, blob)  # verified against the id, unlike add()
+                done = "replaced it from the source; push again"
+            except (CorruptChunk, OSError, ValueError, SourceChanged) as e:
+                done = (f"dropped it, but the source no longer has it ({e}); push with "
+                        "--no-store")
+            out[addr] = f"{error}: the dev box store {self.root} held a damaged copy; {done}"
+        return out
 
     # ---- after a push --------------------------------------------------------------------------
 

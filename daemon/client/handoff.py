@@ -3,7 +3,11 @@ hosts, that already runs: it holds the tree as the watcher saw it and its sessio
 nodes, so the push costs what changed (as git's fsmonitor or Bazel's server spare a rescan),
 where a new process would start Python, import everything and walk the whole tree.
 
-The watch listens on a unix socket in HOME/watch (HOME is private to its user). This side
+The watch listens on a unix socket in HOME/watch, a folder only its user may enter (0700). Both
+sides check, as HOME may be shared (issue 33, finding 9): the folder must be this user's alone
+(else nothing is handed off, and a watch refuses to listen there), and each end asks the kernel
+who the other is (SO_PEERCRED): a socket another user's process listens on is told nothing, and
+a watch answers only its own user's pushes. This side
 asks each socket there in turn, sending its command line, working folder and the environment
 that changes a push (MONARCH_FS_*, SLURM_JOB_ID). The watch answers whether the push is its
 own (the same folder, hosts, token, name and options, as the files say now), and if so pushes
@@ -17,17 +21,35 @@ from __future__ import annotations
 import json
 import os
 import socket
+import struct
 import sys
 from pathlib import Path
+from typing import Any
 
+from ...fs.private_files import own_private_dir, untrusted
 from ...settings import settings
 
 ASK_TIMEOUT = 1.0  # seconds for a watch to say whether a push is its own
+PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 def sockets() -> Path:
     """Where the running watches listen: one socket each."""
     return settings.home / "watch"
+
+
+def own_sockets() -> Path:
+    """sockets(), made 0700 or checked to be this user's alone (a watch's side): a folder
+    another user made first in a shared HOME is refused (PermissionError, saying whose)."""
+    folder = sockets()
+    own_private_dir(folder)
+    return folder
+
+
+def peer_uid(sock: Any) -> int:
+    """The uid of the process at the other end of a unix socket (SO_PEERCRED)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size)
+    return PEERCRED.unpack(raw)[1]
 
 
 def shared_setting(name: str) -> bool:
@@ -49,8 +71,13 @@ def hand_off(argv: list[str]) -> int | None:
         return None
     folder = sockets()
     try:
+        why = untrusted(os.lstat(folder))
         names = sorted(n for n in os.listdir(folder) if n.endswith(".sock"))
     except OSError:
+        return None
+    if why is not None:  # another user's socket would get this command line and environment
+        print(f"monarch-fs: warning: {folder} {why}: no push is handed to a watch there",
+              file=sys.stderr)
         return None
     line = request(argv)
     for name in names:
@@ -59,6 +86,8 @@ def hand_off(argv: list[str]) -> int | None:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                 s.settimeout(ASK_TIMEOUT)
                 s.connect(str(path))
+                if peer_uid(s) != os.geteuid():  # not this user's watch: told nothing
+                    continue
                 s.sendall(line)
                 answers = s.makefile("rb")
                 if not json.loads(answers.readline()).get("mine"):

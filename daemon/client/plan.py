@@ -37,6 +37,15 @@ class PushPlan(PushNodes):
         self.first_reads = 0  # push --early: files whose chunks went first
         self.first_read_bytes = 0  # and those chunks' bytes
 
+    def explain(self, failures: dict[str, str]) -> dict[str, str]:
+        """A node that rejected a chunk the dev box store sent: the store's copy is checked,
+        and a damaged one dropped and replaced from the source (ControllerStore.heal), so the
+        error says so and the next push sends good bytes."""
+        store = self.payload.store
+        if store is None:
+            return failures
+        return store.heal(failures, lambda cid: memoryview(self.payload.read(cid))[1:])
+
     async def current(self, name: str, source: dict[str, str]) -> bool:
         """Whether every node serves this version as `name` already (a push with no change):
         then there is nothing to send or publish, and the push is settled in this one round

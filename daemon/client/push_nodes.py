@@ -92,8 +92,15 @@ class PushNodes:
         for root in self.tree or ():
             self.cut_off(root, None)
         failures = {n.addr: n.error for n in self.nodes if n.error}
+        if failures:
+            failures = self.explain(failures)
         if failures and (not self.allow_partial or not self.healthy):
             raise PushError(stage, failures, len(self.nodes), published)
+
+    def explain(self, failures: dict[str, str]) -> dict[str, str]:
+        """The nodes' failures as the push reports them (PushPlan adds what the dev box store
+        found)."""
+        return failures
 
     async def connect(self) -> None:
         """Connect the nodes the dev box talks to, but those whose session is open: kept from

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ...fs.private_files import own_private_dir
 from ..wire.auth import home_dir, write_new_token
 
 READY = "monarch-fs-ready"
@@ -146,8 +147,10 @@ def up(node_args: list[str], *, timeout: float = UP_TIMEOUT,
     if n < 1:
         raise SlurmError(f"job {job}: $SLURM_JOB_NUM_NODES is not set")
     d = job_dir(job)
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(d, 0o700)
+    try:  # never another user's, in a shared MONARCH_FS_HOME: the job's token goes there
+        own_private_dir(d)
+    except PermissionError as e:
+        raise SlurmError(str(e)) from None
     if (d / "step").exists() and (d / "hosts").exists():
         raise SlurmError(f"job {job}: the daemons are already up (hosts in {d / 'hosts'}); "
                          "`monarch-fs slurm down` stops them")
@@ -324,15 +327,21 @@ def node_address() -> str:
 
 def prepare_node(task: NodeTask, mount_t: str, state_t: str | None,
                  token: bytes) -> tuple[Path, Path, Path]:
-    """The node's mount and state folders, and its token file (0600, inside the state)."""
+    """The node's mount and state folders, and its token file (0600, inside the state). Each
+    folder is made fresh (0700) or must already be this user's alone: under a shared /tmp,
+    another user could make /tmp/monarch-fs-JOB.state first (job ids are predictable) and swap
+    the token inside (SlurmError, naming owner and mode)."""
     if not token.strip():
         raise SlurmError("no token on stdin (run `monarch-fs slurm up`, which sends it)")
     mount = Path(expand(mount_t, task.job, task.node))
     state = Path(expand(state_t, task.job, task.node)) if state_t else Path(f"{mount}.state")
-    state.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(state, 0o700)
+    for folder in (mount, state):  # made fresh, or already this user's alone (issue 33, 8)
+        try:
+            own_private_dir(folder)
+        except PermissionError as e:
+            raise SlurmError(str(e)) from None
     token_file = state / "token"
-    fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "wb") as f:
         os.fchmod(f.fileno(), 0o600)
         f.write(token.strip() + b"\n")

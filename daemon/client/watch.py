@@ -7,7 +7,7 @@ checkout`) is pushed once, when nothing has changed for `quiet_ms` or at most `d
 its first change. Changes below excluded paths are ignored.
 
 The tree is scanned whole once; after that, a change costs a look at the folders that hold the
-changed paths (fs.scan.rescan), and the nodes are asked only about chunks the last push did not
+changed paths (fs.rescan), and the nodes are asked only about chunks the last push did not
 give them all. Should the watcher miss a change (inotify can drop events under a flood), the
 whole scan that runs once things are quiet after a push finds it and pushes it. That scan
 (about a second at 100k files) gives way to an edit that comes in while it runs: the edit is
@@ -359,7 +359,7 @@ async def watch(
             return
 
     if wake is not None:
-        private_dir(wake.parent)
+        handoff.own_sockets()  # this user's alone, or refused
         private_dir(wake)
     try:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -401,9 +401,7 @@ async def _serve_handoffs(judge: Judge, waiting: list[_Asked], wake: Path, *,
     """Take one-shot pushes on a socket in handoff.sockets() until cancelled (then remove it).
     Each asks whether it is this watch's push (judge), wakes the watch (by writing `wake`,
     which its watcher sees), then waits for the next push to end."""
-    folder = handoff.sockets()
-    private_dir(folder)
-    path = folder / f"{os.getpid()}.sock"
+    path = handoff.own_sockets() / f"{os.getpid()}.sock"
     path.unlink(missing_ok=True)
     sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
     try:
@@ -413,6 +411,8 @@ async def _serve_handoffs(judge: Judge, waiting: list[_Asked], wake: Path, *,
 
         async def one(stream: trio.SocketStream) -> None:
             async with stream:
+                if handoff.peer_uid(stream.socket) != os.geteuid():
+                    return  # only this user's pushes are taken (and told anything)
                 try:
                     with trio.fail_after(handoff.ASK_TIMEOUT):
                         line = await _read_line(stream)

@@ -67,6 +67,7 @@ import trio
 
 from ..wire.identity import Identity
 from ..wire.replies import SpawnReply
+from . import spawn_args
 from .dedicated_thread import DedicatedThread
 from .events import EventLog
 
@@ -312,12 +313,19 @@ class ProcessTable:
             enter = cwd or (run_as.home if os.path.isdir(run_as.home) else "/")
             cwd = None
             user = {"user": run_as.uid, "group": run_as.gid, "extra_groups": run_as.groups}
+        if (bad := spawn_args.problem(argv, env, cwd or enter)) is not None:
+            raise SpawnRefused(bad)  # before any descriptor is made for the child
         secrets_r = _secrets_pipe(secrets) if secrets else None
         if secrets_r is not None:
             env[SECRETS_FD_ENV] = str(secrets_r)
         try:
             out_r, out_w = os.pipe()
-            err_r, err_w = os.pipe()
+            try:
+                err_r, err_w = os.pipe()
+            except BaseException:
+                os.close(out_r)
+                os.close(out_w)
+                raise
             try:
                 popen = await self._forker.run(lambda: subprocess.Popen(
                     argv, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, env=env,
@@ -332,6 +340,10 @@ class ProcessTable:
                     why = f"user {run_as.name} cannot enter that folder"
                 where = f" in {cwd or enter}" if cwd or enter else ""
                 raise SpawnRefused(f"cannot start {argv[0]}{where}: {why}") from None
+            except BaseException:  # whatever else Popen raised: no descriptor outlives it
+                os.close(out_r)
+                os.close(err_r)
+                raise
             finally:
                 os.close(out_w)
                 os.close(err_w)

@@ -41,6 +41,7 @@ from .events import EventLog
 from .fetch import Fetcher
 from .incomplete import Incomplete
 from .refs import Refs
+from .source_links import SourceLinks
 
 log = logging.getLogger("monarch_fs.daemon")
 
@@ -75,7 +76,8 @@ class Publisher:
     def __init__(self, store: Store, refs: Refs, backing: BackingFiles, fs: SnapshotFS, *,
                  keep: int, max_entries: int, counters: dict[str, int],
                  mount: str | os.PathLike[str] | None = None,
-                 fetcher: Fetcher | None = None, events: EventLog | None = None) -> None:
+                 fetcher: Fetcher | None = None, events: EventLog | None = None,
+                 links: SourceLinks | None = None) -> None:
         self.store = store
         self.events = events  # collects are recorded there
         self.fetcher = fetcher  # an early prepare waits on it for the first-read chunks
@@ -85,6 +87,7 @@ class Publisher:
         # Where the mount is: a workspace exposed at its source path links to MOUNT/NAME
         # (source_path.py). None: nothing is exposed there (a service built without a mount).
         self.mount = Path(mount) if mount is not None else None
+        self.links = links or SourceLinks(refs.path.parent, identity=False)
         self.refs = refs
         self.backing = backing
         self.fs = fs
@@ -428,31 +431,20 @@ class Publisher:
                 del self._pinned[name]
             self._drop_manifests()
             await self._prune_backing()
-            warnings = await self._relink(name, old_source, source, source_id)
+            warnings = await self._relink(name, old_source, source, source_id, owner)
         log.info("published %s = %s", name, version.hex())
         return CommitReply(version, previous, warnings, replaced=staged)
 
     async def _relink(self, name: str, old: str | None, new: str | None,
-                      new_id: str | None) -> list[str]:
-        """Make `name`'s source path link to MOUNT/NAME: withdraw its link at `old` if it
-        moved (or is no longer asked for), then expose it at `new`. Warnings, never raises."""
+                      new_id: str | None, owner: int | None) -> list[str]:
+        """Make `name`'s source path link to MOUNT/NAME, with the rights of its owner
+        (source_links.py): withdraw its link at `old` if it moved (or is no longer asked
+        for), then expose it at `new`. Warnings, never raises."""
         if self.mount is None:
             return []
-        target = str(self.mount / name)
-
-        def claimed_by(link: str) -> str | None:
-            other = os.path.basename(link)
-            return other if other != name and self.refs.sources.get(other) == new else None
-
-        def relink() -> list[str]:
-            out = []
-            if old is not None and old != new:
-                out.append(source_path.withdraw(old, target))
-            if new is not None:
-                out.append(source_path.expose(new, target, new_id, claimed_by))
-            return [w for w in out if w]
-
-        warnings = await trio.to_thread.run_sync(relink)
+        claimed = [n for n, s in self.refs.sources.items() if n != name and s == new]
+        warnings = await self.links.relink(name, str(self.mount / name), old, new, new_id,
+                                           owner, claimed)
         for w in warnings:
             log.warning("workspace %s: %s", name, w)
         return warnings
@@ -492,12 +484,12 @@ class Publisher:
                     f"process{'es' if len(pids) > 1 else ''} started with --workspace (pid "
                     f"{shown}{', ...' if len(pids) > 5 else ''}); stop them, then remove it")
             self._removing.add(name)  # refs.json is saved on a thread: no new user meanwhile
-            source = self.refs.sources.get(name)
+            source, pusher = self.refs.sources.get(name), self.refs.owners.get(name)
             try:
                 await self.refs.remove(name)
             finally:
                 self._removing.discard(name)
-            await self._relink(name, source, None, None)
+            await self._relink(name, source, None, None, pusher)
             await self.fs.remove_workspace(name.encode())
             self._drop_manifests()
             await self._prune_backing()

@@ -35,6 +35,7 @@ from .procs import ROOT_PROCS_FLAG, ProcessTable, procs_user
 from .publisher import KEEP_VERSIONS, Publisher
 from .refs import Refs, describe_user
 from .session import Session
+from .source_links import SourceLinks
 
 log = logging.getLogger("monarch_fs.daemon")
 
@@ -90,7 +91,8 @@ class NodeService:
                  store_raw: bool = True, encrypt: str = "auto", limits: Limits | None = None,
                  max_entries: int = DEFAULT_MAX_ENTRIES,
                  allow_root_procs: bool = False, identity_mode: str = "",
-                 munge_socket: str = identity.DEFAULT_SOCKET) -> None:
+                 munge_socket: str = identity.DEFAULT_SOCKET,
+                 source_prefixes: tuple[str, ...] = ()) -> None:
         if not token:  # anyone who reached the port could run anything as this daemon's user
             raise ValueError("a daemon needs a token to accept requests: "
                              + NO_TOKEN_HELP.format(default=default_token_file()))
@@ -134,7 +136,9 @@ class NodeService:
         self.publisher = Publisher(self.store, self.refs, self.backing, self.fs, keep=keep,
                                    max_entries=max_entries, counters=self.counters,
                                    mount=self.mount, fetcher=self.fetcher,
-                                   events=self.events)
+                                   events=self.events,
+                                   links=SourceLinks(self.state, bool(identity_mode),
+                                                     source_prefixes))
         # A root daemon runs no process unless its operator allowed it (procs.py).
         self.allow_root_procs = allow_root_procs
         # "munge" (--identity munge): the requests that act for a user carry a MUNGE credential,

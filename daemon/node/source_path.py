@@ -3,7 +3,9 @@
 A venv's console scripts start with `#!/dev/box/path/venv/bin/python` and its pyvenv.cfg names
 that path too, so they run on a node only if that path leads to the pushed copy there. The
 node makes it: a symlink at the source path pointing at MOUNT/NAME (the current version),
-missing parent folders created (0755, owned by the daemon's user: root-owned when root).
+missing parent folders created (0755). It does so with the rights of the user it acts for
+(source_links.py runs these functions as that user), so the kernel refuses what that user
+could not do, and what it makes is that user's.
 
 What is already there stays: a file, a folder or a link that is not this workspace's (another
 workspace's link, one a user made) is left as is, and the push gets a warning naming the path.
@@ -49,10 +51,12 @@ def _trusted(st: os.stat_result) -> bool:
     return st.st_uid in (0, os.geteuid())
 
 
-def _open_parent(path: str, create: bool) -> tuple[int, str, str]:
-    """Open the folder that holds `path`'s last name (creating missing folders if `create`),
-    following only trusted links: (descriptor, leaf name, the real path). NotExposed if the
-    walk cannot or must not go on; FileNotFoundError if a folder is missing and not `create`."""
+def _open_parent(path: str, create: bool, made: list[str] | None = None
+                 ) -> tuple[int, str, str]:
+    """Open the folder that holds `path`'s last name (creating missing folders if `create`,
+    their real paths appended to `made`), following only trusted links: (descriptor, leaf name,
+    the real path). NotExposed if the walk cannot or must not go on; FileNotFoundError if a
+    folder is missing and not `create`."""
     hops = 0
     parts = path.split("/")[1:]
     while True:
@@ -66,12 +70,14 @@ def _open_parent(path: str, create: bool) -> tuple[int, str, str]:
                     if not create:
                         raise
                     os.mkdir(name, FOLDER_MODE, dir_fd=fd)
-                    made = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW,
-                                   dir_fd=fd)
+                    if made is not None:
+                        made.append("/" + "/".join([*real, name]))
+                    new = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW,
+                                  dir_fd=fd)
                     try:
-                        os.fchmod(made, FOLDER_MODE)  # whatever the umask
+                        os.fchmod(new, FOLDER_MODE)  # whatever the umask
                     finally:
-                        os.close(made)
+                        os.close(new)
                     st = os.stat(name, dir_fd=fd, follow_symlinks=False)
                 here = "/" + "/".join([*real, name])
                 if stat.S_ISLNK(st.st_mode):
@@ -116,12 +122,14 @@ def _same(fd: int, leaf: str, source_id: str) -> bool:
 
 
 def expose(source: str, target: str, source_id: str | None,
-           claimed_by: Callable[[str], str | None]) -> str | None:
+           claimed_by: Callable[[str], str | None], made: list[str] | None = None
+           ) -> str | None:
     """Make `source` lead to `target` (MOUNT/NAME): None when it does (or is the source folder
     itself, `source_id` "DEV:INO"), else the warning saying why not. `claimed_by(target)` names
-    the workspace that owns an existing link into the mount, None for a stale one (replaced)."""
+    the workspace that owns an existing link into the mount, None for a stale one (replaced).
+    The folders it makes are appended to `made` (so that `rm` can remove them)."""
     try:
-        fd, leaf, real = _open_parent(source, create=True)
+        fd, leaf, real = _open_parent(source, create=True, made=made)
     except NotExposed as e:
         return f"not exposed at {source}: {e}"
     except OSError as e:
@@ -165,8 +173,8 @@ def expose(source: str, target: str, source_id: str | None,
 
 
 def withdraw(source: str, target: str) -> str | None:
-    """Remove the link at `source` if it still leads to `target`; the folders made for it
-    stay (another workspace may use them). None, or a warning saying what failed."""
+    """Remove the link at `source` if it still leads to `target` (the folders made for it:
+    remove_folders). None, or a warning saying what failed."""
     try:
         fd, leaf, _ = _open_parent(source, create=False)
     except (FileNotFoundError, NotExposed):
@@ -184,3 +192,19 @@ def withdraw(source: str, target: str) -> str | None:
     finally:
         os.close(fd)
 
+
+
+def remove_folders(folders: list[str]) -> None:
+    """Remove the folders expose made (its `made`), deepest first, each only if it is empty
+    now: one another workspace or the user put something in stays."""
+    for folder in sorted(folders, key=lambda f: f.count("/"), reverse=True):
+        try:
+            fd, leaf, _ = _open_parent(folder, create=False)
+        except (OSError, NotExposed):
+            continue
+        try:
+            os.rmdir(leaf, dir_fd=fd)
+        except OSError:
+            pass  # not empty, gone, or not ours to remove
+        finally:
+            os.close(fd)
