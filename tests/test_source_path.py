@@ -236,6 +236,10 @@ async def test_a_root_daemon_on_the_token_alone_exposes_only_under_its_prefix(tm
             assert "warnings" not in await chan.request("commit", name="ws", version=v1,
                                                         source=inside)
             assert os.readlink(inside) == str(node.mount / "ws")
+            v2 = await send_version(chan, b"two")  # the next version: the link stays
+            assert "warnings" not in await chan.request("commit", name="ws", version=v2,
+                                                        source=inside)
+            assert os.readlink(inside) == str(node.mount / "ws")
             await chan.request("remove", name="ws")  # the folder it made goes with the link
             assert not os.path.lexists(tmp_path / "venvs" / "a")
 

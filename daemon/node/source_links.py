@@ -33,7 +33,7 @@ from typing import Any
 import trio
 
 from ...fs.private_files import replace_file
-from . import source_path
+from . import link_as_user, source_path
 
 log = logging.getLogger("monarch_fs.daemon")
 
@@ -42,26 +42,6 @@ CHILD_TIMEOUT = 30.0  # seconds; a walk of a hung NFS home must not hold the pub
 
 def under(path: str, prefixes: tuple[str, ...]) -> bool:
     return any(path == p or path.startswith(p.rstrip("/") + "/") for p in prefixes)
-
-
-def _work(req: dict[str, Any]) -> dict[str, Any]:
-    """Do request `req` (expose or withdraw) with this process's rights: its warning, if
-    any, and the folders it made."""
-    made: list[str] = []
-    target = req["target"]
-    if req["op"] == "expose":
-        claimed = set(req["claimed"])
-
-        def claimed_by(link: str) -> str | None:
-            other = os.path.basename(link)
-            return other if other in claimed else None
-
-        warning = source_path.expose(req["source"], target, req["source_id"], claimed_by, made)
-    else:
-        warning = source_path.withdraw(req["source"], target)
-        if warning is None:
-            source_path.remove_folders(req["folders"])
-    return {"warning": warning, "made": made}
 
 
 class SourceLinks:
@@ -114,6 +94,9 @@ class SourceLinks:
                     "folders": record["folders"]}))
         if new is not None:
             rights = self._rights(owner, new)
+            if (old == new and self.made.get(name, {}).get("uid", "") == rights
+                    and await trio.to_thread.run_sync(source_path.leads_to, new, target)):
+                return [w for w in out if w]  # made before, with these rights: no child again
             if isinstance(rights, str):
                 out.append(None if _is_source_folder(new, new_id)
                            else f"not exposed at {new}: {rights}")
@@ -131,7 +114,7 @@ class SourceLinks:
                    made: list[str] | None = None) -> str | None:
         """`req` done with the daemon's rights (uid None) or as user `uid`: its warning."""
         if uid is None:
-            reply = await trio.to_thread.run_sync(_work, req)
+            reply = await trio.to_thread.run_sync(link_as_user.work, req)
         else:
             try:
                 user = pwd.getpwuid(uid)
@@ -146,11 +129,11 @@ class SourceLinks:
         return warning if isinstance(warning, str) else None
 
     async def _child(self, req: dict[str, Any]) -> dict[str, Any]:
-        """`req` done by a child process that becomes user req["uid"] first (started as root
-        so that it can load this package wherever it is installed, even in a folder that user
-        cannot read)."""
+        """`req` done by a child process that becomes user req["uid"] first (link_as_user.py;
+        started as root so that it can load this package wherever it is installed, even in a
+        folder that user cannot read)."""
         what = "not exposed at" if req["op"] == "expose" else "link not removed at"
-        argv = [sys.executable, "-I", "-m", __name__]
+        argv = [sys.executable, "-I", "-m", link_as_user.__name__]
         try:
             with trio.fail_after(CHILD_TIMEOUT):
                 done = await trio.run_process(argv, stdin=json.dumps(req).encode(),
@@ -184,16 +167,3 @@ def _is_source_folder(source: str, source_id: str | None) -> bool:
     except OSError:
         return False
     return source_id == f"{st.st_dev}:{st.st_ino}"
-
-
-def _child_main() -> None:
-    """The child of SourceLinks._child: become the user, then do the request."""
-    req = json.load(sys.stdin)
-    os.setgroups(req["groups"])
-    os.setgid(req["gid"])
-    os.setuid(req["uid"])  # root's rights are gone for good: real, effective and saved
-    print(json.dumps(_work(req)))
-
-
-if __name__ == "__main__":
-    _child_main()

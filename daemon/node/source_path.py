@@ -172,6 +172,20 @@ def expose(source: str, target: str, source_id: str | None,
         os.close(fd)
 
 
+def leads_to(source: str, target: str) -> bool:
+    """Whether the link at `source` leads to `target` already (a look, nothing made)."""
+    try:
+        fd, leaf, _ = _open_parent(source, create=False)
+    except (OSError, NotExposed):
+        return False
+    try:
+        return os.readlink(leaf, dir_fd=fd) == target
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def withdraw(source: str, target: str) -> str | None:
     """Remove the link at `source` if it still leads to `target` (the folders made for it:
     remove_folders). None, or a warning saying what failed."""
