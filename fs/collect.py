@@ -16,6 +16,7 @@ from typing import Protocol
 
 from . import pack
 from .chunk import CorruptChunk, decode
+from .durable import Seals
 from .pack import PACK_SHIFT, RECORD, unloc
 from .private_files import fsync_dir
 
@@ -34,6 +35,7 @@ class Packs(Protocol):
     _index: dict[bytes, int]  # id -> pack.loc(pack, offset, length)
     _lock: threading.Lock
     _cur: int  # the open pack, never collected
+    seals: Seals  # nor full packs not sealed yet
     _unreadable: set[int]
     _readers: dict[int, int]
     _retired: list[int]
@@ -74,7 +76,7 @@ def collect(store: Packs, live: Live) -> tuple[int, int]:
         for group in live():
             for n, used in _bytes_by_pack(store, group).items():
                 most[n] = max(most.get(n, 0), used)
-        sealed = set(sizes) - {store._cur} - store._unreadable
+        sealed = set(sizes) - {store._cur} - store._unreadable - set(store.seals.pending)
     doomed = sealed - set(most)
     maybe = {n for n in sealed & set(most) if most[n] < COMPACT_BELOW * sizes[n]}
     freed = _delete(store, doomed, sizes)

@@ -9,6 +9,9 @@ on every read, as from a pack) and passthrough binds it as the backing file.
     store/files/<key>        complete, renamed once every chunk is in
     store/files/<key>.ids    its record: (chunk id, offset, length) per chunk, written after
                              the data is flushed; what makes the file object trusted at start
+    store/files/<key>.settled the same record, not flushed, written when a publish counts on
+                             the object before it is flushed (--durable background): at start
+                             its chunks are verified, and it is recorded or dropped
 
 `key` is the backing file's name (backing.key: a digest of the file's chunk ids). A node learns
 where each chunk goes from the manifest, which a push sends first (`expect`). A chunk that
@@ -18,9 +21,11 @@ while the rest of the file is still arriving.
 Durability follows the store's: `sync` (before a prepare succeeds) fills any chunk an object
 lacks from the rest of the store (chunks already on the node before this push), flushes, renames
 and records it; an object that cannot be completed has the chunks it holds copied to the open
-pack instead, so no chunk a prepare counted on lives only in an unrecorded file. At start only
-recorded objects are trusted; `.part` files and unrecorded ones are deleted, so a crash at any
-moment never exposes a torn file. `cut_back` (a full disk) drops the unrecorded ones.
+pack instead, so no chunk a prepare counted on lives only in an unrecorded file. With --durable
+background, `settle` fills them and writes their `.settled` record, and `flush` (later, in the
+background) flushes and records them. At start only recorded objects are trusted, and settled
+ones whose every chunk verifies; other `.part` files and unrecorded ones are deleted, so a crash
+at any moment never exposes a torn file. `cut_back` (a full disk) drops the unsettled ones.
 """
 
 from __future__ import annotations
@@ -33,11 +38,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .chunk import chunk_id
 from .pack import IDX
 from .private_files import PRIVATE_FILE, fsync_dir, private_dir
 
 PART = ".part"
 IDS = ".ids"
+SETTLED = ".settled"
 _TMP = ".tmp"
 _DIRECT = 4096  # O_DIRECT alignment of buffer, offset and length asked for here
 
@@ -53,6 +60,7 @@ class FileObject:
     spans: list[tuple[bytes, int, int]]  # (chunk id, offset, length), in file order
     written: set[int] = field(default_factory=set)  # offsets written
     recorded: bool = False  # complete, flushed, and its .ids record durable
+    settled: bool = False  # complete, and a publish counts on it (its .settled record)
     renamed: bool = False  # complete and flushed, under its final name
 
     @property
@@ -74,6 +82,9 @@ class FileObjects:
         # object just before must not read another file that reused the number.
         self._retired: list[int] = []
         self.problems: list[str] = []
+        self.lost = 0  # chunks of settled objects a crash took (they did not verify at start)
+        for p in root.glob("*" + SETTLED):
+            self.lost += self._verify_settled(p.name[:-len(SETTLED)])
         recorded = {p.name[:-len(IDS)] for p in root.glob("*" + IDS)}
         for p in root.iterdir():  # anything not recorded may be torn: it goes
             name = p.name
@@ -86,6 +97,32 @@ class FileObjects:
                 self.problems.append(f"file object {root / key} dropped: {e}")
                 (root / (key + IDS)).unlink(missing_ok=True)
                 (root / key).unlink(missing_ok=True)
+
+    def _verify_settled(self, key: str) -> int:
+        """At start, a settled object that was not flushed before the stop: recorded if every
+        chunk verifies against its id (the kernel kept the writes), else left to be deleted;
+        how many of its chunks were lost."""
+        settled = self.root / (key + SETTLED)
+        data = settled.read_bytes()
+        spans = list(IDX.iter_unpack(data)) if data and not len(data) % IDX.size else []
+        path = next((p for p in (self.root / (key + PART), self.root / key) if p.exists()), None)
+        if path is None or not spans:
+            settled.unlink()
+            return len({cid for cid, _, _ in spans})
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            bad = {cid for cid, off, length in spans
+                   if off + length > size or chunk_id(os.pread(f.fileno(), length, off)) != cid}
+            if not bad:
+                os.fdatasync(f.fileno())
+        if not bad:
+            os.rename(path, self.root / key)
+            fsync_dir(self.root)
+            os.rename(settled, self.root / (key + IDS))
+            fsync_dir(self.root)
+            return 0
+        settled.unlink()
+        return len({cid for cid, _, _ in spans})
 
     def _load(self, key: str) -> None:
         data = (self.root / (key + IDS)).read_bytes()
@@ -198,8 +235,37 @@ class FileObjects:
         they are durable, and stays unrecorded (deleted at the next start). Without `spill`
         (an early prepare, which counts on nothing but the manifest: daemon/node/incomplete.py)
         those chunks stay where they are, not durable."""
-        done = []
-        for obj in [o for o in list(self.objects.values()) if not o.recorded]:
+        for obj in self._fill_all(fill):
+            if not obj.complete and spill is not None:
+                for cid, off, length in obj.spans:
+                    if off in obj.written and self.index.get(cid, (None,))[0] is obj:
+                        spill(cid, os.pread(obj.fd, length, off))
+        self.flush()
+
+    def settle(self, fill: Callable[[bytes], bytes | memoryview | None]) -> None:
+        """Complete the unrecorded objects from the rest of the store (as `sync`) and write
+        the `.settled` record of each complete one, unflushed: a publish counts on them before
+        `flush` makes them durable (--durable background)."""
+        for obj in self._fill_all(fill):
+            if obj.complete and not obj.settled:
+                tmp = self.root / (obj.key + SETTLED + _TMP)
+                _write_record(tmp, obj.spans, fsync=False)
+                os.rename(tmp, self.root / (obj.key + SETTLED))
+                obj.settled = True
+
+    def flush(self) -> None:
+        """Flush and record every complete, unrecorded object."""
+        done = [o for o in list(self.objects.values()) if o.complete and not o.recorded]
+        for obj in done:
+            self._flush(obj)
+        self._record(done)
+
+    def _fill_all(self, fill: Callable[[bytes], bytes | memoryview | None]
+                  ) -> list[FileObject]:
+        """Write into each unrecorded object the chunks it lacks that the store has (`fill`);
+        the unrecorded objects."""
+        objs = [o for o in list(self.objects.values()) if not o.recorded]
+        for obj in objs:
             for cid, off, length in obj.spans:
                 if off in obj.written:
                     continue
@@ -210,14 +276,7 @@ class FileObjects:
                 with self._lock:
                     obj.written.add(off)
                     self._unexpect(cid, obj, off)
-            if obj.complete:
-                self._flush(obj)
-                done.append(obj)
-            elif spill is not None:
-                for cid, off, length in obj.spans:
-                    if off in obj.written and self.index.get(cid, (None,))[0] is obj:
-                        spill(cid, os.pread(obj.fd, length, off))
-        self._record(done)
+        return objs
 
     def _flush(self, obj: FileObject) -> None:
         """A complete object's data to disk, under its final name."""
@@ -235,16 +294,13 @@ class FileObjects:
         fsync_dir(self.root)  # the data's names before the records that trust them
         for obj in done:
             tmp = self.root / (obj.key + IDS + _TMP)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE)
-            try:
-                _pwrite_all(fd, b"".join(IDX.pack(*s) for s in obj.spans), 0)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _write_record(tmp, obj.spans, fsync=True)
             os.rename(tmp, self.root / (obj.key + IDS))
         fsync_dir(self.root)
         for obj in done:
             obj.recorded = True
+            if obj.settled:
+                (self.root / (obj.key + SETTLED)).unlink(missing_ok=True)
 
     def _unexpect(self, cid: bytes, obj: FileObject, off: int) -> None:
         places = [p for p in self._pending.get(cid, []) if not (p[0] is obj and p[1] == off)]
@@ -255,8 +311,9 @@ class FileObjects:
         self.index.setdefault(cid, (obj, off, next(ln for c, o, ln in obj.spans if o == off)))
 
     def cut_back(self) -> int:
-        """Drop every unrecorded file object (a push failed on a full disk); bytes freed."""
-        return self.drop([o for o in self.objects.values() if not o.recorded])
+        """Drop every unrecorded file object no publish counts on (a push failed on a full
+        disk); bytes freed."""
+        return self.drop([o for o in self.objects.values() if not o.recorded and not o.settled])
 
     def drop(self, objs: Iterable[FileObject]) -> int:
         """Delete file objects (record first, then data): their chunks leave the index unless
@@ -280,7 +337,7 @@ class FileObjects:
                         self.index.setdefault(cid, (obj, off, length))
         for obj in gone:
             (self.root / (obj.key + IDS)).unlink(missing_ok=True)
-            for name in (obj.key, obj.key + PART):
+            for name in (obj.key + SETTLED, obj.key, obj.key + PART):
                 (self.root / name).unlink(missing_ok=True)
             self._retired += [fd for fd in (obj.fd, obj.direct) if fd >= 0]
             freed += obj.size if obj.written else 0
@@ -338,6 +395,16 @@ def _write(obj: FileObject, data: bytes | memoryview, off: int) -> None:
                 if e.errno != errno.EINVAL:
                     raise  # EINVAL: this device wants a larger alignment; write it buffered
     _pwrite_all(obj.fd, data, off)
+
+
+def _write_record(path: Path, spans: list[tuple[bytes, int, int]], fsync: bool) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE)
+    try:
+        _pwrite_all(fd, b"".join(IDX.pack(*s) for s in spans), 0)
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _pwrite_all(fd: int, data: bytes | memoryview, off: int) -> None:

@@ -108,9 +108,10 @@ def _fstype(path: Path) -> str:
 def clear_stale_mount(mountpoint: Path) -> None:
     """A daemon killed with SIGKILL leaves its mount behind ("transport endpoint is not
     connected"); detach it so the new daemon can mount in its place. A live mount is left
-    alone (check_mountpoint refuses it): it may be another daemon's."""
+    alone (check_mountpoint refuses it): it may be another daemon's. Asked with statfs, which
+    the kernel always sends to the daemon: a stat may be answered from its attribute cache."""
     try:
-        os.stat(mountpoint)
+        os.statvfs(mountpoint)
         return
     except OSError as e:
         if e.errno != errno.ENOTCONN:

@@ -3,23 +3,22 @@
 One file per chunk made every small file of a Python environment cost a file creation, a rename
 and a directory entry on every node (~300 us each here); appending to a pack costs a write.
 
-    store/packs/00000001.pack  records: b"MFSR", chunk id (16 bytes), blob length (u32), blob
+    store/packs/00000001.pack  records (fs/pack.py): b"MFSR", chunk id, blob length, blob
     store/packs/00000001.idx   (sealed packs) id, offset, length per record
+    store/packs/00000002.durable  (unsealed) how much of it is on disk (fs/durable.py)
     store/files/<key>          large files, written once, in place (fs/file_objects.py)
     store/lock                 held by the one process that owns the store
-
-(fs/pack.py describes the records and the index.)
 
 An object exists once its whole record is in a pack: the in-memory index is only updated after
 the append. `collect` (fs/collect.py) deletes the sealed packs in which no object is live any
 more (the chunks of versions no node keeps), and those mostly dead after their live objects are
 copied to the open pack and made durable; packs are never rewritten in place, so a crash
 mid-collect loses nothing live. After a crash, packs without an index are scanned and a torn
-record at the end is cut off, so a partial object is never visible. Every blob is verified
-against its id before it is appended and whenever it is read: a damaged record is an error, never
-wrong bytes. Durability is batched: `sync()` flushes the open pack once before a version is
-published, and `cut_back()` gives back what was appended since (the chunks of a push that failed
-on a full disk).
+record at the end is cut off, and what lies past its durable point verified (`lost`: what did
+not). Every blob is verified against its id before it is appended and whenever it is read: a
+damaged record is an error, never wrong bytes. Durability is batched: `sync()` flushes before a
+version is published (`--durable sync`), or `settle()` before and `flush()` after, in the
+background. `cut_back()` gives back what was appended since (a push that failed, disk full).
 
 The store holds the bytes of every pushed file whatever its mode, so its folders are 0700 and
 its files 0600, whatever the umask (fs/private_files.py): the mount is the only way other users
@@ -29,18 +28,18 @@ read content.
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from . import collect as collection
-from . import pack
+from . import durable, pack
 from .chunk import ID_SIZE, RAW, CorruptChunk, chunk_id, decode, encode, raw_size
 from .file_objects import FileObjects
 from .pack import MAGIC, PACK_SHIFT, RECORD, loc, unloc
 from .private_files import PRIVATE_FILE, fsync_dir, private_dir
+from .store_lock import StoreBusy, lock
 
 PACK_LIMIT = 256 * 1024 * 1024
 RAW_CODEC = bytes([RAW])
@@ -53,39 +52,29 @@ NOWAIT_MAX = 256 << 10  # get_if_cached decodes on the caller's thread: keep tha
 _NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 
 
-class StoreBusy(Exception):
-    """Another process owns this store."""
-
-
-def lock(root: Path) -> int:
-    """The lock of the store at `root`, taken: a file descriptor, closed to release it.
-    StoreBusy when another process holds it."""
-    fd = os.open(root / "lock", os.O_RDWR | os.O_CREAT, PRIVATE_FILE)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise StoreBusy(f"store {root} is in use by another process") from None
-    return fd
-
-
 class Store:
     """The node's content-addressed chunk store: append-only pack files and an index of where
     each chunk is, verified against its id on the way in and on the way out."""
 
-    def __init__(self, root: str | os.PathLike[str], pack_limit: int = PACK_LIMIT):
+    def __init__(self, root: str | os.PathLike[str], pack_limit: int = PACK_LIMIT,
+                 flush_later: bool = False):
         self.root = Path(root)
         self.packs = self.root / "packs"
-        private_dir(self.root)
-        private_dir(self.packs)
+        for folder in (self.root, self.packs):
+            private_dir(folder)
         self.pack_limit = pack_limit
         self._lockfd = lock(self.root)
         self._index: dict[bytes, int] = {}  # id -> pack.loc(pack, offset, length)
-        # Large files' chunks, stored once as the file itself (what passthrough binds).
-        self.objects = FileObjects(self.root / "files")
+        self.objects = FileObjects(self.root / "files")  # large files, stored once as the file
         self._readers: dict[int, int] = {}
         self._retired: list[int] = []  # readers of deleted packs, closed at the next collect
         self._lock = threading.Lock()
+        self._sync_lock = threading.Lock()  # one flush at a time (the flusher, a prepare, collect)
+        self._cuts = 0  # cut backs so far: a flush that raced one records no durable point
+        # Objects (and bytes) a crash took past the durable points, found at start; full packs
+        # sealed at the next flush if `flush_later` (fs/durable.py)
+        self.lost, self.lost_bytes = self.objects.lost, 0
+        self.flush_later, self.seals = flush_later, durable.Seals()
         # Packs that could not be read at start: reported, never written to or collected (what
         # they hold may come back once the fault is fixed); their objects count as missing.
         self.problems: list[str] = list(self.objects.problems)
@@ -101,7 +90,13 @@ class Store:
         for n in numbers:
             try:
                 listed = pack.read_index(self.packs, n)
-                found = list(pack.scan(self.packs, n)) if listed is None else listed
+                if listed is None:  # no index: verified past its durable point
+                    listed, tail = durable.scan_unsealed(self.packs, n)
+                    self.lost += tail.dropped
+                    self.lost_bytes += tail.cut
+                    if n != numbers[-1]:  # a seal a crash cut short: verified, done now
+                        pack.write_index(self.packs, n, listed)
+                found = listed
                 self._index.update(found)
             except OSError as e:
                 self.problems.append(f"pack {self._pack_path(n)} cannot be read, its objects are "
@@ -128,18 +123,23 @@ class Store:
                            PRIVATE_FILE)
         self._size = os.fstat(self._fd).st_size
         self._durable = self._size  # what cut_back() keeps: found on disk, or synced since
+        self._settled = self._size  # ... and what a publish counts on (settle)
         # The current pack's records, (id, location) in append order: its index once sealed.
         self._records: list[tuple[bytes, int]] = []
 
     def _seal(self) -> None:
         """Make the full pack durable and write its index, then start the next one. If the
         index cannot be written (a full disk), the pack stays open and the error propagates:
-        the next append tries again."""
-        os.fsync(self._fd)
-        self._durable = self._size
+        the next append tries again. With flush_later, only started: durable.Seals."""
         n = self._cur
-        pack.write_index(self.packs, n, self._records)
-        os.close(self._fd)
+        if self.flush_later:
+            self.seals.defer(n, self._fd, self._records)
+        else:
+            os.fsync(self._fd)
+            self._durable = self._size
+            pack.write_index(self.packs, n, self._records)
+            durable.drop_point(self.packs, n)
+            os.close(self._fd)
         self._open_pack(n + 1)
 
     @property
@@ -148,9 +148,8 @@ class Store:
         return len(self._records)
 
     def seal(self) -> None:
-        """Seal the open pack now, if it holds anything, so that a collect may delete or
-        compact it: `collect` never touches the open pack (after `monarch-fs rm`, it may hold
-        nothing but the removed workspace)."""
+        """Seal the open pack now, if it holds anything, so that a collect may reach it
+        (after `monarch-fs rm` it may hold nothing but the removed workspace)."""
         with self._lock:
             if self._size:
                 self._seal()
@@ -171,9 +170,8 @@ class Store:
         return list({**dict.fromkeys(self._index), **dict.fromkeys(self.objects.index)})
 
     def forget(self, cid: bytes) -> None:
-        """Drop a chunk found damaged from the index: the next push is told this store lacks
-        it and sends it again (its new record, later in the packs, is the one a restart
-        indexes); the damaged record goes with its pack's next compaction."""
+        """Drop a chunk found damaged from the index: the next push sends it again (a restart
+        indexes the newer record); the damaged one goes with its pack's next compaction."""
         with self._lock:
             self._index.pop(cid, None)
 
@@ -184,12 +182,11 @@ class Store:
         return self.objects.expect(key, size, chunks, chunk_size, self.has)
 
     def will_need(self, ids: Iterable[bytes]) -> int:
-        """Start reading those of `ids` held in file objects into the page cache (packs are
-        written through it); the bytes asked for."""
+        """Start reading those of `ids` in file objects into the page cache; bytes asked."""
         return self.objects.will_need(ids)
 
     def file_object(self, key: str) -> Path | None:
-        """The complete, durable file object `key` (passthrough binds it), if there is one."""
+        """The complete file object `key` (passthrough binds it), if there is one."""
         return self.objects.path(key)
 
     def put_blob(self, cid: bytes, blob: bytes | memoryview, *, raw: bool = False,
@@ -199,8 +196,7 @@ class Store:
         With `raw`, a compressed blob is stored decompressed: verifying it decompressed it
         anyway, and reads of raw objects cost a hash instead of a decompression. `verified`
         skips the check for a blob the caller has just encoded from bytes it hashed (the dev
-        box's store, daemon/client/controller_store.py); never for bytes from a peer.
-        """
+        box's store, daemon/client/controller_store.py); never for bytes from a peer."""
         if len(cid) != ID_SIZE:
             raise CorruptChunk(f"chunk id {cid.hex()} is not {ID_SIZE} bytes")
         if self.has(cid):
@@ -285,10 +281,9 @@ class Store:
 
     def get_if_cached(self, cid: bytes) -> bytes | memoryview | None:
         """What `get` returns, if the chunk is small, its pack already open and its blob in the
-        page cache: read with RWF_NOWAIT, which fails rather than wait for the disk. None
-        otherwise (then `get` it in a worker thread, which also reports any error). Never
-        blocks, so the FUSE thread calls it directly instead of handing the read to a worker
-        thread and back (two wake-ups, ~60 us each across CPUs here)."""
+        page cache (RWF_NOWAIT), else None (then `get` it in a worker thread). Never blocks, so
+        the FUSE thread calls it directly: a hand-off to a worker and back costs two wake-ups
+        (~60 us each across CPUs here)."""
         at = self._index.get(cid)
         if at is None:
             return None
@@ -351,15 +346,45 @@ class Store:
         return data
 
     def sync(self, spill: bool = True) -> None:
-        """Make every object written so far durable: the open pack's data, and the folder that
-        names the packs (a sealed pack was flushed when it was sealed). Only the store's own
-        files: a syncfs would also wait for everything else written to this filesystem (backing
-        files, or the other nodes' stores of a local cluster). Without `spill`, the chunks of
-        file objects still arriving stay there, not durable (FileObjects.sync)."""
-        self.objects.sync(self._fill, self._spill if spill else None)
+        """Make every object written so far durable (a sealed pack was when it was sealed).
+        Only the store's own files: a syncfs would also wait for everything else written to this
+        filesystem. Without `spill`, chunks of file objects still arriving stay there, not
+        durable (FileObjects.sync)."""
+        with self._sync_lock:
+            self.objects.sync(self._fill, self._spill if spill else None)
+            self.seals.finish(self.packs)
+            self._flush_pack()
+
+    def settle(self) -> None:
+        """`sync` before a publish without waiting for the disk (--durable background): file
+        objects completed, they and the open pack's records kept by a cut back; `flush` makes
+        them durable later, and a crash before that is found at start (fs/durable.py)."""
+        with self._sync_lock:
+            self.objects.settle(self._fill)
+            with self._lock:
+                self._settled = self._size
+
+    def flush(self) -> None:
+        """Make the complete file objects and the open pack durable, and record its durable
+        point; appends go on meanwhile (see _flush_pack)."""
+        with self._sync_lock:
+            self.objects.flush()
+            self.seals.finish(self.packs)
+            self._flush_pack()
+
+    def _flush_pack(self) -> None:
+        """fdatasync the open pack as it is now (a duplicate descriptor, outside the store's
+        lock), then record its durable point. Holds _sync_lock."""
         with self._lock:
-            os.fdatasync(self._fd)
-            self._durable = self._size
+            fd, n, size, cuts = os.dup(self._fd), self._cur, self._size, self._cuts
+        try:
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        with self._lock:  # sealed meanwhile: durable whole; cut back: the point is moot
+            if self._cur == n and self._cuts == cuts:
+                self._durable = max(self._durable, size)
+                durable.write_point(self.packs, n, size)
         fsync_dir(self.packs)
 
     def _fill(self, cid: bytes) -> bytes | memoryview | None:
@@ -376,15 +401,14 @@ class Store:
                 self._append(cid, [RAW_CODEC, data])
 
     def cut_back(self) -> int:
-        """Drop the records appended to the open pack since it was last made durable (`sync`,
-        or sealing the pack before), and give their space back at once; returns the bytes
-        freed. A push that fails on a full disk leaves the chunks it did store there, where no
-        collect reaches them: the disk stayed full. No published or prepared version loses
-        anything (each was made durable first); the dropped objects leave the index, so
-        `missing` reports them and a later push sends them again."""
-        freed_objects = self.objects.cut_back()
+        """Drop the records appended to the open pack since it was last made durable or
+        settled, giving their space back now (a push that failed on a full disk: no collect
+        reaches them); the bytes freed. No published or prepared version loses anything; the
+        dropped objects leave the index, so a later push sends them again."""
+        with self._sync_lock:  # not while a flush records what it cuts
+            freed_objects = self.objects.cut_back()
         with self._lock:
-            cut = self._durable
+            cut = max(self._durable, self._settled)
             if self._size <= cut:
                 return freed_objects
             os.ftruncate(self._fd, cut)
@@ -395,6 +419,7 @@ class Store:
                 elif self._index.get(cid) == at:
                     del self._index[cid]
             self._records = kept
+            self._cuts += 1
             freed, self._size = self._size - cut, cut
         return freed + freed_objects
 
@@ -402,6 +427,8 @@ class Store:
         """Free the space of objects outside `live()`; (packs deleted, bytes freed). Deletes
         the sealed packs no live object is in, compacts those mostly dead: see
         fs/collect.py. Blocking: run it in a worker thread."""
+        with self._sync_lock:  # full packs are sealed first (durable.Seals)
+            self.seals.finish(self.packs)
         packs, freed = collection.collect(self, live)
         objects, more = self.objects.collect(live())
         return packs + objects, freed + more
@@ -413,6 +440,7 @@ class Store:
 
     def close(self) -> None:
         self.objects.close()
+        self.seals.close()
         for fd in [self._fd, *self._readers.values(), *self._retired, self._lockfd]:
             os.close(fd)
         self._readers.clear()

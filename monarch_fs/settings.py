@@ -96,6 +96,22 @@ class Settings:
         return self._int("MONARCH_FS_MAX_ENTRIES", DEFAULT_MAX_ENTRIES)
 
     @property
+    def flush_delay(self) -> float:
+        """MONARCH_FS_FLUSH_SECONDS (1), seconds: with `daemon --durable background`, how long
+        after the last publish a daemon flushes its store to disk (what a power cut before
+        then takes is found at the next start, and the last whole version served)."""
+        from .daemon.node.flusher import FLUSH_DELAY
+
+        raw = self._str("MONARCH_FS_FLUSH_SECONDS")
+        try:
+            value = FLUSH_DELAY if raw is None else float(raw)
+        except ValueError:
+            raise ValueError(f"$MONARCH_FS_FLUSH_SECONDS={raw!r}: expected seconds") from None
+        if not 0 <= value <= 86400:
+            raise ValueError(f"$MONARCH_FS_FLUSH_SECONDS={raw!r}: expected 0 to 86400 s")
+        return value
+
+    @property
     def pack_limit(self) -> int:
         """MONARCH_FS_PACK_MIB (256), in bytes (at least 1 MiB): the size of a store's pack
         files. A pack is deleted once nothing in it is used, so smaller packs give space back

@@ -43,6 +43,13 @@ def settled(c) -> None:
              "the backing copies to finish")
 
 
+def recorded(c, count: int, i: int = 0) -> None:
+    """Wait for `count` file objects recorded on node `i`: flushed after the publish
+    (--durable background, daemon/node/flusher.py)."""
+    wait_for(lambda: len([n for n in files(c, i) if n.endswith(".ids")]) == count, 20,
+             f"{count} file objects to be flushed and recorded")
+
+
 def test_a_large_file_takes_its_size_once_on_the_node(fresh_cluster, tmp_path):
     c = fresh_cluster(2)  # the second node gets it through the first one's relay
     src = tmp_path / "ws"
@@ -58,7 +65,7 @@ def test_a_large_file_takes_its_size_once_on_the_node(fresh_cluster, tmp_path):
         used = disk(state(c, i))
         assert used <= 1.1 * content, (f"node-{i}: {used} bytes on disk for {content} of "
                                        f"content: {listing(state(c, i))}")
-        assert len([n for n in files(c, i) if n.endswith(".ids")]) == 2
+        recorded(c, 2, i)
         assert (c.mnt(i) / "ws" / "model.bin").read_bytes() == big
     if c.status()[0]["fuse"] == "passthrough":
         bound = os.getxattr(c.mnt(0) / "ws" / "model.bin", "user.monarch.backing").decode()
@@ -105,10 +112,10 @@ def test_a_daemon_killed_after_publish_keeps_the_file_object(fresh_cluster, tmp_
     data = os.urandom(9 * MiB + 5)
     (src / "w.bin").write_bytes(data)
     c.push(src)
-    before = files(c)
+    before = {n.split(".")[0] for n in files(c)}  # flushed or not yet (--durable background)
     _kill(c)
     cluster_mod.restart_node(c.dir, 0)
-    assert files(c) == before
+    assert files(c) == sorted(k + suffix for k in before for suffix in ("", ".ids"))
     assert (c.mnt(0) / "ws" / "w.bin").read_bytes() == data
     assert not c.status()[0]["problems"]
 
@@ -120,7 +127,7 @@ def test_removing_a_workspace_deletes_its_file_objects(fresh_cluster, tmp_path):
         src.mkdir()
         (src / "big.bin").write_bytes(os.urandom(5 * MiB))
         c.push(src)
-    assert len([n for n in files(c) if n.endswith(".ids")]) == 2
+    recorded(c, 2)
     mfs("rm", "gone", "--hosts", c.hostfile, "--token-file", c.token_file)
     wait_for(lambda: len([n for n in files(c) if n.endswith(".ids")]) == 1, 20,
              "the removed workspace's file object to be collected")

@@ -36,10 +36,12 @@ from ...fs.store import Store
 from ...fs.version_switch import Staged
 from ..wire.replies import CommitReply, PrepareReply, RemoveReply
 from ..wire.requests import RequestError
-from . import source_path
+from . import recovery, source_path
 from .events import EventLog
 from .fetch import Fetcher
+from .flusher import Flusher
 from .incomplete import Incomplete
+from .lost import Losses
 from .refs import Refs
 from .source_links import SourceLinks
 
@@ -77,13 +79,16 @@ class Publisher:
                  keep: int, max_entries: int, counters: dict[str, int],
                  mount: str | os.PathLike[str] | None = None,
                  fetcher: Fetcher | None = None, events: EventLog | None = None,
-                 links: SourceLinks | None = None) -> None:
+                 links: SourceLinks | None = None, flusher: Flusher | None = None) -> None:
         self.store = store
         self.events = events  # collects are recorded there
         self.fetcher = fetcher  # an early prepare waits on it for the first-read chunks
         # The versions published early (push --early) and not known complete, saved in refs.json;
         # a prepare and commit without `early` complete one.
         self.incomplete = Incomplete(refs)
+        # Current versions a crash took chunks from, found at start (lost.py), until pushed.
+        self.losses = Losses()
+        self.flusher = flusher  # None: --durable sync, every prepare flushes (flusher.py)
         # Where the mount is: a workspace exposed at its source path links to MOUNT/NAME
         # (source_path.py). None: nothing is exposed there (a service built without a mount).
         self.mount = Path(mount) if mount is not None else None
@@ -123,7 +128,8 @@ class Publisher:
         fs.on_orphan_forgotten = self.start_collect
 
     def all_problems(self) -> list[str]:
-        return [*self.problems, *(p for ps in self.workspace_problems.values() for p in ps)]
+        return [*self.problems, *self.losses.problems(),
+                *(p for ps in self.workspace_problems.values() for p in ps)]
 
     # ---- manifests ------------------------------------------------------------------------
 
@@ -192,31 +198,8 @@ class Publisher:
                            or any(v in vs for vs in self.refs.workspaces.values())}
 
     async def load(self) -> None:
-        """Serve the saved workspaces, each version whose manifest loads. A workspace whose
-        current version does not load is not served at all (an older one in its place would be
-        stale content nobody is told about) but kept in refs.json (Refs.hold); an older version
-        that does not load is dropped. Each is a problem in `status`."""
-        for name, versions in list(self.refs.workspaces.items()):
-            loaded, problems = [], []
-            for v in versions:
-                try:
-                    loaded.append((v, await self.manifest(v)))
-                except (*_UNLOADABLE, OSError) as e:
-                    why = "manifest not in the store" if isinstance(e, KeyError) else str(e)
-                    if v == versions[0]:
-                        problems.append(f"workspace {name!r} not served: its current version "
-                                        f"{v.hex()[:12]} does not load: {why}")
-                        break
-                    problems.append(f"workspace {name!r}: older version {v.hex()[:12]} "
-                                    f"dropped: {why}")
-            if problems:
-                self.workspace_problems[name] = problems
-            if not loaded:
-                self.refs.hold(name)
-                continue
-            self.refs.workspaces[name] = [v for v, _ in loaded]
-            await self.fs.set_workspace(name.encode(), loaded)
-        self.incomplete.settle_loaded(await self.lacking(self.refs.early))
+        """Serve the saved workspaces, each version that is whole (recovery.py)."""
+        await recovery.load(self)
 
     async def lacking(self, early: dict[str, list[bytes]]) -> dict[bytes, int]:
         """How many chunks each of the `early` versions (by workspace) lacks, for those whose
@@ -313,7 +296,11 @@ class Publisher:
                 # Early: what arrived of the large files still arriving is not made durable
                 # (copied to a pack): the version is recorded as early, so a crash that
                 # loses it makes it lack more, never makes it whole (incomplete.py).
-                await trio.to_thread.run_sync(self.store.sync, early is None)
+                # --durable background: made durable after the publish (flusher.py).
+                if self.flusher is not None:
+                    await trio.to_thread.run_sync(self.store.settle)
+                else:
+                    await trio.to_thread.run_sync(self.store.sync, early is None)
             if early is not None and self.nursery is not None:  # read right after publishing
                 self.nursery.start_soon(self._will_need, early)
         except BaseException:
@@ -425,6 +412,9 @@ class Publisher:
                 raise RequestError(f"cannot save {self.refs.path}: {e.strerror or e}; "
                                    f"{name!r} stays at its last version") from None
             await self.fs.switch(staged)
+            if self.flusher is not None:
+                self.flusher.published()
+            self.losses.published(name)
             self.workspace_problems.pop(name, None)
             self._prepared.discard((name, version, early is not None))
             if self._pinned.get(name) == version:

@@ -31,6 +31,7 @@ from ..wire.transport import accept
 from .events import EventLog, EventLogHandler
 from .fetch import Fetcher
 from .first_reads import FirstReads
+from .flusher import MODES, Flusher
 from .procs import ROOT_PROCS_FLAG, ProcessTable, procs_user
 from .publisher import KEEP_VERSIONS, Publisher
 from .refs import Refs, describe_user
@@ -92,7 +93,7 @@ class NodeService:
                  max_entries: int = DEFAULT_MAX_ENTRIES,
                  allow_root_procs: bool = False, identity_mode: str = "",
                  munge_socket: str = identity.DEFAULT_SOCKET,
-                 source_prefixes: tuple[str, ...] = ()) -> None:
+                 source_prefixes: tuple[str, ...] = (), durable: str = "background") -> None:
         if not token:  # anyone who reached the port could run anything as this daemon's user
             raise ValueError("a daemon needs a token to accept requests: "
                              + NO_TOKEN_HELP.format(default=default_token_file()))
@@ -112,7 +113,12 @@ class NodeService:
         make_private(self.state)
         # A pack is deleted once nothing in it is used, so smaller packs
         # (MONARCH_FS_PACK_MIB) give space back sooner, for more files.
-        self.store = Store(self.state / "store", pack_limit=settings.pack_limit)
+        # --durable: flush before each publish (sync), or after, in the background (flusher.py)
+        if durable not in MODES:
+            raise ValueError(f"--durable {durable!r}: expected one of {', '.join(MODES)}")
+        self.durable = durable
+        self.store = Store(self.state / "store", pack_limit=settings.pack_limit,
+                           flush_later=durable == "background")
         self.backing = BackingFiles(self.state / "backing", self.store)
         self.node_name = node_name or socket.gethostname()
         # Chunks a reader needs before they arrive (push --early): asked of the pushers.
@@ -133,12 +139,15 @@ class NodeService:
         # What crossed this node since it started: a push's edges carry only what is lacking.
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.refs = Refs(self.state / "refs.json")
+        self.flusher = (Flusher(self.store, settings.flush_delay) if durable == "background"
+                        else None)
         self.publisher = Publisher(self.store, self.refs, self.backing, self.fs, keep=keep,
                                    max_entries=max_entries, counters=self.counters,
                                    mount=self.mount, fetcher=self.fetcher,
                                    events=self.events,
                                    links=SourceLinks(self.state, bool(identity_mode),
-                                                     source_prefixes))
+                                                     source_prefixes),
+                                   flusher=self.flusher)
         # A root daemon runs no process unless its operator allowed it (procs.py).
         self.allow_root_procs = allow_root_procs
         # "munge" (--identity munge): the requests that act for a user carry a MUNGE credential,
@@ -163,6 +172,8 @@ class NodeService:
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.events.run)
+                if self.flusher is not None:
+                    await nursery.start(self.flusher.run)
                 if self.events.enabled:
                     logs.addHandler(handler)
                 self.procs = ProcessTable(self.mount, nursery,
@@ -242,6 +253,8 @@ class NodeService:
             owners={n: describe_user(u) for n, u in self.refs.owners.items()},
             incomplete=self.publisher.incomplete.names(),
             incomplete_chunks=await self._incomplete_chunks(),
+            durable=self.durable,
+            lost=self.publisher.losses.to_wire(),
         )
 
     async def _incomplete_chunks(self) -> dict[str, int]:

@@ -114,6 +114,10 @@ class StatusReply:
     # arrived yet: a read of a missing chunk fetches it, or fails with EIO.
     incomplete: list[str] = field(default_factory=list)
     incomplete_chunks: dict[str, int] = field(default_factory=dict)  # name -> chunks it lacks
+    durable: str = ""  # --durable: "background" or "sync" ("" from an older node)
+    # name -> {version, chunks, serving}: its current version lost chunks in a crash before
+    # they were flushed; the last whole version serves until a push (daemon/node/lost.py)
+    lost: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_wire(self) -> dict[str, Any]:
         return {"node": self.node, "addr": self.addr, "mount": self.mount, **self.transport,
@@ -125,7 +129,8 @@ class StatusReply:
                 "workspaces": self.workspaces, "problems": self.problems, "mode": self.mode,
                 "root_procs": self.root_procs, "procs_user": self.procs_user,
                 "identity": self.identity, "owners": self.owners,
-                "incomplete": self.incomplete, "incomplete_chunks": self.incomplete_chunks}
+                "incomplete": self.incomplete, "incomplete_chunks": self.incomplete_chunks,
+                "durable": self.durable, "lost": self.lost}
 
     @classmethod
     def from_wire(cls, value: Mapping[str, Any]) -> StatusReply:
@@ -166,7 +171,10 @@ class StatusReply:
             procs_user=_get(op, value, "procs_user", str), identity=identity,
             owners=dict(owners), incomplete=[str(n) for n in value.get("incomplete", [])
                                              if isinstance(n, str)],
-            incomplete_chunks=_counts(value.get("incomplete_chunks", {})))
+            incomplete_chunks=_counts(value.get("incomplete_chunks", {})),
+            durable=durable if isinstance(durable := value.get("durable", ""), str) else "",
+            lost={n: dict(v) for n, v in lost.items() if isinstance(n, str)
+                  and isinstance(v, dict)} if isinstance(lost := value.get("lost"), dict) else {})
 
 
 @dataclass(frozen=True)
