@@ -3,9 +3,10 @@
 Reports MB/s of content (wall time of the push), the daemons' CPU seconds per GB of content
 (utime + stime from /proc/PID/stat around the push, summed over the nodes and divided by the
 content each one ingested) and the node disk per content byte (store + backing files, once the
-backing copies are done).
+backing copies are done), beside the raw loopback stream measured in the same run
+(bench/limits.py: one Python TCP stream, 4 MiB sendall/recv_into) and the push's rate over it.
 
-    python -m bench.ingest_bench --mib 1024 --nodes 1
+    python -m bench.ingest_bench --mib 1024 --nodes 1 [--durable sync|background]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 from bench.common import LocalCluster, mfs_cli, run
+from bench.limits import loopback_stream
 
 
 def cpu_seconds(pid: int, which: tuple[int, ...] = (11, 12)) -> float:
@@ -55,7 +57,11 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--profile", help=("node 0's profile to this file: perf record if it "
                                        "ends in .data, else py-spy's collapsed stacks"))
+    ap.add_argument("--durable", choices=["background", "sync"],
+                    help="the daemons' --durable (default: theirs, background)")
     args = ap.parse_args()
+    if args.durable:
+        os.environ["MONARCH_FS_DURABLE"] = args.durable  # the cluster's daemons inherit it
     mfs_cli()
     with tempfile.TemporaryDirectory(dir="/work") as tmp:
         src = Path(tmp) / "src"
@@ -64,6 +70,7 @@ def main() -> None:
             for _ in range(args.mib):
                 f.write(os.urandom(1 << 20))
         content = args.mib << 20
+        loopback = loopback_stream(content)  # bytes/s, this run
         with LocalCluster(Path(tmp) / "cluster", nodes=args.nodes) as c:
             pids = [c.pid(i) for i in range(args.nodes)]
             spy = None
@@ -96,6 +103,9 @@ def main() -> None:
             print(json.dumps({
                 "nodes": args.nodes, "content_mib": args.mib, "push_s": round(seconds, 2),
                 "MB_per_s": round(content / 1e6 / seconds, 1),
+                "loopback_MB_per_s": round(loopback / 1e6, 1),
+                "of_loopback": round(content / seconds / loopback, 3),
+                "durable": args.durable or os.environ.get("MONARCH_FS_DURABLE", "background"),
                 "daemon_cpu_s_per_gb_push": round(cpu / gb, 2),
                 "of_which_user": round(user / gb, 2),
                 "daemon_cpu_s_per_gb_incl_backing": round(cpu_all / gb, 2),

@@ -103,7 +103,7 @@ def cmd_daemon(args: argparse.Namespace, serve: Callable[[Any], Awaitable[Any]] 
         daemon = NodeDaemon(state=args.state, mount=args.mount, listen=args.listen, token=token,
                             keep=args.keep, node_name=args.node_name, transport=transport,
                             store_raw=not args.store_compressed, encrypt=args.encrypt,
-                            durable=args.durable,
+                            durable=args.durable or settings.durable,
                             limits=limits, allow_root_procs=args.allow_root_procs,
                             identity_mode="" if args.identity == "token" else args.identity,
                             munge_socket=munge_socket,

@@ -67,11 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--keep", type=int, default=3, help="versions kept per workspace (default 3)")
     d.add_argument("--store-compressed", action="store_true",
                    help="keep chunks zstd-compressed on disk (less disk, slower cold reads)")
-    d.add_argument("--durable", choices=["background", "sync"], default="background",
-                   help="when a pushed version is on disk: background (default) publishes once "
-                        "its chunks are written and verified, and flushes them after; a crash "
+    d.add_argument("--durable", choices=["background", "sync"],
+                   help="when a pushed version is on disk: background publishes once its "
+                        "chunks are written and verified, and flushes them after (a power cut "
                         "before the flush serves the last whole version until a push repairs "
-                        "it. sync flushes before every publish (slower pushes)")
+                        "it); sync flushes before every publish. Default $MONARCH_FS_DURABLE, "
+                        "else background")
     d.add_argument("--ready-file", help="write {addr, pid} here once mounted and listening")
     d.add_argument("--node-name", default="", help="name reported in status (default hostname)")
     d.add_argument("--transport", choices=TRANSPORTS, default="auto", help=TRANSPORT_HELP)

@@ -96,6 +96,18 @@ class Settings:
         return self._int("MONARCH_FS_MAX_ENTRIES", DEFAULT_MAX_ENTRIES)
 
     @property
+    def durable(self) -> str:
+        """MONARCH_FS_DURABLE (background): a daemon's --durable when none is given:
+        `background` publishes a version once its chunks are written and flushes them after,
+        `sync` flushes before every publish (docs: what is durable when)."""
+        from .daemon.node.flusher import MODES
+
+        raw = self._str("MONARCH_FS_DURABLE") or MODES[0]
+        if raw not in MODES:
+            raise ValueError(f"$MONARCH_FS_DURABLE={raw!r}: expected one of {', '.join(MODES)}")
+        return raw
+
+    @property
     def flush_delay(self) -> float:
         """MONARCH_FS_FLUSH_SECONDS (1), seconds: with `daemon --durable background`, how long
         after the last publish a daemon flushes its store to disk (what a power cut before

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from monarch_fs.daemon.wire.buffers import BufferPool
 from monarch_fs.daemon.wire.bulk import SMALL_CHUNK, frames_for
 from monarch_fs.daemon.wire.connection import (
     CLOSED,
@@ -220,6 +221,18 @@ def test_frame_buffers_are_reused_only_once_no_view_is_left():
         del msg  # dropped at once, as a stored chunk is
     assert [bytes(m.blob) for m in held] == blobs[:2]  # untouched by the four frames after
     assert len(w.server._buffers._pool) == 3  # the two held, and one taken again and again
+
+
+def test_a_small_buffer_or_one_past_the_pool_is_made_to_measure():
+    """A small file's chunk read while every pooled buffer is held got a whole new 4 MiB
+    one (a zero-fill per 20 KB file: half of a push's CPU for a tree of small files)."""
+    pool = BufferPool(keep=2)
+    held = [pool.take(4 << 20) for _ in range(2)]
+    small, large = pool.take(20_000), pool.take(4 << 20)
+    assert len(small) == 20_000 and len(small.obj) < 64 << 10
+    assert len(large.obj) < BufferPool.POOLED + 4096 and len(pool._pool) == 2
+    del held
+    assert pool.take(1 << 20).obj is pool._pool[0]  # free again: taken from the pool
 
 
 def test_send_parts_leave_the_payload_uncopied():

@@ -32,6 +32,10 @@ class BufferPool:
     docstring). Thread-safe: the dev box's encoders take buffers from worker threads."""
 
     POOLED = 4 * 1024 * 1024 + 64 * 1024  # a 4 MiB chunk's frame fits; larger ones are not kept
+    # A smaller buffer is made to measure, as is one asked for while every pooled one is held:
+    # a small file's chunk took a whole new POOLED buffer then (a batch of small chunks holds
+    # many), a 4 MiB zero-fill per 20 KB file, half of the dev box's CPU pushing small files.
+    SMALL = 128 * 1024
 
     def __init__(self, keep: int = 16) -> None:
         self.keep = keep
@@ -40,14 +44,15 @@ class BufferPool:
 
     def take(self, size: int, lead: int = 0) -> memoryview:
         """A buffer of `size` bytes whose byte `lead` is on a page."""
-        if size + ALIGN > self.POOLED:
+        if size < self.SMALL or size + ALIGN > self.POOLED:
             return aligned(size, lead)
         with self._lock:
             for raw in self._pool:
                 # Three references: the pool's, `raw`'s and getrefcount's own argument.
                 if sys.getrefcount(raw) == 3:
                     return aligned(size, lead, raw)
+            if len(self._pool) >= self.keep:  # every pooled one is held: one to measure
+                return aligned(size, lead)
             raw = bytearray(self.POOLED)
-            if len(self._pool) < self.keep:
-                self._pool.append(raw)
+            self._pool.append(raw)
         return aligned(size, lead, raw)
