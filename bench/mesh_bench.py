@@ -12,8 +12,8 @@ What is measured, and why:
   Repeated (spawn, stop) so one cold start does not decide the figure; the first run is reported
   separately because it is the one that pays for a cold page cache.
 - spawn actors: constructing one actor per proc (import by name, __init__, reply).
-- call round trip: a no-op endpoint on one actor, call_one() from a plain script (through the
-  background loop: two thread hops) and call_one_async() from trio code in the mesh's own loop;
+- call round trip: a no-op endpoint on one actor, call_one().get() from a plain script (through
+  the background loop: two thread hops) and call_one_async() from trio code in the mesh's loop;
   median and 90th percentile of many calls. Also call() on all 8 actors at once.
 - tensor echo: a 64 MiB float32 tensor to one actor and back (out-of-band buffers), MiB/s of
   payload moved (both directions counted).
@@ -84,27 +84,27 @@ def measure_sync(nodes: int, per_host: int, calls: int, repeats: int) -> dict:
 
         one = actors.slice(host=0, proc=0)
         for _ in range(50):  # warm up
-            one.noop.call_one()
+            one.noop.call_one().get()
         times = []
         for _ in range(calls):
             t = time.perf_counter()
-            one.noop.call_one()
+            one.noop.call_one().get()
             times.append(time.perf_counter() - t)
         out["call_one_sync"] = _ms(times)
         times = []
         for _ in range(calls // 4):
             t = time.perf_counter()
-            actors.noop.call()
+            actors.noop.call().get()
             times.append(time.perf_counter() - t)
         out[f"call_all_{len(procs)}_sync"] = _ms(times)
 
         big = torch.ones(16 * 1024 * 1024)  # float32: 64 MiB
         mib = big.numel() * big.element_size() / (1024 * 1024)
-        one.echo.call_one(big)
+        one.echo.call_one(big).get()
         times = []
         for _ in range(5):
             t = time.perf_counter()
-            back = one.echo.call_one(big)
+            back = one.echo.call_one(big).get()
             times.append(time.perf_counter() - t)
         assert torch.equal(back, big)
         best = min(times)

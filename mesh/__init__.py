@@ -4,10 +4,12 @@
 """
 
 from .actor import Actor, ActorMesh, Endpoint, endpoint
-from .errors import ActorError, Failure, MeshError, SpawnError, SupervisionError
+from .errors import ActorError, Failure, MeshError, MeshFailure, SpawnError, SupervisionError
+from .future import CallTimeout, Future
 from .host_mesh import HostMesh
 from .proc_mesh import ProcMesh
 from .shape import ValueMesh
 
-__all__ = ["Actor", "ActorError", "ActorMesh", "Endpoint", "Failure", "HostMesh", "MeshError",
-           "ProcMesh", "SpawnError", "SupervisionError", "ValueMesh", "endpoint"]
+__all__ = ["Actor", "ActorError", "ActorMesh", "CallTimeout", "Endpoint", "Failure", "Future",
+           "HostMesh", "MeshError", "MeshFailure", "ProcMesh", "SpawnError", "SupervisionError",
+           "ValueMesh", "endpoint"]

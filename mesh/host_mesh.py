@@ -141,7 +141,7 @@ class HostMesh:
         self, per_host: int = 1, *, name: str = "procs", env: dict[str, str] | None = None,
         cwd: str | None = None, workspace: str | None = None, version: str | None = None,
         python: str | None = None, python_path: Iterable[str] = (),
-        connect_timeout: float = 60.0,
+        connect_timeout: float = 60.0, call_timeout: float | None = None,
     ) -> ProcMesh:
         """Start `per_host` actor-runtime procs on every host; returns once all are connected.
 
@@ -150,12 +150,13 @@ class HostMesh:
         `{mount}` in env, cwd, python and python_path expand on each node. python is the
         interpreter (default: this one's path, e.g. use "{workspace}/bin/python" for a pushed
         venv); python_path entries go first on the procs' sys.path, so actor classes can come
-        from pushed code.
+        from pushed code. call_timeout is the default of every call's Future (None: wait as
+        long as it takes).
         """
         return await run_async_api(self._token, self._spawn_procs, dict(
             per_host=per_host, name=name, env=env, cwd=cwd, workspace=workspace,
             version=version, python=python, python_path=list(python_path),
-            connect_timeout=connect_timeout))
+            connect_timeout=connect_timeout, call_timeout=call_timeout))
 
     def spawn_procs(self, per_host: int = 1, **kwargs) -> ProcMesh:
         """spawn_procs_async for synchronous code (same arguments)."""

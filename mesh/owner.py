@@ -110,15 +110,17 @@ class OwnerService:
                     str(h.get("actor", call.actor)), str(h.get("method", call.method)),
                     proc.rank, str(proc.info), str(h.get("type", "Exception")),
                     str(h.get("message", "")), str(h.get("traceback", ""))))
-                return
-            try:
-                value = wire.body(msg)
-            except Exception as e:
-                call.answer(proc.rank, error=ActorError(
-                    call.actor, call.method, proc.rank, str(proc.info), type(e).__name__,
-                    f"the result could not be unpickled here: {e}", ""))
             else:
-                call.answer(proc.rank, value)
+                try:
+                    value = wire.body(msg)
+                except Exception as e:
+                    call.answer(proc.rank, error=ActorError(
+                        call.actor, call.method, proc.rank, str(proc.info), type(e).__name__,
+                        f"the result could not be unpickled here: {e}", ""))
+                else:
+                    call.answer(proc.rank, value)
+            if call.settled:  # its future holds the outcome; nothing else waits for the id
+                state.calls.remove(call)
         elif op == "failure":  # an actor did not handle the failure of a mesh it owns
             nested = str(h.get("description", "a mesh it owns failed"))
             reason = f"actor {h.get('actor')!r} did not handle a failure of its mesh: {nested}"

@@ -20,8 +20,9 @@ import trio
 
 from ..daemon.wire.addresses import format_addr
 from . import wire
-from .actor import ActorMesh, class_ref
+from .actor_mesh import ActorMesh, class_ref
 from .errors import Failure, MeshError, SpawnError
+from .future import Future
 from .hosts import Launcher, workspace_version
 from .loop import run_async_api, run_sync_api
 from .mesh_state import MeshState, Output, Proc, Supervisor, print_output, report_unhandled
@@ -38,11 +39,13 @@ async def spawn_proc_mesh(launcher: Launcher, nursery: trio.Nursery, *, per_host
                           python_path: Iterable[str] = (),
                           supervisor: Supervisor = report_unhandled,
                           output: Output | None = print_output,
-                          connect_timeout: float = 60.0) -> MeshState:
+                          connect_timeout: float = 60.0,
+                          call_timeout: float | None = None) -> MeshState:
     """Launch the runtimes and wait until every one has connected back."""
     if per_host < 1:
         raise ValueError("per_host must be at least 1")
     state = MeshState(name, launcher, per_host, supervisor, output)
+    state.call_timeout = call_timeout
     listeners: dict[str, trio.SocketListener] = {}
     addrs: list[str] = []  # per host: where its procs connect back to
     for host in range(len(launcher.hosts)):
@@ -142,8 +145,24 @@ class ProcMesh(Shaped):
 
     @property
     def failure(self) -> Failure | None:
-        """Why the mesh failed, once a proc of it has died."""
+        """The first failure of a rank of this mesh (whichever view), if any."""
         return self._state.failure
+
+    @property
+    def failures(self) -> dict[int, Failure]:
+        """rank -> why it is gone, for the ranks of this view that failed."""
+        procs = self._state.procs
+        return {r: f for r in self.ranks if (f := procs[r].failure) is not None}
+
+    @property
+    def call_timeout(self) -> float | None:
+        """What a call's Future.get() and await wait at most by default (None: no limit),
+        for every view of this mesh and its actor meshes."""
+        return self._state.call_timeout
+
+    @call_timeout.setter
+    def call_timeout(self, seconds: float | None) -> None:
+        self._state.call_timeout = seconds
 
     @property
     def pids(self) -> dict[int, tuple[str, int | None]]:
@@ -170,15 +189,16 @@ class ProcMesh(Shaped):
     async def _spawn(self, name: str, cls: type | str, args: tuple, kwargs: dict) -> ActorMesh:
         module, qualname, main = class_ref(cls)
         state = self._state
-        state.check()
+        state.check(self.ranks)
         if name in state.actors:
             raise ValueError(f"proc mesh {state.name!r} already has actors named {name!r}")
         pending = state.post_call(self.ranks, "spawn", name, "__init__",
                                   {"module": module, "qualname": qualname, "main": main},
                                   args, kwargs)
         state.actors.add(name)
-        assert pending is not None
-        await state.wait_call(pending)
+        constructed: Future[None] = Future(state, lambda _: None)
+        constructed._set_posted(pending, None)
+        await constructed  # within the mesh's call_timeout, if it has one
         return ActorMesh(state, name, cls if isinstance(cls, type) else None,
                          self._host_coords, self._proc_coords)
 

@@ -40,13 +40,14 @@ from ..daemon.wire import protocol as p
 from ..daemon.wire.calls import Call, Calls
 from ..daemon.wire.transport import Channel, ConnectError, ConnectionLost, connect
 from . import wire
-from .actor import is_endpoint
+from .actor_mesh import is_endpoint
 from .errors import Failure, MeshError, SpawnError
 from .hosts import HostInfo, Launcher, OnEvent
 from .mesh_state import print_output
 from .owner import MESH_MAX_FRAME
 
 EXIT_OWNER_GONE = 3
+CLEANUP_GRACE = 3.0  # seconds the actors' __cleanup__ get when their proc is stopped
 OUTBOX_SIZE = 16  # messages queued for the owner before those who answer wait for the link
 
 _INTERNAL = tuple(str(Path(f).parent) for f in (trio.__file__,) if f) + (__file__,)
@@ -106,16 +107,31 @@ class _Slot:
         # from a supervisor callback that cannot await. What bounds the queue is the caller:
         # every call waits for its reply, except broadcasts, which are fire-and-forget by design.
         self.mailbox, self._inbox = trio.open_memory_channel[tuple[dict, Any]](math.inf)
+        self.finished = trio.Event()
 
     async def run(self) -> None:
-        async for h, payload in self._inbox:
-            op = h["op"]
-            if op == "spawn":
-                await self._answer(h, "__init__", self._construct, h, payload)
-            elif op == "call":
-                await self._answer(h, h.get("method", "?"), self._call, h, payload)
-            elif op == "supervise":
-                await self._supervise(payload)
+        try:
+            async for h, payload in self._inbox:
+                op = h["op"]
+                if op == "spawn":
+                    await self._answer(h, "__init__", self._construct, h, payload)
+                elif op == "call":
+                    await self._answer(h, h.get("method", "?"), self._call, h, payload)
+                elif op == "supervise":
+                    await self._supervise(payload)
+                elif op == "stop_actor":  # after every message it already had
+                    await self._answer(h, "__cleanup__", self._cleanup)
+                    self.runtime.actors.pop(self.name, None)
+                    break
+        finally:
+            self.finished.set()
+
+    async def _cleanup(self) -> None:
+        """Run the actor's `__cleanup__`, if it has one (and was constructed)."""
+        cleanup = getattr(self.instance, "__cleanup__", None)
+        self.instance = None
+        if cleanup is not None:
+            await self._run(cleanup, (), {})
 
     async def _answer(self, h: dict, method: str, fn: Any, *args: Any) -> None:
         cid = h.get("call")
@@ -310,6 +326,11 @@ class Runtime:
         self.stopping = True
         for hosts in self.host_meshes:
             await hosts._stop_all()
+        with trio.move_on_after(CLEANUP_GRACE):  # each actor's __cleanup__, after its messages
+            for slot in list(self.actors.values()):
+                slot.mailbox.send_nowait(({"op": "stop_actor", "call": None}, None))
+            for slot in list(self.actors.values()):
+                await slot.finished.wait()
         self.outbox.close()
         with trio.move_on_after(2):
             await self._flushed.wait()
@@ -336,7 +357,7 @@ class Runtime:
                     self.nursery.start_soon(self._stop)
             elif op in ("reply", "proc_event"):
                 self.launcher.on_message(h)
-            elif op in ("spawn", "call") and not self.stopping:
+            elif op in ("spawn", "call", "stop_actor") and not self.stopping:
                 name = str(h.get("actor"))
                 slot = self.actors.get(name)
                 if slot is None and op == "spawn":

@@ -53,6 +53,32 @@ class Victim(Actor):
         return self.rank
 
 
+    @endpoint
+    def stall(self, rank: int, seconds: float) -> int:
+        if self.rank == rank:
+            time.sleep(seconds)
+        return self.rank
+
+    @endpoint
+    def fail_stall(self, rank: int) -> int:
+        if self.rank == rank:
+            raise ValueError("no")
+        return self.rank
+
+
+class Tidy(Actor):
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    @endpoint
+    def ping(self) -> int:
+        return self.rank
+
+    def __cleanup__(self) -> None:
+        with open(os.path.join(self.folder, f"cleanup-{self.rank}"), "w") as f:
+            f.write("done")
+
+
 class Echo(Actor):
     @endpoint
     def echo(self, value):
@@ -90,13 +116,13 @@ class Boss(Actor):
     @endpoint
     def start(self) -> list[int]:
         self.workers = self.hosts.spawn_procs(per_host=1, name="workers").spawn("w", Worker)
-        return self.workers.pid.call().values()
+        return self.workers.pid.call().get().values()
 
     @endpoint
     def kill_worker(self, host: int) -> str:
         try:  # the dead worker never answers: the call fails once its death is known
             self.workers.slice(host=host).die.broadcast()
-            self.workers.pid.call()
+            self.workers.pid.call().get()
         except Exception as e:
             return f"{type(e).__name__}: {e}"
         return "no error"

@@ -134,7 +134,10 @@ class Opener:
                 if frame.readonly or len(sealed) <= _JOIN:
                     return memoryview(self._aead.decrypt(nonce, sealed, frame[:header_size]))
                 plain = sealed[:-TAG_SIZE]
-                self._aead.decrypt_into(nonce, sealed, frame[:header_size], plain)
+                try:
+                    self._aead.decrypt_into(nonce, sealed, frame[:header_size], plain)
+                except ValueError:  # cryptography >= 46 refuses buffers that overlap: copy
+                    return memoryview(self._aead.decrypt(nonce, sealed, frame[:header_size]))
                 return plain
             self._aead.decrypt(nonce, frame[-TAG_SIZE:], frame[:-TAG_SIZE])
         except InvalidTag:

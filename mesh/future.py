@@ -1,0 +1,121 @@
+"""What a call returns at once: a `Future` for its answer, as in Monarch.
+
+    fut = trainers.step.call(batch)     # posted now; nothing waits yet
+    values = fut.get(timeout=30)        # a script blocks here (at most 30 s)
+    values = await fut                  # trio code awaits it
+
+Why futures: a rank that is alive but stuck (a deadlocked collective) must not hang the
+controller. `get(timeout=)` raises `CallTimeout` (a `TimeoutError`) naming the ranks that have
+not answered and what each is running, and the call stays in flight: a later `get()` still
+returns its answer. Without a timeout, the mesh's default (`spawn_procs(call_timeout=)`) applies.
+
+The call is posted to the mesh's loop when `call()` returns (through the loop's FIFO, so calls
+and broadcasts from one thread keep their order) and the answer is read without another thread
+hop once it has arrived.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import trio
+
+from .errors import MeshError
+from .loop import _current_token, _in_loop, run_async_api
+
+if TYPE_CHECKING:
+    from .mesh_state import MeshState, PendingCall
+
+T = TypeVar("T")
+
+
+class CallTimeout(MeshError, TimeoutError):
+    """A call's answer did not come within its timeout; the call is still in flight."""
+
+
+def _check_timeout(timeout: float | None) -> None:
+    if timeout is not None and (not math.isfinite(timeout) or timeout < 0):
+        raise ValueError(f"invalid timeout {timeout}: expected a non-negative number of seconds")
+
+
+class Future(Generic[T]):
+    """The answer of a call, once it comes: `get(timeout=)` / `result(timeout=)` from plain
+    code, `await` from trio code, `exception(timeout=)` for what it raised (or None)."""
+
+    def __init__(self, state: MeshState, finish: Callable[[dict[int, Any]], T]) -> None:
+        self._state = state
+        self._finish = finish
+        self._pending: PendingCall | None = None
+        self._post_error: BaseException | None = None
+
+    # ---- the mesh's loop side -----------------------------------------------------------
+
+    def _set_posted(self, pending: PendingCall | None, error: BaseException | None) -> None:
+        """The post ran in the loop: the call in flight, or why it could not be made."""
+        self._pending, self._post_error = pending, error
+
+    async def _wait(self, timeout: float | None) -> T:
+        if self._post_error is not None:
+            raise self._post_error
+        pending = self._pending
+        assert pending is not None, "a future is posted before anyone waits for it"
+        if timeout is None:
+            timeout = self._state.call_timeout
+        if timeout is None:
+            return self._finish(await pending.result())
+        with trio.move_on_after(timeout):
+            return self._finish(await pending.result())
+        raise CallTimeout(self._state.describe_waiting(pending, timeout))
+
+    # ---- any side -----------------------------------------------------------------------
+
+    @property
+    def done(self) -> bool:
+        """True once the answer (or the error) is here: get() then returns at once."""
+        return self._post_error is not None or (
+            self._pending is not None and self._pending.settled)
+
+    def get(self, timeout: float | None = None) -> T:
+        """Block until the answer is here, at most `timeout` seconds (default: the mesh's
+        call_timeout, None: no limit), and return it or raise what the call raised."""
+        _check_timeout(timeout)
+        token = self._state.trio_token
+        if _current_token() is token:
+            raise RuntimeError("Future.get() blocks; inside trio code use `await future`")
+        if self.done:  # no thread hop for an answer that is already here
+            return self._ready()
+        return _in_loop(trio.from_thread.run, token, self._wait, timeout)
+
+    def _ready(self) -> T:
+        if self._post_error is not None:
+            raise self._post_error.with_traceback(None)
+        assert self._pending is not None
+        pending = self._pending
+        if pending._error is not None:
+            raise pending._error.with_traceback(None)
+        return self._finish(pending._value or {})
+
+    result = get
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """What the call raised, or None if it answered (a timeout is raised, not returned)."""
+        try:
+            self.get(timeout)
+        except CallTimeout:
+            raise
+        except Exception as e:
+            return e
+        return None
+
+    async def _await(self) -> T:
+        return await run_async_api(self._state.trio_token, self._wait, None)
+
+    def __await__(self) -> Generator[Any, None, T]:
+        return self._await().__await__()
+
+    def __repr__(self) -> str:
+        what = "done" if self.done else "pending"
+        call = f" {self._pending.actor}.{self._pending.method}" if self._pending else ""
+        return f"<Future{call} {what}>"
