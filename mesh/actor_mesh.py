@@ -15,17 +15,18 @@ future is done (`broadcast()` copies, since nothing tells you when it was sent).
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
 from . import wire
 from .errors import MeshError
-from .future import Future
+from .future import Arrival, Future
 from .loop import _current_token, post_sync_api
 from .mesh_state import PendingCall
 from .shape import Selector, Shaped, ValueMesh
+from .unsupported import not_supported
 
 if TYPE_CHECKING:
     from .mesh_state import MeshState
@@ -34,10 +35,20 @@ F = TypeVar("F", bound=Callable[..., Any])
 _ENDPOINT = "_monarch_endpoint"
 
 
-def endpoint(fn: F) -> F:
-    """Mark a method as callable from other processes. Only endpoints can be called remotely."""
-    setattr(fn, _ENDPOINT, True)
-    return fn
+def endpoint(fn: F | None = None, *, propagate: Any = None,
+             explicit_response_port: bool = False, instrument: bool = True) -> Any:
+    """Mark a method as callable from other processes. Only endpoints can be called remotely.
+    `@endpoint` or, as in Monarch, `@endpoint(...)`: propagate and instrument are accepted
+    and have no effect here (no tensor engine; the daemons trace); explicit_response_port is
+    refused."""
+    if explicit_response_port:
+        not_supported("endpoint(explicit_response_port=True)", "ports")
+
+    def mark(f: F) -> F:
+        setattr(f, _ENDPOINT, True)
+        return f
+
+    return mark if fn is None else mark(fn)
 
 
 def is_endpoint(fn: object) -> bool:
@@ -72,13 +83,11 @@ class ActorMesh(Shaped):
     """The actors named `name` on some ranks of a proc mesh. Attribute access gives endpoints."""
 
     def __init__(self, state: MeshState, name: str, cls: type | None,
-                 host_coords: tuple[int, ...], proc_coords: tuple[int, ...]) -> None:
+                 coords: tuple[tuple[int, ...], ...] | None = None) -> None:
         self._state = state
         self._name = name
         self._cls = cls
-        self._host_coords = host_coords
-        self._proc_coords = proc_coords
-        self._per_host = state.per_host
+        self._init_shape(state.dims, state.extent, coords)
 
     def __getattr__(self, attr: str) -> Endpoint:
         if attr.startswith("_"):
@@ -87,31 +96,32 @@ class ActorMesh(Shaped):
             raise AttributeError(f"{self._cls.__qualname__}.{attr} is not an @endpoint")
         return Endpoint(self, attr)
 
-    def slice(self, host: Selector = None, proc: Selector = None) -> ActorMesh:
-        """The actors on some hosts and/or some procs of each host, by position in this mesh:
-        an int, a slice or a list."""
-        hosts, procs = self._sliced(host, proc)
-        return ActorMesh(self._state, self._name, self._cls, hosts, procs)
+    def slice(self, **selectors: Selector) -> ActorMesh:
+        """The actors at some coordinates, by dimension name and position in this view (an
+        int, a slice or a list): `slice(hosts=0)`, `slice(gpus=1)`, `slice(**current_rank())`."""
+        return ActorMesh(self._state, self._name, self._cls, self._sliced(selectors))
 
-    def _start(self, method: str, args: tuple, kwargs: dict,
-               finish: Callable[[dict[int, Any]], Any]) -> Future:
+    def _start(self, method: str, args: tuple, kwargs: dict, *futures: Future) -> None:
         """Encode the call here, post it to the mesh's loop without waiting for the loop (its
-        FIFO keeps the order of calls from one thread), and return its future."""
+        FIFO keeps the order of calls from one thread), and tie `futures` to its answers."""
         state, ranks = self._state, self.ranks
         cid = next(state.calls.ids)
         msg = wire.encode({"op": "call", "call": cid, "actor": self._name, "method": method},
                           (args, kwargs), has_body=True)
-        future: Future = Future(state, finish)
         pending = PendingCall(cid, ranks, self._name, method)
+        state.calls.add(pending)  # at once, so that choose() from this thread counts it
 
         def post() -> None:
             try:
                 state.check(ranks, self._name)
                 state.start_call(ranks, msg, pending)
             except MeshError as e:
-                future._set_posted(None, e)
+                state.calls.remove(pending)
+                for future in futures:
+                    future._set_posted(None, e)
             else:
-                future._set_posted(pending, None)
+                for future in futures:
+                    future._set_posted(pending, None)
 
         if _current_token() is state.trio_token:
             post()
@@ -120,7 +130,23 @@ class ActorMesh(Shaped):
                 state.trio_token.run_sync_soon(post)
             except trio.RunFinishedError:
                 raise MeshError("its host mesh has been closed") from None
-        return future
+
+    def _one(self, rank: int) -> ActorMesh:
+        point = self.point_of(rank)
+        return ActorMesh(self._state, self._name, self._cls, tuple((c,) for c in point.values()))
+
+    def _least_busy(self) -> int:
+        """The rank of this view with the fewest calls of this actor in flight (ties: the one
+        after the last chosen), read without the loop: a snapshot is enough to balance."""
+        busy = dict.fromkeys(self.ranks, 0)
+        for call in self._state.calls.pending():
+            if call.actor == self._name:
+                for r in call.remaining & busy.keys():
+                    busy[r] += 1
+        ranks = self.ranks
+        start = self._state.chosen = (self._state.chosen + 1) % len(ranks)
+        order = ranks[start:] + ranks[:start]
+        return min(order, key=busy.__getitem__)
 
     def _post(self, method: str, args: tuple, kwargs: dict) -> None:
         """A broadcast, queued in the loop: its arguments are copied now."""
@@ -175,7 +201,9 @@ class Endpoint:
         """Call on every rank; a Future of the results by rank. It raises ActorError if an
         endpoint raised (the lowest such rank), SupervisionError if a rank it targets died,
         CallTimeout (a TimeoutError) if a timeout passed first."""
-        return self._mesh._start(self._name, args, kwargs, _value_mesh(self._mesh.ranks))
+        future = Future(self._mesh._state, _value_mesh(self._mesh.ranks))
+        self._mesh._start(self._name, args, kwargs, future)
+        return future
 
     def call_one(self, *args: Any, **kwargs: Any) -> Future[Any]:
         """Call the one actor of a mesh of exactly one; a Future of its result."""
@@ -183,7 +211,24 @@ class Endpoint:
         if len(ranks) != 1:
             raise ValueError(f"call_one needs a mesh of exactly one actor; this one has "
                              f"{len(ranks)} (use .slice(host=..., proc=...))")
-        return self._mesh._start(self._name, args, kwargs, _only(ranks[0]))
+        future = Future(self._mesh._state, _only(ranks[0]))
+        self._mesh._start(self._name, args, kwargs, future)
+        return future
+
+    def choose(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        """Call one actor of the mesh, the one with the fewest calls in flight; its result."""
+        one = self._mesh._one(self._mesh._least_busy())
+        future = Future(one._state, _only(one.ranks[0]))
+        one._start(self._name, args, kwargs, future)
+        return future
+
+    def stream(self, *args: Any, **kwargs: Any) -> Iterator[Future[Any]]:
+        """Call every rank; one Future per answer, in the order the answers come (the first
+        future is the first answer, whichever rank gave it)."""
+        arrivals: list[Future[Any]] = [Arrival(self._mesh._state, n)
+                                       for n in range(len(self._mesh))]
+        self._mesh._start(self._name, args, kwargs, *arrivals)
+        return iter(arrivals)
 
     async def call_async(self, *args: Any, **kwargs: Any) -> ValueMesh:
         """`await call(...)`, kept for trio code written before futures."""
@@ -196,6 +241,9 @@ class Endpoint:
         """Send to every rank without waiting for replies (from a script or from trio code).
         Arguments are copied before this returns, so mutating them afterwards is safe."""
         post_sync_api(self._mesh._state.trio_token, self._mesh._post, self._name, args, kwargs)
+
+    def rref(self, *args: Any, **kwargs: Any) -> Any:
+        not_supported("Endpoint.rref", "tensor engine")
 
     def __repr__(self) -> str:
         return f"<Endpoint {self._mesh._name}.{self._name}>"

@@ -119,3 +119,50 @@ class Future(Generic[T]):
         what = "done" if self.done else "pending"
         call = f" {self._pending.actor}.{self._pending.method}" if self._pending else ""
         return f"<Future{call} {what}>"
+
+
+class Arrival(Future[T]):
+    """The n-th answer of a call to many ranks, whichever rank gives it (stream())."""
+
+    def __init__(self, state: MeshState, n: int) -> None:
+        super().__init__(state, lambda _: None)  # type: ignore[arg-type, return-value]
+        self._n = n
+
+    def _take(self) -> T | None:
+        """The answer if it is here (or raise what it is); None if it is not yet."""
+        pending = self._pending
+        assert pending is not None
+        if len(pending.arrivals) > self._n:
+            rank = pending.arrivals[self._n]
+            if rank in pending.errors:
+                raise pending.errors[rank].with_traceback(None)
+            return pending.results[rank]
+        if pending.settled and pending._error is not None:  # a rank died: no more answers
+            raise pending._error.with_traceback(None)
+        return None
+
+    @property
+    def done(self) -> bool:
+        if self._post_error is not None:
+            return True
+        pending = self._pending
+        return pending is not None and (len(pending.arrivals) > self._n or (
+            pending.settled and pending._error is not None))
+
+    def _ready(self) -> T:
+        if self._post_error is not None:
+            raise self._post_error.with_traceback(None)
+        return self._take()  # type: ignore[return-value]
+
+    async def _wait(self, timeout: float | None) -> T:
+        if self._post_error is not None:
+            raise self._post_error
+        pending = self._pending
+        assert pending is not None
+        if timeout is None:
+            timeout = self._state.call_timeout
+        with trio.move_on_after(math.inf if timeout is None else timeout):
+            while not self.done:
+                await pending.arrived.wait()
+            return self._ready()
+        raise CallTimeout(self._state.describe_waiting(pending, timeout or 0.0))

@@ -24,11 +24,12 @@ import trio
 from ..daemon.client.hosts import resolve_target
 from ..daemon.wire.auth import resolve_token
 from .errors import MeshError
-from .hosts import HostInfo, Launcher, open_daemons
+from .hosts import HostInfo, HostSubset, Launcher, open_daemons
 from .local import local_cluster
 from .loop import BackgroundLoop, run_async_api, run_sync_api, service_nursery
 from .mesh_state import MeshState, Output, Supervisor, print_output, report_unhandled
 from .proc_mesh import ProcMesh, spawn_proc_mesh
+from .shape import HOSTS, Selector, select
 
 
 class HostMesh:
@@ -51,6 +52,21 @@ class HostMesh:
     @property
     def hosts(self) -> list[HostInfo]:
         return list(self._launcher.hosts)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {HOSTS: len(self._launcher.hosts)}
+
+    extent = sizes
+
+    def slice(self, hosts: Selector = None, host: Selector = None) -> HostMesh:
+        """Some of these hosts, by position (an int, a slice or a list); procs spawned on the
+        slice stop with this mesh."""
+        picked = select(tuple(range(len(self))), hosts if host is None else host, HOSTS)
+        view = object.__new__(HostMesh)
+        view.__dict__.update(self.__dict__)  # the same loop, nursery, meshes and defaults
+        view._launcher = HostSubset(self._launcher, picked)
+        return view
 
     def __len__(self) -> int:
         return len(self._launcher.hosts)
@@ -138,12 +154,14 @@ class HostMesh:
     # ---- procs ----------------------------------------------------------------------------
 
     async def spawn_procs_async(
-        self, per_host: int = 1, *, name: str = "procs", env: dict[str, str] | None = None,
-        cwd: str | None = None, workspace: str | None = None, version: str | None = None,
+        self, per_host: int | dict[str, int] = 1, *, name: str = "procs",
+        env: dict[str, str] | None = None, cwd: str | None = None,
+        workspace: str | None = None, version: str | None = None,
         python: str | None = None, python_path: Iterable[str] = (),
         connect_timeout: float = 60.0, call_timeout: float | None = None,
     ) -> ProcMesh:
-        """Start `per_host` actor-runtime procs on every host; returns once all are connected.
+        """Start `per_host` actor-runtime procs on every host (an int, or named dimensions
+        such as {"gpus": 4}); returns once all are connected.
 
         workspace/version pin the procs to one published version of a pushed workspace
         (default: the version host 0 serves now, the same on every host); `{workspace}` and
@@ -158,7 +176,7 @@ class HostMesh:
             version=version, python=python, python_path=list(python_path),
             connect_timeout=connect_timeout, call_timeout=call_timeout))
 
-    def spawn_procs(self, per_host: int = 1, **kwargs) -> ProcMesh:
+    def spawn_procs(self, per_host: int | dict[str, int] = 1, **kwargs) -> ProcMesh:
         """spawn_procs_async for synchronous code (same arguments)."""
         return run_sync_api(self._token, "spawn_procs",
                             functools.partial(self.spawn_procs_async, per_host, **kwargs))

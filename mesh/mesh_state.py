@@ -29,6 +29,7 @@ from ..daemon.wire.transport import Channel
 from . import wire
 from .errors import ActorError, Failure, MeshError, SpawnError, SupervisionError
 from .hosts import HostInfo, Launcher
+from .shape import HOSTS
 
 log = logging.getLogger("monarch_fs.mesh")
 
@@ -102,6 +103,8 @@ class PendingCall(Call[dict[int, Any]]):
         self.results: dict[int, Any] = {}
         self.errors: dict[int, ActorError] = {}
         self.posted_at = 0.0  # trio.current_time() when it was queued to its ranks
+        self.arrivals: list[int] = []  # ranks in the order they answered (for stream())
+        self.arrived = trio.Event()  # set, and replaced, at each answer
 
     def answer(self, rank: int, value: Any = None, error: ActorError | None = None) -> None:
         """One rank's answer (a reader calls this)."""
@@ -112,6 +115,9 @@ class PendingCall(Call[dict[int, Any]]):
             self.errors[rank] = error
         else:
             self.results[rank] = value
+        self.arrivals.append(rank)
+        self.arrived.set()
+        self.arrived = trio.Event()
         if self.remaining:
             return
         if self.errors:
@@ -148,13 +154,15 @@ class MeshCalls(Calls[PendingCall]):
 class MeshState:
     """Everything a proc mesh, its slices and its actor meshes share."""
 
-    def __init__(self, name: str, launcher: Launcher, per_host: int, supervisor: Supervisor,
-                 output: Output | None) -> None:
+    def __init__(self, name: str, launcher: Launcher, per_host: dict[str, int],
+                 supervisor: Supervisor, output: Output | None) -> None:
         self.name = name
         self.launcher = launcher
-        self.per_host = per_host
-        self.procs = [Proc(h * per_host + lr, h, lr, info)
-                      for h, info in enumerate(launcher.hosts) for lr in range(per_host)]
+        self.dims = (HOSTS, *per_host)
+        self.extent = (len(launcher.hosts), *per_host.values())
+        per_host_n = self.per_host = math.prod(per_host.values())
+        self.procs = [Proc(h * per_host_n + lr, h, lr, info)
+                      for h, info in enumerate(launcher.hosts) for lr in range(per_host_n)]
         self.token = secrets.token_bytes(32)
         self.supervisor = supervisor
         self.output = output
@@ -162,6 +170,7 @@ class MeshState:
         self.stopping = False
         self.stopped = False
         self.calls = MeshCalls()
+        self.chosen = 0  # where choose() starts looking, so ties take turns
         self.call_timeout: float | None = None  # what Future.get() waits at most by default
         self.actors: set[str] = set()  # names of the actor meshes spawned on these procs
         self.stopped_actors: set[tuple[str, int]] = set()  # (actor, rank) stopped on purpose

@@ -27,12 +27,14 @@ from .hosts import Launcher, workspace_version
 from .loop import run_async_api, run_sync_api
 from .mesh_state import MeshState, Output, Proc, Supervisor, print_output, report_unhandled
 from .owner import OwnerService
-from .shape import Selector, Shaped
+from .shape import Selector, Shaped, per_host_dims
+from .unsupported import not_supported
 
 SPAWN_TIMEOUT = 30.0  # for a daemon to answer a spawn request
 
 
-async def spawn_proc_mesh(launcher: Launcher, nursery: trio.Nursery, *, per_host: int,
+async def spawn_proc_mesh(launcher: Launcher, nursery: trio.Nursery, *,
+                          per_host: int | dict[str, int],
                           name: str = "procs", env: dict[str, str] | None = None,
                           cwd: str | None = None, workspace: str | None = None,
                           version: str | None = None, python: str | None = None,
@@ -42,9 +44,7 @@ async def spawn_proc_mesh(launcher: Launcher, nursery: trio.Nursery, *, per_host
                           connect_timeout: float = 60.0,
                           call_timeout: float | None = None) -> MeshState:
     """Launch the runtimes and wait until every one has connected back."""
-    if per_host < 1:
-        raise ValueError("per_host must be at least 1")
-    state = MeshState(name, launcher, per_host, supervisor, output)
+    state = MeshState(name, launcher, per_host_dims(per_host), supervisor, output)
     state.call_timeout = call_timeout
     listeners: dict[str, trio.SocketListener] = {}
     addrs: list[str] = []  # per host: where its procs connect back to
@@ -80,6 +80,7 @@ def _spawn_specs(state: MeshState, addrs: list[str], env: dict | None, cwd: str 
     shared_env = {
         "MONARCH_MESH_HOSTS": wire.compact_json(hosts),
         "MONARCH_MESH_PYTHON_PATH": os.pathsep.join(python_path),
+        "MONARCH_MESH_DIMS": wire.compact_json(list(zip(state.dims, state.extent))),
         # What meshes spawned by actors in this proc inherit, with their {placeholders}
         # unexpanded (base64, so the daemon does not expand them for this node).
         "MONARCH_MESH_DEFAULTS": base64.b64encode(wire.compact_json({
@@ -132,12 +133,10 @@ async def _spawn_one(state: MeshState, proc: Proc, spec: dict[str, Any],
 class ProcMesh(Shaped):
     """Procs running the actor runtime, `per_host` on each host; or a slice of them."""
 
-    def __init__(self, state: MeshState, host_coords: tuple[int, ...] | None = None,
-                 proc_coords: tuple[int, ...] | None = None) -> None:
+    def __init__(self, state: MeshState,
+                 coords: tuple[tuple[int, ...], ...] | None = None) -> None:
         self._state = state
-        self._per_host = state.per_host
-        self._host_coords = host_coords or tuple(range(len(state.launcher.hosts)))
-        self._proc_coords = proc_coords or tuple(range(state.per_host))
+        self._init_shape(state.dims, state.extent, coords)
 
     @property
     def name(self) -> str:
@@ -170,9 +169,9 @@ class ProcMesh(Shaped):
         procs = self._state.procs
         return {r: (procs[r].info.addr, procs[r].pid) for r in self.ranks}
 
-    def slice(self, host: Selector = None, proc: Selector = None) -> ProcMesh:
-        hosts, procs = self._sliced(host, proc)
-        return ProcMesh(self._state, hosts, procs)
+    def slice(self, **selectors: Selector) -> ProcMesh:
+        """The procs at some coordinates, by dimension name: `slice(hosts=0, gpus=1)`."""
+        return ProcMesh(self._state, self._sliced(selectors))
 
     async def spawn_async(self, name: str, cls: type | str, *args: Any,
                           **kwargs: Any) -> ActorMesh:
@@ -199,8 +198,7 @@ class ProcMesh(Shaped):
         constructed: Future[None] = Future(state, lambda _: None)
         constructed._set_posted(pending, None)
         await constructed  # within the mesh's call_timeout, if it has one
-        return ActorMesh(state, name, cls if isinstance(cls, type) else None,
-                         self._host_coords, self._proc_coords)
+        return ActorMesh(state, name, cls if isinstance(cls, type) else None, self._coords)
 
     async def stop_async(self) -> None:
         """Stop every proc of the whole mesh (not only this slice): asked to exit, then killed."""
@@ -208,6 +206,11 @@ class ProcMesh(Shaped):
 
     def stop(self) -> None:
         run_sync_api(self._state.trio_token, "stop", self._state.stop)
+
+    def activate(self) -> Any:
+        not_supported("ProcMesh.activate", "tensor engine")
+
+    rank_tensor = rank_tensors = activate
 
     def __repr__(self) -> str:
         return f"<ProcMesh {self.name!r} {self.sizes} ranks {self.ranks}>"

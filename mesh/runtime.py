@@ -20,7 +20,6 @@ outlives the controller that started it (and the daemon kills it in that case an
 from __future__ import annotations
 
 import base64
-import functools
 import importlib
 import importlib.util
 import inspect
@@ -41,10 +40,12 @@ from ..daemon.wire.calls import Call, Calls
 from ..daemon.wire.transport import Channel, ConnectError, ConnectionLost, connect
 from . import wire
 from .actor_mesh import is_endpoint
+from .context import actor_scope, enter_proc
 from .errors import Failure, MeshError, SpawnError
 from .hosts import HostInfo, Launcher, OnEvent
 from .mesh_state import print_output
 from .owner import MESH_MAX_FRAME
+from .shape import Shaped
 
 EXIT_OWNER_GONE = 3
 CLEANUP_GRACE = 3.0  # seconds the actors' __cleanup__ get when their proc is stopped
@@ -162,8 +163,12 @@ class _Slot:
                             ("local_rank", rt.local_rank), ("host", rt.hosts[rt.host]),
                             ("name", self.name), ("_mesh_hosts", lambda: hosts)):
             setattr(obj, attr, value)
-        await self._run(obj.__init__, args, kwargs)
-        self.instance = obj
+        self.instance = obj  # context() names it while its __init__ runs
+        try:
+            await self._run(obj.__init__, args, kwargs)
+        except BaseException:
+            self.instance = None
+            raise
 
     async def _call(self, h: dict, payload: p.Data) -> Any:
         method = h.get("method", "")
@@ -191,9 +196,16 @@ class _Slot:
     async def _run(self, fn: Any, args: tuple, kwargs: dict) -> Any:
         """Await an async callable here; run a sync one on the actor's own thread, where it
         may block (and may use the synchronous mesh API)."""
+        actor = self.instance
         if inspect.iscoroutinefunction(fn):
-            return await fn(*args, **kwargs)
-        return await self.thread.run(functools.partial(fn, *args, **kwargs))
+            with actor_scope(actor):
+                return await fn(*args, **kwargs)
+
+        def in_scope() -> Any:
+            with actor_scope(actor):
+                return fn(*args, **kwargs)
+
+        return await self.thread.run(in_scope)
 
 
 class OwnerLauncher(Launcher):
@@ -259,6 +271,10 @@ class Runtime:
         self.local_rank = int(env.get("MONARCH_MESH_LOCAL_RANK", "0"))
         self.host = int(env.get("MONARCH_MESH_HOST", "0"))
         self.hosts = [HostInfo(a, n) for a, n in json.loads(env.get("MONARCH_MESH_HOSTS", "[]"))]
+        dims = json.loads(env.get("MONARCH_MESH_DIMS", "[]")) or [["hosts", len(self.hosts)]]
+        shape = Shaped()
+        shape._init_shape(tuple(d for d, _ in dims), tuple(n for _, n in dims))
+        enter_proc(shape.point_of(self.rank), self.host)
         self.local_host = "127.0.0.1"
         defaults = env.get("MONARCH_MESH_DEFAULTS")
         self.defaults = json.loads(base64.b64decode(defaults)) if defaults else {}

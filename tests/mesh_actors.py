@@ -153,3 +153,38 @@ class EnvProbe(Actor):
                                     capture_output=True, text=True, check=True).stdout
         return {"environ": dict(kv.split("=", 1) for kv in raw.split("\0") if kv),
                 "os_environ": dict(os.environ), "grandchild": json.loads(grandchild)}
+
+
+class Where(Actor):
+    """Reports where it runs, by Monarch's functions."""
+
+    @endpoint
+    def where(self) -> tuple:
+        from monarch_fs.mesh import context, current_actor_name, current_rank, current_size
+
+        point = current_rank()
+        return (dict(point), point.rank, current_size(), context().actor_instance is self,
+                current_actor_name(), self.host.name)
+
+    @endpoint
+    async def where_async(self) -> tuple:
+        from monarch_fs.mesh import context, current_rank
+
+        return dict(current_rank()), context().actor_instance is self
+
+    @endpoint
+    def later(self, step: float) -> int:
+        time.sleep(step * (self.world_size - self.rank))
+        return self.rank
+
+    @endpoint
+    def on_this_host(self) -> tuple:
+        """Spawns a proc on its own host through this_host(), and asks an actor there."""
+        from monarch_fs.mesh import this_host
+
+        procs = this_host().spawn_procs(per_host={"gpus": 1}, name="inner")
+        try:
+            inner = procs.spawn("inner", Where)
+            return procs.sizes, inner.where.call_one().get(timeout=30)
+        finally:
+            procs.stop()

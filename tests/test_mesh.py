@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,6 @@ from helpers import mounted, wait_for
 from monarch_fs.daemon.wire.protocol import Data
 from monarch_fs.mesh import (
     ActorError,
-    CallTimeout,
     HostMesh,
     MeshError,
     SpawnError,
@@ -32,29 +30,9 @@ from monarch_fs.mesh import (
 from procwatch import Started
 
 TESTS = str(Path(__file__).parent)
+
+pytest_plugins = ["mesh_fixtures"]  # hosts, started, procs
 pytestmark = pytest.mark.filterwarnings("ignore:Failed to initialize NumPy")  # torch, no numpy
-
-
-@pytest.fixture(scope="module")
-def hosts(cluster2):
-    with HostMesh.connect(cluster2.hostfile, token_file=cluster2.token_file) as h:
-        yield h
-
-
-@pytest.fixture
-def started():
-    s = Started()
-    yield s
-    s.assert_gone()
-
-
-@pytest.fixture
-def procs(hosts, started):
-    """2 hosts x 2 procs, stopped after the test."""
-    p = hosts.spawn_procs(per_host=2, python_path=[TESTS])
-    started.add(*(pid for _, pid in p.pids.values()))
-    yield p
-    p.stop()
 
 
 # ---- messages ----------------------------------------------------------------------------
@@ -99,7 +77,7 @@ def test_wire_refuses_headers_that_are_not_messages():
 @pytest.mark.mount
 def test_call_call_one_broadcast_and_slice_by_rank(procs):
     counters = procs.spawn("counter", "mesh_actors:Counter", 10)
-    assert procs.sizes == {"host": 2, "proc": 2} and counters.ranks == [0, 1, 2, 3]
+    assert procs.sizes == {"hosts": 2, "procs": 2} and counters.ranks == [0, 1, 2, 3]
     got = counters.get.call().get()
     assert isinstance(got, ValueMesh) and got.ranks == [0, 1, 2, 3]
     assert [(r, v, h) for r, v, h, _ in got] == [
@@ -162,83 +140,6 @@ def test_constructor_failure_is_reported_by_rank(procs):
         procs.spawn("bad", "mesh_actors:BadInit")
     with pytest.raises(ActorError, match="No module named 'no_such_module'"):
         procs.spawn("missing", "no_such_module:Thing")
-
-
-@pytest.mark.mount
-def test_killed_rank_fails_only_the_calls_that_target_it(procs, started, capfd):
-    victims = procs.spawn("victim", "mesh_actors:Victim")
-    pids = victims.pid.call().get()
-    others = victims.slice(host=0)
-    start = time.monotonic()
-    killer = subprocess.Popen(["sh", "-c", f"sleep 0.5; kill -KILL {pids[3]}"])
-    started.add(killer.pid)
-    elsewhere = others.nap.call(1.5)  # in flight on ranks 0 and 1 while rank 3 dies
-    with pytest.raises(SupervisionError) as info:
-        victims.nap.call(60).get()  # pending when rank 3 is killed
-    killer.wait()
-    assert time.monotonic() - start < 10  # not the 60 s nap: the death ends the call
-    f = info.value.failure
-    assert (f.rank, f.signal, f.pid) == (3, "SIGKILL", pids[3]) and "node-1" in f.host
-    text = str(info.value)
-    assert "rank 3" in text and "killed by SIGKILL" in text
-    assert "victim 3 says goodbye on stderr" in text  # the tail of its stderr
-    assert procs.failure is not None and procs.failure.rank == 3
-    assert list(procs.failures) == [3] and procs.slice(host=0).failures == {}
-
-    assert elsewhere.get(timeout=10) == [0, 1]  # a call without rank 3 is untouched
-    start = time.monotonic()
-    with pytest.raises(SupervisionError) as again:
-        victims.pid.call().get()  # a later call to rank 3 fails at once, with the same cause
-    assert time.monotonic() - start < 0.5
-    assert again.value.failure.describe() == f.describe()
-    # Slices without it keep working: the other procs of its host too.
-    assert others.pid.call().get() == [pids[0], pids[1]]
-    assert victims.slice(host=1, proc=0).pid.call_one().get() == pids[2]
-    assert capfd.readouterr().err.count("proc rank 3 of mesh 'procs'") == 1  # reported once
-
-
-@pytest.mark.mount
-def test_stuck_endpoint_times_out_naming_ranks_and_what_they_run(procs):
-    victims = procs.spawn("victim", "mesh_actors:Victim")
-    stuck = victims.stall.call(2, 3.0)  # rank 2 naps 3 s; the others answer at once
-    behind = victims.slice(host=1, proc=0).pid.call_one()  # queued behind the nap on rank 2
-    start = time.monotonic()
-    with pytest.raises(TimeoutError) as info:
-        stuck.get(timeout=0.5)
-    assert time.monotonic() - start < 1.0
-    text = str(info.value)
-    assert "victim.stall: no answer within 0.5s from 1 of 4 ranks" in text
-    assert "rank 2 on node-1" in text and "rank 0" not in text and "still in flight" in text
-    with pytest.raises(CallTimeout, match=r"rank 2 .*running victim.stall \(this call waits"):
-        behind.get(timeout=0.2)
-    assert not stuck.done
-    assert stuck.get(timeout=10) == [0, 1, 2, 3]  # the call completed later
-    assert stuck.done and stuck.result() == [0, 1, 2, 3] and stuck.exception() is None
-    assert behind.get(timeout=5) == victims.slice(host=1, proc=0).pid.call_one().get()
-
-    procs.call_timeout = 0.3  # the default of every call of this mesh
-    try:
-        start = time.monotonic()
-        with pytest.raises(CallTimeout):
-            victims.slice(host=0).stall.call(0, 2.0).get()
-        assert time.monotonic() - start < 0.8
-        assert isinstance(victims.fail_stall.call(1).exception(timeout=5), ActorError)
-    finally:
-        procs.call_timeout = None
-
-
-@pytest.mark.mount
-def test_stopped_actor_mesh_cleans_up_and_refuses_calls(procs, tmp_path):
-    tidy = procs.spawn("tidy", "mesh_actors:Tidy", str(tmp_path))
-    counters = procs.spawn("counter", "mesh_actors:Counter", 0)
-    tidy.slice(host=0).stop().get(timeout=10)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cleanup-0", "cleanup-1"]
-    with pytest.raises(MeshError, match="actor mesh 'tidy' of proc mesh 'procs' was stopped"):
-        tidy.ping.call().get()
-    assert tidy.slice(host=1).ping.call().get() == [2, 3]
-    assert counters.incr.call().get() == [1, 1, 1, 1]  # other actors of those procs go on
-    procs.stop()  # the remaining actors' __cleanup__ run before their procs exit
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"cleanup-{r}" for r in range(4)]
 
 
 @pytest.mark.mount
