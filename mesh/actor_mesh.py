@@ -21,15 +21,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import trio
 
 from . import wire
+from .calls import PendingCall
 from .errors import MeshError
 from .future import Arrival, Future
 from .loop import _current_token, post_sync_api
-from .mesh_state import PendingCall
+from .mesh_ref import MeshRef, state_for
 from .shape import Selector, Shaped, ValueMesh
 from .unsupported import not_supported
 
 if TYPE_CHECKING:
-    from .mesh_state import MeshState
+    from .calls import CallTarget
 
 F = TypeVar("F", bound=Callable[..., Any])
 _ENDPOINT = "_monarch_endpoint"
@@ -82,7 +83,7 @@ def class_ref(cls: type | str) -> tuple[str, str, str | None]:
 class ActorMesh(Shaped):
     """The actors named `name` on some ranks of a proc mesh. Attribute access gives endpoints."""
 
-    def __init__(self, state: MeshState, name: str, cls: type | None,
+    def __init__(self, state: CallTarget, name: str, cls: type | None,
                  coords: tuple[tuple[int, ...], ...] | None = None) -> None:
         self._state = state
         self._name = name
@@ -178,8 +179,18 @@ class ActorMesh(Shaped):
         post_sync_api(state.trio_token, post)
         return future
 
+    def __reduce__(self) -> tuple:
+        """Pickled (passed to an actor, returned from one): a reference by which the receiver
+        calls these actors directly (mesh_ref.py)."""
+        return rebuild_actor_mesh, (self._state.mesh_ref(), self._name, self._coords)
+
     def __repr__(self) -> str:
         return f"<ActorMesh {self._name!r} of {self._state.name!r} ranks {self.ranks}>"
+
+
+def rebuild_actor_mesh(ref: MeshRef, name: str,
+                       coords: tuple[tuple[int, ...], ...]) -> ActorMesh:
+    return ActorMesh(state_for(ref), name, None, coords)
 
 
 def _value_mesh(ranks: list[int]) -> Callable[[dict[int, Any]], ValueMesh]:

@@ -26,7 +26,7 @@ from .errors import MeshError
 from .loop import _current_token, _in_loop, run_async_api
 
 if TYPE_CHECKING:
-    from .mesh_state import MeshState, PendingCall
+    from .calls import CallTarget, PendingCall
 
 T = TypeVar("T")
 
@@ -44,7 +44,7 @@ class Future(Generic[T]):
     """The answer of a call, once it comes: `get(timeout=)` / `result(timeout=)` from plain
     code, `await` from trio code, `exception(timeout=)` for what it raised (or None)."""
 
-    def __init__(self, state: MeshState, finish: Callable[[dict[int, Any]], T]) -> None:
+    def __init__(self, state: CallTarget, finish: Callable[[dict[int, Any]], T]) -> None:
         self._state = state
         self._finish = finish
         self._pending: PendingCall | None = None
@@ -124,7 +124,7 @@ class Future(Generic[T]):
 class Arrival(Future[T]):
     """The n-th answer of a call to many ranks, whichever rank gives it (stream())."""
 
-    def __init__(self, state: MeshState, n: int) -> None:
+    def __init__(self, state: CallTarget, n: int) -> None:
         super().__init__(state, lambda _: None)  # type: ignore[arg-type, return-value]
         self._n = n
 

@@ -27,6 +27,7 @@ from .errors import MeshError
 from .hosts import HostInfo, HostSubset, Launcher, open_daemons
 from .local import local_cluster
 from .loop import BackgroundLoop, run_async_api, run_sync_api, service_nursery
+from .mesh_ref import leave_loop, use_loop
 from .mesh_state import MeshState, Output, Supervisor, print_output, report_unhandled
 from .proc_mesh import ProcMesh, spawn_proc_mesh
 from .shape import HOSTS, Selector, select
@@ -100,9 +101,11 @@ class HostMesh:
     async def _open(cls, addrs: list[str], token: bytes) -> AsyncIterator[HostMesh]:
         async with open_daemons(addrs, token) as daemons, service_nursery() as nursery:
             hosts = cls(daemons, nursery)
+            use_loop(nursery)  # actor meshes that come back from actors are called from here
             try:
                 yield hosts
             finally:
+                leave_loop(nursery)
                 await hosts._stop_all()
 
     @classmethod

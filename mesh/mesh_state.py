@@ -11,23 +11,21 @@ The connections themselves are served by owner.py; launching is proc_mesh.py.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import secrets
 import signal
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import trio
 
 from ..daemon.wire import protocol as p
-from ..daemon.wire.calls import Call, Calls
 from ..daemon.wire.transport import Channel
 from . import wire
-from .errors import ActorError, Failure, MeshError, SpawnError, SupervisionError
+from .calls import CallTarget, MeshRef
+from .errors import Failure, MeshError, SpawnError, SupervisionError
 from .hosts import HostInfo, Launcher
 from .shape import HOSTS
 
@@ -63,6 +61,7 @@ class Proc:
     proc_id: int | None = None
     pid: int | None = None
     chan: Channel | None = None
+    peer: str = ""  # where it listens for direct calls (mesh_ref.py)
     exit: dict | None = None  # the daemon's exit report
     failure: Failure | None = None
     launched: list[tuple[int, int]] = field(default_factory=list)  # (host, proc id) of procs
@@ -91,67 +90,7 @@ class Proc:
             pass  # the proc is gone; its failure is reported elsewhere
 
 
-class PendingCall(Call[dict[int, Any]]):
-    """A call to some ranks: settled with the results by rank once every rank has answered
-    (or with the lowest rank's ActorError), or failed at once when a rank it targets dies."""
-
-    def __init__(self, cid: int, ranks: Iterable[int], actor: str, method: str) -> None:
-        super().__init__()
-        self.id = cid
-        self.remaining = set(ranks)
-        self.actor, self.method = actor, method
-        self.results: dict[int, Any] = {}
-        self.errors: dict[int, ActorError] = {}
-        self.posted_at = 0.0  # trio.current_time() when it was queued to its ranks
-        self.arrivals: list[int] = []  # ranks in the order they answered (for stream())
-        self.arrived = trio.Event()  # set, and replaced, at each answer
-
-    def answer(self, rank: int, value: Any = None, error: ActorError | None = None) -> None:
-        """One rank's answer (a reader calls this)."""
-        if rank not in self.remaining:
-            return
-        self.remaining.discard(rank)
-        if error is not None:
-            self.errors[rank] = error
-        else:
-            self.results[rank] = value
-        self.arrivals.append(rank)
-        self.arrived.set()
-        self.arrived = trio.Event()
-        if self.remaining:
-            return
-        if self.errors:
-            first = self.errors[min(self.errors)]
-            first.others = len(self.errors) - 1
-            self.set_error(first)
-        else:
-            self.set_value(self.results)
-
-    def outcome(self) -> dict[int, Any]:
-        """The results of a settled call, or raise its error."""
-        assert self.settled
-        if self._error is not None:
-            raise self._error.with_traceback(None)
-        return self._value or {}
-
-
-class MeshCalls(Calls[PendingCall]):
-    """The calls in flight on a mesh. Their ids are drawn by whoever makes the call, in any
-    thread (the call's header is encoded there), so `add` keeps the id it is given."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ids = itertools.count(1)  # next() on a count is atomic: any thread may draw
-
-    def add(self, call: PendingCall) -> PendingCall:
-        self._pending[call.id] = call
-        return call
-
-    def pending(self) -> list[PendingCall]:
-        return list(self._pending.values())
-
-
-class MeshState:
+class MeshState(CallTarget):
     """Everything a proc mesh, its slices and its actor meshes share."""
 
     def __init__(self, name: str, launcher: Launcher, per_host: dict[str, int],
@@ -164,16 +103,14 @@ class MeshState:
         self.procs = [Proc(h * per_host_n + lr, h, lr, info)
                       for h, info in enumerate(launcher.hosts) for lr in range(per_host_n)]
         self.token = secrets.token_bytes(32)
+        self.peer_token = secrets.token_bytes(32)  # for direct calls; never the owner's token
         self.supervisor = supervisor
         self.output = output
         self.failure: Failure | None = None  # the first rank's failure
         self.stopping = False
         self.stopped = False
-        self.calls = MeshCalls()
-        self.chosen = 0  # where choose() starts looking, so ties take turns
-        self.call_timeout: float | None = None  # what Future.get() waits at most by default
+        self._init_calls()
         self.actors: set[str] = set()  # names of the actor meshes spawned on these procs
-        self.stopped_actors: set[tuple[str, int]] = set()  # (actor, rank) stopped on purpose
         self.trio_token = trio.lowlevel.current_trio_token()
         self._changed = trio.Event()
         # The owner's service (owner.py) sets these: its nursery, and the scope stop() cancels.
@@ -182,22 +119,17 @@ class MeshState:
 
     # ---- state -------------------------------------------------------------------------
 
+    def mesh_ref(self) -> MeshRef:
+        """What a pickled actor mesh of ours carries (see mesh_ref.py)."""
+        if not all(proc.peer for proc in self.procs):
+            raise MeshError(f"proc mesh {self.name!r}: its procs do not all take direct calls")
+        return MeshRef(self.name, self.dims, self.extent, self.peer_token,
+                       tuple(proc.peer for proc in self.procs),
+                       tuple(str(proc.info) for proc in self.procs))
+
     def wake(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
-
-    def check(self, ranks: Iterable[int] = (), actor: str | None = None) -> None:
-        """Raise at once if a call to `ranks` (of actor `actor`) cannot be made: the mesh was
-        stopped, one of those ranks failed, or the actor was stopped there."""
-        if self.stopping:  # stop() sets it first
-            raise MeshError(f"proc mesh {self.name!r} has been stopped")
-        for rank in ranks:
-            failure = self.procs[rank].failure
-            if failure is not None:
-                raise SupervisionError(failure)
-            if actor is not None and (actor, rank) in self.stopped_actors:
-                raise MeshError(f"actor mesh {actor!r} of proc mesh {self.name!r} was stopped "
-                                f"on rank {rank}")
 
     def fail(self, proc: Proc, failure: Failure) -> None:
         """Rank `proc` is gone: the calls that target it fail at once, and its failure goes to
@@ -225,49 +157,6 @@ class MeshState:
         ex = proc.exit or {}
         return Failure(self.name, proc.rank, str(proc.info), proc.pid, ex.get("code"),
                        ex.get("signal"), reason, list(ex.get("stderr_tail") or []))
-
-    # ---- calls -------------------------------------------------------------------------
-
-    def post_call(self, ranks: list[int], op: str, actor: str, method: str, fields: dict,
-                  args: tuple, kwargs: dict, reply: bool = True) -> PendingCall | None:
-        """Queue one message to every rank in `ranks`, without waiting (in the loop). With
-        `reply`, the call whose replies the readers settle; without, the arguments are copied
-        now (the caller may change them as soon as this returns)."""
-        pending = PendingCall(next(self.calls.ids), ranks, actor, method) if reply else None
-        header = {"op": op, "call": pending.id if pending else None, "actor": actor, **fields}
-        msg = wire.encode(header, (args, kwargs), has_body=True, copy=not reply)
-        self.start_call(ranks, msg, pending)
-        return pending
-
-    def start_call(self, ranks: list[int], msg: p.Data, pending: PendingCall | None) -> None:
-        """Hold `pending` (if any) for its answers and queue `msg` to `ranks` (in the loop)."""
-        if pending is not None:
-            pending.posted_at = trio.current_time()
-            self.calls.add(pending)
-        for rank in ranks:
-            self.procs[rank].post(msg)
-
-    def describe_waiting(self, pending: PendingCall, timeout: float) -> str:
-        """Why a call has no answer yet: the ranks that have not answered, and what each one
-        is running (the oldest call of that actor it has not answered, maybe another one)."""
-        now = trio.current_time()
-        calls = sorted((c for c in self.calls.pending() if c.actor == pending.actor),
-                       key=lambda c: c.posted_at)
-        lines = []
-        for rank in sorted(pending.remaining):
-            running = next((c for c in calls if rank in c.remaining), pending)
-            what = f"{running.actor}.{running.method}"
-            since = f"for {now - running.posted_at:.1f}s"
-            if running is not pending:
-                what += f" (this call waits behind it), {since}"
-            else:
-                what += f", {since}"
-            lines.append(f"rank {rank} on {self.procs[rank].info}: running {what}")
-        total = len(pending.remaining) + len(pending.results) + len(pending.errors)
-        return (f"{pending.actor}.{pending.method}: no answer within {timeout:g}s from "
-                f"{len(pending.remaining)} of {total} ranks (the call is still in flight; "
-                f"get() again to wait more):\n  "
-                + "\n  ".join(lines))
 
     # ---- events from the daemons -------------------------------------------------------
 

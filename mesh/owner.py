@@ -18,7 +18,8 @@ from ..daemon.wire import protocol as p
 from ..daemon.wire.limits import Limits, serve_listeners
 from ..daemon.wire.transport import Channel, ConnectionLost, accept
 from . import wire
-from .errors import ActorError, Failure, MeshError
+from .calls import settle_answer
+from .errors import Failure, MeshError
 from .mesh_state import MeshState, Proc, log
 
 MESH_MAX_FRAME = 1 << 30  # between authenticated mesh peers, frames may carry big tensors
@@ -84,6 +85,7 @@ class OwnerService:
         if h.get("op") != "hello" or proc.chan is not None or h.get("pid") != proc.pid:
             return None
         proc.chan = chan
+        proc.peer = str(h.get("peer") or "")
         self.state.wake()
         return proc
 
@@ -102,25 +104,7 @@ class OwnerService:
         state = self.state
         op = h["op"]
         if op in ("result", "error"):
-            call = state.calls.get(h.get("call"))
-            if call is None:
-                return
-            if op == "error":
-                call.answer(proc.rank, error=ActorError(
-                    str(h.get("actor", call.actor)), str(h.get("method", call.method)),
-                    proc.rank, str(proc.info), str(h.get("type", "Exception")),
-                    str(h.get("message", "")), str(h.get("traceback", ""))))
-            else:
-                try:
-                    value = wire.body(msg)
-                except Exception as e:
-                    call.answer(proc.rank, error=ActorError(
-                        call.actor, call.method, proc.rank, str(proc.info), type(e).__name__,
-                        f"the result could not be unpickled here: {e}", ""))
-                else:
-                    call.answer(proc.rank, value)
-            if call.settled:  # its future holds the outcome; nothing else waits for the id
-                state.calls.remove(call)
+            settle_answer(state.calls, proc.rank, str(proc.info), h, msg)
         elif op == "failure":  # an actor did not handle the failure of a mesh it owns
             nested = str(h.get("description", "a mesh it owns failed"))
             reason = f"actor {h.get('actor')!r} did not handle a failure of its mesh: {nested}"

@@ -25,6 +25,7 @@ from .errors import Failure, MeshError, SpawnError
 from .future import Future
 from .hosts import Launcher, workspace_version
 from .loop import run_async_api, run_sync_api
+from .mesh_ref import register_owned
 from .mesh_state import MeshState, Output, Proc, Supervisor, print_output, report_unhandled
 from .owner import OwnerService
 from .shape import Selector, Shaped, per_host_dims
@@ -66,6 +67,7 @@ async def spawn_proc_mesh(launcher: Launcher, nursery: trio.Nursery, *,
         if errors:
             raise errors[0]
         await state.wait_connected(connect_timeout)
+        register_owned(state.peer_token, state)  # a reference that comes back is ourselves
     except BaseException:
         await state.stop()
         raise
@@ -97,7 +99,8 @@ def _spawn_specs(state: MeshState, addrs: list[str], env: dict | None, cwd: str 
     argv = [python or sys.executable, "-m", "monarch_fs.mesh.runtime"]
     # The token goes in `secrets`, which the daemon hands over through a pipe, never in an
     # environment (/proc/PID/environ); see daemon/node/procs.py.
-    secrets = {"MONARCH_MESH_TOKEN": state.token.hex()}
+    secrets = {"MONARCH_MESH_TOKEN": state.token.hex(),
+               "MONARCH_MESH_PEER_TOKEN": state.peer_token.hex()}
     return [{"argv": argv, "secrets": secrets, "env": {
         "PYTHONUNBUFFERED": "1",
         **(env or {}),

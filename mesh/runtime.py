@@ -28,6 +28,7 @@ import math
 import os
 import sys
 import traceback
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +41,17 @@ from ..daemon.wire.calls import Call, Calls
 from ..daemon.wire.transport import Channel, ConnectError, ConnectionLost, connect
 from . import wire
 from .actor_mesh import is_endpoint
+from .calls import error_message
 from .context import actor_scope, enter_proc
 from .errors import Failure, MeshError, SpawnError
 from .hosts import HostInfo, Launcher, OnEvent
+from .mesh_ref import use_loop
 from .mesh_state import print_output
 from .owner import MESH_MAX_FRAME
+from .peer_service import serve_peers
 from .shape import Shaped
 
+Reply = Callable[[p.Data], Awaitable[None]]  # where an actor's answer goes
 EXIT_OWNER_GONE = 3
 CLEANUP_GRACE = 3.0  # seconds the actors' __cleanup__ get when their proc is stopped
 OUTBOX_SIZE = 16  # messages queued for the owner before those who answer wait for the link
@@ -107,21 +112,21 @@ class _Slot:
         # that lets that mailbox drain. The failures of the actor's own meshes also arrive here,
         # from a supervisor callback that cannot await. What bounds the queue is the caller:
         # every call waits for its reply, except broadcasts, which are fire-and-forget by design.
-        self.mailbox, self._inbox = trio.open_memory_channel[tuple[dict, Any]](math.inf)
+        self.mailbox, self._inbox = trio.open_memory_channel[tuple[dict, Any, Reply]](math.inf)
         self.finished = trio.Event()
 
     async def run(self) -> None:
         try:
-            async for h, payload in self._inbox:
+            async for h, payload, reply in self._inbox:
                 op = h["op"]
                 if op == "spawn":
-                    await self._answer(h, "__init__", self._construct, h, payload)
+                    await self._answer(h, reply, "__init__", self._construct, h, payload)
                 elif op == "call":
-                    await self._answer(h, h.get("method", "?"), self._call, h, payload)
+                    await self._answer(h, reply, h.get("method", "?"), self._call, h, payload)
                 elif op == "supervise":
                     await self._supervise(payload)
                 elif op == "stop_actor":  # after every message it already had
-                    await self._answer(h, "__cleanup__", self._cleanup)
+                    await self._answer(h, reply, "__cleanup__", self._cleanup)
                     self.runtime.actors.pop(self.name, None)
                     break
         finally:
@@ -134,7 +139,10 @@ class _Slot:
         if cleanup is not None:
             await self._run(cleanup, (), {})
 
-    async def _answer(self, h: dict, method: str, fn: Any, *args: Any) -> None:
+    async def _answer(self, h: dict, reply_to: Reply, method: str, fn: Any,
+                      *args: Any) -> None:
+        """Run fn and answer the caller through `reply_to` (the owner's connection, or the
+        direct connection of the proc that called)."""
         cid = h.get("call")
         try:
             value = await fn(*args)
@@ -146,11 +154,11 @@ class _Slot:
                                    f"{self.runtime.rank}: {type(e).__qualname__}: {e}\n"
                                    f"{_user_traceback(e)}"})
                 return
-            await self.runtime.send_error(cid, self.name, method, type(e).__qualname__, str(e),
-                                          _user_traceback(e))
+            await reply_to(error_message(cid, self.name, method, type(e).__qualname__, str(e),
+                                         _user_traceback(e)))
             return
         if cid is not None:
-            await self.runtime.post(reply)
+            await reply_to(reply)
 
     async def _construct(self, h: dict, payload: p.Data) -> None:
         cls = resolve_class(h["module"], h["qualname"], h.get("main"))
@@ -266,6 +274,7 @@ class Runtime:
     def __init__(self, env: dict[str, str], secrets: dict[str, str]) -> None:
         self.addr = env["MONARCH_MESH_ADDR"]
         self.token = bytes.fromhex(secrets["MONARCH_MESH_TOKEN"])
+        self.peer_token = bytes.fromhex(secrets.get("MONARCH_MESH_PEER_TOKEN", "")) or self.token
         self.rank = int(env["MONARCH_MESH_RANK"])
         self.world_size = int(env.get("MONARCH_MESH_WORLD_SIZE", "1"))
         self.local_rank = int(env.get("MONARCH_MESH_LOCAL_RANK", "0"))
@@ -300,18 +309,13 @@ class Runtime:
     async def send(self, header: dict) -> None:
         await self.post(wire.encode(header))
 
-    async def send_error(self, cid: Any, actor: str, method: str, exc_type: str, message: str,
-                   tb: str) -> None:
-        """Answer call `cid`: it raised (the controller makes an ActorError of this)."""
-        await self.send({"op": "error", "call": cid, "actor": actor, "method": method,
-                   "type": exc_type, "message": message, "traceback": tb})
 
     def host_mesh_for(self, slot: _Slot) -> Any:
         """The hosts, as seen by one actor: meshes it spawns report failures to it."""
         from .host_mesh import HostMesh
 
         def supervise(failure: Failure) -> None:
-            slot.mailbox.send_nowait(({"op": "supervise"}, failure))
+            slot.mailbox.send_nowait(({"op": "supervise"}, failure, self.post))
 
         assert self.nursery is not None
         hosts = HostMesh(self.launcher, self.nursery, supervisor=supervise, output=print_output)
@@ -327,9 +331,13 @@ class Runtime:
             return 2
         chan.conn.max_frame = MESH_MAX_FRAME
         self.local_host = chan.local_host
-        await chan.send(wire.encode({"op": "hello", "rank": self.rank, "pid": os.getpid()}))
         async with trio.open_nursery() as nursery:
             self.nursery = nursery
+            use_loop(nursery)  # actor meshes passed to our actors are called from here
+            peer = await nursery.start(serve_peers, self.peer_token, self.local_host,
+                                       {"mesh": "peer", "rank": self.rank}, self.deliver)
+            await chan.send(wire.encode({"op": "hello", "rank": self.rank, "pid": os.getpid(),
+                                         "peer": peer}))
             nursery.start_soon(self._writer, chan)
             await self._serve(chan)  # until the owner goes away, or _stop() cancels it
             nursery.cancel_scope.cancel()
@@ -344,7 +352,7 @@ class Runtime:
             await hosts._stop_all()
         with trio.move_on_after(CLEANUP_GRACE):  # each actor's __cleanup__, after its messages
             for slot in list(self.actors.values()):
-                slot.mailbox.send_nowait(({"op": "stop_actor", "call": None}, None))
+                slot.mailbox.send_nowait(({"op": "stop_actor", "call": None}, None, self.post))
             for slot in list(self.actors.values()):
                 await slot.finished.wait()
         self.outbox.close()
@@ -373,18 +381,25 @@ class Runtime:
                     self.nursery.start_soon(self._stop)
             elif op in ("reply", "proc_event"):
                 self.launcher.on_message(h)
-            elif op in ("spawn", "call", "stop_actor") and not self.stopping:
-                name = str(h.get("actor"))
-                slot = self.actors.get(name)
-                if slot is None and op == "spawn":
-                    slot = self.actors[name] = _Slot(self, name)
-                    self.nursery.start_soon(slot.run)
-                if slot is None:
-                    if h.get("call") is not None:
-                        await self.send_error(h["call"], name, h.get("method", "?"), "MeshError",
-                                        f"no actor {name!r} on this proc", "")
-                    continue
-                slot.mailbox.send_nowait((h, msg))
+            elif op in ("spawn", "call", "stop_actor"):
+                await self.deliver(h, msg, self.post)
+
+    async def deliver(self, h: dict, msg: p.Data, reply_to: Reply) -> None:
+        """A message for an actor, from the owner or a peer, into that actor's mailbox."""
+        if self.stopping:
+            return
+        assert self.nursery is not None
+        name = str(h.get("actor"))
+        slot = self.actors.get(name)
+        if slot is None and h["op"] == "spawn":
+            slot = self.actors[name] = _Slot(self, name)
+            self.nursery.start_soon(slot.run)
+        if slot is None:
+            if h.get("call") is not None:
+                await reply_to(error_message(h["call"], name, h.get("method", "?"), "MeshError",
+                                             f"no actor {name!r} on this proc", ""))
+            return
+        slot.mailbox.send_nowait((h, msg, reply_to))
 
 
 def main() -> int:

@@ -188,3 +188,48 @@ class Where(Actor):
             return procs.sizes, inner.where.call_one().get(timeout=30)
         finally:
             procs.stop()
+
+
+class Buffer(Actor):
+    """A replay buffer that generators fill directly."""
+
+    def __init__(self) -> None:
+        self.items: list = []
+
+    @endpoint
+    def add(self, item) -> int:
+        self.items.append(item)
+        return self.rank
+
+    @endpoint
+    async def contents(self) -> list:
+        return self.items
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class Producer(Actor):
+    """Calls a buffer mesh it was given, from a sync endpoint and from an async one."""
+
+    @endpoint
+    def produce(self, buffer, n: int) -> list[int]:
+        return [buffer.add.choose((self.rank, i)).get(timeout=30) for i in range(n)]
+
+    @endpoint
+    async def produce_async(self, buffer) -> list[int]:
+        return list(await buffer.add.call(("async", self.rank)))
+
+    @endpoint
+    def keep(self, buffer):
+        self.buffer = buffer
+        return buffer  # a reference travels back to whoever called
+
+    @endpoint
+    def try_add(self) -> str:
+        try:
+            self.buffer.add.call("late").get(timeout=30)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return "no error"
