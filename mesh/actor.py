@@ -4,7 +4,7 @@
         @endpoint
         def step(self, lr: float) -> float: ...        # sync: on the actor's own thread
         @endpoint
-        async def ping(self) -> str: ...                # async: runs in the proc's loop
+        async def ping(self) -> str: ...                # async: on the proc's asyncio loop
 
 Calling them is actor_mesh.py.
 """

@@ -16,12 +16,14 @@ hop once it has arrived.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import trio
 
+from .asyncio_loop import in_asyncio
 from .errors import MeshError
 from .loop import _current_token, _in_loop, run_async_api
 
@@ -110,7 +112,39 @@ class Future(Generic[T]):
         return None
 
     async def _await(self) -> T:
+        if _current_token() is None and in_asyncio():
+            return await self._await_on_asyncio()
         return await run_async_api(self._state.trio_token, self._wait, None)
+
+    async def _await_on_asyncio(self) -> T:
+        """Awaited in an asyncio task (an async endpoint): wait in the mesh's loop, and hand
+        the outcome to an asyncio future."""
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[T] = loop.create_future()
+
+        def give(value: Any, error: BaseException | None) -> None:
+            def settle() -> None:
+                if answer.done():
+                    return
+                if error is not None:
+                    answer.set_exception(error)
+                else:
+                    answer.set_result(value)
+            loop.call_soon_threadsafe(settle)
+
+        async def waiter() -> None:
+            try:
+                value = await self._wait(None)
+            except Exception as e:
+                give(None, e)
+            except BaseException:
+                give(None, MeshError("the mesh's loop ended before the call's answer came"))
+                raise
+            else:
+                give(value, None)
+
+        self._state.trio_token.run_sync_soon(trio.lowlevel.spawn_system_task, waiter)
+        return await answer
 
     def __await__(self) -> Generator[Any, None, T]:
         return self._await().__await__()

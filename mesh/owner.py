@@ -130,9 +130,10 @@ class OwnerService:
                     await launcher.kill(host, int(h["proc"]), int(h.get("signal", 15)))
                 return
             if h["op"] == "request":
-                if h.get("name") != "status":
-                    raise MeshError("only status requests are forwarded")
-                value = await launcher.request(host, "status")
+                name = str(h.get("name"))
+                if name not in ("status", "free_port"):
+                    raise MeshError("only status and free_port requests are forwarded")
+                value = await launcher.request(host, name)
                 proc.post(wire.encode({"op": "reply", "req": req, "value": value}))
                 return
 

@@ -58,8 +58,10 @@ async def spawn_proc_mesh(launcher: Launcher, nursery: trio.Nursery, *,
     try:
         if workspace and not version:
             version = await workspace_version(launcher, workspace)
+        port = (await launcher.request(0, "free_port"))["port"]
+        torchrun = torchrun_env(state, launcher.hosts[0].host, port)
         specs = _spawn_specs(state, addrs, env, cwd, workspace, version, python,
-                             list(python_path))
+                             list(python_path), torchrun)
         errors: list[SpawnError] = []
         async with trio.open_nursery() as starting:
             for proc, spec in zip(state.procs, specs):
@@ -74,9 +76,18 @@ async def spawn_proc_mesh(launcher: Launcher, nursery: trio.Nursery, *,
     return state
 
 
+def torchrun_env(state: MeshState, master_addr: str, port: int) -> list[dict[str, str]]:
+    """Per proc, what torchrun would give it, so `init_process_group()` works inside actors:
+    MASTER_ADDR is host 0's daemon address, MASTER_PORT a port its daemon found free."""
+    return [{"RANK": str(proc.rank), "WORLD_SIZE": str(len(state.procs)),
+             "LOCAL_RANK": str(proc.local_rank), "LOCAL_WORLD_SIZE": str(state.per_host),
+             "GROUP_RANK": str(proc.host), "MASTER_ADDR": master_addr,
+             "MASTER_PORT": str(port)} for proc in state.procs]
+
+
 def _spawn_specs(state: MeshState, addrs: list[str], env: dict | None, cwd: str | None,
                  workspace: str | None, version: str | None, python: str | None,
-                 python_path: list[str]) -> list[dict[str, Any]]:
+                 python_path: list[str], torchrun: list[dict[str, str]]) -> list[dict[str, Any]]:
     """What the daemons are asked to run, one spec per proc."""
     hosts = [[h.addr, h.name] for h in state.launcher.hosts]
     shared_env = {
@@ -103,6 +114,7 @@ def _spawn_specs(state: MeshState, addrs: list[str], env: dict | None, cwd: str 
                "MONARCH_MESH_PEER_TOKEN": state.peer_token.hex()}
     return [{"argv": argv, "secrets": secrets, "env": {
         "PYTHONUNBUFFERED": "1",
+        **torchrun[proc.rank],
         **(env or {}),
         "MONARCH_MESH_ADDR": addrs[proc.host],
         "MONARCH_MESH_NAME": state.name,

@@ -4,9 +4,9 @@ It connects back to its owner with the per-mesh token from its spawn request's s
 from the pipe the daemon passes, first thing, then closed: the token is never in an environment,
 and processes it starts inherit neither the token nor the pipe), says hello with its rank and
 pid, and then serves: constructs actors, runs their endpoints, and answers. Each actor handles
-its messages one at a time, in order: async endpoints in this trio loop, sync ones on the
-actor's own thread (so they may block, keep per-thread state such as the CUDA device between
-calls, and use the synchronous mesh API themselves).
+its messages one at a time, in order: async endpoints on the proc's asyncio loop
+(asyncio_loop.py), sync ones on the actor's own thread (so they may block, keep per-thread
+state such as the CUDA device between calls, and use the synchronous mesh API themselves).
 
 An actor may spawn meshes of its own through `self.hosts`. The owner holds the daemon
 connections, so the launch requests and the procs' events travel through it (see
@@ -19,6 +19,7 @@ outlives the controller that started it (and the daemon kills it in that case an
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import importlib
 import importlib.util
@@ -41,6 +42,7 @@ from ..daemon.wire.calls import Call, Calls
 from ..daemon.wire.transport import Channel, ConnectError, ConnectionLost, connect
 from . import wire
 from .actor_mesh import is_endpoint
+from .asyncio_loop import AsyncioLoop
 from .calls import error_message
 from .context import actor_scope, enter_proc
 from .errors import Failure, MeshError, SpawnError
@@ -56,7 +58,8 @@ EXIT_OWNER_GONE = 3
 CLEANUP_GRACE = 3.0  # seconds the actors' __cleanup__ get when their proc is stopped
 OUTBOX_SIZE = 16  # messages queued for the owner before those who answer wait for the link
 
-_INTERNAL = tuple(str(Path(f).parent) for f in (trio.__file__,) if f) + (__file__,)
+_INTERNAL = tuple(str(Path(f).parent) for f in (trio.__file__, asyncio.__file__) if f) + (
+    __file__, str(Path(__file__).parent / "asyncio_loop.py"))
 
 
 def _user_traceback(e: BaseException) -> str:
@@ -206,8 +209,11 @@ class _Slot:
         may block (and may use the synchronous mesh API)."""
         actor = self.instance
         if inspect.iscoroutinefunction(fn):
-            with actor_scope(actor):
-                return await fn(*args, **kwargs)
+            async def on_asyncio() -> Any:
+                with actor_scope(actor):
+                    return await fn(*args, **kwargs)
+
+            return await self.runtime.aio.run(on_asyncio)
 
         def in_scope() -> Any:
             with actor_scope(actor):
@@ -288,6 +294,7 @@ class Runtime:
         defaults = env.get("MONARCH_MESH_DEFAULTS")
         self.defaults = json.loads(base64.b64decode(defaults)) if defaults else {}
         self.actors: dict[str, _Slot] = {}
+        self.aio = AsyncioLoop()  # where async endpoints run
         self.host_meshes: list[Any] = []
         self.launcher = OwnerLauncher(self, self.hosts)
         # Bounded: whoever answers waits while the owner's connection is busy. The writer
@@ -342,6 +349,7 @@ class Runtime:
             await self._serve(chan)  # until the owner goes away, or _stop() cancels it
             nursery.cancel_scope.cancel()
         await trio.aclose_forcefully(chan.stream)
+        self.aio.stop()
         return self.exit_code
 
     async def _stop(self) -> None:

@@ -233,3 +233,53 @@ class Producer(Actor):
         except Exception as e:
             return f"{type(e).__name__}: {e}"
         return "no error"
+
+
+class Trainer(Actor):
+    """torch.distributed inside an actor mesh, from the environment the mesh gives."""
+
+    @endpoint
+    def env(self) -> dict:
+        keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                "MASTER_ADDR", "MASTER_PORT")
+        return {k: os.environ.get(k) for k in keys}
+
+    @endpoint
+    def all_reduce(self) -> float:
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=60))
+        try:
+            t = torch.tensor([float(self.rank + 1)])
+            dist.all_reduce(t)
+            return float(t.item())
+        finally:
+            dist.destroy_process_group()
+
+
+class AsyncUser(Actor):
+    """An async endpoint that needs asyncio: a queue, tasks, the running loop."""
+
+    @endpoint
+    async def pipeline(self, n: int) -> dict:
+        import asyncio
+
+        queue: asyncio.Queue[int] = asyncio.Queue(maxsize=2)
+
+        async def produce() -> None:
+            for i in range(n):
+                await queue.put(i)
+                await asyncio.sleep(0.01)
+            await queue.put(-1)
+
+        async def consume() -> int:
+            total = 0
+            while (item := await queue.get()) != -1:
+                total += item
+            return total
+
+        _, total = await asyncio.gather(produce(), consume())
+        loop = asyncio.get_running_loop()
+        value = await loop.run_in_executor(None, lambda: 7)
+        return {"total": total, "executor": value, "rank": self.rank}

@@ -1,0 +1,36 @@
+"""What an actor's code finds around it in a proc: the torchrun environment (a gloo all-reduce
+inside an actor mesh) and asyncio for async endpoints; on real daemons and procs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+TESTS = str(Path(__file__).parent)
+pytest_plugins = ["mesh_fixtures"]  # hosts, started, procs
+pytestmark = pytest.mark.filterwarnings("ignore:Failed to initialize NumPy")
+
+
+@pytest.mark.mount
+def test_torchrun_environment_and_gloo_all_reduce_inside_actors(procs):
+    trainers = procs.spawn("trainer", "mesh_actors:Trainer")
+    envs = trainers.env.call().get(timeout=30)
+    ports = {e["MASTER_PORT"] for e in envs}
+    assert len(ports) == 1 and next(iter(ports)).isdigit()
+    assert [(e["RANK"], e["LOCAL_RANK"], e["GROUP_RANK"]) for e in envs] == [
+        ("0", "0", "0"), ("1", "1", "0"), ("2", "0", "1"), ("3", "1", "1")]
+    assert {(e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"], e["MASTER_ADDR"]) for e in envs} == {
+        ("4", "2", "127.0.0.1")}
+    assert trainers.all_reduce.call().get(timeout=120) == [10.0] * 4  # 1 + 2 + 3 + 4
+
+
+@pytest.mark.mount
+def test_async_endpoints_run_on_asyncio(procs):
+    users = procs.slice(hosts=0).spawn("user", "mesh_actors:AsyncUser")
+    assert users.pipeline.call(5).get(timeout=30) == [
+        {"total": 10, "executor": 7, "rank": 0}, {"total": 10, "executor": 7, "rank": 1}]
+    # An async endpoint awaits mesh calls on asyncio too (actors calling actors).
+    buffers = procs.slice(hosts=1).spawn("buffer", "mesh_actors:Buffer")
+    producers = procs.slice(hosts=0).spawn("producer", "mesh_actors:Producer")
+    assert producers.produce_async.call(buffers).get(timeout=30) == [[2, 3], [2, 3]]
