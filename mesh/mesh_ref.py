@@ -132,7 +132,7 @@ class PeerMesh(CallTarget):
         async def writer() -> None:
             try:
                 async for msg in proc.inbox:
-                    await chan.send(msg)
+                    await wire.send(chan, msg)
             except (ConnectionLost, trio.ClosedResourceError, trio.BrokenResourceError):
                 pass
 

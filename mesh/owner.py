@@ -22,7 +22,7 @@ from .calls import settle_answer
 from .errors import Failure, MeshError
 from .mesh_state import MeshState, Proc, log
 
-MESH_MAX_FRAME = 1 << 30  # between authenticated mesh peers, frames may carry big tensors
+MESH_MAX_FRAME = 2 * wire.PIECE  # a larger message goes as pieces (wire.send)
 EXIT_WAIT = 5.0  # seconds to wait for the daemon's exit report after a proc's connection drops
 HELLO_TIMEOUT = 10.0
 
@@ -92,7 +92,7 @@ class OwnerService:
     async def _writer(self, proc: Proc, chan: Channel) -> None:
         try:
             async for msg in proc.outbox_receive:
-                await chan.send(msg)
+                await wire.send(chan, msg)
         except (ConnectionLost, trio.ClosedResourceError, trio.BrokenResourceError):
             pass
 

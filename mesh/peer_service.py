@@ -44,7 +44,7 @@ async def serve_peers(token: bytes, host: str, info: dict, deliver: Deliver,
         async def writer() -> None:
             try:
                 async for msg in out_receive:
-                    await chan.send(msg)
+                    await wire.send(chan, msg)
             except (ConnectionLost, trio.ClosedResourceError, trio.BrokenResourceError):
                 pass
 

@@ -373,7 +373,7 @@ class Runtime:
     async def _writer(self, chan: Channel) -> None:
         try:
             async for msg in self._outbox_recv:
-                await chan.send(msg)
+                await wire.send(chan, msg)
         except (ConnectionLost, trio.ClosedResourceError, trio.BrokenResourceError):
             pass
         finally:

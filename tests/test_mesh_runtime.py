@@ -34,3 +34,21 @@ def test_async_endpoints_run_on_asyncio(procs):
     buffers = procs.slice(hosts=1).spawn("buffer", "mesh_actors:Buffer")
     producers = procs.slice(hosts=0).spawn("producer", "mesh_actors:Producer")
     assert producers.produce_async.call(buffers).get(timeout=30) == [[2, 3], [2, 3]]
+
+
+@pytest.mark.mount
+def test_a_2_gib_tensor_round_trip(hosts, started):
+    import torch
+
+    procs = hosts.spawn_procs(per_host=1, python_path=[TESTS], name="big")
+    started.add(*(pid for _, pid in procs.pids.values()))
+    try:
+        echo = procs.slice(hosts=1).spawn("echo", "mesh_actors:Echo")
+        big = torch.arange((2 << 30) // 8, dtype=torch.int64)  # 2 GiB: over any frame's size
+        small = torch.ones(3)
+        back = echo.echo.call_one({"big": big, "small": small}).get(timeout=300)
+        assert back["big"].shape == big.shape and torch.equal(back["big"], big)
+        assert torch.equal(back["small"], small)
+        assert back["big"].data_ptr() % 64 == 0  # rebuilt in place, aligned
+    finally:
+        procs.stop()
