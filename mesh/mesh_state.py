@@ -27,6 +27,7 @@ from . import wire
 from .calls import CallTarget, MeshRef
 from .errors import Failure, MeshError, SpawnError, SupervisionError
 from .hosts import HostInfo, Launcher
+from .log_output import LogControl
 from .shape import HOSTS
 
 log = logging.getLogger("monarch_fs.mesh")
@@ -105,7 +106,7 @@ class MeshState(CallTarget):
         self.token = secrets.token_bytes(32)
         self.peer_token = secrets.token_bytes(32)  # for direct calls; never the owner's token
         self.supervisor = supervisor
-        self.output = output
+        self.output = LogControl(output)
         self.failure: Failure | None = None  # the first rank's failure
         self.stopping = False
         self.stopped = False
@@ -161,10 +162,9 @@ class MeshState(CallTarget):
     # ---- events from the daemons -------------------------------------------------------
 
     def on_proc_event(self, proc: Proc, kind: str, data: dict) -> None:
-        if kind == "output":
-            if self.output is not None:
-                self.output(self.name, proc.rank, data.get("stream", "stdout"),
-                            list(data.get("lines") or []))
+        if kind == "output":  # LogControl decides what to forward, and how
+            self.output(self.name, proc.rank, data.get("stream", "stdout"),
+                        list(data.get("lines") or []))
         elif kind == "exit":  # any exit we did not ask for is a failure (fail() knows)
             proc.exit = data
             proc.exited.set()

@@ -11,6 +11,7 @@ share, and supervision, is mesh_state.py.
 from __future__ import annotations
 
 import base64
+import logging
 import os
 import sys
 from collections.abc import Iterable
@@ -24,7 +25,7 @@ from .actor_mesh import ActorMesh, class_ref
 from .errors import Failure, MeshError, SpawnError
 from .future import Future
 from .hosts import Launcher, workspace_version
-from .loop import run_async_api, run_sync_api
+from .loop import post_sync_api, run_async_api, run_sync_api
 from .mesh_ref import register_owned
 from .mesh_state import MeshState, Output, Proc, Supervisor, print_output, report_unhandled
 from .owner import OwnerService
@@ -221,6 +222,26 @@ class ProcMesh(Shaped):
 
     def stop(self) -> None:
         run_sync_api(self._state.trio_token, "stop", self._state.stop)
+
+    def logging_option(self, stream_to_client: bool = True,
+                       aggregate_window_sec: float | None = None,
+                       level: int = logging.INFO) -> Future[None]:
+        """What happens to the procs' output (Monarch's options; here output is forwarded by
+        default): forward it to this controller or not, fold identical lines across ranks
+        over a window of seconds, and the procs' logging level. A Future: the level is set
+        on every proc of the mesh once it is done."""
+        state = self._state
+        set_level: Future[None] = Future(state, lambda _: None)
+
+        def apply() -> None:
+            state.output.configure(state.nursery, stream_to_client, aggregate_window_sec)
+            ranks = [p.rank for p in state.procs if p.failure is None]
+            pending = state.post_call(ranks, "log_level", "", "logging_option",
+                                      {"level": int(level)}, (), {})
+            set_level._set_posted(pending, None)
+
+        post_sync_api(state.trio_token, apply)
+        return set_level
 
     def activate(self) -> Any:
         not_supported("ProcMesh.activate", "tensor engine")

@@ -25,6 +25,7 @@ import importlib
 import importlib.util
 import inspect
 import json
+import logging
 import math
 import os
 import sys
@@ -389,6 +390,10 @@ class Runtime:
                     self.nursery.start_soon(self._stop)
             elif op in ("reply", "proc_event"):
                 self.launcher.on_message(h)
+            elif op == "log_level":
+                set_log_level(int(h.get("level", logging.INFO)))
+                await self.post(wire.encode({"op": "result", "call": h.get("call")}, None,
+                                            has_body=True))
             elif op in ("spawn", "call", "stop_actor"):
                 await self.deliver(h, msg, self.post)
 
@@ -408,6 +413,14 @@ class Runtime:
                                              f"no actor {name!r} on this proc", ""))
             return
         slot.mailbox.send_nowait((h, msg, reply_to))
+
+
+def set_log_level(level: int) -> None:
+    """The level of this proc's root logger (with a stderr handler if it has none)."""
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    root.setLevel(level)
 
 
 def main() -> int:

@@ -283,3 +283,16 @@ class AsyncUser(Actor):
         loop = asyncio.get_running_loop()
         value = await loop.run_in_executor(None, lambda: 7)
         return {"total": total, "executor": value, "rank": self.rank}
+
+
+class Chatter(Actor):
+    @endpoint
+    def chatter(self, tag: str) -> None:
+        import logging
+
+        print(f"same line {tag}", flush=True)
+        print(f"rank {self.rank} alone {tag}", flush=True)
+        logging.getLogger("chatter").info(f"info line {tag} rank {self.rank}")
+        logging.getLogger("chatter").debug(f"debug line {tag} rank {self.rank}")
+        for handler in logging.getLogger().handlers:
+            handler.flush()

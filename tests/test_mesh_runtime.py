@@ -3,6 +3,7 @@ inside an actor mesh) and asyncio for async endpoints; on real daemons and procs
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -52,3 +53,32 @@ def test_a_2_gib_tensor_round_trip(hosts, started):
         assert back["big"].data_ptr() % 64 == 0  # rebuilt in place, aligned
     finally:
         procs.stop()
+
+
+@pytest.mark.mount
+def test_log_control_forwards_folds_and_sets_the_level(procs, capfd):
+    import logging
+
+    chatter = procs.spawn("chatter", "mesh_actors:Chatter")
+
+    def output_of(tag: str) -> tuple[str, str]:
+        chatter.chatter.call(tag).get(timeout=30)
+        time.sleep(1.5)  # output travels through the daemons; a fold waits for its window
+        got = capfd.readouterr()
+        return got.out, got.err
+
+    out, _ = output_of("a")  # the default: every line, prefixed with its rank
+    assert out.count("same line a") == 4 and "[rank 2] same line a" in out
+    procs.logging_option(aggregate_window_sec=0.5, level=logging.INFO).get(timeout=30)
+    out, err = output_of("b")
+    assert "[procs ranks 0-3, 4 lines] same line b" in out and out.count("same line b") == 1
+    assert "[rank 1] rank 1 alone b" in out  # a line of one rank keeps its prefix
+    assert "info line b rank 3" in err and "debug line b" not in err
+    procs.logging_option(level=logging.DEBUG).get(timeout=30)
+    out, err = output_of("c")
+    assert out.count("same line c") == 4 and "debug line c rank 0" in err
+    procs.logging_option(stream_to_client=False, level=logging.WARNING).get(timeout=30)
+    out, err = output_of("d")
+    assert "line d" not in out + err
+    with pytest.raises(ValueError, match="needs stream_to_client=True"):
+        procs.logging_option(stream_to_client=False, aggregate_window_sec=1)
