@@ -67,6 +67,8 @@ def state_for(ref: MeshRef) -> CallTarget:
         if owned is not None and not owned.stopping:
             return owned
         peer = _peers.get(ref.token)
+        if peer is not None and peer.ref.addrs != ref.addrs:
+            peer.refresh(ref)  # a rank was respawned: a fresh proc at a new address
         if peer is None:
             if not _loop:
                 raise MeshError(f"actor mesh of proc mesh {ref.name!r} arrived in a process "
@@ -112,6 +114,14 @@ class PeerMesh(CallTarget):
 
     def mesh_ref(self) -> MeshRef:
         return self.ref
+
+    def refresh(self, ref: MeshRef) -> None:
+        """A newer reference: ranks at a new address are new procs, to connect to afresh."""
+        for rank, addr in enumerate(ref.addrs):
+            if addr != self.procs[rank].addr:
+                self.procs[rank].outbox.close()
+                self.procs[rank] = PeerRank(rank, ref.hosts[rank], addr)
+        self.ref = ref
 
     def start_call(self, ranks: list[int], msg: p.Data, pending: object) -> None:
         super().start_call(ranks, msg, pending)  # type: ignore[arg-type]

@@ -112,6 +112,9 @@ class MeshState(CallTarget):
         self.stopped = False
         self._init_calls()
         self.actors: set[str] = set()  # names of the actor meshes spawned on these procs
+        self.specs: list[dict] = []  # what each rank was launched with (for respawn)
+        # (name, ranks, fields, args, kwargs) of each actor mesh spawned (for respawn)
+        self.constructed: list[tuple[str, list[int], dict, tuple, dict]] = []
         self.trio_token = trio.lowlevel.current_trio_token()
         self._changed = trio.Event()
         # The owner's service (owner.py) sets these: its nursery, and the scope stop() cancels.
@@ -127,6 +130,10 @@ class MeshState(CallTarget):
         return MeshRef(self.name, self.dims, self.extent, self.peer_token,
                        tuple(proc.peer for proc in self.procs),
                        tuple(str(proc.info) for proc in self.procs))
+
+    async def changed(self) -> None:
+        """Until a proc connects or fails."""
+        await self._changed.wait()
 
     def wake(self) -> None:
         self._changed.set()

@@ -22,17 +22,16 @@ import trio
 from ..daemon.wire.addresses import format_addr
 from . import wire
 from .actor_mesh import ActorMesh, class_ref
-from .errors import Failure, MeshError, SpawnError
+from .errors import Failure, SpawnError
 from .future import Future
 from .hosts import Launcher, workspace_version
+from .launch import respawn_rank, spawn_one
 from .loop import post_sync_api, run_async_api, run_sync_api
 from .mesh_ref import register_owned
-from .mesh_state import MeshState, Output, Proc, Supervisor, print_output, report_unhandled
+from .mesh_state import MeshState, Output, Supervisor, print_output, report_unhandled
 from .owner import OwnerService
 from .shape import Selector, Shaped, per_host_dims
 from .unsupported import not_supported
-
-SPAWN_TIMEOUT = 30.0  # for a daemon to answer a spawn request
 
 
 async def spawn_proc_mesh(launcher: Launcher, nursery: trio.Nursery, *,
@@ -61,12 +60,12 @@ async def spawn_proc_mesh(launcher: Launcher, nursery: trio.Nursery, *,
             version = await workspace_version(launcher, workspace)
         port = (await launcher.request(0, "free_port"))["port"]
         torchrun = torchrun_env(state, launcher.hosts[0].host, port)
-        specs = _spawn_specs(state, addrs, env, cwd, workspace, version, python,
-                             list(python_path), torchrun)
+        specs = state.specs = _spawn_specs(state, addrs, env, cwd, workspace, version,
+                                           python, list(python_path), torchrun)
         errors: list[SpawnError] = []
         async with trio.open_nursery() as starting:
             for proc, spec in zip(state.procs, specs):
-                starting.start_soon(_spawn_one, state, proc, spec, errors)
+                starting.start_soon(spawn_one, state, proc, spec, errors)
         if errors:
             raise errors[0]
         await state.wait_connected(connect_timeout)
@@ -125,25 +124,6 @@ def _spawn_specs(state: MeshState, addrs: list[str], env: dict | None, cwd: str 
         "MONARCH_MESH_HOST": str(proc.host),
         **shared_env,
     }, **options} for proc in state.procs]
-
-
-async def _spawn_one(state: MeshState, proc: Proc, spec: dict[str, Any],
-                     errors: list[SpawnError]) -> None:
-    try:
-        # Once asked, learn the proc id (so stop() can kill it) even if we are being cancelled.
-        reply = None
-        with trio.CancelScope(shield=True, deadline=trio.current_time() + SPAWN_TIMEOUT):
-            reply = await state.launcher.spawn(
-                proc.host, spec, lambda kind, data: state.on_proc_event(proc, kind, data))
-    except MeshError as e:
-        errors.append(SpawnError(f"proc mesh {state.name!r}, rank {proc.rank}: {e}"))
-        return
-    if reply is None:
-        errors.append(SpawnError(f"proc mesh {state.name!r}, rank {proc.rank}: {proc.info} "
-                                 f"did not answer the spawn request within {SPAWN_TIMEOUT:g}s"))
-        return
-    proc.proc_id, proc.pid = reply["proc"], reply["pid"]
-    proc.spawned.set()
 
 
 class ProcMesh(Shaped):
@@ -207,14 +187,23 @@ class ProcMesh(Shaped):
         state.check(self.ranks)
         if name in state.actors:
             raise ValueError(f"proc mesh {state.name!r} already has actors named {name!r}")
-        pending = state.post_call(self.ranks, "spawn", name, "__init__",
-                                  {"module": module, "qualname": qualname, "main": main},
-                                  args, kwargs)
+        fields = {"module": module, "qualname": qualname, "main": main}
+        pending = state.post_call(self.ranks, "spawn", name, "__init__", fields, args, kwargs)
         state.actors.add(name)
+        state.constructed.append((name, self.ranks, fields, args, kwargs))  # for respawn()
         constructed: Future[None] = Future(state, lambda _: None)
         constructed._set_posted(pending, None)
         await constructed  # within the mesh's call_timeout, if it has one
         return ActorMesh(state, name, cls if isinstance(cls, type) else None, self._coords)
+
+    async def respawn_async(self, rank: int, timeout: float = 60.0) -> None:
+        """Replace failed rank `rank` with a fresh proc, and construct there, with the same
+        arguments, every actor that was on it (see launch.py)."""
+        await run_async_api(self._state.trio_token, respawn_rank, self._state, rank, timeout)
+
+    def respawn(self, rank: int, timeout: float = 60.0) -> None:
+        run_sync_api(self._state.trio_token, "respawn", respawn_rank, self._state, rank,
+                     timeout)
 
     async def stop_async(self) -> None:
         """Stop every proc of the whole mesh (not only this slice): asked to exit, then killed."""

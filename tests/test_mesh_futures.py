@@ -88,3 +88,23 @@ def test_stopped_actor_mesh_cleans_up_and_refuses_calls(procs, tmp_path):
     assert counters.incr.call().get() == [1, 1, 1, 1]  # other actors of those procs go on
     procs.stop()  # the remaining actors' __cleanup__ run before their procs exit
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"cleanup-{r}" for r in range(4)]
+
+
+@pytest.mark.mount
+def test_a_failed_rank_is_respawned_with_its_actors(procs, started):
+    counters = procs.spawn("counter", "mesh_actors:Counter", 10)
+    pids = counters.get.call().get()
+    with pytest.raises(MeshError, match="is alive"):
+        procs.respawn(3)
+    counters.slice(hosts=1, procs=1).incr.call_one(5).get()
+    killer = subprocess.Popen(["kill", "-KILL", str(pids[3][3])])
+    killer.wait()
+    with pytest.raises(SupervisionError):
+        counters.get.call().get(timeout=30)
+    procs.respawn(3)
+    started.add(procs.pids[3][1])
+    got = counters.get.call().get(timeout=30)
+    assert [v for _, v, _, _ in got] == [10, 10, 10, 10]  # constructed again, with its args
+    assert got[3][3] not in (pids[3][3], pids[2][3]) and got[3][2] == "node-1"
+    assert got[0][3] == pids[0][3]  # the other ranks are the same procs
+    assert counters.incr.call(1).get() == [11, 11, 11, 11]
