@@ -29,7 +29,7 @@ from ..daemon.wire.transport import Channel, ConnectionLost, RemoteError
 
 _ALIGN = 64
 _PAD = bytes(_ALIGN)
-PIECE = 64 << 20  # a message larger than this goes as pieces of this size (no size cap)
+PIECE = 256 << 20  # a message larger than this goes as pieces of this size (no size cap)
 MAX_MESSAGE = 1 << 40  # what a peer may announce: it passed the handshake, so only sanity
 
 
