@@ -12,11 +12,14 @@ What is measured, and why:
   Repeated (spawn, stop) so one cold start does not decide the figure; the first run is reported
   separately because it is the one that pays for a cold page cache.
 - spawn actors: constructing one actor per proc (import by name, __init__, reply).
-- call round trip: a no-op endpoint on one actor, call_one() from a plain script (through the
-  background loop: two thread hops) and call_one_async() from trio code in the mesh's own loop;
+- call round trip: a no-op endpoint on one actor, call_one().get() from a plain script (through
+  the background loop: two thread hops) and `await call_one()` from trio code in the mesh's
+  loop, to a sync endpoint and to an async one (which runs on the proc's asyncio loop);
   median and 90th percentile of many calls. Also call() on all 8 actors at once.
 - tensor echo: a 64 MiB float32 tensor to one actor and back (out-of-band buffers), MiB/s of
-  payload moved (both directions counted).
+  payload moved (both directions counted), and the same as a share of one raw loopback TCP
+  stream measured in the same run (bench/limits.py's loopback_stream, 256 MiB).
+- issue 36 compares these with Monarch 0.7 on one host x 4 procs: `--nodes 1 --per-host 4`.
 
 Wall-clock figures on a shared 2-core machine: the procs, the daemons and the controller all
 compete for the same cores, so spawn time grows with the number of procs here.
@@ -84,32 +87,38 @@ def measure_sync(nodes: int, per_host: int, calls: int, repeats: int) -> dict:
 
         one = actors.slice(host=0, proc=0)
         for _ in range(50):  # warm up
-            one.noop.call_one()
+            one.noop.call_one().get()
         times = []
         for _ in range(calls):
             t = time.perf_counter()
-            one.noop.call_one()
+            one.noop.call_one().get()
             times.append(time.perf_counter() - t)
         out["call_one_sync"] = _ms(times)
         times = []
         for _ in range(calls // 4):
             t = time.perf_counter()
-            actors.noop.call()
+            actors.noop.call().get()
             times.append(time.perf_counter() - t)
         out[f"call_all_{len(procs)}_sync"] = _ms(times)
 
         big = torch.ones(16 * 1024 * 1024)  # float32: 64 MiB
         mib = big.numel() * big.element_size() / (1024 * 1024)
-        one.echo.call_one(big)
+        one.echo.call_one(big).get()
         times = []
         for _ in range(5):
             t = time.perf_counter()
-            back = one.echo.call_one(big)
+            back = one.echo.call_one(big).get()
             times.append(time.perf_counter() - t)
         assert torch.equal(back, big)
         best = min(times)
+        rate = 2 * mib / best
+        from bench.limits import loopback_stream  # here: the procs import this module too
+
+        loopback = max(loopback_stream(256 << 20) for _ in range(2)) / (1024 * 1024)
         out[f"tensor_echo_{mib:g}MiB"] = {"best_s": round(best, 4),
-                                         "MiB_per_s_both_ways": round(2 * mib / best, 1)}
+                                         "MiB_per_s_both_ways": round(rate, 1),
+                                         "raw_loopback_MiB_per_s": round(loopback, 1),
+                                         "share_of_loopback": round(rate / loopback, 3)}
     finally:
         hosts.close()
     return out
@@ -120,14 +129,18 @@ async def measure_async(nodes: int, calls: int) -> dict:
         procs = await hosts.spawn_procs_async(per_host=1,
                                               python_path=[str(Path(__file__).parent)])
         one = (await procs.spawn_async("bench", "mesh_bench:Bench")).slice(host=0)
-        for _ in range(50):
-            await one.anoop.call_one_async()
-        times = []
-        for _ in range(calls):
-            t = time.perf_counter()
-            await one.anoop.call_one_async()
-            times.append(time.perf_counter() - t)
-        return {"call_one_async_in_loop": _ms(times)}
+        out = {}
+        for name, endpoint_ in (("call_one_async_in_loop", one.noop),
+                                ("call_one_async_endpoint_on_asyncio", one.anoop)):
+            for _ in range(50):
+                await endpoint_.call_one()
+            times = []
+            for _ in range(calls):
+                t = time.perf_counter()
+                await endpoint_.call_one()
+                times.append(time.perf_counter() - t)
+            out[name] = _ms(times)
+        return out
 
 
 def main() -> int:

@@ -5,8 +5,8 @@ Two kinds of failure, because a person reacts to them differently:
 - ActorError: an endpoint raised. The actor is still alive; only that call failed. The message
   names the actor, the rank and the host, and carries the remote traceback as text (the
   exception object itself is not sent: its class may not exist on the controller).
-- SupervisionError: a proc died or became unreachable. The whole proc mesh is then failed:
-  pending calls fail at once, and so does every later call, with the same cause.
+- SupervisionError: a proc died or became unreachable. The calls that target that rank fail
+  at once, and so does every later call to it, with the same cause; the other ranks go on.
 """
 
 from __future__ import annotations
@@ -70,8 +70,19 @@ class Failure:
         return text
 
 
+    def report(self) -> str:
+        """Monarch's name for describe()."""
+        return self.describe()
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+MeshFailure = Failure  # what `__supervise__` receives, by Monarch's name
+
+
 class SupervisionError(MeshError):
-    """A proc of the mesh failed; the mesh cannot be used any more."""
+    """A rank a call targets has failed; calls to it cannot be answered any more."""
 
     def __init__(self, failure: Failure, context: str = "") -> None:
         self.failure = failure

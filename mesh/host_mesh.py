@@ -24,11 +24,13 @@ import trio
 from ..daemon.client.hosts import resolve_target
 from ..daemon.wire.auth import resolve_token
 from .errors import MeshError
-from .hosts import HostInfo, Launcher, open_daemons
+from .hosts import HostInfo, HostSubset, Launcher, open_daemons
 from .local import local_cluster
 from .loop import BackgroundLoop, run_async_api, run_sync_api, service_nursery
+from .mesh_ref import leave_loop, use_loop
 from .mesh_state import MeshState, Output, Supervisor, print_output, report_unhandled
 from .proc_mesh import ProcMesh, spawn_proc_mesh
+from .shape import HOSTS, Selector, select
 
 
 class HostMesh:
@@ -51,6 +53,21 @@ class HostMesh:
     @property
     def hosts(self) -> list[HostInfo]:
         return list(self._launcher.hosts)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {HOSTS: len(self._launcher.hosts)}
+
+    extent = sizes
+
+    def slice(self, hosts: Selector = None, host: Selector = None) -> HostMesh:
+        """Some of these hosts, by position (an int, a slice or a list); procs spawned on the
+        slice stop with this mesh."""
+        picked = select(tuple(range(len(self))), hosts if host is None else host, HOSTS)
+        view = object.__new__(HostMesh)
+        view.__dict__.update(self.__dict__)  # the same loop, nursery, meshes and defaults
+        view._launcher = HostSubset(self._launcher, picked)
+        return view
 
     def __len__(self) -> int:
         return len(self._launcher.hosts)
@@ -84,9 +101,11 @@ class HostMesh:
     async def _open(cls, addrs: list[str], token: bytes) -> AsyncIterator[HostMesh]:
         async with open_daemons(addrs, token) as daemons, service_nursery() as nursery:
             hosts = cls(daemons, nursery)
+            use_loop(nursery)  # actor meshes that come back from actors are called from here
             try:
                 yield hosts
             finally:
+                leave_loop(nursery)
                 await hosts._stop_all()
 
     @classmethod
@@ -138,26 +157,29 @@ class HostMesh:
     # ---- procs ----------------------------------------------------------------------------
 
     async def spawn_procs_async(
-        self, per_host: int = 1, *, name: str = "procs", env: dict[str, str] | None = None,
-        cwd: str | None = None, workspace: str | None = None, version: str | None = None,
+        self, per_host: int | dict[str, int] = 1, *, name: str = "procs",
+        env: dict[str, str] | None = None, cwd: str | None = None,
+        workspace: str | None = None, version: str | None = None,
         python: str | None = None, python_path: Iterable[str] = (),
-        connect_timeout: float = 60.0,
+        connect_timeout: float = 60.0, call_timeout: float | None = None,
     ) -> ProcMesh:
-        """Start `per_host` actor-runtime procs on every host; returns once all are connected.
+        """Start `per_host` actor-runtime procs on every host (an int, or named dimensions
+        such as {"gpus": 4}); returns once all are connected.
 
         workspace/version pin the procs to one published version of a pushed workspace
         (default: the version host 0 serves now, the same on every host); `{workspace}` and
         `{mount}` in env, cwd, python and python_path expand on each node. python is the
         interpreter (default: this one's path, e.g. use "{workspace}/bin/python" for a pushed
         venv); python_path entries go first on the procs' sys.path, so actor classes can come
-        from pushed code.
+        from pushed code. call_timeout is the default of every call's Future (None: wait as
+        long as it takes).
         """
         return await run_async_api(self._token, self._spawn_procs, dict(
             per_host=per_host, name=name, env=env, cwd=cwd, workspace=workspace,
             version=version, python=python, python_path=list(python_path),
-            connect_timeout=connect_timeout))
+            connect_timeout=connect_timeout, call_timeout=call_timeout))
 
-    def spawn_procs(self, per_host: int = 1, **kwargs) -> ProcMesh:
+    def spawn_procs(self, per_host: int | dict[str, int] = 1, **kwargs) -> ProcMesh:
         """spawn_procs_async for synchronous code (same arguments)."""
         return run_sync_api(self._token, "spawn_procs",
                             functools.partial(self.spawn_procs_async, per_host, **kwargs))

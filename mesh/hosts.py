@@ -166,6 +166,27 @@ class Launcher:
         raise NotImplementedError
 
 
+class HostSubset(Launcher):
+    """Some hosts of another launcher, renumbered from 0 (a sliced HostMesh launches here)."""
+
+    def __init__(self, base: Launcher, indices: tuple[int, ...]) -> None:
+        self.base = base
+        self.indices = indices
+        self.hosts = [base.hosts[i] for i in indices]
+
+    def listen_host(self, host: int) -> str:
+        return self.base.listen_host(self.indices[host])
+
+    async def spawn(self, host: int, spec: dict, on_event: OnEvent) -> dict:
+        return await self.base.spawn(self.indices[host], spec, on_event)
+
+    async def kill(self, host: int, proc: int, sig: int = signal.SIGTERM) -> None:
+        await self.base.kill(self.indices[host], proc, sig)
+
+    async def request(self, host: int, op: str, **args: object) -> dict:
+        return await self.base.request(self.indices[host], op, **args)
+
+
 class Daemons(Launcher):
     """The controller's launcher: one HostLink per daemon."""
 

@@ -16,18 +16,19 @@ import math
 import secrets
 import signal
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import trio
 
 from ..daemon.wire import protocol as p
-from ..daemon.wire.calls import Call, Calls
 from ..daemon.wire.transport import Channel
 from . import wire
-from .errors import ActorError, Failure, MeshError, SpawnError, SupervisionError
+from .calls import CallTarget, MeshRef
+from .errors import Failure, MeshError, SpawnError, SupervisionError
 from .hosts import HostInfo, Launcher
+from .log_output import LogControl
+from .shape import HOSTS
 
 log = logging.getLogger("monarch_fs.mesh")
 
@@ -61,6 +62,7 @@ class Proc:
     proc_id: int | None = None
     pid: int | None = None
     chan: Channel | None = None
+    peer: str = ""  # where it listens for direct calls (mesh_ref.py)
     exit: dict | None = None  # the daemon's exit report
     failure: Failure | None = None
     launched: list[tuple[int, int]] = field(default_factory=list)  # (host, proc id) of procs
@@ -89,54 +91,30 @@ class Proc:
             pass  # the proc is gone; its failure is reported elsewhere
 
 
-class PendingCall(Call[dict[int, Any]]):
-    """A call to some ranks: settled with the results by rank once every rank has answered
-    (or with the lowest rank's ActorError), or failed as a whole when the mesh fails."""
-
-    def __init__(self, ranks: Iterable[int], actor: str, method: str) -> None:
-        super().__init__()
-        self.remaining = set(ranks)
-        self.actor, self.method = actor, method
-        self.results: dict[int, Any] = {}
-        self.errors: dict[int, ActorError] = {}
-
-    def answer(self, rank: int, value: Any = None, error: ActorError | None = None) -> None:
-        """One rank's answer (a reader calls this)."""
-        if rank not in self.remaining:
-            return
-        self.remaining.discard(rank)
-        if error is not None:
-            self.errors[rank] = error
-        else:
-            self.results[rank] = value
-        if self.remaining:
-            return
-        if self.errors:
-            first = self.errors[min(self.errors)]
-            first.others = len(self.errors) - 1
-            self.set_error(first)
-        else:
-            self.set_value(self.results)
-
-
-class MeshState:
+class MeshState(CallTarget):
     """Everything a proc mesh, its slices and its actor meshes share."""
 
-    def __init__(self, name: str, launcher: Launcher, per_host: int, supervisor: Supervisor,
-                 output: Output | None) -> None:
+    def __init__(self, name: str, launcher: Launcher, per_host: dict[str, int],
+                 supervisor: Supervisor, output: Output | None) -> None:
         self.name = name
         self.launcher = launcher
-        self.per_host = per_host
-        self.procs = [Proc(h * per_host + lr, h, lr, info)
-                      for h, info in enumerate(launcher.hosts) for lr in range(per_host)]
+        self.dims = (HOSTS, *per_host)
+        self.extent = (len(launcher.hosts), *per_host.values())
+        per_host_n = self.per_host = math.prod(per_host.values())
+        self.procs = [Proc(h * per_host_n + lr, h, lr, info)
+                      for h, info in enumerate(launcher.hosts) for lr in range(per_host_n)]
         self.token = secrets.token_bytes(32)
+        self.peer_token = secrets.token_bytes(32)  # for direct calls; never the owner's token
         self.supervisor = supervisor
-        self.output = output
-        self.failure: Failure | None = None
+        self.output = LogControl(output)
+        self.failure: Failure | None = None  # the first rank's failure
         self.stopping = False
         self.stopped = False
-        self.calls: Calls[PendingCall] = Calls()
+        self._init_calls()
         self.actors: set[str] = set()  # names of the actor meshes spawned on these procs
+        self.specs: list[dict] = []  # what each rank was launched with (for respawn)
+        # (name, ranks, fields, args, kwargs) of each actor mesh spawned (for respawn)
+        self.constructed: list[tuple[str, list[int], dict, tuple, dict]] = []
         self.trio_token = trio.lowlevel.current_trio_token()
         self._changed = trio.Event()
         # The owner's service (owner.py) sets these: its nursery, and the scope stop() cancels.
@@ -145,18 +123,25 @@ class MeshState:
 
     # ---- state -------------------------------------------------------------------------
 
+    def mesh_ref(self) -> MeshRef:
+        """What a pickled actor mesh of ours carries (see mesh_ref.py)."""
+        if not all(proc.peer for proc in self.procs):
+            raise MeshError(f"proc mesh {self.name!r}: its procs do not all take direct calls")
+        return MeshRef(self.name, self.dims, self.extent, self.peer_token,
+                       tuple(proc.peer for proc in self.procs),
+                       tuple(str(proc.info) for proc in self.procs))
+
+    async def changed(self) -> None:
+        """Until a proc connects or fails."""
+        await self._changed.wait()
+
     def wake(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
 
-    def check(self) -> None:
-        """Raise at once if the mesh cannot take calls."""
-        if self.failure is not None:
-            raise SupervisionError(self.failure)
-        if self.stopping:  # stop() sets it first
-            raise MeshError(f"proc mesh {self.name!r} has been stopped")
-
     def fail(self, proc: Proc, failure: Failure) -> None:
+        """Rank `proc` is gone: the calls that target it fail at once, and its failure goes to
+        the supervisor (once per rank). Calls to the other ranks go on."""
         if proc.failure is not None:
             return
         proc.failure = failure
@@ -164,11 +149,13 @@ class MeshState:
         if self.stopping:
             return
         self.kill_launched(proc)
-        if self.failure is not None:
-            return
-        self.failure = failure
-        self.calls.fail_all(lambda call: SupervisionError(failure, f"{call.actor}.{call.method}"))
-        log.debug("mesh %s failed: %s", self.name, failure.describe())
+        if self.failure is None:
+            self.failure = failure
+        for call in self.calls.pending():
+            if proc.rank in call.remaining:
+                call.set_error(SupervisionError(failure, f"{call.actor}.{call.method}"))
+                self.calls.remove(call)
+        log.debug("mesh %s: %s", self.name, failure.describe())
         try:
             self.supervisor(failure)
         except Exception:  # a supervisor bug must not take the readers down
@@ -179,34 +166,12 @@ class MeshState:
         return Failure(self.name, proc.rank, str(proc.info), proc.pid, ex.get("code"),
                        ex.get("signal"), reason, list(ex.get("stderr_tail") or []))
 
-    # ---- calls -------------------------------------------------------------------------
-
-    def post_call(self, ranks: list[int], op: str, actor: str, method: str, fields: dict,
-                  args: tuple, kwargs: dict, reply: bool = True) -> PendingCall | None:
-        """Queue one message to every rank in `ranks`, without waiting. With `reply`, the call
-        whose replies the readers settle; without, the arguments are copied now (the caller
-        may change them as soon as this returns)."""
-        pending = self.calls.add(PendingCall(ranks, actor, method)) if reply else None
-        header = {"op": op, "call": pending.id if pending else None, "actor": actor, **fields}
-        msg = wire.encode(header, (args, kwargs), has_body=True, copy=not reply)
-        for rank in ranks:
-            self.procs[rank].post(msg)
-        return pending
-
-    async def wait_call(self, pending: PendingCall) -> dict[int, Any]:
-        """The results of a posted call, by rank (or what it raised)."""
-        try:
-            return await pending.result()
-        finally:
-            self.calls.remove(pending)
-
     # ---- events from the daemons -------------------------------------------------------
 
     def on_proc_event(self, proc: Proc, kind: str, data: dict) -> None:
-        if kind == "output":
-            if self.output is not None:
-                self.output(self.name, proc.rank, data.get("stream", "stdout"),
-                            list(data.get("lines") or []))
+        if kind == "output":  # LogControl decides what to forward, and how
+            self.output(self.name, proc.rank, data.get("stream", "stdout"),
+                        list(data.get("lines") or []))
         elif kind == "exit":  # any exit we did not ask for is a failure (fail() knows)
             proc.exit = data
             proc.exited.set()

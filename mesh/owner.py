@@ -18,10 +18,11 @@ from ..daemon.wire import protocol as p
 from ..daemon.wire.limits import Limits, serve_listeners
 from ..daemon.wire.transport import Channel, ConnectionLost, accept
 from . import wire
-from .errors import ActorError, Failure, MeshError
+from .calls import settle_answer
+from .errors import Failure, MeshError
 from .mesh_state import MeshState, Proc, log
 
-MESH_MAX_FRAME = 1 << 30  # between authenticated mesh peers, frames may carry big tensors
+MESH_MAX_FRAME = 2 * wire.PIECE  # a larger message goes as pieces (wire.send)
 EXIT_WAIT = 5.0  # seconds to wait for the daemon's exit report after a proc's connection drops
 HELLO_TIMEOUT = 10.0
 
@@ -84,13 +85,14 @@ class OwnerService:
         if h.get("op") != "hello" or proc.chan is not None or h.get("pid") != proc.pid:
             return None
         proc.chan = chan
+        proc.peer = str(h.get("peer") or "")
         self.state.wake()
         return proc
 
     async def _writer(self, proc: Proc, chan: Channel) -> None:
         try:
             async for msg in proc.outbox_receive:
-                await chan.send(msg)
+                await wire.send(chan, msg)
         except (ConnectionLost, trio.ClosedResourceError, trio.BrokenResourceError):
             pass
 
@@ -102,23 +104,7 @@ class OwnerService:
         state = self.state
         op = h["op"]
         if op in ("result", "error"):
-            call = state.calls.get(h.get("call"))
-            if call is None:
-                return
-            if op == "error":
-                call.answer(proc.rank, error=ActorError(
-                    str(h.get("actor", call.actor)), str(h.get("method", call.method)),
-                    proc.rank, str(proc.info), str(h.get("type", "Exception")),
-                    str(h.get("message", "")), str(h.get("traceback", ""))))
-                return
-            try:
-                value = wire.body(msg)
-            except Exception as e:
-                call.answer(proc.rank, error=ActorError(
-                    call.actor, call.method, proc.rank, str(proc.info), type(e).__name__,
-                    f"the result could not be unpickled here: {e}", ""))
-            else:
-                call.answer(proc.rank, value)
+            settle_answer(state.calls, proc.rank, str(proc.info), h, msg)
         elif op == "failure":  # an actor did not handle the failure of a mesh it owns
             nested = str(h.get("description", "a mesh it owns failed"))
             reason = f"actor {h.get('actor')!r} did not handle a failure of its mesh: {nested}"
@@ -144,9 +130,10 @@ class OwnerService:
                     await launcher.kill(host, int(h["proc"]), int(h.get("signal", 15)))
                 return
             if h["op"] == "request":
-                if h.get("name") != "status":
-                    raise MeshError("only status requests are forwarded")
-                value = await launcher.request(host, "status")
+                name = str(h.get("name"))
+                if name not in ("status", "free_port"):
+                    raise MeshError("only status and free_port requests are forwarded")
+                value = await launcher.request(host, name)
                 proc.post(wire.encode({"op": "reply", "req": req, "value": value}))
                 return
 

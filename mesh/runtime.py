@@ -4,9 +4,9 @@ It connects back to its owner with the per-mesh token from its spawn request's s
 from the pipe the daemon passes, first thing, then closed: the token is never in an environment,
 and processes it starts inherit neither the token nor the pipe), says hello with its rank and
 pid, and then serves: constructs actors, runs their endpoints, and answers. Each actor handles
-its messages one at a time, in order: async endpoints in this trio loop, sync ones on the
-actor's own thread (so they may block, keep per-thread state such as the CUDA device between
-calls, and use the synchronous mesh API themselves).
+its messages one at a time, in order: async endpoints on the proc's asyncio loop
+(asyncio_loop.py), sync ones on the actor's own thread (so they may block, keep per-thread
+state such as the CUDA device between calls, and use the synchronous mesh API themselves).
 
 An actor may spawn meshes of its own through `self.hosts`. The owner holds the daemon
 connections, so the launch requests and the procs' events travel through it (see
@@ -19,16 +19,18 @@ outlives the controller that started it (and the daemon kills it in that case an
 
 from __future__ import annotations
 
+import asyncio
 import base64
-import functools
 import importlib
 import importlib.util
 import inspect
 import json
+import logging
 import math
 import os
 import sys
 import traceback
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,16 +42,25 @@ from ..daemon.wire import protocol as p
 from ..daemon.wire.calls import Call, Calls
 from ..daemon.wire.transport import Channel, ConnectError, ConnectionLost, connect
 from . import wire
-from .actor import is_endpoint
+from .actor_mesh import is_endpoint
+from .asyncio_loop import AsyncioLoop
+from .calls import error_message
+from .context import actor_scope, enter_proc
 from .errors import Failure, MeshError, SpawnError
 from .hosts import HostInfo, Launcher, OnEvent
+from .mesh_ref import use_loop
 from .mesh_state import print_output
 from .owner import MESH_MAX_FRAME
+from .peer_service import serve_peers
+from .shape import Shaped
 
+Reply = Callable[[p.Data], Awaitable[None]]  # where an actor's answer goes
 EXIT_OWNER_GONE = 3
+CLEANUP_GRACE = 3.0  # seconds the actors' __cleanup__ get when their proc is stopped
 OUTBOX_SIZE = 16  # messages queued for the owner before those who answer wait for the link
 
-_INTERNAL = tuple(str(Path(f).parent) for f in (trio.__file__,) if f) + (__file__,)
+_INTERNAL = tuple(str(Path(f).parent) for f in (trio.__file__, asyncio.__file__) if f) + (
+    __file__, str(Path(__file__).parent / "asyncio_loop.py"))
 
 
 def _user_traceback(e: BaseException) -> str:
@@ -105,19 +116,37 @@ class _Slot:
         # that lets that mailbox drain. The failures of the actor's own meshes also arrive here,
         # from a supervisor callback that cannot await. What bounds the queue is the caller:
         # every call waits for its reply, except broadcasts, which are fire-and-forget by design.
-        self.mailbox, self._inbox = trio.open_memory_channel[tuple[dict, Any]](math.inf)
+        self.mailbox, self._inbox = trio.open_memory_channel[tuple[dict, Any, Reply]](math.inf)
+        self.finished = trio.Event()
 
     async def run(self) -> None:
-        async for h, payload in self._inbox:
-            op = h["op"]
-            if op == "spawn":
-                await self._answer(h, "__init__", self._construct, h, payload)
-            elif op == "call":
-                await self._answer(h, h.get("method", "?"), self._call, h, payload)
-            elif op == "supervise":
-                await self._supervise(payload)
+        try:
+            async for h, payload, reply in self._inbox:
+                op = h["op"]
+                if op == "spawn":
+                    await self._answer(h, reply, "__init__", self._construct, h, payload)
+                elif op == "call":
+                    await self._answer(h, reply, h.get("method", "?"), self._call, h, payload)
+                elif op == "supervise":
+                    await self._supervise(payload)
+                elif op == "stop_actor":  # after every message it already had
+                    await self._answer(h, reply, "__cleanup__", self._cleanup)
+                    self.runtime.actors.pop(self.name, None)
+                    break
+        finally:
+            self.finished.set()
 
-    async def _answer(self, h: dict, method: str, fn: Any, *args: Any) -> None:
+    async def _cleanup(self) -> None:
+        """Run the actor's `__cleanup__`, if it has one (and was constructed)."""
+        cleanup = getattr(self.instance, "__cleanup__", None)
+        self.instance = None
+        if cleanup is not None:
+            await self._run(cleanup, (), {})
+
+    async def _answer(self, h: dict, reply_to: Reply, method: str, fn: Any,
+                      *args: Any) -> None:
+        """Run fn and answer the caller through `reply_to` (the owner's connection, or the
+        direct connection of the proc that called)."""
         cid = h.get("call")
         try:
             value = await fn(*args)
@@ -129,11 +158,11 @@ class _Slot:
                                    f"{self.runtime.rank}: {type(e).__qualname__}: {e}\n"
                                    f"{_user_traceback(e)}"})
                 return
-            await self.runtime.send_error(cid, self.name, method, type(e).__qualname__, str(e),
-                                          _user_traceback(e))
+            await reply_to(error_message(cid, self.name, method, type(e).__qualname__, str(e),
+                                         _user_traceback(e)))
             return
         if cid is not None:
-            await self.runtime.post(reply)
+            await reply_to(reply)
 
     async def _construct(self, h: dict, payload: p.Data) -> None:
         cls = resolve_class(h["module"], h["qualname"], h.get("main"))
@@ -146,8 +175,12 @@ class _Slot:
                             ("local_rank", rt.local_rank), ("host", rt.hosts[rt.host]),
                             ("name", self.name), ("_mesh_hosts", lambda: hosts)):
             setattr(obj, attr, value)
-        await self._run(obj.__init__, args, kwargs)
-        self.instance = obj
+        self.instance = obj  # context() names it while its __init__ runs
+        try:
+            await self._run(obj.__init__, args, kwargs)
+        except BaseException:
+            self.instance = None
+            raise
 
     async def _call(self, h: dict, payload: p.Data) -> Any:
         method = h.get("method", "")
@@ -175,9 +208,19 @@ class _Slot:
     async def _run(self, fn: Any, args: tuple, kwargs: dict) -> Any:
         """Await an async callable here; run a sync one on the actor's own thread, where it
         may block (and may use the synchronous mesh API)."""
+        actor = self.instance
         if inspect.iscoroutinefunction(fn):
-            return await fn(*args, **kwargs)
-        return await self.thread.run(functools.partial(fn, *args, **kwargs))
+            async def on_asyncio() -> Any:
+                with actor_scope(actor):
+                    return await fn(*args, **kwargs)
+
+            return await self.runtime.aio.run(on_asyncio)
+
+        def in_scope() -> Any:
+            with actor_scope(actor):
+                return fn(*args, **kwargs)
+
+        return await self.thread.run(in_scope)
 
 
 class OwnerLauncher(Launcher):
@@ -238,15 +281,21 @@ class Runtime:
     def __init__(self, env: dict[str, str], secrets: dict[str, str]) -> None:
         self.addr = env["MONARCH_MESH_ADDR"]
         self.token = bytes.fromhex(secrets["MONARCH_MESH_TOKEN"])
+        self.peer_token = bytes.fromhex(secrets.get("MONARCH_MESH_PEER_TOKEN", "")) or self.token
         self.rank = int(env["MONARCH_MESH_RANK"])
         self.world_size = int(env.get("MONARCH_MESH_WORLD_SIZE", "1"))
         self.local_rank = int(env.get("MONARCH_MESH_LOCAL_RANK", "0"))
         self.host = int(env.get("MONARCH_MESH_HOST", "0"))
         self.hosts = [HostInfo(a, n) for a, n in json.loads(env.get("MONARCH_MESH_HOSTS", "[]"))]
+        dims = json.loads(env.get("MONARCH_MESH_DIMS", "[]")) or [["hosts", len(self.hosts)]]
+        shape = Shaped()
+        shape._init_shape(tuple(d for d, _ in dims), tuple(n for _, n in dims))
+        enter_proc(shape.point_of(self.rank), self.host)
         self.local_host = "127.0.0.1"
         defaults = env.get("MONARCH_MESH_DEFAULTS")
         self.defaults = json.loads(base64.b64decode(defaults)) if defaults else {}
         self.actors: dict[str, _Slot] = {}
+        self.aio = AsyncioLoop()  # where async endpoints run
         self.host_meshes: list[Any] = []
         self.launcher = OwnerLauncher(self, self.hosts)
         # Bounded: whoever answers waits while the owner's connection is busy. The writer
@@ -268,18 +317,13 @@ class Runtime:
     async def send(self, header: dict) -> None:
         await self.post(wire.encode(header))
 
-    async def send_error(self, cid: Any, actor: str, method: str, exc_type: str, message: str,
-                   tb: str) -> None:
-        """Answer call `cid`: it raised (the controller makes an ActorError of this)."""
-        await self.send({"op": "error", "call": cid, "actor": actor, "method": method,
-                   "type": exc_type, "message": message, "traceback": tb})
 
     def host_mesh_for(self, slot: _Slot) -> Any:
         """The hosts, as seen by one actor: meshes it spawns report failures to it."""
         from .host_mesh import HostMesh
 
         def supervise(failure: Failure) -> None:
-            slot.mailbox.send_nowait(({"op": "supervise"}, failure))
+            slot.mailbox.send_nowait(({"op": "supervise"}, failure, self.post))
 
         assert self.nursery is not None
         hosts = HostMesh(self.launcher, self.nursery, supervisor=supervise, output=print_output)
@@ -295,13 +339,18 @@ class Runtime:
             return 2
         chan.conn.max_frame = MESH_MAX_FRAME
         self.local_host = chan.local_host
-        await chan.send(wire.encode({"op": "hello", "rank": self.rank, "pid": os.getpid()}))
         async with trio.open_nursery() as nursery:
             self.nursery = nursery
+            use_loop(nursery)  # actor meshes passed to our actors are called from here
+            peer = await nursery.start(serve_peers, self.peer_token, self.local_host,
+                                       {"mesh": "peer", "rank": self.rank}, self.deliver)
+            await chan.send(wire.encode({"op": "hello", "rank": self.rank, "pid": os.getpid(),
+                                         "peer": peer}))
             nursery.start_soon(self._writer, chan)
             await self._serve(chan)  # until the owner goes away, or _stop() cancels it
             nursery.cancel_scope.cancel()
         await trio.aclose_forcefully(chan.stream)
+        self.aio.stop()
         return self.exit_code
 
     async def _stop(self) -> None:
@@ -310,6 +359,11 @@ class Runtime:
         self.stopping = True
         for hosts in self.host_meshes:
             await hosts._stop_all()
+        with trio.move_on_after(CLEANUP_GRACE):  # each actor's __cleanup__, after its messages
+            for slot in list(self.actors.values()):
+                slot.mailbox.send_nowait(({"op": "stop_actor", "call": None}, None, self.post))
+            for slot in list(self.actors.values()):
+                await slot.finished.wait()
         self.outbox.close()
         with trio.move_on_after(2):
             await self._flushed.wait()
@@ -320,7 +374,7 @@ class Runtime:
     async def _writer(self, chan: Channel) -> None:
         try:
             async for msg in self._outbox_recv:
-                await chan.send(msg)
+                await wire.send(chan, msg)
         except (ConnectionLost, trio.ClosedResourceError, trio.BrokenResourceError):
             pass
         finally:
@@ -336,18 +390,37 @@ class Runtime:
                     self.nursery.start_soon(self._stop)
             elif op in ("reply", "proc_event"):
                 self.launcher.on_message(h)
-            elif op in ("spawn", "call") and not self.stopping:
-                name = str(h.get("actor"))
-                slot = self.actors.get(name)
-                if slot is None and op == "spawn":
-                    slot = self.actors[name] = _Slot(self, name)
-                    self.nursery.start_soon(slot.run)
-                if slot is None:
-                    if h.get("call") is not None:
-                        await self.send_error(h["call"], name, h.get("method", "?"), "MeshError",
-                                        f"no actor {name!r} on this proc", "")
-                    continue
-                slot.mailbox.send_nowait((h, msg))
+            elif op == "log_level":
+                set_log_level(int(h.get("level", logging.INFO)))
+                await self.post(wire.encode({"op": "result", "call": h.get("call")}, None,
+                                            has_body=True))
+            elif op in ("spawn", "call", "stop_actor"):
+                await self.deliver(h, msg, self.post)
+
+    async def deliver(self, h: dict, msg: p.Data, reply_to: Reply) -> None:
+        """A message for an actor, from the owner or a peer, into that actor's mailbox."""
+        if self.stopping:
+            return
+        assert self.nursery is not None
+        name = str(h.get("actor"))
+        slot = self.actors.get(name)
+        if slot is None and h["op"] == "spawn":
+            slot = self.actors[name] = _Slot(self, name)
+            self.nursery.start_soon(slot.run)
+        if slot is None:
+            if h.get("call") is not None:
+                await reply_to(error_message(h["call"], name, h.get("method", "?"), "MeshError",
+                                             f"no actor {name!r} on this proc", ""))
+            return
+        slot.mailbox.send_nowait((h, msg, reply_to))
+
+
+def set_log_level(level: int) -> None:
+    """The level of this proc's root logger (with a stderr handler if it has none)."""
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    root.setLevel(level)
 
 
 def main() -> int:

@@ -19,7 +19,7 @@ import io
 import json
 import pickle
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import trio
@@ -29,6 +29,8 @@ from ..daemon.wire.transport import Channel, ConnectionLost, RemoteError
 
 _ALIGN = 64
 _PAD = bytes(_ALIGN)
+PIECE = 256 << 20  # a message larger than this goes as pieces of this size (no size cap)
+MAX_MESSAGE = 1 << 40  # what a peer may announce: it passed the handshake, so only sanity
 
 
 class WireError(ValueError):
@@ -120,14 +122,87 @@ def body(msg: Data) -> Any:
     return pickle.loads(msg.parts[1], buffers=msg.parts[3::2])
 
 
+def _pieces(msg: Data, size: int) -> Iterator[Data]:
+    """The bytes of `msg`'s parts, as DATA frames of at most PIECE bytes each (views: no copy),
+    after one frame that announces them."""
+    lengths = [len(memoryview(part).cast("B")) for part in msg.parts]
+    yield Data([compact_json({"op": "_pieces", "lengths": lengths}).encode()])
+    chunk: list[memoryview] = []
+    room = PIECE
+    for part in msg.parts:
+        view = memoryview(part).cast("B")
+        while view.nbytes:
+            take = view[:room]
+            chunk.append(take)
+            view = view[take.nbytes:]
+            room -= take.nbytes
+            if not room:
+                yield Data(chunk)
+                chunk, room = [], PIECE
+    if chunk:
+        yield Data(chunk)
+
+
+async def send(chan: Channel, msg: Data) -> None:
+    """Send one mesh message; one larger than PIECE goes as pieces, so a message has no size
+    cap (a frame's length field has 32 bits, and each frame is buffered whole on receipt)."""
+    size = sum(len(memoryview(part).cast("B")) for part in msg.parts)
+    if size <= PIECE:
+        await chan.send(msg)
+        return
+    for piece in _pieces(msg, size):
+        await chan.send(piece)
+
+
+def _aligned(size: int) -> memoryview:
+    """A writable buffer of `size` bytes whose start is 64-byte aligned."""
+    raw = bytearray(size + _ALIGN)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(raw))
+    start = -address % _ALIGN
+    return memoryview(raw)[start:start + size]
+
+
+async def _gather(chan: Channel, lengths: list[int]) -> Data:
+    """Receive the pieces of a message of parts of `lengths`, into one aligned buffer (each
+    part 64-byte aligned in it, so tensors are rebuilt on it without another copy)."""
+    starts, at = [], 0
+    for n in lengths:
+        at += -at % _ALIGN
+        starts.append(at)
+        at += n
+    if at > MAX_MESSAGE:
+        raise ProtocolError(f"a mesh message of {at} bytes announced")
+    whole = _aligned(at)
+    part, filled = 0, 0  # the part being filled, and how much of it is
+    remaining = sum(lengths)
+    while remaining:
+        msg = await chan.receive()
+        if not isinstance(msg, Data):
+            raise ProtocolError("a mesh message's pieces were interrupted")
+        for piece in msg.parts:
+            view = memoryview(piece).cast("B")
+            while view.nbytes:
+                while lengths[part] == filled:
+                    part, filled = part + 1, 0
+                take = min(view.nbytes, lengths[part] - filled)
+                whole[starts[part] + filled:starts[part] + filled + take] = view[:take]
+                view = view[take:]
+                filled += take
+                remaining -= take
+    return Data([whole[s:s + n] for s, n in zip(starts, lengths)])
+
+
 async def messages(chan: Channel) -> AsyncIterator[tuple[dict, Data]]:
     """(header, message) for each mesh message `chan` receives, until the connection ends;
     frames that are not mesh messages are skipped."""
     while True:
         try:
             msg = await chan.receive()
+            if isinstance(msg, Data) and len(msg.parts) == 1 and msg.parts[0][:16] == (
+                    b'{"op":"_pieces",'):
+                msg = await _gather(chan, [int(n) for n in header(msg)["lengths"]])
         except (ConnectionLost, RemoteError, ProtocolError, trio.ClosedResourceError,
-                trio.BrokenResourceError):
+                trio.BrokenResourceError, WireError, KeyError, TypeError, ValueError):
             return
         if not isinstance(msg, Data):
             continue

@@ -53,6 +53,32 @@ class Victim(Actor):
         return self.rank
 
 
+    @endpoint
+    def stall(self, rank: int, seconds: float) -> int:
+        if self.rank == rank:
+            time.sleep(seconds)
+        return self.rank
+
+    @endpoint
+    def fail_stall(self, rank: int) -> int:
+        if self.rank == rank:
+            raise ValueError("no")
+        return self.rank
+
+
+class Tidy(Actor):
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    @endpoint
+    def ping(self) -> int:
+        return self.rank
+
+    def __cleanup__(self) -> None:
+        with open(os.path.join(self.folder, f"cleanup-{self.rank}"), "w") as f:
+            f.write("done")
+
+
 class Echo(Actor):
     @endpoint
     def echo(self, value):
@@ -90,13 +116,13 @@ class Boss(Actor):
     @endpoint
     def start(self) -> list[int]:
         self.workers = self.hosts.spawn_procs(per_host=1, name="workers").spawn("w", Worker)
-        return self.workers.pid.call().values()
+        return self.workers.pid.call().get().values()
 
     @endpoint
     def kill_worker(self, host: int) -> str:
         try:  # the dead worker never answers: the call fails once its death is known
             self.workers.slice(host=host).die.broadcast()
-            self.workers.pid.call()
+            self.workers.pid.call().get()
         except Exception as e:
             return f"{type(e).__name__}: {e}"
         return "no error"
@@ -127,3 +153,146 @@ class EnvProbe(Actor):
                                     capture_output=True, text=True, check=True).stdout
         return {"environ": dict(kv.split("=", 1) for kv in raw.split("\0") if kv),
                 "os_environ": dict(os.environ), "grandchild": json.loads(grandchild)}
+
+
+class Where(Actor):
+    """Reports where it runs, by Monarch's functions."""
+
+    @endpoint
+    def where(self) -> tuple:
+        from monarch_fs.mesh import context, current_actor_name, current_rank, current_size
+
+        point = current_rank()
+        return (dict(point), point.rank, current_size(), context().actor_instance is self,
+                current_actor_name(), self.host.name)
+
+    @endpoint
+    async def where_async(self) -> tuple:
+        from monarch_fs.mesh import context, current_rank
+
+        return dict(current_rank()), context().actor_instance is self
+
+    @endpoint
+    def later(self, step: float) -> int:
+        time.sleep(step * (self.world_size - self.rank))
+        return self.rank
+
+    @endpoint
+    def on_this_host(self) -> tuple:
+        """Spawns a proc on its own host through this_host(), and asks an actor there."""
+        from monarch_fs.mesh import this_host
+
+        procs = this_host().spawn_procs(per_host={"gpus": 1}, name="inner")
+        try:
+            inner = procs.spawn("inner", Where)
+            return procs.sizes, inner.where.call_one().get(timeout=30)
+        finally:
+            procs.stop()
+
+
+class Buffer(Actor):
+    """A replay buffer that generators fill directly."""
+
+    def __init__(self) -> None:
+        self.items: list = []
+
+    @endpoint
+    def add(self, item) -> int:
+        self.items.append(item)
+        return self.rank
+
+    @endpoint
+    async def contents(self) -> list:
+        return self.items
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class Producer(Actor):
+    """Calls a buffer mesh it was given, from a sync endpoint and from an async one."""
+
+    @endpoint
+    def produce(self, buffer, n: int) -> list[int]:
+        return [buffer.add.choose((self.rank, i)).get(timeout=30) for i in range(n)]
+
+    @endpoint
+    async def produce_async(self, buffer) -> list[int]:
+        return list(await buffer.add.call(("async", self.rank)))
+
+    @endpoint
+    def keep(self, buffer):
+        self.buffer = buffer
+        return buffer  # a reference travels back to whoever called
+
+    @endpoint
+    def try_add(self) -> str:
+        try:
+            self.buffer.add.call("late").get(timeout=30)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+
+class Trainer(Actor):
+    """torch.distributed inside an actor mesh, from the environment the mesh gives."""
+
+    @endpoint
+    def env(self) -> dict:
+        keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                "MASTER_ADDR", "MASTER_PORT")
+        return {k: os.environ.get(k) for k in keys}
+
+    @endpoint
+    def all_reduce(self) -> float:
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=60))
+        try:
+            t = torch.tensor([float(self.rank + 1)])
+            dist.all_reduce(t)
+            return float(t.item())
+        finally:
+            dist.destroy_process_group()
+
+
+class AsyncUser(Actor):
+    """An async endpoint that needs asyncio: a queue, tasks, the running loop."""
+
+    @endpoint
+    async def pipeline(self, n: int) -> dict:
+        import asyncio
+
+        queue: asyncio.Queue[int] = asyncio.Queue(maxsize=2)
+
+        async def produce() -> None:
+            for i in range(n):
+                await queue.put(i)
+                await asyncio.sleep(0.01)
+            await queue.put(-1)
+
+        async def consume() -> int:
+            total = 0
+            while (item := await queue.get()) != -1:
+                total += item
+            return total
+
+        _, total = await asyncio.gather(produce(), consume())
+        loop = asyncio.get_running_loop()
+        value = await loop.run_in_executor(None, lambda: 7)
+        return {"total": total, "executor": value, "rank": self.rank}
+
+
+class Chatter(Actor):
+    @endpoint
+    def chatter(self, tag: str) -> None:
+        import logging
+
+        print(f"same line {tag}", flush=True)
+        print(f"rank {self.rank} alone {tag}", flush=True)
+        logging.getLogger("chatter").info(f"info line {tag} rank {self.rank}")
+        logging.getLogger("chatter").debug(f"debug line {tag} rank {self.rank}")
+        for handler in logging.getLogger().handlers:
+            handler.flush()

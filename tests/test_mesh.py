@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -31,29 +30,9 @@ from monarch_fs.mesh import (
 from procwatch import Started
 
 TESTS = str(Path(__file__).parent)
+
+pytest_plugins = ["mesh_fixtures"]  # hosts, started, procs
 pytestmark = pytest.mark.filterwarnings("ignore:Failed to initialize NumPy")  # torch, no numpy
-
-
-@pytest.fixture(scope="module")
-def hosts(cluster2):
-    with HostMesh.connect(cluster2.hostfile, token_file=cluster2.token_file) as h:
-        yield h
-
-
-@pytest.fixture
-def started():
-    s = Started()
-    yield s
-    s.assert_gone()
-
-
-@pytest.fixture
-def procs(hosts, started):
-    """2 hosts x 2 procs, stopped after the test."""
-    p = hosts.spawn_procs(per_host=2, python_path=[TESTS])
-    started.add(*(pid for _, pid in p.pids.values()))
-    yield p
-    p.stop()
 
 
 # ---- messages ----------------------------------------------------------------------------
@@ -98,31 +77,31 @@ def test_wire_refuses_headers_that_are_not_messages():
 @pytest.mark.mount
 def test_call_call_one_broadcast_and_slice_by_rank(procs):
     counters = procs.spawn("counter", "mesh_actors:Counter", 10)
-    assert procs.sizes == {"host": 2, "proc": 2} and counters.ranks == [0, 1, 2, 3]
-    got = counters.get.call()
+    assert procs.sizes == {"hosts": 2, "procs": 2} and counters.ranks == [0, 1, 2, 3]
+    got = counters.get.call().get()
     assert isinstance(got, ValueMesh) and got.ranks == [0, 1, 2, 3]
     assert [(r, v, h) for r, v, h, _ in got] == [
         (0, 10, "node-0"), (1, 10, "node-0"), (2, 10, "node-1"), (3, 10, "node-1")]
     assert len({pid for *_, pid in got}) == 4
 
-    assert counters.incr.call(5) == [15, 15, 15, 15]
+    assert counters.incr.call(5).get() == [15, 15, 15, 15]
     second_host = counters.slice(host=1)
     assert second_host.ranks == [2, 3]
-    assert second_host.incr.call(100).items() == [(2, 115), (3, 115)]
+    assert second_host.incr.call(100).get().items() == [(2, 115), (3, 115)]
     firsts = counters.slice(proc=0)
     assert firsts.ranks == [0, 2]
     firsts.incr.broadcast(1000)  # no reply; the next call on the same actors comes after it
     one = counters.slice(host=1, proc=1)
-    assert one.ranks == [3] and one.incr.call_one(0) == 115
+    assert one.ranks == [3] and one.incr.call_one(0).get() == 115
     assert second_host.slice(proc=0).ranks == [2]  # positions are relative to the slice
-    values = counters.incr.call(0)
+    values = counters.incr.call(0).get()
     assert values[0] == 1015 and values[1] == 15 and values[2] == 1115 and values[3] == 115
     with pytest.raises(IndexError):
         values[7]
     with pytest.raises(ValueError, match="exactly one"):
-        counters.incr.call_one()
+        counters.incr.call_one().get()
     # Sync endpoints run on the actor's own thread: per-thread state lasts between calls.
-    assert counters.thread.call() == counters.thread.call()
+    assert counters.thread.call().get() == counters.thread.call().get()
     with pytest.raises(IndexError):
         counters.slice(host=2)
 
@@ -136,14 +115,14 @@ def test_only_endpoints_are_callable(procs):
         counters.not_an_endpoint  # noqa: B018 (the lookup is what raises)
     untyped = procs.spawn("c2", "mesh_actors:Counter", 0)
     with pytest.raises(ActorError, match="not_an_endpoint is not an @endpoint"):
-        untyped.not_an_endpoint.call()
+        untyped.not_an_endpoint.call().get()
 
 
 @pytest.mark.mount
 def test_endpoint_exception_names_actor_rank_host_and_remote_traceback(procs):
     counters = procs.spawn("counter", "mesh_actors:Counter", 0)
     with pytest.raises(ActorError) as info:
-        counters.fail_on.call(2)
+        counters.fail_on.call(2).get()
     e = info.value
     assert (e.actor, e.method, e.rank, e.exc_type) == ("counter", "fail_on", 2, "ValueError")
     assert "node-1" in e.host
@@ -152,7 +131,7 @@ def test_endpoint_exception_names_actor_rank_host_and_remote_traceback(procs):
     assert "ValueError: rank 2 refuses" in text
     assert "mesh_actors.py" in text and "in fail_on" in text  # the remote traceback
     assert "trio" not in e.traceback  # the runtime's own frames are left out
-    assert counters.fail_on.call(-1) == [0, 1, 2, 3]  # the actors live on
+    assert counters.fail_on.call(-1).get() == [0, 1, 2, 3]  # the actors live on
 
 
 @pytest.mark.mount
@@ -164,38 +143,13 @@ def test_constructor_failure_is_reported_by_rank(procs):
 
 
 @pytest.mark.mount
-def test_sigkilled_proc_fails_pending_and_later_calls_at_once(procs, started):
-    victims = procs.spawn("victim", "mesh_actors:Victim")
-    pids = victims.pid.call()
-    start = time.monotonic()
-    killer = subprocess.Popen(["sh", "-c", f"sleep 0.5; kill -KILL {pids[3]}"])
-    started.add(killer.pid)
-    with pytest.raises(SupervisionError) as info:
-        victims.nap.call(60)  # pending when rank 3 is killed
-    killer.wait()
-    assert time.monotonic() - start < 10  # not the 60 s nap: the death ends the call
-    f = info.value.failure
-    assert (f.rank, f.signal, f.pid) == (3, "SIGKILL", pids[3]) and "node-1" in f.host
-    text = str(info.value)
-    assert "rank 3" in text and "killed by SIGKILL" in text
-    assert "victim 3 says goodbye on stderr" in text  # the tail of its stderr
-    assert procs.failure is not None and procs.failure.rank == 3
-
-    start = time.monotonic()
-    with pytest.raises(SupervisionError) as again:
-        victims.slice(host=0).pid.call()  # other procs too: the mesh as a whole has failed
-    assert time.monotonic() - start < 0.5
-    assert again.value.failure.describe() == f.describe()
-
-
-@pytest.mark.mount
 def test_proc_that_exits_during_a_call_reports_its_exit_code(hosts, started):
     procs = hosts.spawn_procs(per_host=1, python_path=[TESTS])
     started.add(*(pid for _, pid in procs.pids.values()))
     try:
         echo = procs.spawn("echo", "mesh_actors:Echo")
         with pytest.raises(SupervisionError, match="exited with code 3"):
-            echo.echo.call(SystemExitOnUnpickle(3))
+            echo.echo.call(SystemExitOnUnpickle(3)).get()
     finally:
         procs.stop()
 
@@ -221,11 +175,11 @@ def test_tensors_round_trip(hosts, started):
         for t in (torch.arange(6, dtype=torch.float64).reshape(2, 3), torch.zeros(0, 3),
                   torch.tensor([True, False]), torch.ones(3, dtype=torch.bfloat16),
                   torch.arange(10)[::3], torch.tensor(7.5), torch.ones(2, requires_grad=True)):
-            back = echo.echo.call_one(t)
+            back = echo.echo.call_one(t).get()
             assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t)
             assert back.requires_grad == t.requires_grad
         big = torch.randn(4 * 1024 * 1024)  # 16 MiB
-        assert torch.equal(echo.double.call_one(big), big * 2)
+        assert torch.equal(echo.double.call_one(big).get(), big * 2)
     finally:
         procs.stop()
 
@@ -239,7 +193,7 @@ def test_no_environ_shows_the_mesh_token_to_a_proc_or_what_it_starts(hosts, star
     started.add(*(pid for _, pid in procs.pids.values()))
     token = procs._state.token.hex()
     try:
-        results = procs.spawn("probe", "mesh_actors:EnvProbe").probe.call()
+        results = procs.spawn("probe", "mesh_actors:EnvProbe").probe.call().get()
         for _, pid in procs.pids.values():  # as root, from outside, while they run
             raw = Path(f"/proc/{pid}/environ").read_bytes()
             assert token.encode() not in raw and b"MONARCH_MESH_TOKEN" not in raw
@@ -272,9 +226,11 @@ async def test_trio_code_uses_the_async_methods(cluster2, started):
         counters.incr.broadcast(5)
         with pytest.raises(ActorError):  # raised as itself, not inside an ExceptionGroup
             await counters.fail_on.call_async(0)
-        with pytest.raises(RuntimeError, match="call_async"):
-            counters.incr.call()  # the blocking form would deadlock this loop: refused
-        assert await counters.incr.call_async(0) == [16, 16]
+        refused = counters.incr.call()  # posted: only waiting for it is refused
+        with pytest.raises(RuntimeError, match="await future"):
+            refused.get()  # the blocking form would deadlock this loop
+        assert await refused == [17, 17]  # a future is awaited
+        assert await counters.incr.call_async(0) == [17, 17]
 
 
 # ---- launching -----------------------------------------------------------------------------
@@ -312,7 +268,7 @@ def test_actor_classes_from_pushed_code_at_a_pinned_version(cluster2, hosts, sta
         greeters = procs.spawn("greeter", "greeter:Greeter")
         (app / "data.txt").write_text("v2")
         cluster2.push(app)  # a new version lands on every node while the procs run
-        got = greeters.hello.call()
+        got = greeters.hello.call().get()
         for rank, (text, path) in got.items():
             assert text == f"v1 from rank {rank}"  # still the version they started with
             assert path.startswith(str(cluster2.mnt(rank) / ".versions" / "app"))
@@ -329,18 +285,18 @@ def test_actor_supervises_the_mesh_it_owns(hosts, started, handle):
     started.add(*(pid for _, pid in procs.pids.values()))
     try:
         boss = procs.slice(host=0).spawn("boss", "mesh_actors:Boss", handle)
-        workers = boss.start.call_one()
+        workers = boss.start.call_one().get()
         started.add(*workers)
-        outcome = boss.kill_worker.call_one(1)
+        outcome = boss.kill_worker.call_one(1).get()
         assert outcome.startswith("SupervisionError") and "killed by SIGKILL" in outcome
         assert "worker dies now" in outcome  # the worker's stderr tail reached its owner
         if handle:
-            seen = boss.seen_failures.call_one()
+            seen = boss.seen_failures.call_one().get()
             assert len(seen) == 1 and "mesh 'workers'" in seen[0]
-            assert boss.kill_worker.call_one(0).startswith("SupervisionError")
+            assert boss.kill_worker.call_one(0).get().startswith("SupervisionError")
         else:  # unhandled: the boss's own mesh fails, and the cause reaches the controller
             with pytest.raises(SupervisionError) as info:
-                boss.seen_failures.call_one()
+                boss.seen_failures.call_one().get()
             text = str(info.value)
             assert "actor 'boss' did not handle a failure of its mesh" in text
             assert "mesh 'workers'" in text and "killed by SIGKILL" in text
@@ -358,7 +314,7 @@ from monarch_fs.mesh import HostMesh
 hosts = {make}
 procs = hosts.spawn_procs(per_host=2, python_path=[{tests!r}])
 counters = procs.spawn("c", "mesh_actors:Counter", 0)
-assert counters.incr.call() == [1, 1, 1, 1]
+assert counters.incr.call().get() == [1, 1, 1, 1]
 print(json.dumps({{"pids": [pid for _, pid in procs.pids.values()],
                   "dir": str(hosts.cluster_dir)}}), flush=True)
 if sys.argv[1] == "sleep":
@@ -413,7 +369,7 @@ def test_closed_host_mesh_refuses_work(cluster2, started):
     hosts.close()  # idempotent
     assert not started.wait_gone(10)
     with pytest.raises((MeshError, RuntimeError)):
-        counters.incr.call()
+        counters.incr.call().get()
 
 
 @pytest.mark.mount
@@ -427,7 +383,7 @@ def test_stopped_daemon_fails_the_mesh_and_takes_its_procs(fresh_cluster, starte
         on_node_1.add(procs.pids[1][1])
         os.kill(cluster.pid(1), signal.SIGTERM)  # the daemon stops, and stops its procs
         with pytest.raises(SupervisionError) as info:
-            victims.nap.call(60)
+            victims.nap.call(60).get()
         assert info.value.failure.rank == 1 and "node-1" in info.value.failure.host
         # before the controller closes anything
         assert on_node_1.pids and not on_node_1.wait_gone(10)

@@ -171,7 +171,7 @@ def test_mesh_env_arrives_and_nothing_of_the_daemon_does(lone_daemon, started):
                                   env={"JOB_SETTING": "on", "JOB_PATH": "{mount}/x"})
         started.add(*(pid for _, pid in procs.pids.values()))
         try:
-            results = procs.spawn("probe", "mesh_actors:EnvProbe").probe.call()
+            results = procs.spawn("probe", "mesh_actors:EnvProbe").probe.call().get()
         finally:
             procs.stop()
     assert len(list(results)) == 2
