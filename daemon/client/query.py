@@ -23,7 +23,10 @@ What travels is as little as the query allows (`plan`, with sqlglot parsing the 
 filter on it runs there too. A non-aggregate query gets `host` as its first column unless it
 names it itself.
 
-A node that cannot be reached, or refuses, is reported with its cause; the rest still answer.
+A node that cannot be reached, or refuses, is reported with its cause (never an empty one: a
+node that does not answer in time says so); the rest still answer. Under --identity munge each
+request carries a MUNGE credential (wire/identity.py): a node shows a user who is not root the
+rows of their own processes, and its own.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from sqlglot import exp
 from sqlglot.errors import ParseError
 
 from ..node.events import SCHEMA, TABLES
+from ..wire import identity
 from ..wire.replies import QueryReply
 from .status import ask_each
 
@@ -460,14 +464,25 @@ async def query(hosts: Sequence[str], token: bytes, sql: str,
     got: dict[str, dict[str, QueryReply]] = {}
 
     async def talk(host: str, chan: Any) -> None:
-        got[host] = {table: QueryReply.from_wire(await chan.request(
-            "query", sql=node_sql, params={"host": host}, timeout=timeout))
-            for table, node_sql in p.nodes.items()}
+        replies = {}
+        for table, node_sql in p.nodes.items():
+            args = await identity.sign(chan, "query", {"sql": node_sql, "params": {"host": host},
+                                                       "timeout": timeout})
+            replies[table] = QueryReply.from_wire(await chan.request("query", **args))
+        got[host] = replies
 
-    failed = {h: str(e) for h, e in await ask_each(hosts, token, talk, timeout + 5)
+    wait = timeout + 5
+    failed = {h: _cause(e, wait) for h, e in await ask_each(hosts, token, talk, wait)
               if e is not None}
     columns, rows = await trio.to_thread.run_sync(_finish, p, got, timeout)
     return Result(columns, rows, failed, p, round(time.monotonic() - start, 3))
+
+
+def _cause(e: Exception, wait: float) -> str:
+    """Why a node gave no answer, in words: never empty (a timeout's exception has none)."""
+    if isinstance(e, trio.TooSlowError):
+        return f"no answer within {wait:g} s (the node is down, stuck or far behind)"
+    return str(e) or type(e).__name__
 
 
 def _finish(p: Plan, got: dict[str, dict[str, QueryReply]], timeout: float
