@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import time
 
 import pytest
 import trio
 
 from helpers import mfs, start_daemon, stop_daemon
+from monarch_fs.daemon.node import events_query
 from monarch_fs.daemon.wire.auth import load_token
 from monarch_fs.daemon.wire.transport import RemoteError, connect
 
@@ -166,3 +168,24 @@ def test_a_node_that_does_not_answer_says_so(fresh_cluster):
         os.kill(c.pid(0), signal.SIGCONT)
     assert out.returncode == 1
     assert f"{c.hosts[0]}: UNREACHABLE: no answer within 6 s" in out.stdout, out.stdout
+
+
+def test_the_linear_builtins_answer_as_sqlite_s():
+    """instr, replace and the trims are replaced by linear ones (events_query.LINEAR): same
+    answers as SQLite's own, on text, numbers, NULL and blobs."""
+    values = ["", " ", "  hello  ", "héllo wörld", "aXbXc", "xxabcxx", "ab", None, 12, 1.5,
+              b"\x00ab\x00", "日本語のテキスト 語"]
+    needles = ["", "X", "l", "ö", "語", "x", "ab", "b", None, 2, b"a", "xa", " h"]
+    calls = [("instr", 2), ("replace", 3), ("trim", 1), ("trim", 2), ("ltrim", 1),
+             ("ltrim", 2), ("rtrim", 1), ("rtrim", 2)]
+    ours = sqlite3.connect(":memory:")
+    for name, nargs, fn in events_query.LINEAR:
+        ours.create_function(name, nargs, fn, deterministic=True)
+    theirs = sqlite3.connect(":memory:")
+    for name, nargs in calls:
+        sql = f"SELECT {name}({', '.join('?' * nargs)})"
+        for x in values:
+            for y in needles if nargs > 1 else [None]:
+                args = (x, y, "--")[:nargs]
+                expect = theirs.execute(sql, args).fetchone()[0]
+                assert ours.execute(sql, args).fetchone()[0] == expect, (name, args, expect)

@@ -239,29 +239,28 @@ def _instr(haystack: Any, needle: Any) -> int | None:
 
 
 def _replace(x: Any, old: Any, new: Any) -> Any:
-    x, old, new = _text(x), _text(old), _text(new)
     if x is None or old is None or new is None:
         return None
-    if isinstance(x, bytes):
-        x = x.decode("utf-8", "replace")
-    old = old.decode("utf-8", "replace") if isinstance(old, bytes) else old
-    new = new.decode("utf-8", "replace") if isinstance(new, bytes) else new
-    return x if old == "" else x.replace(old, new)
+    old_t = _str(old)
+    if old_t == "":
+        return _str(x) if isinstance(x, bytes) else x  # SQLite: as it was, a blob as text
+    return _str(x).replace(old_t, _str(new))
+
+
+def _str(v: Any) -> str:
+    v = _text(v)
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
 
 
 def _trimmer(left: bool, right: bool) -> Any:
     def trim(x: Any, chars: Any = " ") -> Any:
-        x, chars = _text(x), _text(chars)
         if x is None or chars is None:
             return None
-        if isinstance(x, bytes) or isinstance(chars, bytes):
-            xb = x if isinstance(x, bytes) else x.encode()
-            cb = bytes(set(chars if isinstance(chars, bytes) else chars.encode()))
-            return xb.lstrip(cb).rstrip(cb) if left and right else (
-                xb.lstrip(cb) if left else xb.rstrip(cb))
-        charset = "".join(set(chars))  # a set: strip() would scan all of `chars` per character
-        if not charset:
-            return x
+        x, chars = _str(x), _str(chars)  # SQLite trims text, a blob's bytes read as text
+        charset = "".join(set(chars))
+        if len(charset) <= 64:  # strip() scans the set per character: fine while it is small
+            return x.strip(charset) if left and right else (
+                x.lstrip(charset) if left else x.rstrip(charset))
         run = re.compile("[" + re.escape(charset) + "]+")  # a match from the start: linear
         if left and (m := run.match(x)):
             x = x[m.end():]
