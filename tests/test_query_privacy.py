@@ -1,20 +1,22 @@
 """Under --identity munge a query is signed, and a user who is not root reads the rows of their
 own processes and the node's own events, never another user's command lines or stderr (issue
-33, finding 3). Real munged, a real root daemon, two local users whose clients run as them
-(the fixtures of tests/test_identity.py)."""
+33, finding 3); `top` shows them their own running processes only. Real munged, a real root
+daemon, two local users whose clients run as them (the fixtures of tests/test_identity.py)."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
+import subprocess
 
 import pytest
 import trio
 from test_identity import as_user, munge_nodes
-from users import SITE_PACKAGES, SYSTEM_PYTHON
+from users import CLI, SITE_PACKAGES, SYSTEM_PYTHON, LocalUser
 
-from helpers import mfs
+from helpers import mfs, wait_for
 from monarch_fs.daemon.wire.auth import load_token
 from monarch_fs.daemon.wire.transport import RemoteError, connect
 
@@ -118,3 +120,22 @@ def test_a_user_reads_their_own_processes_rows_only(tmp_path):
             return "answered"
 
         assert "the request carries no MUNGE credential" in trio.run(unsigned)
+
+        # `top` too: B does not see A's running process, nor its argv.
+        run = a.popen(["/usr/bin/env", f"MONARCH_FS_MUNGE_SOCKET={munged.socket}",
+                       f"MONARCH_FS_TOKEN_FILE={a.home / 'token'}", *CLI, "run", "--hosts",
+                       daemon.addr, "--", "/bin/sh", "-c", "sleep 60", "--db-password=hunter2"],
+                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            def top(user: LocalUser) -> list[dict]:
+                out = as_user(user, munged, "top", "--once", "--json", "--interval", "0.2",
+                              "--hosts", daemon.addr)
+                assert out.returncode == 0, out.stdout + out.stderr
+                return json.loads(out.stdout.splitlines()[-1])[0]["procs"]
+
+            wait_for(lambda: top(a), 30, "A's process in A's top")
+            assert "hunter2" in top(a)[0]["argv"]
+            assert top(b) == []
+        finally:
+            run.send_signal(signal.SIGINT)
+            run.wait(timeout=30)

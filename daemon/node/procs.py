@@ -429,11 +429,12 @@ class ProcessTable:
                                restart=proc.restart, workspace=proc.workspace or None,
                                uid=proc.uid, detail=detail, **fields)
 
-    def describe(self) -> list[dict]:
-        """The running processes, for `monarch-fs top`."""
+    def describe(self, uid: int | None = None) -> list[dict]:
+        """The running processes, for `monarch-fs top`: with `uid`, that user's only."""
         now = time.monotonic()
         return [{"proc": p.id, "pid": p.process.pid, "rank": p.rank, "argv": p.argv[:200],
-                 "seconds": round(now - p.started, 1)} for p in self.procs.values()]
+                 "seconds": round(now - p.started, 1)} for p in self.procs.values()
+                if uid is None or p.uid == uid]
 
     def pinned_to(self, workspace: str) -> list[int]:
         """The pids of the running processes pinned to `workspace`."""

@@ -431,7 +431,7 @@ class Session:
         return QueryReply(answer.columns, answer.rows)
 
     async def _stats(self, req: Stats) -> StatsReply:
-        return self.service.stats()
+        return self.service.stats(self.asker)
 
 
 def _hex(version: bytes | None) -> str | None:
