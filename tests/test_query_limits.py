@@ -137,6 +137,11 @@ def test_a_wide_answer_of_empty_strings_is_one_clear_error(node):
     _, got = ask(node.addr, node.token_file, COUNT_TO.format(200_000) + "SELECT "
                  + ", ".join(["''"] * 500) + " FROM r")
     assert got == "query: too many columns in result set (at most 100 here)", got
+    # Escapes count: 150 values of 100,000 'é' are 29 MiB of UTF-8 but 86 MiB of the reply's
+    # JSON, more than a frame holds.
+    _, got = ask(node.addr, node.token_file, COUNT_TO.format(150) + "SELECT "
+                 "replace(printf('%.*c', 100000, 'a'), 'a', 'é') FROM r")
+    assert isinstance(got, str) and "the answer is larger than this node sends" in got, got
     # The daemon goes on answering.
     _, got = ask(node.addr, node.token_file, "SELECT count(*) > 0 FROM events")
     assert got == [[1]]

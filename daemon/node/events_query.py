@@ -16,9 +16,10 @@ all, and says in OWNERS which column names the user a row belongs to.
   MAX_VALUE_BYTES, LIKE and GLOB patterns at most MAX_PATTERN_CHARS, and the built-ins whose
   time grows with the product of their arguments' lengths (instr, replace, trim, ltrim,
   rtrim: 5 minutes for one ltrim of 1 MiB) are replaced by linear ones (LINEAR).
-- Memory: each value of the answer costs its encoded size plus CELL_COST (an empty string is
-  not free: 200,000 rows of 500 empty strings held 1.4 GB), and the rows are counted one at
-  a time, so one error ("more than ...") comes before the bound is passed, not after.
+- Memory: each value of the answer costs its size in the reply's JSON plus CELL_COST (an
+  empty string is not free: 200,000 rows of 500 empty strings held 1.4 GB), and the rows are
+  counted one at a time, so one error ("the answer is larger than this node sends") comes
+  before the bound is passed, not after; 48 MiB so counted always fits an 80 MiB frame.
 - Privacy (--identity munge): a query is signed, and an asker who is not root reads a table
   of OWNERS through a view of the same name that holds their rows and the node's own (owner
   NULL); the authorizer refuses a read of the table itself (`main.events`) outside that view.
@@ -31,10 +32,10 @@ import sqlite3
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii as _json_string  # the wire's own (frames.py)
 from pathlib import Path
 from typing import Any
 
-import outcome
 import trio
 
 from ..wire.requests import RequestError
@@ -42,7 +43,7 @@ from ..wire.requests import RequestError
 QUERY_TIMEOUT = 10.0  # seconds a query may run on a node
 MAX_ROWS = 200_000  # rows one node returns for one query
 MAX_REPLY_BYTES = 48 << 20  # what the rows cost (their bytes, CELL_COST a value); frames: 80 MiB
-CELL_COST = 16  # bytes a value costs besides its own: its slot in the row, its encoding
+CELL_COST = 16  # bytes a value costs besides its JSON: its slot in the row, its separators
 MAX_VALUE_BYTES = 256 << 10  # the longest string or blob a query may make (SQLITE_LIMIT_LENGTH)
 MAX_COLUMNS = 100  # of a result (SQLITE_LIMIT_COLUMN)
 MAX_PATTERN_CHARS = 1000  # of a LIKE or GLOB pattern (its time is the product of the lengths)
@@ -101,15 +102,18 @@ async def run(path: Path, sql: str, params: Mapping[str, Any] | Sequence[Any],
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(interrupt_at_deadline)
-                got = await trio.to_thread.run_sync(outcome.capture, _rows, db, auth, sql,
-                                                    params, timeout, max_rows)
+                # a refusal comes back as a value: raised in a nursery, it would be a group
+                got = await trio.to_thread.run_sync(_capture, db, auth, sql, params, timeout,
+                                                    max_rows)
                 done = True
                 nursery.cancel_scope.cancel()
         finally:
             done = True
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(db.close)
-    return got.unwrap()
+    if isinstance(got, RequestError):
+        raise got
+    return got
 
 
 def _connect(path: Path, owner: int | None) -> tuple[sqlite3.Connection, _Authorizer]:
@@ -165,6 +169,15 @@ class _Authorizer:
         return sqlite3.SQLITE_DENY
 
 
+def _capture(db: sqlite3.Connection, auth: _Authorizer, sql: str,
+             params: Mapping[str, Any] | Sequence[Any], timeout: float,
+             max_rows: int) -> Answer | RequestError:
+    try:
+        return _rows(db, auth, sql, params, timeout, max_rows)
+    except RequestError as e:
+        return e
+
+
 def _rows(db: sqlite3.Connection, auth: _Authorizer, sql: str,
           params: Mapping[str, Any] | Sequence[Any], timeout: float, max_rows: int) -> Answer:
     """The statement's rows, counted one at a time against the bounds (worker thread)."""
@@ -184,15 +197,19 @@ def _rows(db: sqlite3.Connection, auth: _Authorizer, sql: str,
                     f"{CELL_COST} bytes each besides their own): narrow it with WHERE or "
                     "fewer columns, or aggregate")
         return Answer(columns, rows)
-    except sqlite3.DatabaseError as e:
+    except (sqlite3.Error, OverflowError) as e:  # OverflowError: a parameter past 64 bits
         raise RequestError(_why(str(e), auth.denied, timeout)) from None
 
 
 def _cost(row: list[Any]) -> int:
+    """At least the row's size in the reply's JSON: a string as encoded (escapes included:
+    a control character or a non-ASCII one takes 6 bytes there), a number at most 24."""
     size = CELL_COST * (len(row) + 1)
     for v in row:
         if isinstance(v, str):
-            size += len(v) if v.isascii() else len(v.encode("utf-8", "surrogatepass"))
+            size += len(_json_string(v))
+        elif isinstance(v, (int, float)):
+            size += 8
     return size
 
 
