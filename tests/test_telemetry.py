@@ -373,3 +373,21 @@ async def test_a_database_made_before_the_uid_column_gains_it(tmp_path):
     await events.close()
     assert answer.rows == [["before", None], ["after", 1234]]
     assert mine.rows == [["before"], ["after"]] and theirs.rows == [["before"]]
+
+
+async def test_a_huge_detail_is_cut_to_json_every_query_can_read(tmp_path):
+    """A detail past what a query may read (a process's whole environment, say) would make
+    every query over `detail` fail; it keeps its short values, as JSON."""
+    events = EventLog(tmp_path / "events.db", "node-0", interval=3600)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(events.run)
+        events.record("proc.started", detail={"cwd": "/w", "env": {"X": "y" * (2 << 20)}})
+        events.record("proc.exited", detail={"stopped": "a kill request"})
+        answer = await events.query("SELECT kind, json_extract(detail, '$.cwd'), "
+                                    "json_extract(detail, '$.stopped'), length(detail) "
+                                    "FROM events ORDER BY id")
+        nursery.cancel_scope.cancel()
+    await events.close()
+    (started, cwd, _, size), exited = answer.rows
+    assert (started, cwd) == ("proc.started", "/w") and size < 1024
+    assert exited[:3] == ["proc.exited", None, "a kill request"]

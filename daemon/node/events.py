@@ -95,6 +95,9 @@ DEFAULT_MAX_BYTES = 256 << 20
 DEFAULT_MAX_AGE = 30 * 86400.0
 MAX_PENDING = 100_000  # rows held in memory for the next write; more are dropped (counted)
 TAIL_CHARS = 4096  # of a text column (an error, an argv, a stderr tail)
+# Of a detail's JSON: a value past a query's bound (events_query.MAX_VALUE_BYTES) would make
+# every query that reads the column fail, so a longer detail keeps its short values only.
+DETAIL_CHARS = 32 * 1024
 
 def _utf8(text: str) -> str:
     """`text` as SQLite can store it: a lone surrogate (a file or workspace name that is not
@@ -104,6 +107,19 @@ def _utf8(text: str) -> str:
     except UnicodeEncodeError:
         return text.encode("utf-8", "backslashreplace").decode("utf-8")
     return text
+
+
+def _detail_json(detail: Mapping[str, Any]) -> str:
+    """`detail` as JSON, at most DETAIL_CHARS: a longer one keeps its short values, and
+    says how long each value it cut was (still JSON: json_extract must read every row)."""
+    text = json.dumps(detail, default=str)
+    if len(text) <= DETAIL_CHARS:
+        return text
+    parts = {k: json.dumps(v, default=str) for k, v in detail.items()}
+    kept = {str(k): json.loads(v) if len(v) <= 1024 else f"(cut: {len(v)} characters of JSON)"
+            for k, v in parts.items()}
+    text = json.dumps(kept)
+    return text if len(text) <= DETAIL_CHARS else json.dumps({"cut": len(text)})
 
 
 class EventLog:
@@ -151,7 +167,7 @@ class EventLog:
             if isinstance(value, str):
                 fields[key] = _utf8(value)
         fields.update(ts=time.time(), node=self.node, kind=kind,
-                      detail=json.dumps(detail, default=str) if detail else None)
+                      detail=_detail_json(detail) if detail else None)
         self._pending.append(tuple(fields.get(c) for c in EVENT_COLUMNS))
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
