@@ -99,6 +99,7 @@ TAIL_CHARS = 4096  # of a text column (an error, an argv, a stderr tail)
 # every query that reads the column fail, so a longer detail keeps its short values only.
 DETAIL_CHARS = 32 * 1024
 
+
 def _utf8(text: str) -> str:
     """`text` as SQLite can store it: a lone surrogate (a file or workspace name that is not
     UTF-8, decoded with surrogateescape, or any JSON could carry) becomes its \\u escape."""
