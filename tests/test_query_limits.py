@@ -148,6 +148,18 @@ def test_a_wide_answer_of_empty_strings_is_one_clear_error(node):
 
 
 @pytest.mark.mount
+def test_a_sort_without_end_is_bounded_in_memory_and_writes_no_temporary_files(node):
+    # 8 s of this sort wrote 880 MB of temporary files (deleted, so unseen by du) before.
+    before = _peak_rss_kib(node.pid)
+    seconds, got = ask(node.addr, node.token_file, COUNT_TO.format(10**12) + "SELECT max(b) "
+                       "FROM (SELECT randomblob(1000) AS b FROM r ORDER BY random())", timeout=30)
+    assert isinstance(got, str) and "needs more than the 256 MiB" in got, got
+    assert seconds < 15 and _peak_rss_kib(node.pid) - before < 400 << 10
+    _, got = ask(node.addr, node.token_file, "SELECT count(*) > 0 FROM events")
+    assert got == [[1]]  # the writer (under the same bound) wrote, and queries go on
+
+
+@pytest.mark.mount
 def test_no_function_answers_a_memory_address(fresh_cluster):
     c = fresh_cluster(1)
     # max() runs on the node (a partial aggregate): its value came from the node's memory.

@@ -198,7 +198,7 @@ class EventLog:
         reads = self._reads_row()
         try:
             await trio.to_thread.run_sync(self._write, reads)
-        except (sqlite3.OperationalError, OSError) as e:  # a full disk: rows kept, tried again
+        except (sqlite3.OperationalError, OSError, MemoryError) as e:  # rows kept, tried again
             log.warning("events: writing %s: %s", self.path, e)
         except Exception as e:  # rows the database refuses: dropped (by _write), not retried
             log.error("events: writing %s: dropped rows the database refused: %r", self.path, e)
@@ -292,7 +292,8 @@ class EventLog:
             except BaseException as e:
                 if db.in_transaction:
                     db.execute("ROLLBACK")
-                if isinstance(e, (sqlite3.OperationalError, OSError)):  # a full disk, a lock
+                # a full disk, a lock, SQLite's memory bound reached by queries (events_query)
+                if isinstance(e, (sqlite3.OperationalError, OSError, MemoryError)):
                     self._pending.extendleft(reversed(rows))  # tried again at the next write
                 raise
             self._retain(db)

@@ -16,10 +16,12 @@ all, and says in OWNERS which column names the user a row belongs to.
   MAX_VALUE_BYTES, LIKE and GLOB patterns at most MAX_PATTERN_CHARS, and the built-ins whose
   time grows with the product of their arguments' lengths (instr, replace, trim, ltrim,
   rtrim: 5 minutes for one ltrim of 1 MiB) are replaced by linear ones (LINEAR).
-- Memory: each value of the answer costs its size in the reply's JSON plus CELL_COST (an
-  empty string is not free: 200,000 rows of 500 empty strings held 1.4 GB), and the rows are
-  counted one at a time, so one error ("the answer is larger than this node sends") comes
-  before the bound is passed, not after; 48 MiB so counted always fits an 80 MiB frame.
+- Memory: SQLite's sorts and temporary b-trees stay in memory, within MAX_HEAP_BYTES for
+  the whole process; each value of the answer costs its size in the reply's JSON plus
+  CELL_COST (an empty string is not free: 200,000 rows of 500 empty strings held 1.4 GB), and
+  the rows are counted one at a time, so one error ("the answer is larger than this node
+  sends") comes before the bound is passed, not after; 48 MiB so counted always fits an 80
+  MiB frame.
 - Privacy (--identity munge): a query is signed, and an asker who is not root reads a table
   of OWNERS through a view of the same name that holds their rows and the node's own (owner
   NULL); the authorizer refuses a read of the table itself (`main.events`) outside that view.
@@ -47,6 +49,11 @@ CELL_COST = 16  # bytes a value costs besides its JSON: its slot in the row, its
 MAX_VALUE_BYTES = 256 << 10  # the longest string or blob a query may make (SQLITE_LIMIT_LENGTH)
 MAX_COLUMNS = 100  # of a result (SQLITE_LIMIT_COLUMN)
 MAX_PATTERN_CHARS = 1000  # of a LIKE or GLOB pattern (its time is the product of the lengths)
+# All the memory SQLite may hold in this process (hard_heap_limit: the events writer's too,
+# which needs a few MiB). A query's sorts, DISTINCTs and temporary b-trees stay in memory
+# (temp_store = MEMORY), so they count here instead of filling temporary files (8 s of a
+# sort wrote 880 MB of them).
+MAX_HEAP_BYTES = 256 << 20
 
 # Table -> the column holding the uid a row belongs to (NULL: the node's own, everyone's).
 # Under --identity munge a non-root asker reads only their rows and the node's own.
@@ -124,6 +131,8 @@ def _connect(path: Path, owner: int | None) -> tuple[sqlite3.Connection, _Author
         db.setlimit(sqlite3.SQLITE_LIMIT_COLUMN, MAX_COLUMNS)
         db.setlimit(sqlite3.SQLITE_LIMIT_LIKE_PATTERN_LENGTH, MAX_PATTERN_CHARS)
         db.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
+        db.execute("PRAGMA temp_store = MEMORY")
+        db.execute(f"PRAGMA hard_heap_limit = {MAX_HEAP_BYTES}")
         for name, nargs, fn in LINEAR:
             db.create_function(name, nargs, fn, deterministic=True)
         owned = _owned_tables(db)
@@ -197,6 +206,10 @@ def _rows(db: sqlite3.Connection, auth: _Authorizer, sql: str,
                     f"{CELL_COST} bytes each besides their own): narrow it with WHERE or "
                     "fewer columns, or aggregate")
         return Answer(columns, rows)
+    except MemoryError:  # SQLite's own bound (MAX_HEAP_BYTES), or this process's
+        raise RequestError(f"query: it needs more than the {MAX_HEAP_BYTES >> 20} MiB a node's "
+                           "queries may hold (a sort or DISTINCT over too many rows): narrow "
+                           "it with WHERE, or aggregate") from None
     except (sqlite3.Error, OverflowError) as e:  # OverflowError: a parameter past 64 bits
         raise RequestError(_why(str(e), auth.denied, timeout)) from None
 
