@@ -59,7 +59,6 @@ demo: $(STAMP)
 	export MONARCH_FS_HOME="$$(mktemp -d /tmp/monarch-fs-demo.XXXXXX)"; C="$$MONARCH_FS_HOME/cluster"; \
 	trap 'monarch-fs cluster down >/dev/null; rm -rf "$$MONARCH_FS_HOME"' EXIT; \
 	step() { printf '\n\033[1m$$ %s\033[0m\n' "$$*"; "$$@"; }; \
-	export MONARCH_FS_EVENTS_INTERVAL=0.2; \
 	step monarch-fs cluster up --nodes 3; \
 	APP="$$MONARCH_FS_HOME/app"; mkdir -p "$$APP"; cp -r fs daemon mesh README.md "$$APP/"; \
 	printf 'print("training step 1")\n' > "$$APP/train.py"; \

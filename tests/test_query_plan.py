@@ -1,5 +1,5 @@
 """How `monarch-fs query` splits a query between the nodes and the controller
-(daemon/client/query.py): whatever the split, the answer is the query run over every node's
+(daemon/client/query_plan.py): whatever the split, the answer is the query run over every node's
 rows at once; aggregates and filters run on the nodes; bad input is one clear error. The nodes
 here are real SQLite databases with the nodes' schema, filled with random events."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import threading
 import time
 
@@ -17,8 +18,9 @@ import trio
 
 from helpers import mfs, stop_node, wait_for
 from monarch_fs.daemon.client import cluster as cluster_mod
-from monarch_fs.daemon.node.events import EventLog
+from monarch_fs.daemon.node.events import SCHEMA, EventLog
 from monarch_fs.daemon.wire.auth import resolve_token
+from monarch_fs.daemon.wire.identity import Identity
 from monarch_fs.daemon.wire.transport import RemoteError, connect
 
 INTERVAL = "0.2"  # the daemons write their events every 0.2 s here (2 s by default)
@@ -344,3 +346,48 @@ async def test_a_damaged_database_is_moved_aside_and_recording_goes_on(tmp_path)
     await events.close()
     assert answer.rows == [["warning", "after"]]
     assert (tmp_path / "events.db.broken").read_bytes().startswith(b"not a database")
+
+
+async def test_a_database_made_before_the_uid_column_gains_it(tmp_path):
+    """A node upgraded in place keeps its history, and its processes' rows say whose they are
+    (under --identity munge a user reads their own: daemon/node/events_query.py)."""
+    old = sqlite3.connect(tmp_path / "events.db")
+    old.executescript(SCHEMA.replace(",            -- a JSON object", "  -- a JSON object")
+                      .replace("    uid INTEGER             -- whose row: a process's user "
+                               "(NULL: the node's own event)\n", ""))
+    assert "uid" not in {r[1] for r in old.execute("PRAGMA table_info(events)")}
+    old.execute("INSERT INTO events (ts, node, kind, text) VALUES (?, 'node-0', 'warning', "
+                "'before')", (time.time(),))
+    old.commit()
+    old.close()
+    events = EventLog(tmp_path / "events.db", "node-0", interval=3600)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(events.run)
+        events.record("proc.exited", text="after", uid=1234)
+        answer = await events.query("SELECT text, uid FROM events ORDER BY id")
+        mine = await events.query("SELECT text FROM events ORDER BY id",
+                                  asker=Identity(1234, 1234))
+        theirs = await events.query("SELECT text FROM events ORDER BY id",
+                                    asker=Identity(4321, 4321))
+        nursery.cancel_scope.cancel()
+    await events.close()
+    assert answer.rows == [["before", None], ["after", 1234]]
+    assert mine.rows == [["before"], ["after"]] and theirs.rows == [["before"]]
+
+
+async def test_a_huge_detail_is_cut_to_json_every_query_can_read(tmp_path):
+    """A detail past what a query may read (a process's whole environment, say) would make
+    every query over `detail` fail; it keeps its short values, as JSON."""
+    events = EventLog(tmp_path / "events.db", "node-0", interval=3600)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(events.run)
+        events.record("proc.started", detail={"cwd": "/w", "env": {"X": "y" * (2 << 20)}})
+        events.record("proc.exited", detail={"stopped": "a kill request"})
+        answer = await events.query("SELECT kind, json_extract(detail, '$.cwd'), "
+                                    "json_extract(detail, '$.stopped'), length(detail) "
+                                    "FROM events ORDER BY id")
+        nursery.cancel_scope.cancel()
+    await events.close()
+    (started, cwd, _, size), exited = answer.rows
+    assert (started, cwd) == ("proc.started", "/w") and size < 1024
+    assert exited[:3] == ["proc.exited", None, "a kill request"]

@@ -18,10 +18,10 @@ in use pass the size bound, the oldest rows of each table go until a tenth of th
 free; freed pages go back to the file system at once (incremental auto-vacuum), and the
 write-ahead log is truncated, so the files stay within the bound plus what one write adds.
 
-Queries run on a connection of their own, opened read-only (`mode=ro`), with an authorizer that
-allows nothing but reading (SELECT, reads of columns, functions): no statement can change,
-delete or attach anything, whatever the token holder sends. A progress handler ends a query
-that runs past its time, and the rows and bytes of an answer are bounded.
+A query first writes what gathered, so it sees every event that happened before it was asked
+(issue 35: a push's events right after the push), then runs on a connection of its own, read
+only, bounded in time and size, and under --identity munge over the asker's rows only: the
+rules of events_query.py, which apply to every table of this database.
 """
 
 from __future__ import annotations
@@ -33,22 +33,23 @@ import os
 import sqlite3
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import trio
 
+from ..wire.identity import Identity
 from ..wire.requests import RequestError
+from . import events_query
+from .events_query import MAX_ROWS, QUERY_TIMEOUT, Answer
 
 log = logging.getLogger("monarch_fs.daemon")
 
 # Columns of `events`, after id. Kinds and which columns each fills: docs/reference/events.md.
 EVENT_COLUMNS = ("ts", "node", "kind", "workspace", "version", "peer", "proc", "pid", "rank",
                  "restart", "code", "signal", "count", "bytes", "seconds", "topology",
-                 "transport", "text", "detail")
+                 "transport", "text", "detail", "uid")
 # Columns of `reads`, after id: one row per interval in which the mount served requests.
 READ_COLUMNS = ("ts", "node", "interval", "requests", "reads", "bytes", "hits", "misses",
                 "busy", "disk", "ops")
@@ -67,7 +68,8 @@ CREATE TABLE IF NOT EXISTS events (
     count INTEGER, bytes INTEGER, seconds REAL,
     topology TEXT, transport TEXT,
     text TEXT,              -- an error's cause, a process's argv or its stderr tail
-    detail TEXT             -- a JSON object: what else the kind carries
+    detail TEXT,            -- a JSON object: what else the kind carries
+    uid INTEGER             -- whose row: a process's user (NULL: the node's own event)
 );
 CREATE INDEX IF NOT EXISTS events_ts ON events (ts);
 -- Covers the usual aggregates by kind (counts, sums of bytes, seconds): no row lookups.
@@ -93,15 +95,9 @@ DEFAULT_MAX_BYTES = 256 << 20
 DEFAULT_MAX_AGE = 30 * 86400.0
 MAX_PENDING = 100_000  # rows held in memory for the next write; more are dropped (counted)
 TAIL_CHARS = 4096  # of a text column (an error, an argv, a stderr tail)
-
-# What a query may do: read (SELECT, a column read, a function call). Everything else is
-# denied, so no statement can insert, update, delete, create, drop, attach or set a pragma.
-_ALLOWED = frozenset({sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION,
-                      getattr(sqlite3, "SQLITE_RECURSIVE", 33)})
-QUERY_TIMEOUT = 10.0  # seconds a query may run on a node
-MAX_ROWS = 200_000  # rows one node returns for one query
-MAX_REPLY_BYTES = 48 << 20  # of the JSON rows (a frame holds 80 MiB)
-MAX_VALUE_BYTES = 1 << 20  # the longest string or blob a query may make (SQLITE_LIMIT_LENGTH)
+# Of a detail's JSON: a value past a query's bound (events_query.MAX_VALUE_BYTES) would make
+# every query that reads the column fail, so a longer detail keeps its short values only.
+DETAIL_CHARS = 32 * 1024
 
 
 def _utf8(text: str) -> str:
@@ -114,16 +110,17 @@ def _utf8(text: str) -> str:
     return text
 
 
-def _authorize(action: int, *_: object) -> int:
-    return sqlite3.SQLITE_OK if action in _ALLOWED else sqlite3.SQLITE_DENY
-
-
-@dataclass(frozen=True)
-class Answer:
-    """A query's result on one node."""
-
-    columns: list[str]
-    rows: list[list[Any]]
+def _detail_json(detail: Mapping[str, Any]) -> str:
+    """`detail` as JSON, at most DETAIL_CHARS: a longer one keeps its short values, and
+    says how long each value it cut was (still JSON: json_extract must read every row)."""
+    text = json.dumps(detail, default=str)
+    if len(text) <= DETAIL_CHARS:
+        return text
+    parts = {k: json.dumps(v, default=str) for k, v in detail.items()}
+    kept = {str(k): json.loads(v) if len(v) <= 1024 else f"(cut: {len(v)} characters of JSON)"
+            for k, v in parts.items()}
+    text = json.dumps(kept)
+    return text if len(text) <= DETAIL_CHARS else json.dumps({"cut": len(text)})
 
 
 class EventLog:
@@ -171,7 +168,7 @@ class EventLog:
             if isinstance(value, str):
                 fields[key] = _utf8(value)
         fields.update(ts=time.time(), node=self.node, kind=kind,
-                      detail=json.dumps(detail, default=str) if detail else None)
+                      detail=_detail_json(detail) if detail else None)
         self._pending.append(tuple(fields.get(c) for c in EVENT_COLUMNS))
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -201,7 +198,7 @@ class EventLog:
         reads = self._reads_row()
         try:
             await trio.to_thread.run_sync(self._write, reads)
-        except (sqlite3.OperationalError, OSError) as e:  # a full disk: rows kept, tried again
+        except (sqlite3.OperationalError, OSError, MemoryError) as e:  # rows kept, tried again
             log.warning("events: writing %s: %s", self.path, e)
         except Exception as e:  # rows the database refuses: dropped (by _write), not retried
             log.error("events: writing %s: dropped rows the database refused: %r", self.path, e)
@@ -259,6 +256,8 @@ class EventLog:
         db.execute("PRAGMA synchronous = NORMAL")  # a power cut may lose the last interval
         db.execute(f"PRAGMA journal_size_limit = {self.max_bytes // 8}")
         db.executescript(SCHEMA)
+        if "uid" not in {r[1] for r in db.execute("PRAGMA table_info(events)")}:
+            db.execute("ALTER TABLE events ADD COLUMN uid INTEGER")  # made before it existed
         self._db = db
 
     def _close(self) -> None:
@@ -293,7 +292,8 @@ class EventLog:
             except BaseException as e:
                 if db.in_transaction:
                     db.execute("ROLLBACK")
-                if isinstance(e, (sqlite3.OperationalError, OSError)):  # a full disk, a lock
+                # a full disk, a lock, SQLite's memory bound reached by queries (events_query)
+                if isinstance(e, (sqlite3.OperationalError, OSError, MemoryError)):
                     self._pending.extendleft(reversed(rows))  # tried again at the next write
                 raise
             self._retain(db)
@@ -339,53 +339,17 @@ class EventLog:
     # ---- queries ----------------------------------------------------------------------------
 
     async def query(self, sql: str, params: Mapping[str, Any] | Sequence[Any] = (), *,
-                    timeout: float = QUERY_TIMEOUT, max_rows: int = MAX_ROWS) -> Answer:
-        """Run one read-only statement; RequestError saying why one is refused (not a read,
-        too slow, too many rows, an SQL error)."""
+                    timeout: float = QUERY_TIMEOUT, max_rows: int = MAX_ROWS,
+                    asker: Identity | None = None) -> Answer:
+        """Write what gathered, then run one read-only statement (events_query.run): with an
+        `asker` who is not root (--identity munge), over their rows only. RequestError saying
+        why one is refused (not a read, too slow, too large, an SQL error)."""
         if self._db is None:
             raise RequestError("query: this node records no events (MONARCH_FS_EVENTS=0)")
-        return await trio.to_thread.run_sync(self._query, sql, params, timeout, max_rows,
-                                             limiter=self._queries)
-
-    def _query(self, sql: str, params: Mapping[str, Any] | Sequence[Any], timeout: float,
-               max_rows: int) -> Answer:
-        uri = f"file:{urllib.parse.quote(str(self.path))}?mode=ro"
-        db = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
-        try:
-            db.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES)
-            db.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
-            db.set_authorizer(_authorize)
-            deadline = time.monotonic() + timeout
-            db.set_progress_handler(lambda: time.monotonic() > deadline, 10_000)
-            try:
-                cur = db.execute(sql, params)
-                columns = [d[0] for d in cur.description or ()]
-                rows: list[list[Any]] = []
-                size = 0
-                while batch := cur.fetchmany(4096):
-                    for row in batch:
-                        out = [v.hex() if isinstance(v, bytes) else v for v in row]
-                        size += sum(len(v) if isinstance(v, str) else 8 for v in out)
-                        rows.append(out)
-                    if len(rows) > max_rows or size > MAX_REPLY_BYTES:
-                        raise RequestError(
-                            f"query: more than {min(len(rows), max_rows):,} rows or "
-                            f"{MAX_REPLY_BYTES >> 20} MiB would travel from this node; narrow "
-                            "it with WHERE, or aggregate")
-            except sqlite3.DatabaseError as e:
-                why = str(e)
-                if why == "not authorized" or "prohibited" in why:
-                    raise RequestError("query refused: only reading statements run here "
-                                       "(SELECT); events cannot be changed or deleted"
-                                       ) from None
-                if why == "interrupted":
-                    raise RequestError(f"query: stopped after {timeout:g} s") from None
-                if "readonly" in why or "read-only" in why:
-                    raise RequestError(f"query refused: {why}") from None
-                raise RequestError(f"query: {why}") from None
-            return Answer(columns, rows)
-        finally:
-            db.close()
+        await self.flush()  # a query sees every event that happened before it was asked
+        owner = asker.uid if asker is not None and asker.uid != 0 else None
+        return await events_query.run(self.path, sql, params, self._queries, timeout=timeout,
+                                      max_rows=max_rows, owner=owner)
 
 
 class EventLogHandler(logging.Handler):

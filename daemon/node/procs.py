@@ -254,6 +254,7 @@ class RunningProcess:
     started: float = field(default_factory=time.monotonic)
     argv: str = ""
     stopped: str = ""
+    uid: int | None = None  # the user it runs as
 
     def signal_group(self, sig: int) -> None:
         try:
@@ -355,7 +356,8 @@ class ProcessTable:
                               rank=_int_or_none(env_of.get("RANK",
                                                            env_of.get("MONARCH_MESH_RANK"))),
                               restart=_int_or_none(env_of.get("TORCHELASTIC_RESTART_COUNT")),
-                              mesh="MONARCH_MESH_NAME" in env_of, argv=" ".join(argv))
+                              mesh="MONARCH_MESH_NAME" in env_of, argv=" ".join(argv),
+                              uid=os.geteuid() if run_as is None else run_as.uid)
         self.procs[proc.id] = proc
         self._record("proc.started", proc, detail={"cwd": cwd or enter,
                                                    **({"user": run_as.name} if run_as else {})})
@@ -437,13 +439,14 @@ class ProcessTable:
                 fields["text"] = proc.argv
             self.events.record(kind, proc=proc.id, pid=proc.process.pid, rank=proc.rank,
                                restart=proc.restart, workspace=proc.workspace or None,
-                               detail=detail, **fields)
+                               uid=proc.uid, detail=detail, **fields)
 
-    def describe(self) -> list[dict]:
-        """The running processes, for `monarch-fs top`."""
+    def describe(self, uid: int | None = None) -> list[dict]:
+        """The running processes, for `monarch-fs top`: with `uid`, that user's only."""
         now = time.monotonic()
         return [{"proc": p.id, "pid": p.process.pid, "rank": p.rank, "argv": p.argv[:200],
-                 "seconds": round(now - p.started, 1)} for p in self.procs.values()]
+                 "seconds": round(now - p.started, 1)} for p in self.procs.values()
+                if uid is None or p.uid == uid]
 
     def pinned_to(self, workspace: str) -> list[int]:
         """The pids of the running processes pinned to `workspace`."""

@@ -267,10 +267,12 @@ class NodeService:
 
 
 
-    def stats(self) -> StatsReply:
-        """What `monarch-fs top` shows for this node, now: cheap, nothing read from disk."""
+    def stats(self, asker: identity.Identity | None = None) -> StatsReply:
+        """What `monarch-fs top` shows for this node, now: cheap, nothing read from disk. An
+        `asker` who is not root (--identity munge) sees their own processes only."""
         now = time.time()
-        procs = self.procs.describe() if self.procs is not None else []
+        mine = asker.uid if asker is not None and asker.uid != 0 else None
+        procs = self.procs.describe(mine) if self.procs is not None else []
         return StatsReply(node=self.node_name, time=now, uptime=round(now - self.started, 1),
                           workspaces={n: vs[0].hex() for n, vs in self.refs.workspaces.items()},
                           reads=self.fs.read_counters(),

@@ -227,6 +227,7 @@ class Session:
             if route is None:
                 raise RequestError(f"unknown request {msg.op!r}")
             kind, handler = route
+            self.asker = None  # not the last request's, if this one's credential is refused
             self.asker = await self._identify(msg.op, msg.args)
             value = await handler(self, kind.parse(msg.args))
         except REFUSED as e:
@@ -244,7 +245,7 @@ class Session:
         name, version = args.get("name"), args.get("version")
         fields = {"workspace": name if isinstance(name, str) else None,
                   "version": version if isinstance(version, str) else None,
-                  "peer": self.chan.peer, "text": why}
+                  "peer": self.chan.peer, "text": why, "uid": self._owner}
         if op in ("prepare", "commit"):
             self.events.record("push.aborted", detail={"phase": op}, **fields)
         else:
@@ -425,11 +426,12 @@ class Session:
         return FirstReadsReply(**encode_reads(await self.service.first_reads.reads(req.name)))
 
     async def _query(self, req: Query) -> QueryReply:
-        answer = await self.events.query(req.sql, req.params, timeout=req.timeout)
+        answer = await self.events.query(req.sql, req.params, timeout=req.timeout,
+                                         asker=self.asker)
         return QueryReply(answer.columns, answer.rows)
 
     async def _stats(self, req: Stats) -> StatsReply:
-        return self.service.stats()
+        return self.service.stats(self.asker)
 
 
 def _hex(version: bytes | None) -> str | None:

@@ -3,9 +3,11 @@
 The shared token only says "someone holding the token". A daemon started with `--identity
 munge` advertises it in its Welcome (`identity: "munge"`); a client then puts a MUNGE
 credential (`cred`) on each request that acts for a user: spawn (the process runs as that
-user), prepare, commit and remove (a workspace belongs to who pushed it). SLURM identifies
-users the same way: munged on every node shares one key, so a credential made on the dev box
-decodes on every node, and munged vouches for the uid and gid of the process that asked it.
+user), prepare, commit and remove (a workspace belongs to who pushed it), query and stats (a
+user reads the telemetry rows of their own processes and the node's, and sees their own
+running processes in `top`). SLURM identifies users the same way: munged on every node shares
+one key, so a credential made on the dev box decodes on every node, and munged vouches for the
+uid and gid of the process that asked it.
 
 The credential's payload binds it to one request: a hash of the op, its arguments (all but
 `cred`) and this connection (a digest of the key the handshake derived, which both ends know
@@ -37,8 +39,9 @@ if TYPE_CHECKING:
 MODE = "munge"  # --identity munge; what a daemon advertises as `identity` in its Welcome
 ASKER = "the user who asks"  # status's procs_user under --identity munge
 FIELD = "cred"  # the request argument that carries the credential
-# The requests that act for a user (`current` answers for one: is that workspace theirs?).
-OPS = frozenset({"spawn", "prepare", "commit", "current", "remove"})
+# The requests that act for a user (`current` answers for one: is that workspace theirs?;
+# `query` reads the rows of theirs and the node's own, `stats` their running processes).
+OPS = frozenset({"spawn", "prepare", "commit", "current", "remove", "query", "stats"})
 DEFAULT_SOCKET = "/run/munge/munge.socket.2"  # libmunge's
 TIMEOUT = 10.0  # seconds for munge or unmunge to answer
 _PAYLOAD_TAG = "monarch-fs-identity-1"
