@@ -66,6 +66,7 @@ from typing import Any
 import trio
 
 from ..wire.identity import Identity
+from ..wire.jobs import job_of
 from ..wire.replies import SpawnReply
 from .dedicated_thread import DedicatedThread
 from .events import EventLog
@@ -253,6 +254,8 @@ class RunningProcess:
     started: float = field(default_factory=time.monotonic)
     argv: str = ""
     stopped: str = ""
+    job: str = ""  # its run job or proc mesh (wire/jobs.py), for `monarch-fs stacks`
+    uid: int = -1  # the user it runs as
 
     def signal_group(self, sig: int) -> None:
         try:
@@ -343,7 +346,9 @@ class ProcessTable:
                               rank=_int_or_none(env_of.get("RANK",
                                                            env_of.get("MONARCH_MESH_RANK"))),
                               restart=_int_or_none(env_of.get("TORCHELASTIC_RESTART_COUNT")),
-                              mesh="MONARCH_MESH_NAME" in env_of, argv=" ".join(argv))
+                              mesh="MONARCH_MESH_NAME" in env_of, argv=" ".join(argv),
+                              job=job_of(env_of),
+                              uid=os.geteuid() if run_as is None else run_as.uid)
         self.procs[proc.id] = proc
         self._record("proc.started", proc, detail={"cwd": cwd or enter,
                                                    **({"user": run_as.name} if run_as else {})})
