@@ -242,7 +242,9 @@ async def stacks(hosts: Sequence[str], token: bytes, job: str = "", *, native: b
     if not report.dumps():
         running = sorted({s.job for n in report.nodes if n.reply is not None
                           for s in n.reply.jobs})
-        what = f"job {job} runs on no node" if job else "no job runs on any node"
+        refused = any(n.error is not None for n in report.nodes)
+        what = (f"no stacks of job {job}" if refused else f"job {job} runs on no node") \
+            if job else "no job runs on any node"
         print(f"monarch-fs stacks: {what}" + (f" (running: {', '.join(running)})"
                                               if running else ""), file=err)
         for n in report.nodes:
