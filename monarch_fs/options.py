@@ -221,10 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser(
         "query", help="one SQL query over the telemetry of every node",
-        description="Run one SELECT over the `events` and `reads` tables of every node (see "
-                    "--schema); rows come back with a `host` column. Filters and aggregates "
-                    "run on the nodes, the rest here. A node that does not answer is reported "
-                    "and the others still answer (exit status 1 then).")
+        description="Run one SELECT over the `events`, `reads` and `stacks` tables of every "
+                    "node (see --schema); rows come back with a `host` column. Filters and "
+                    "aggregates run on the nodes, the rest here. A node that does not answer "
+                    "is reported and the others still answer (exit status 1 then).")
     q.add_argument("sql", nargs="?", metavar="SQL")
     q.add_argument("--hosts", metavar="SPEC", help=hosts_help)
     q.add_argument("--token-file", metavar="F")

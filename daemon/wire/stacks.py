@@ -39,7 +39,7 @@ class Thread:
 
     def key(self) -> tuple:
         """What two ranks' threads must share to fold: not their ids."""
-        return (self.name, self.active, self.frames)
+        return (self.name, self.frames)  # not `active`: a waiting loop flips between the two
 
 
 @dataclass(frozen=True)
