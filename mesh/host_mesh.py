@@ -141,7 +141,8 @@ class HostMesh:
         self, per_host: int = 1, *, name: str = "procs", env: dict[str, str] | None = None,
         cwd: str | None = None, workspace: str | None = None, version: str | None = None,
         python: str | None = None, python_path: Iterable[str] = (),
-        connect_timeout: float = 60.0,
+        connect_timeout: float = 60.0, hang_timeout: float | None = None,
+        on_hang: str = "kill",
     ) -> ProcMesh:
         """Start `per_host` actor-runtime procs on every host; returns once all are connected.
 
@@ -150,12 +151,14 @@ class HostMesh:
         `{mount}` in env, cwd, python and python_path expand on each node. python is the
         interpreter (default: this one's path, e.g. use "{workspace}/bin/python" for a pushed
         venv); python_path entries go first on the procs' sys.path, so actor classes can come
-        from pushed code.
+        from pushed code. hang_timeout: when a call waits that many seconds for a rank, print
+        and record the procs' stacks, then fail the mesh naming that rank (on_hang "kill") or
+        let the call wait on ("wait"); see `monarch-fs stacks`.
         """
         return await run_async_api(self._token, self._spawn_procs, dict(
             per_host=per_host, name=name, env=env, cwd=cwd, workspace=workspace,
             version=version, python=python, python_path=list(python_path),
-            connect_timeout=connect_timeout))
+            connect_timeout=connect_timeout, hang_timeout=hang_timeout, on_hang=on_hang))
 
     def spawn_procs(self, per_host: int = 1, **kwargs) -> ProcMesh:
         """spawn_procs_async for synchronous code (same arguments)."""

@@ -19,7 +19,7 @@ from typing import Any
 import trio
 
 from ..daemon.wire.addresses import format_addr
-from . import wire
+from . import hang, wire
 from .actor import ActorMesh, class_ref
 from .errors import Failure, MeshError, SpawnError
 from .hosts import Launcher, workspace_version
@@ -38,8 +38,10 @@ async def spawn_proc_mesh(launcher: Launcher, nursery: trio.Nursery, *, per_host
                           python_path: Iterable[str] = (),
                           supervisor: Supervisor = report_unhandled,
                           output: Output | None = print_output,
-                          connect_timeout: float = 60.0) -> MeshState:
-    """Launch the runtimes and wait until every one has connected back."""
+                          connect_timeout: float = 60.0, hang_timeout: float | None = None,
+                          on_hang: str = "kill") -> MeshState:
+    """Launch the runtimes and wait until every one has connected back; with `hang_timeout`,
+    watch its calls for one that waits that long (hang.py)."""
     if per_host < 1:
         raise ValueError("per_host must be at least 1")
     state = MeshState(name, launcher, per_host, supervisor, output)
@@ -63,6 +65,8 @@ async def spawn_proc_mesh(launcher: Launcher, nursery: trio.Nursery, *, per_host
         if errors:
             raise errors[0]
         await state.wait_connected(connect_timeout)
+        if hang_timeout is not None:
+            nursery.start_soon(hang.CallWatch(state, hang_timeout, on_hang).run)
     except BaseException:
         await state.stop()
         raise

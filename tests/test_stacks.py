@@ -15,8 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
+from stack_actors import Loader
 
 from helpers import CLI_MODULE, mfs, wait_for
+from monarch_fs.mesh import HostMesh, SupervisionError
 from procwatch import Started, descendants
 
 pytestmark = pytest.mark.mount
@@ -226,3 +228,30 @@ def test_another_users_processes_are_refused_under_munge(tmp_path):
         finally:
             proc.send_signal(signal.SIGINT)
             proc.communicate(timeout=30)
+
+
+def test_a_proc_mesh_call_that_hangs_fails_naming_the_rank_with_every_stack(cluster2, started,
+                                                                           capfd):
+    tests = str(Path(__file__).parent)
+    with HostMesh.connect(cluster2.hostfile, token_file=cluster2.token_file) as hosts:
+        procs = hosts.spawn_procs(per_host=2, python_path=[tests], name="stuck",
+                                  hang_timeout=2)
+        started.add(*(pid for _, pid in procs.pids.values()))
+        try:
+            loaders = procs.spawn("loader", Loader)
+            t = time.monotonic()
+            with pytest.raises(SupervisionError, match=r"proc rank 3 of mesh 'stuck'.*hung: "
+                               r"call loader.step waited 2 s for ranks 0-3; its stack differs"):
+                loaders.step.call()
+            assert time.monotonic() - t < 6
+        finally:
+            procs.stop()
+    err = capfd.readouterr().err
+    assert "hang: call loader.step waited 2 s for ranks 0-3; the stacks of proc mesh 'stuck'" \
+        in err
+    assert "ranks 0-2: wait_for_batch (stack_actors.py:" in err
+    assert "| rank 3: load_batch (stack_actors.py:" in err
+    q = mfs("query", *target(cluster2), "--json",
+            "SELECT rank, top FROM stacks WHERE job = 'stuck' AND hang IS NOT NULL")
+    tops = {row["rank"]: row["top"] for row in json.loads(q.stdout)["rows"]}
+    assert sorted(tops) == [0, 1, 2, 3]  # the main thread's: the runtime's loop

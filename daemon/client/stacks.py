@@ -8,9 +8,10 @@ job of all are asked again for it (a second round trip, only then).
 
 Folding: ranks whose threads have the same frames (function, file, line) print once, under
 `ranks 0-2,4-7`; a headline shows where each group is and what differs, in one line: the
-innermost frame of its main thread, and, where the groups part ways below a common caller,
-the first frame that differs (`ranks 0-2: wait_all (train.py:20) | rank 3: read (train.py:9)
-in load_batch`). A node that cannot dump some ranks says why in one line.
+innermost frame of its main thread (or of the first thread that differs between groups), and,
+where the groups part ways below a common caller, the first frame that differs (`ranks 0-2:
+wait_all (train.py:20) | rank 3: read (train.py:9) in load_batch`). A node that cannot dump
+some ranks says why in one line.
 """
 
 from __future__ import annotations
@@ -130,11 +131,24 @@ def _python(frames: tuple[Frame, ...]) -> tuple[Frame, ...]:
     return py or frames
 
 
+def telling(groups: list[Group]) -> list[Thread | None]:
+    """Per group, the thread that tells the groups apart: the first one (main first) whose
+    frames differ between groups (an actor's endpoint runs in a thread of its own); else the
+    main thread."""
+    if len(groups) > 1:
+        for name in dict.fromkeys(t.name for g in groups for t in g.threads):
+            frames = {next((t.frames for t in g.threads if t.name == name), None)
+                      for g in groups}
+            if len(frames) > 1:
+                return [next((t for t in g.threads if t.name == name), g.main) for g in groups]
+    return [g.main for g in groups]
+
+
 def headline(groups: list[Group]) -> str:
-    """Where each group's main thread is, and the first frame in which it differs from the
-    others below their common callers."""
-    outer = [list(reversed(_python(g.main.frames))) if g.main is not None else []
-             for g in groups]
+    """Where each group is (in the thread that tells them apart), and the first frame in
+    which it differs from the others below their common callers."""
+    outer = [list(reversed(_python(t.frames))) if t is not None else []
+             for t in telling(groups)]
     common = 0
     if len(outer) > 1:
         while all(len(o) > common for o in outer) and len(
