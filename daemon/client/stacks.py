@@ -145,8 +145,10 @@ def telling(groups: list[Group]) -> list[Thread | None]:
 
 
 def headline(groups: list[Group]) -> str:
-    """Where each group is (in the thread that tells them apart), and the first frame in
-    which it differs from the others below their common callers."""
+    """Where each group is (in the thread that tells them apart), and the first function in
+    which it differs from the others below their common callers: the outermost such frame in
+    the callers' own file (the user's code, not a library's decorator) when it is not the
+    innermost frame itself."""
     outer = [list(reversed(_python(t.frames))) if t is not None else []
              for t in telling(groups)]
     common = 0
@@ -161,8 +163,10 @@ def headline(groups: list[Group]) -> str:
             continue
         inner = frames[-1]
         text = str(inner)
-        if len(groups) > 1 and common < len(frames) - 1:
-            text += f" in {frames[common].name}"
+        if len(groups) > 1 and 0 < common < len(frames) - 1:
+            own = [f for f in frames[common:-1] if f.file == frames[common - 1].file]
+            if own:
+                text += f" in {own[0].name}"
         parts.append(f"{ranks_text(g.ranks)}: {text}")
     return " | ".join(parts)
 
