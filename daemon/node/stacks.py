@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from .procs import ProcessTable, RunningProcess
 
 DUMP_TIMEOUT = 10.0  # seconds one py-spy dump may take
-ATTEMPTS = 3  # py-spy sometimes misreads a young process ("failed to find python version")
 MAX_STACK_CHARS = 64 * 1024  # of a rank's stack in the `stacks` table
 PTRACE_HINT = ("ptrace refused: the daemon needs CAP_SYS_PTRACE (or to run as the process's "
                "user with kernel.yama.ptrace_scope 0)")
@@ -57,6 +56,9 @@ def _why(stderr: str, code: int) -> str:
         return f"{text} ({PTRACE_HINT})"
     if "no such process" in low or "no such file" in low:
         return f"{text} (the process exited)"
+    if "python version" in low or "python interpreter" in low:
+        return (f"{text} (not a Python process: a wrapper's child is not dumped; exec the "
+                "interpreter)")
     return text
 
 
@@ -89,27 +91,22 @@ async def dump(proc: RunningProcess, native: bool) -> RankDump:
         return RankDump(proc.rank, pid, proc.id, error="py-spy is not installed on this node "
                         "(pip install py-spy, next to monarch-fs)")
     argv = [command, "dump", "--pid", str(pid), "--json", *(["--native"] if native else [])]
-    why = ""
-    for _ in range(ATTEMPTS):
-        try:
-            with trio.fail_after(DUMP_TIMEOUT):
-                out = await trio.run_process(argv, capture_stdout=True, capture_stderr=True,
-                                             check=False, stdin=b"")
-        except trio.TooSlowError:
-            return RankDump(proc.rank, pid, proc.id,
-                            error=f"py-spy did not answer within {DUMP_TIMEOUT:g} s")
-        except OSError as e:
-            return RankDump(proc.rank, pid, proc.id, error=f"cannot run {command}: {e}")
-        if out.returncode == 0:
-            try:
-                return RankDump(proc.rank, pid, proc.id, _threads(out.stdout.decode(), pid))
-            except (ValueError, KeyError, TypeError) as e:
-                return RankDump(proc.rank, pid, proc.id, error=f"py-spy's output: {e!r}")
-        why = _why(out.stderr.decode(errors="replace"), out.returncode)
-        if "python version" not in why.lower() or proc.process.popen.poll() is not None:
-            break
-        await trio.sleep(0.05)
-    return RankDump(proc.rank, pid, proc.id, error=why)
+    try:
+        with trio.fail_after(DUMP_TIMEOUT):
+            out = await trio.run_process(argv, capture_stdout=True, capture_stderr=True,
+                                         check=False, stdin=b"")
+    except trio.TooSlowError:
+        return RankDump(proc.rank, pid, proc.id,
+                        error=f"py-spy did not answer within {DUMP_TIMEOUT:g} s")
+    except OSError as e:
+        return RankDump(proc.rank, pid, proc.id, error=f"cannot run {command}: {e}")
+    if out.returncode != 0:
+        return RankDump(proc.rank, pid, proc.id,
+                        error=_why(out.stderr.decode(errors="replace"), out.returncode))
+    try:
+        return RankDump(proc.rank, pid, proc.id, _threads(out.stdout.decode(), pid))
+    except (ValueError, KeyError, TypeError) as e:
+        return RankDump(proc.rank, pid, proc.id, error=f"py-spy's output: {e!r}")
 
 
 def jobs_seen(procs: list[RunningProcess]) -> dict[str, list[RunningProcess]]:
