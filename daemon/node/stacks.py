@@ -103,10 +103,11 @@ async def dump(proc: RunningProcess, native: bool) -> RankDump:
     if out.returncode != 0:
         return RankDump(proc.rank, pid, proc.id,
                         error=_why(out.stderr.decode(errors="replace"), out.returncode))
-    try:
-        return RankDump(proc.rank, pid, proc.id, _threads(out.stdout.decode(), pid))
+    try:  # (file names need not be UTF-8)
+        threads = _threads(out.stdout.decode(errors="replace"), pid)
     except (ValueError, KeyError, TypeError) as e:
         return RankDump(proc.rank, pid, proc.id, error=f"py-spy's output: {e!r}")
+    return RankDump(proc.rank, pid, proc.id, threads)
 
 
 def jobs_seen(procs: list[RunningProcess]) -> dict[str, list[RunningProcess]]:
