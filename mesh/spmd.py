@@ -86,7 +86,7 @@ class Job:
     transport: str = "auto"  # --transport: auto, tcp or rdma
     hang_timeout: float | None = None  # --hang-timeout: seconds of silence that are a hang
     on_hang: str = "kill"  # --on-hang: kill or wait (hang.py)
-    name: str = field(default_factory=new_job_name)  # every rank's MONARCH_FS_JOB
+    id: str = field(default_factory=new_job_name)  # every rank's MONARCH_FS_JOB
     out: TextIO = sys.stdout
     err: TextIO = sys.stderr
 
@@ -109,7 +109,7 @@ class _Attempt:
         self.spawn_errors: list[MeshError] = []
         self.changed = trio.Event()
         self.hang = None if job.hang_timeout is None else hang.HangWatch(
-            job.name, job.hang_timeout, job.on_hang, daemons, job.err, self._hung)
+            job.id, job.hang_timeout, job.on_hang, daemons, job.err, self._hung)
 
     def _hung(self, rank: int | None, why: str) -> None:
         if self.failure is None and not self.stopping:
@@ -159,7 +159,7 @@ class _Attempt:
                         "GROUP_RANK": str(self._host(rank)), "MASTER_ADDR": master,
                         "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": str(restart),
                         "MONARCH_FS_TRANSPORT": self.transports[self._host(rank)],
-                        JOB_ENV: job.name,
+                        JOB_ENV: job.id,
                     }
                     spec: dict = {"argv": job.argv, "env": env}
                     if job.cwd or job.workspace:

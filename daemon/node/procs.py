@@ -255,7 +255,7 @@ class RunningProcess:
     argv: str = ""
     stopped: str = ""
     job: str = ""  # its run job or proc mesh (wire/jobs.py), for `monarch-fs stacks`
-    uid: int = -1  # the user it runs as
+    uid: int | None = None  # the user it runs as
 
     def signal_group(self, sig: int) -> None:
         try:

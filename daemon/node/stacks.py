@@ -125,7 +125,7 @@ def visible(table: ProcessTable, asker: Identity | None, job: str) -> list[Runni
     every = list(table.procs.values())
     mine = [p for p in every if asker is None or p.uid == asker.uid]
     if job and asker is not None and not any(p.job == job for p in mine):
-        others = sorted({p.uid for p in every if p.job == job})
+        others = sorted({p.uid for p in every if p.job == job and p.uid is not None})
         if others:
             raise RequestError(
                 f"stacks: job {job} runs here as uid {', '.join(map(str, others))}, not as "
