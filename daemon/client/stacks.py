@@ -174,8 +174,8 @@ def headline(groups: list[Group]) -> str:
 def render(report: Report) -> str:
     dumps = report.dumps()
     nodes = {n for n, _ in dumps}
-    out = [f"job {report.job}: {len(dumps)} ranks on {len(nodes)} nodes, dumped in "
-           f"{report.seconds:.2f} s"]
+    out = [f"job {report.job}: {len(dumps)} rank{'s' * (len(dumps) != 1)} on {len(nodes)} "
+           f"node{'s' * (len(nodes) != 1)}, dumped in {report.seconds:.2f} s"]
     if report.groups:
         out.append(headline(report.groups))
     for g in report.groups:

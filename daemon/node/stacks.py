@@ -15,6 +15,7 @@ process is doing). With the shared token alone every holder is the same user.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
@@ -35,15 +36,26 @@ if TYPE_CHECKING:
 
 DUMP_TIMEOUT = 10.0  # seconds one py-spy dump may take
 MAX_STACK_CHARS = 64 * 1024  # of a rank's stack in the `stacks` table
-PTRACE_HINT = ("ptrace refused: the daemon needs CAP_SYS_PTRACE (or to run as the process's "
-               "user with kernel.yama.ptrace_scope 0)")
+PTRACE_HINT = ("ptrace refused (another user's process, a non-dumpable one, or "
+               "kernel.yama.ptrace_scope above 0): the daemon needs CAP_SYS_PTRACE, e.g. run it "
+               "as root")
 
 
 def py_spy() -> str | None:
-    """The py-spy command: next to this interpreter (the venv monarch-fs runs from), else on
-    PATH."""
+    """The py-spy command: next to this interpreter (the venv monarch-fs runs from), else the
+    one the installed py-spy package put in its scripts folder (an interpreter outside the
+    venv that imports monarch-fs from it), else on PATH."""
     here = os.path.join(os.path.dirname(sys.executable), "py-spy")
-    return here if os.access(here, os.X_OK) else shutil.which("py-spy")
+    if os.access(here, os.X_OK):
+        return here
+    try:
+        files = importlib.metadata.distribution("py-spy").files or []
+    except importlib.metadata.PackageNotFoundError:
+        files = []
+    for f in files:
+        if f.name == "py-spy" and os.access(path := os.path.normpath(f.locate()), os.X_OK):
+            return path
+    return shutil.which("py-spy")
 
 
 def _why(stderr: str, code: int) -> str:
@@ -53,7 +65,7 @@ def _why(stderr: str, code: int) -> str:
     text = first.removeprefix("Error:").strip() or f"py-spy exited {code}"
     low = text.lower()
     if "permission denied" in low or "operation not permitted" in low:
-        return f"{text} ({PTRACE_HINT})"
+        return f"py-spy may not read its memory: {PTRACE_HINT}"  # (py-spy says: use sudo)
     if "no such process" in low or "no such file" in low:
         return f"{text} (the process exited)"
     if "python version" in low or "python interpreter" in low:
