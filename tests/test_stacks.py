@@ -271,6 +271,10 @@ def test_another_users_processes_are_refused_under_munge(tmp_path):
             assert "a_waits" not in theirs.stdout + theirs.stderr
             none = as_user(b, munged, "stacks", "--hosts", daemon.addr)
             assert none.returncode == 1 and "no job runs on any node" in none.stderr
+            # nor through the stacks table, where A's dump was recorded
+            sql = as_user(b, munged, "query", "SELECT stack FROM stacks", "--hosts", daemon.addr)
+            assert sql.returncode == 1 and "a_waits" not in sql.stdout
+            assert "stacks is read with `monarch-fs stacks`" in sql.stdout + sql.stderr, sql
         finally:
             proc.send_signal(signal.SIGINT)
             proc.communicate(timeout=30)

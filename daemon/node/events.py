@@ -156,6 +156,8 @@ class EventLog:
         self._write_lock = threading.Lock()  # one write (and prune) at a time
         self._queries = trio.CapacityLimiter(2)
         self.pruned = 0  # rows deleted by retention since start
+        # Tables `query` may not read (the daemon sets it: stacks under --identity munge).
+        self.hidden: frozenset[str] = frozenset()
 
     # ---- recording --------------------------------------------------------------------------
 
@@ -376,7 +378,10 @@ class EventLog:
         try:
             db.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES)
             db.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
-            db.set_authorizer(_authorize)
+            db.set_authorizer(_authorize if not self.hidden else
+                              lambda action, table, *rest: sqlite3.SQLITE_DENY if (
+                                  action == sqlite3.SQLITE_READ and table in self.hidden)
+                              else _authorize(action, table, *rest))
             deadline = time.monotonic() + timeout
             db.set_progress_handler(lambda: time.monotonic() > deadline, 10_000)
             try:
@@ -396,6 +401,12 @@ class EventLog:
                             "it with WHERE, or aggregate")
             except sqlite3.DatabaseError as e:
                 why = str(e)
+                hidden = [t for t in self.hidden if f"access to {t}." in why]
+                if hidden:
+                    raise RequestError(f"query refused: this daemon acts for each user "
+                                       f"(--identity munge), so {hidden[0]} is read with "
+                                       f"`monarch-fs {hidden[0]}`, which checks whose it is"
+                                       ) from None
                 if why == "not authorized" or "prohibited" in why:
                     raise RequestError("query refused: only reading statements run here "
                                        "(SELECT); events cannot be changed or deleted"
