@@ -162,6 +162,19 @@ def test_hang_timeout_reports_every_rank_and_fails_the_job(cluster2, job, starte
     assert any("rank 3: load_batch" in row["text"] for row in hangs)
 
 
+def test_a_hang_restarts_the_group_while_restarts_remain(cluster2, job, started):
+    script, out = job
+    r = mfs("run", *target(cluster2), "--per-host", "1", "--hang-timeout", "2",
+            "--max-restarts", "1", "--", sys.executable, str(script), str(out), check=False,
+            timeout=60)
+    started.add(*rank_pids(out), match=str(script))
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.count("hang: no rank printed anything for 2 s") == 2  # once per attempt
+    assert "(attempt 1 of 2)" in r.stderr and "(attempt 2 of 2)" in r.stderr
+    assert "restarting all 2 ranks (1 restarts left)" in r.stderr
+    assert "ranks 0-1: wait_for_batch (job.py:" in r.stderr
+
+
 def test_on_hang_wait_lets_a_quiet_job_finish(cluster2, job):
     script, out = job
     r = mfs("run", *target(cluster2), "--per-host", "1", "--hang-timeout", "1",
