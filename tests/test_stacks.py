@@ -55,13 +55,6 @@ JOB = textwrap.dedent("""
 
 
 @pytest.fixture
-def started():
-    s = Started()
-    yield s
-    s.assert_gone()
-
-
-@pytest.fixture
 def job(tmp_path):
     (tmp_path / "job.py").write_text(JOB)
     out = tmp_path / "out"
