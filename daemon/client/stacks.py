@@ -25,9 +25,8 @@ from typing import Any, TextIO
 
 import trio
 
-from ..wire import identity
 from ..wire.stacks import Frame, RankDump, StacksReply, Thread
-from ..wire.transport import connect
+from .status import ask_all
 
 TIMEOUT = 15.0  # seconds a node may take to connect and dump its ranks
 
@@ -242,13 +241,14 @@ async def collect(hosts: Sequence[str], ask: Ask, job: str = "", native: bool = 
 
 
 def connecting(hosts: Sequence[str], token: bytes) -> Ask:
-    """An Ask over a fresh connection per request (a MUNGE credential where the node asks
-    who is asking)."""
+    """An Ask over a fresh connection per request (status.ask_all: with a MUNGE credential
+    where the node asks who is asking)."""
     async def ask(i: int, args: dict[str, Any]) -> StacksReply:
-        chan = await connect(hosts[i], token, timeout=TIMEOUT)
-        async with chan:
-            signed = await identity.sign(chan, "stacks", args)
-            return StacksReply.from_wire(await chan.request("stacks", **signed))
+        [(_, reply)] = await ask_all([hosts[i]], token, "stacks", StacksReply.from_wire,
+                                     **args)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
     return ask
 
 
