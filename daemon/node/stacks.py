@@ -22,7 +22,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
@@ -191,7 +191,7 @@ async def take(table: ProcessTable, events: EventLog, node: str, req: Stacks,
     return StacksReply(node, job, seen, dumps)
 
 
-class _Session:
+class _Session(Protocol):
     """What the handler reads of daemon/node/session.py's Session (not imported: it imports
     this module)."""
 
