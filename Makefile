@@ -52,8 +52,8 @@ typecheck: $(STAMP)
 	  --config-file $(CURDIR)/pyproject.toml --cache-dir $(CURDIR)/$(VENV)/mypy-cache
 
 # The main job end to end on a local 3-node cluster: push, check every node, edit, push again,
-# then a supervised SPMD job (2 nodes x 2 procs) running from a pushed workspace, and the
-# nodes' events asked which rank died.
+# then a supervised SPMD job (2 nodes x 2 procs) running from a pushed workspace, the
+# nodes' events asked which rank died, and a hung job caught with every rank's stacks.
 demo: $(STAMP)
 	@set -euo pipefail; export PATH="$$PWD/$(VENV)/bin:$$PATH"; \
 	export MONARCH_FS_HOME="$$(mktemp -d /tmp/monarch-fs-demo.XXXXXX)"; C="$$MONARCH_FS_HOME/cluster"; \
@@ -83,6 +83,11 @@ demo: $(STAMP)
 	printf '\n\033[1mevery node keeps its events; which rank died, and what it printed:\033[0m\n'; \
 	sleep 0.5; \
 	step monarch-fs query "SELECT host, rank, code, restart, text FROM events WHERE kind = 'proc.exited' AND code != 0 ORDER BY ts"; \
+	printf '\n\033[1ma hang: rank 3 blocks loading its batch while the others wait for it in all_reduce;\n'; \
+	printf 'after 8 s without a line from any rank, run shows every rank'"'"'s stacks and stops the job:\033[0m\n'; \
+	step monarch-fs run --hosts "$$(head -n 2 $$C/hosts | paste -sd, -)" --per-host 2 --hang-timeout 8 \
+	  --workspace job -- "$$PWD/$(VENV)/bin/python" train.py --hang 3 || true; \
+	step monarch-fs query "SELECT host, rank, top FROM stacks WHERE hang IS NOT NULL ORDER BY rank"; \
 	step monarch-fs cluster down
 
 # The suite (bench/run_all.py: push, reads, import torch, find over 100k files and, as root, a

@@ -162,6 +162,7 @@ class HostMesh:
         workspace: str | None = None, version: str | None = None,
         python: str | None = None, python_path: Iterable[str] = (),
         connect_timeout: float = 60.0, call_timeout: float | None = None,
+        hang_timeout: float | None = None, on_hang: str = "kill",
     ) -> ProcMesh:
         """Start `per_host` actor-runtime procs on every host (an int, or named dimensions
         such as {"gpus": 4}); returns once all are connected.
@@ -172,12 +173,15 @@ class HostMesh:
         interpreter (default: this one's path, e.g. use "{workspace}/bin/python" for a pushed
         venv); python_path entries go first on the procs' sys.path, so actor classes can come
         from pushed code. call_timeout is the default of every call's Future (None: wait as
-        long as it takes).
+        long as it takes). hang_timeout: when a call waits that many seconds for a rank, print
+        and record the procs' stacks, then fail the mesh naming that rank (on_hang "kill") or
+        let the call wait on ("wait"); see `monarch-fs stacks`.
         """
         return await run_async_api(self._token, self._spawn_procs, dict(
             per_host=per_host, name=name, env=env, cwd=cwd, workspace=workspace,
             version=version, python=python, python_path=list(python_path),
-            connect_timeout=connect_timeout, call_timeout=call_timeout))
+            connect_timeout=connect_timeout, call_timeout=call_timeout,
+            hang_timeout=hang_timeout, on_hang=on_hang))
 
     def spawn_procs(self, per_host: int | dict[str, int] = 1, **kwargs) -> ProcMesh:
         """spawn_procs_async for synchronous code (same arguments)."""

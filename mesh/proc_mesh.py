@@ -20,7 +20,7 @@ from typing import Any
 import trio
 
 from ..daemon.wire.addresses import format_addr
-from . import wire
+from . import hang, wire
 from .actor_mesh import ActorMesh, class_ref
 from .errors import Failure, SpawnError
 from .future import Future
@@ -43,8 +43,10 @@ async def spawn_proc_mesh(launcher: Launcher, nursery: trio.Nursery, *,
                           supervisor: Supervisor = report_unhandled,
                           output: Output | None = print_output,
                           connect_timeout: float = 60.0,
-                          call_timeout: float | None = None) -> MeshState:
-    """Launch the runtimes and wait until every one has connected back."""
+                          call_timeout: float | None = None, hang_timeout: float | None = None,
+                          on_hang: str = "kill") -> MeshState:
+    """Launch the runtimes and wait until every one has connected back; with `hang_timeout`,
+    watch its calls for one that waits that long (hang.py)."""
     state = MeshState(name, launcher, per_host_dims(per_host), supervisor, output)
     state.call_timeout = call_timeout
     listeners: dict[str, trio.SocketListener] = {}
@@ -70,6 +72,8 @@ async def spawn_proc_mesh(launcher: Launcher, nursery: trio.Nursery, *,
             raise errors[0]
         await state.wait_connected(connect_timeout)
         register_owned(state.peer_token, state)  # a reference that comes back is ourselves
+        if hang_timeout is not None:
+            nursery.start_soon(hang.CallWatch(state, hang_timeout, on_hang).run)
     except BaseException:
         await state.stop()
         raise

@@ -39,6 +39,8 @@ from typing import TextIO
 import trio
 
 from ..daemon.wire import bulk
+from ..daemon.wire.jobs import JOB_ENV, new_job_name
+from . import hang
 from .errors import MeshError
 from .hosts import Daemons, HostInfo, open_daemons, workspace_version
 
@@ -82,6 +84,9 @@ class Job:
     env: dict[str, str] = field(default_factory=dict)
     max_restarts: int = 0
     transport: str = "auto"  # --transport: auto, tcp or rdma
+    hang_timeout: float | None = None  # --hang-timeout: seconds of silence that are a hang
+    on_hang: str = "kill"  # --on-hang: kill or wait (hang.py)
+    id: str = field(default_factory=new_job_name)  # every rank's MONARCH_FS_JOB
     out: TextIO = sys.stdout
     err: TextIO = sys.stderr
 
@@ -103,12 +108,22 @@ class _Attempt:
         self.stopping = False
         self.spawn_errors: list[MeshError] = []
         self.changed = trio.Event()
+        self.hang = None if job.hang_timeout is None else hang.HangWatch(
+            job.id, job.hang_timeout, job.on_hang, daemons, job.err, self._hung)
+
+    def _hung(self, rank: int | None, why: str) -> None:
+        if self.failure is None and not self.stopping:
+            host = self.daemons.hosts[self._host(rank or 0)]
+            self.failure = RankFailure(rank or 0, host, reason=why)
+            self.changed.set()
 
     def _host(self, rank: int) -> int:
         return rank // self.job.per_host
 
     def on_event(self, rank: int, kind: str, data: dict) -> None:
         if kind == "output":
+            if self.hang is not None:
+                self.hang.heard()
             stream = self.job.err if data.get("stream") == "stderr" else self.job.out
             stream.write("".join(f"[rank {rank}] {line}\n" for line in data.get("lines", [])))
             stream.flush()
@@ -144,6 +159,7 @@ class _Attempt:
                         "GROUP_RANK": str(self._host(rank)), "MASTER_ADDR": master,
                         "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": str(restart),
                         "MONARCH_FS_TRANSPORT": self.transports[self._host(rank)],
+                        JOB_ENV: job.id,
                     }
                     spec: dict = {"argv": job.argv, "env": env}
                     if job.cwd or job.workspace:
@@ -153,7 +169,9 @@ class _Attempt:
                     nursery.start_soon(self._spawn, rank, spec)
             if self.spawn_errors:
                 raise self.spawn_errors[0]
-            await self._wait(lambda: self.failure is not None or len(self.exited) == self.world)
+            async with hang.watching(self.hang):
+                await self._wait(lambda: self.failure is not None
+                                 or len(self.exited) == self.world)
             if self.failure is not None:
                 self._report(restart)
         finally:
@@ -190,7 +208,8 @@ class _Attempt:
         if not running:
             return
         if self.failure is not None:
-            self.job.say(f"stopping the other {len(running)} ranks")
+            other = "the other " if self.failure.rank not in running else ""
+            self.job.say(f"stopping {other}{len(running)} ranks")
         for sig, grace in ((signals.SIGTERM, STOP_GRACE), (signals.SIGKILL, STOP_GRACE)):
             for rank in running:
                 if rank not in self.exited:

@@ -402,6 +402,14 @@ def cmd_top(args: argparse.Namespace) -> int:
         return 0
 
 
+def cmd_stacks(args: argparse.Namespace) -> int:
+    from .daemon.client.stacks import stacks
+
+    hosts, token = target(args)
+    return trio.run(lambda: stacks(hosts, token, args.job, native=args.native,
+                                   as_json=args.json))
+
+
 def cmd_cluster(args: argparse.Namespace) -> int:
     if args.action == "up":
         addrs = cluster.up(args.nodes, args.dir, root_procs=not args.no_root_procs)
@@ -528,14 +536,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     local = resolve_local(args.transport, where=f"the controller {socket.gethostname()}")
     job = Job(argv, per_host=args.per_host, cwd=args.cwd, workspace=args.workspace,
               env=_env_pairs(args.env), max_restarts=args.max_restarts,
-              transport=args.transport)
+              transport=args.transport, hang_timeout=args.hang_timeout,
+              on_hang=args.on_hang)
     return trio.run(run_job, hosts, token, job, local)
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "daemon": cmd_daemon, "push": cmd_push, "status": cmd_status, "rm": cmd_rm,
     "run": cmd_run, "cluster": cmd_cluster, "slurm": cmd_slurm, "token": cmd_token,
-    "query": cmd_query, "top": cmd_top,
+    "query": cmd_query, "top": cmd_top, "stacks": cmd_stacks,
 }
 
 

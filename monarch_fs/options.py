@@ -230,14 +230,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "TCP, saying why), tcp, or rdma (an error naming the host without one). "
                         "run moves no bulk data itself: ranks get MONARCH_FS_TRANSPORT "
                         "(tcp, rdma-rc, rdma-srd) and the summary names it")
+    r.add_argument("--hang-timeout", type=positive_seconds, metavar="S",
+                   help="when no rank has printed anything for S seconds, print every rank's "
+                        "stacks (as `stacks` does), record a job.hang event on each node, then "
+                        "do what --on-hang says (default: never)")
+    r.add_argument("--on-hang", choices=["kill", "wait"], default="kill",
+                   help="after a hang's stacks: kill (default) fails the attempt, so "
+                        "--max-restarts can restart the group; wait lets it run on")
     r.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS")
 
     q = sub.add_parser(
         "query", help="one SQL query over the telemetry of every node",
-        description="Run one SELECT over the `events` and `reads` tables of every node (see "
-                    "--schema); rows come back with a `host` column. Filters and aggregates "
-                    "run on the nodes, the rest here. A node that does not answer is reported "
-                    "and the others still answer (exit status 1 then).")
+        description="Run one SELECT over the `events`, `reads` and `stacks` tables of every "
+                    "node (see --schema); rows come back with a `host` column. Filters and "
+                    "aggregates run on the nodes, the rest here. A node that does not answer "
+                    "is reported and the others still answer (exit status 1 then).")
     q.add_argument("sql", nargs="?", metavar="SQL")
     q.add_argument("--hosts", metavar="SPEC", help=hosts_help)
     q.add_argument("--token-file", metavar="F")
@@ -262,6 +269,22 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--once", action="store_true",
                     help="print one view (rates over one interval) and exit")
     tp.add_argument("--json", action="store_true", help="one JSON list per view, a line each")
+
+    st = sub.add_parser(
+        "stacks", help="what every rank of a job is doing: py-spy stacks from every node",
+        description="Dump the Python stacks of every rank of a running `run` job or proc "
+                    "mesh, on every node at once (each node's daemon runs py-spy), and print "
+                    "them with identical stacks folded across ranks. Exit status 1 when a "
+                    "rank could not be dumped (each node says why in one line) or no job runs.")
+    st.add_argument("job", nargs="?", default="", metavar="JOB",
+                    help="the job (run-XXXXXXXX, or a proc mesh's name; default: the newest "
+                         "running one)")
+    st.add_argument("--hosts", metavar="SPEC", help=hosts_help)
+    st.add_argument("--token-file", metavar="F")
+    st.add_argument("--native", action="store_true",
+                    help="add native frames (C, C++, Cython) to the Python ones")
+    st.add_argument("--json", action="store_true",
+                    help="print one object: job, summary, groups, ranks, errors")
 
     c = sub.add_parser("cluster", help="start or stop a local cluster on loopback")
     c.add_argument("action", choices=["up", "down"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import Cluster, Daemon, start_cluster, start_daemon, stop_cluster, stop_daemon
+from procwatch import Started
 
 # Fixtures that start daemons serving real FUSE mounts: a test using one must carry the `mount`
 # marker, so that `-m "not mount"` never starts a mount (checked at collection).
@@ -81,3 +82,12 @@ def lone_daemon(tmp_path):
     yield start
     for daemon in started:
         stop_daemon(daemon)
+
+
+@pytest.fixture
+def started():
+    """Processes the test started (procwatch.Started: add their pids), checked gone at its end.
+    (test_run and test_mesh still define their own copy, which takes precedence there.)"""
+    s = Started()
+    yield s
+    s.assert_gone()

@@ -206,7 +206,8 @@ def test_ranks_start_from_a_clean_environment_plus_run_env(fresh_cluster, monkey
     assert env["EXTRA"] == "a=b" and env["EMPTY"] == "" and env["RANK"] == "0"
     assert "DAEMON_ONLY" not in env and "MONARCH_FS_HOME" not in env
     assert {k for k in env if k.startswith("MONARCH_FS_")} == {"MONARCH_FS_MOUNT",
-                                                               "MONARCH_FS_TRANSPORT"}
+                                                               "MONARCH_FS_TRANSPORT",
+                                                               "MONARCH_FS_JOB"}
     bad = run(c, "--env", "NOVALUE", "--", "true")
     assert bad.returncode == 1
     assert bad.stderr.strip() == "monarch-fs: error: --env 'NOVALUE': expected NAME=VALUE"

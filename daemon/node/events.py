@@ -6,6 +6,8 @@ Two tables (SCHEMA): `events`, one row per thing that happened (a push's phases,
 published or dropped, a collect, a process started or ended, an error...), and `reads`, one
 row per interval in which the mount served requests (by operation, cache hits and misses,
 bytes, time in the handlers and time loading chunks from disk).
+Other modules add their tables through `add` (the `stacks` table:
+stack_table.py).
 
 Recording never waits on the disk: `record` appends a row to a list in memory (any thread may
 call it: worker threads and the logging handler do), and `run` writes what gathered, with the
@@ -43,6 +45,7 @@ from ..wire.identity import Identity
 from ..wire.requests import RequestError
 from . import events_query
 from .events_query import MAX_ROWS, QUERY_TIMEOUT, Answer
+from .stack_table import STACK_COLUMNS, STACK_SCHEMA
 
 log = logging.getLogger("monarch_fs.daemon")
 
@@ -55,7 +58,8 @@ READ_COLUMNS = ("ts", "node", "interval", "requests", "reads", "bytes", "hits", 
                 "busy", "disk", "ops")
 # Every column a query may name, per table.
 TABLES: dict[str, tuple[str, ...]] = {"events": ("id", *EVENT_COLUMNS),
-                                      "reads": ("id", *READ_COLUMNS)}
+                                      "reads": ("id", *READ_COLUMNS),
+                                      "stacks": ("id", *STACK_COLUMNS)}
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
@@ -88,7 +92,7 @@ CREATE TABLE IF NOT EXISTS reads (
     ops TEXT                -- a JSON object: requests by operation
 );
 CREATE INDEX IF NOT EXISTS reads_ts ON reads (ts);
-"""
+""" + STACK_SCHEMA
 
 DEFAULT_INTERVAL = 2.0  # seconds between writes (and the length of a `reads` row)
 DEFAULT_MAX_BYTES = 256 << 20
@@ -141,6 +145,7 @@ class EventLog:
         self.interval = interval
         self.sample = sample
         self._pending: collections.deque[tuple] = collections.deque()
+        self._rows: collections.deque[tuple[str, tuple]] = collections.deque()  # add()'s
         self._dropped = 0
         self._last: Mapping[str, Any] | None = None
         self._last_at = time.time()
@@ -170,6 +175,17 @@ class EventLog:
         fields.update(ts=time.time(), node=self.node, kind=kind,
                       detail=_detail_json(detail) if detail else None)
         self._pending.append(tuple(fields.get(c) for c in EVENT_COLUMNS))
+
+    def add(self, table: str, **fields: Any) -> None:
+        """Note a row of another table than `events` (TABLES: `stacks`); written with the
+        next interval's events, bounded and pruned as they are. Never waits."""
+        if not self.enabled:
+            return
+        if len(self._pending) + len(self._rows) >= MAX_PENDING:
+            self._dropped += 1
+            return
+        fields.update(ts=time.time(), node=self.node)
+        self._rows.append((table, tuple(fields.get(c) for c in TABLES[table][1:])))
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:
@@ -279,7 +295,8 @@ class EventLog:
                 rows.append(tuple({"ts": time.time(), "node": self.node,
                                    "kind": "events.dropped", "count": dropped}.get(c)
                                   for c in EVENT_COLUMNS))
-            if not rows and reads is None:
+            extra = [self._rows.popleft() for _ in range(len(self._rows))]
+            if not rows and reads is None and not extra:
                 return
             try:
                 db.execute("BEGIN")
@@ -288,6 +305,10 @@ class EventLog:
                 if reads is not None:
                     db.execute(f"INSERT INTO reads ({', '.join(READ_COLUMNS)}) VALUES "
                                f"({', '.join('?' * len(READ_COLUMNS))})", reads)
+                for table, row in extra:
+                    cols = TABLES[table][1:]
+                    db.execute(f"INSERT INTO {table} ({', '.join(cols)}) VALUES "
+                               f"({', '.join('?' * len(cols))})", row)
                 db.execute("COMMIT")
             except BaseException as e:
                 if db.in_transaction:
@@ -295,6 +316,7 @@ class EventLog:
                 # a full disk, a lock, SQLite's memory bound reached by queries (events_query)
                 if isinstance(e, (sqlite3.OperationalError, OSError, MemoryError)):
                     self._pending.extendleft(reversed(rows))  # tried again at the next write
+                    self._rows.extendleft(reversed(extra))
                 raise
             self._retain(db)
 

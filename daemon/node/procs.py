@@ -66,6 +66,7 @@ from typing import Any
 import trio
 
 from ..wire.identity import Identity
+from ..wire.jobs import job_of
 from ..wire.replies import SpawnReply
 from . import spawn_args
 from .dedicated_thread import DedicatedThread
@@ -254,6 +255,7 @@ class RunningProcess:
     started: float = field(default_factory=time.monotonic)
     argv: str = ""
     stopped: str = ""
+    job: str = ""  # its run job or proc mesh (wire/jobs.py), for `monarch-fs stacks`
     uid: int | None = None  # the user it runs as
 
     def signal_group(self, sig: int) -> None:
@@ -357,6 +359,7 @@ class ProcessTable:
                                                            env_of.get("MONARCH_MESH_RANK"))),
                               restart=_int_or_none(env_of.get("TORCHELASTIC_RESTART_COUNT")),
                               mesh="MONARCH_MESH_NAME" in env_of, argv=" ".join(argv),
+                              job=job_of(env_of),
                               uid=os.geteuid() if run_as is None else run_as.uid)
         self.procs[proc.id] = proc
         self._record("proc.started", proc, detail={"cwd": cwd or enter,

@@ -70,6 +70,7 @@ from .events import EventLog
 from .fetch import Upstream
 from .procs import SpawnRefused, free_port
 from .relay import Relay
+from .stacks import ROUTES as STACK_ROUTES
 from .writes import ChunkWrites
 
 if TYPE_CHECKING:
@@ -502,6 +503,7 @@ _HANDLERS: list[tuple[type[NodeRequest], Handler]] = [
     (FirstReads, Session._first_reads),
     (Query, Session._query),
     (Stats, Session._stats),
+    *STACK_ROUTES,  # stacks.py's ops
 ]
 # The one dispatch table: every op a node answers, its request class and its handler.
 ROUTES: dict[str, tuple[type[NodeRequest], Handler]] = {

@@ -86,6 +86,10 @@ class Calls(Generic[C]):
         if self._pending.get(call.id) is call:
             del self._pending[call.id]
 
+    def pending(self) -> list[C]:
+        """The calls held now, oldest first."""
+        return list(self._pending.values())
+
     @contextmanager
     def expecting(self, call: C) -> Iterator[C]:
         """Hold `call` for the length of the block, however the block ends (an error, a
