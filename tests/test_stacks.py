@@ -302,7 +302,7 @@ def test_a_proc_mesh_call_that_hangs_fails_naming_the_rank_with_every_stack(clus
             t = time.monotonic()
             with pytest.raises(SupervisionError, match=r"proc rank 3 of mesh 'stuck'.*hung: "
                                r"call loader.step waited 2 s for ranks 0-3; its stack differs"):
-                loaders.step.call()
+                loaders.step.call().get()
             assert time.monotonic() - t < 6
         finally:
             procs.stop()
