@@ -62,3 +62,23 @@ def test_a_dead_rank_fails_the_direct_calls_that_target_it(procs, started):
     outcome = producer.try_add.call_one().get(timeout=30)
     assert time.monotonic() - start < 10
     assert outcome.startswith("SupervisionError") and "rank 3" in outcome
+
+
+@pytest.mark.mount
+def test_a_tensor_buffer_is_read_directly_from_its_owner(procs):
+    from monarch_fs.mesh import MeshError, TensorBuffer
+
+    n = 1 << 20
+    owner = procs.slice(hosts=0, procs=0).spawn("owner", "mesh_actors:WeightOwner", n)
+    readers = procs.slice(hosts=1).spawn("reader", "mesh_actors:WeightReader", n)
+    handle = owner.share.call_one().get(timeout=30)
+    assert isinstance(handle, TensorBuffer) and handle.nbytes == 4 * n  # a handle, not bytes
+    total = float(sum(range(n)))
+    assert readers.pull.call(handle).get(timeout=60) == [total, total]
+    owner.step.call_one().get()
+    assert readers.pull_async.call(handle).get(timeout=60) == [total + n, total + n]
+    owner.drop.call_one().get()
+    errors = readers.pull_error.call(handle).get(timeout=60)
+    assert all("no buffer" in e for e in errors), errors
+    with pytest.raises(MeshError, match="created inside an actor"):
+        TensorBuffer(__import__("torch").zeros(1))
