@@ -46,10 +46,6 @@ class Bench(Actor):
         return value
 
 
-def _get(x):  # Monarch's stop() returns a future, ours returns when done
-    return x.get() if hasattr(x, "get") else x
-
-
 def run(calls: int) -> dict:
     import torch
 
@@ -77,7 +73,7 @@ def run(calls: int) -> dict:
     big = torch.ones(16 * 1024 * 1024)
     one.echo.call_one(big).get()
     best = min(_timed(lambda: one.echo.call_one(big).get()) for _ in range(5))
-    _get(procs.stop())
+    procs.stop().get()
     return {"first_call_s": first, "call_one_ms": call_one * 1e3, "call_all_4_ms": call_all * 1e3,
             "tensor_64MiB_MiB_per_s": 2 * 64 / best}
 

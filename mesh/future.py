@@ -169,6 +169,26 @@ class Future(Generic[T]):
         return f"<Future{call} {what}>"
 
 
+class Done(Generic[T]):
+    """What a blocking method that Monarch makes return a future returns here: the work is done
+    when it returns, and `get()`, `result()` and `await` give its value at once."""
+
+    def __init__(self, value: T) -> None:
+        self._value = value
+
+    def get(self, timeout: float | None = None) -> T:
+        return self._value
+
+    result = get
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return None
+
+    def __await__(self) -> Generator[Any, None, T]:
+        yield from ()
+        return self._value
+
+
 class Arrival(Future[T]):
     """The n-th answer of a call to many ranks, whichever rank gives it (stream())."""
 
