@@ -23,7 +23,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:Failed to initialize NumPy")
 def test_an_actor_mesh_passed_to_actors_is_called_from_there(procs):
     buffers = procs.slice(hosts=1).spawn("buffer", "mesh_actors:Buffer")
     producers = procs.slice(hosts=0).spawn("producer", "mesh_actors:Producer")
+    drawn = next(buffers._state.calls.ids)  # the controller's calls on these procs so far
     chose = producers.produce.call(buffers, 4).get(timeout=60)
+    # One more: the produce call itself; none of the 8 adds to the buffers went through here.
+    assert next(buffers._state.calls.ids) == drawn + 2
     assert sorted(r for ranks in chose for r in ranks) == [2, 2, 2, 2, 3, 3, 3, 3]  # balanced
     assert producers.produce_async.call(buffers).get(timeout=60) == [[2, 3], [2, 3]]
     contents = buffers.contents.call().get()
