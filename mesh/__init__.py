@@ -13,6 +13,7 @@ from .future import CallTimeout, Future
 from .host_mesh import HostMesh
 from .proc_mesh import ProcMesh
 from .shape import Point, ValueMesh
+from .tensor_buffer import TensorBuffer
 from .unsupported import STUBS, NotSupported
 
 
@@ -34,5 +35,6 @@ def __getattr__(name: str) -> Any:  # Monarch names with no meaning here: import
 
 __all__ = ["Actor", "ActorError", "ActorMesh", "CallTimeout", "Context", "Endpoint", "Failure",
            "Future", "HostMesh", "MeshError", "MeshFailure", "NotSupported", "Point", "ProcMesh",
-           "SpawnError", "SupervisionError", "ValueMesh", "context", "current_actor_name",
-           "current_rank", "current_size", "endpoint", "this_host", "this_proc"]
+           "SpawnError", "SupervisionError", "TensorBuffer", "ValueMesh", "context",
+           "current_actor_name", "current_rank", "current_size", "endpoint", "this_host",
+           "this_proc"]

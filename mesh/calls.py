@@ -10,7 +10,7 @@ died fails at once.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -47,7 +47,15 @@ class PendingCall(Call[dict[int, Any]]):
         self.errors: dict[int, ActorError] = {}
         self.posted_at = 0.0  # trio.current_time() when it was queued to its ranks
         self.arrivals: list[int] = []  # ranks in the order they answered (for stream())
+        self.watchers: list[Callable[[], None]] = []  # called once settled (any thread's)
         self.arrived = trio.Event()  # set, and replaced, at each answer
+
+    def _settle(self, value: dict[int, Any] | None, error: BaseException | None) -> bool:
+        if not super()._settle(value, error):
+            return False
+        for watcher in self.watchers:
+            watcher()
+        return True
 
     def answer(self, rank: int, value: Any = None, error: ActorError | None = None) -> None:
         """One rank's answer (a reader calls this)."""

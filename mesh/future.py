@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -51,12 +52,17 @@ class Future(Generic[T]):
         self._finish = finish
         self._pending: PendingCall | None = None
         self._post_error: BaseException | None = None
+        self._settled = threading.Event()  # what get() waits on: no task, one wakeup
 
     # ---- the mesh's loop side -----------------------------------------------------------
 
     def _set_posted(self, pending: PendingCall | None, error: BaseException | None) -> None:
         """The post ran in the loop: the call in flight, or why it could not be made."""
         self._pending, self._post_error = pending, error
+        if pending is None or pending.settled:
+            self._settled.set()
+        else:
+            pending.watchers.append(self._settled.set)
 
     async def _wait(self, timeout: float | None) -> T:
         if self._post_error is not None:
@@ -88,7 +94,15 @@ class Future(Generic[T]):
             raise RuntimeError("Future.get() blocks; inside trio code use `await future`")
         if self.done:  # no thread hop for an answer that is already here
             return self._ready()
-        return _in_loop(trio.from_thread.run, token, self._wait, timeout)
+        limit = self._state.call_timeout if timeout is None else timeout
+        if not self._settled.wait(limit):
+            raise CallTimeout(_in_loop(trio.from_thread.run_sync, token, self._describe, limit))
+        return self._ready()
+
+    def _describe(self, timeout: float) -> str:
+        if self._pending is None:
+            return f"the call was not even posted within {timeout:g}s (is the mesh's loop busy?)"
+        return self._state.describe_waiting(self._pending, timeout)
 
     def _ready(self) -> T:
         if self._post_error is not None:
@@ -155,6 +169,26 @@ class Future(Generic[T]):
         return f"<Future{call} {what}>"
 
 
+class Done(Generic[T]):
+    """What a blocking method that Monarch makes return a future returns here: the work is done
+    when it returns, and `get()`, `result()` and `await` give its value at once."""
+
+    def __init__(self, value: T) -> None:
+        self._value = value
+
+    def get(self, timeout: float | None = None) -> T:
+        return self._value
+
+    result = get
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return None
+
+    def __await__(self) -> Generator[Any, None, T]:
+        yield from ()
+        return self._value
+
+
 class Arrival(Future[T]):
     """The n-th answer of a call to many ranks, whichever rank gives it (stream())."""
 
@@ -187,6 +221,18 @@ class Arrival(Future[T]):
         if self._post_error is not None:
             raise self._post_error.with_traceback(None)
         return self._take()  # type: ignore[return-value]
+
+    def get(self, timeout: float | None = None) -> T:
+        """Block until this answer is here (see Future.get)."""
+        _check_timeout(timeout)
+        token = self._state.trio_token
+        if _current_token() is token:
+            raise RuntimeError("Future.get() blocks; inside trio code use `await future`")
+        if self.done:
+            return self._ready()
+        return _in_loop(trio.from_thread.run, token, self._wait, timeout)
+
+    result = get
 
     async def _wait(self, timeout: float | None) -> T:
         if self._post_error is not None:

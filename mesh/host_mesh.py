@@ -24,6 +24,7 @@ import trio
 from ..daemon.client.hosts import resolve_target
 from ..daemon.wire.auth import resolve_token
 from .errors import MeshError
+from .future import Done
 from .hosts import HostInfo, HostSubset, Launcher, open_daemons
 from .local import local_cluster
 from .loop import BackgroundLoop, run_async_api, run_sync_api, service_nursery
@@ -140,6 +141,11 @@ class HostMesh:
                                "open() closes when its `async with` block ends")
         atexit.unregister(self.close)
         self._loop.stop()
+
+    def shutdown(self) -> Done[None]:
+        """close(), by Monarch's name (its `shutdown().get()` runs unchanged)."""
+        self.close()
+        return Done(None)
 
     def __enter__(self) -> HostMesh:
         return self

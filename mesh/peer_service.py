@@ -16,6 +16,7 @@ from ..daemon.wire.limits import Limits, serve_listeners
 from ..daemon.wire.transport import ConnectionLost, accept
 from . import wire
 from .owner import HELLO_TIMEOUT, MESH_MAX_FRAME
+from .tensor_buffer import read_reply
 
 log = logging.getLogger("monarch_fs.mesh")
 Deliver = Callable[[dict, p.Data, Callable[[p.Data], Awaitable[None]]], Awaitable[None]]
@@ -53,6 +54,8 @@ async def serve_peers(token: bytes, host: str, info: dict, deliver: Deliver,
             async for h, msg in wire.messages(chan):
                 if h["op"] == "call":  # direct callers call; spawning and stopping are the owner's
                     await deliver(h, msg, reply)
+                elif h["op"] == "buffer_read":  # a TensorBuffer of this proc
+                    await reply(read_reply(h))
             nursery.cancel_scope.cancel()
         out.close()
         await trio.aclose_forcefully(chan.stream)

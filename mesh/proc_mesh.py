@@ -23,7 +23,7 @@ from ..daemon.wire.addresses import format_addr
 from . import hang, wire
 from .actor_mesh import ActorMesh, class_ref
 from .errors import Failure, SpawnError
-from .future import Future
+from .future import Done, Future
 from .hosts import Launcher, workspace_version
 from .launch import respawn_rank, spawn_one
 from .loop import post_sync_api, run_async_api, run_sync_api
@@ -213,8 +213,11 @@ class ProcMesh(Shaped):
         """Stop every proc of the whole mesh (not only this slice): asked to exit, then killed."""
         await run_async_api(self._state.trio_token, self._state.stop)
 
-    def stop(self) -> None:
+    def stop(self) -> Done[None]:
+        """stop_async for synchronous code: returns once the procs are gone (the Done it
+        returns lets Monarch's `procs.stop().get()` run unchanged)."""
         run_sync_api(self._state.trio_token, "stop", self._state.stop)
+        return Done(None)
 
     def logging_option(self, stream_to_client: bool = True,
                        aggregate_window_sec: float | None = None,

@@ -53,6 +53,7 @@ from .mesh_state import print_output
 from .owner import MESH_MAX_FRAME
 from .peer_service import serve_peers
 from .shape import Shaped
+from .tensor_buffer import serve_here
 
 Reply = Callable[[p.Data], Awaitable[None]]  # where an actor's answer goes
 EXIT_OWNER_GONE = 3
@@ -344,6 +345,7 @@ class Runtime:
             use_loop(nursery)  # actor meshes passed to our actors are called from here
             peer = await nursery.start(serve_peers, self.peer_token, self.local_host,
                                        {"mesh": "peer", "rank": self.rank}, self.deliver)
+            serve_here(peer, self.peer_token, trio.lowlevel.current_trio_token())
             await chan.send(wire.encode({"op": "hello", "rank": self.rank, "pid": os.getpid(),
                                          "peer": peer}))
             nursery.start_soon(self._writer, chan)

@@ -296,3 +296,52 @@ class Chatter(Actor):
         logging.getLogger("chatter").debug(f"debug line {tag} rank {self.rank}")
         for handler in logging.getLogger().handlers:
             handler.flush()
+
+
+class WeightOwner(Actor):
+    """Shares its weights as a TensorBuffer; readers fetch them straight from this proc."""
+
+    def __init__(self, n: int) -> None:
+        import torch
+
+        self.weights = torch.arange(n, dtype=torch.float32)
+
+    @endpoint
+    def share(self):
+        from monarch_fs.mesh import TensorBuffer
+
+        self.handle = TensorBuffer(self.weights)
+        return self.handle
+
+    @endpoint
+    def step(self) -> None:
+        self.weights += 1  # in place: the next read sees it
+
+    @endpoint
+    def drop(self) -> None:
+        self.handle.drop()
+
+
+class WeightReader(Actor):
+    def __init__(self, n: int) -> None:
+        import torch
+
+        self.weights = torch.zeros(n)
+
+    @endpoint
+    def pull(self, handle) -> float:
+        handle.read_into(self.weights).get(timeout=30)
+        return float(self.weights.sum())
+
+    @endpoint
+    async def pull_async(self, handle) -> float:
+        fresh = await handle.read_into()
+        return float(fresh.sum())
+
+    @endpoint
+    def pull_error(self, handle) -> str:
+        try:
+            handle.read_into(self.weights).get(timeout=30)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return "no error"

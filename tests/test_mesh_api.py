@@ -65,6 +65,13 @@ def test_this_host_in_an_actor_spawns_beside_it(gpus):
 
 
 @pytest.mark.mount
+def test_monarch_style_stop_returns_a_future(gpus):
+    where = gpus.spawn("where", "mesh_actors:Where")
+    assert where.stop().get(timeout=30) is None
+    assert gpus.stop().get() is None and gpus.stop().result() is None  # stopped; idempotent
+
+
+@pytest.mark.mount
 def test_what_has_no_meaning_here_is_refused_by_name(gpus):
     from monarch_fs.mesh import Channel, get_or_spawn_controller
 

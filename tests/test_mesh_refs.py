@@ -23,7 +23,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:Failed to initialize NumPy")
 def test_an_actor_mesh_passed_to_actors_is_called_from_there(procs):
     buffers = procs.slice(hosts=1).spawn("buffer", "mesh_actors:Buffer")
     producers = procs.slice(hosts=0).spawn("producer", "mesh_actors:Producer")
+    drawn = next(buffers._state.calls.ids)  # the controller's calls on these procs so far
     chose = producers.produce.call(buffers, 4).get(timeout=60)
+    # One more: the produce call itself; none of the 8 adds to the buffers went through here.
+    assert next(buffers._state.calls.ids) == drawn + 2
     assert sorted(r for ranks in chose for r in ranks) == [2, 2, 2, 2, 3, 3, 3, 3]  # balanced
     assert producers.produce_async.call(buffers).get(timeout=60) == [[2, 3], [2, 3]]
     contents = buffers.contents.call().get()
@@ -62,3 +65,23 @@ def test_a_dead_rank_fails_the_direct_calls_that_target_it(procs, started):
     outcome = producer.try_add.call_one().get(timeout=30)
     assert time.monotonic() - start < 10
     assert outcome.startswith("SupervisionError") and "rank 3" in outcome
+
+
+@pytest.mark.mount
+def test_a_tensor_buffer_is_read_directly_from_its_owner(procs):
+    from monarch_fs.mesh import MeshError, TensorBuffer
+
+    n = 1 << 20
+    owner = procs.slice(hosts=0, procs=0).spawn("owner", "mesh_actors:WeightOwner", n)
+    readers = procs.slice(hosts=1).spawn("reader", "mesh_actors:WeightReader", n)
+    handle = owner.share.call_one().get(timeout=30)
+    assert isinstance(handle, TensorBuffer) and handle.nbytes == 4 * n  # a handle, not bytes
+    total = float(sum(range(n)))
+    assert readers.pull.call(handle).get(timeout=60) == [total, total]
+    owner.step.call_one().get()
+    assert readers.pull_async.call(handle).get(timeout=60) == [total + n, total + n]
+    owner.drop.call_one().get()
+    errors = readers.pull_error.call(handle).get(timeout=60)
+    assert all("no buffer" in e for e in errors), errors
+    with pytest.raises(MeshError, match="created inside an actor"):
+        TensorBuffer(__import__("torch").zeros(1))

@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""The actor mesh side by side with Monarch's, from one script written against Monarch's API:
+the same file runs with `monarch.actor` imported or with `monarch_fs.mesh` (issue 36).
+
+    .venv/bin/python -m bench.mesh_side_by_side --monarch-python /tmp/monarch-venv/bin/python
+
+Monarch goes in a venv of its own (`python3 -m venv /tmp/monarch-venv &&
+/tmp/monarch-venv/bin/pip install torchmonarch==0.7.* torch==2.13.0`), never in the project's.
+Runs alternate (monarch_fs, Monarch, monarch_fs, ...) on 1 host x 4 procs, and a raw loopback
+TCP stream is measured in the same run (bench/limits.py). Figures: to the first call (spawn 4
+procs, spawn an actor on each, one call), call_one round trip (median), call() on all 4
+(median), a 64 MiB float32 tensor there and back (MiB/s of payload, both ways counted).
+monarch_fs starts its one-node local cluster in this_host() first; that is not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+if __name__ in ("__main__", "__mp_main__") and "--impl" in sys.argv:
+    impl = sys.argv[sys.argv.index("--impl") + 1]
+else:
+    impl = "monarch_fs"
+if impl == "monarch":
+    from monarch.actor import Actor, endpoint, this_host  # type: ignore[import-not-found]
+else:
+    from monarch_fs.mesh import Actor, endpoint, this_host
+
+
+class Bench(Actor):
+    @endpoint
+    def noop(self) -> None:
+        return None
+
+    @endpoint
+    def echo(self, value):
+        return value
+
+
+def run(calls: int) -> dict:
+    import torch
+
+    host = this_host()
+    t = time.perf_counter()
+    procs = host.spawn_procs(per_host={"gpus": 4})
+    actors = procs.spawn("bench", Bench)
+    one = actors.slice(gpus=0)
+    one.noop.call_one().get()
+    first = time.perf_counter() - t
+    for _ in range(50):
+        one.noop.call_one().get()
+    times = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        one.noop.call_one().get()
+        times.append(time.perf_counter() - t)
+    call_one = statistics.median(times)
+    times = []
+    for _ in range(calls // 4):
+        t = time.perf_counter()
+        actors.noop.call().get()
+        times.append(time.perf_counter() - t)
+    call_all = statistics.median(times)
+    big = torch.ones(16 * 1024 * 1024)
+    one.echo.call_one(big).get()
+    best = min(_timed(lambda: one.echo.call_one(big).get()) for _ in range(5))
+    procs.stop().get()
+    return {"first_call_s": first, "call_one_ms": call_one * 1e3, "call_all_4_ms": call_all * 1e3,
+            "tensor_64MiB_MiB_per_s": 2 * 64 / best}
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--monarch-python", default="/tmp/monarch-venv/bin/python")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--calls", type=int, default=400)
+    ap.add_argument("--impl", choices=["monarch", "monarch_fs"], default=None)
+    args = ap.parse_args()
+    if args.impl:  # one run, in this process
+        print(json.dumps(run(args.calls)), flush=True)
+        return 0
+    from bench.limits import loopback_stream
+
+    results: dict[str, list[dict]] = {"monarch_fs": [], "monarch": []}
+    for _ in range(args.rounds):
+        for name, python in (("monarch_fs", sys.executable), ("monarch", args.monarch_python)):
+            out = subprocess.run([python, str(Path(__file__).resolve()), "--impl", name,
+                                  "--calls", str(args.calls)], capture_output=True, text=True,
+                                 timeout=300, cwd=str(Path(__file__).parent))
+            lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+            if out.returncode or not lines:
+                print(f"{name} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
+                return 1
+            results[name].append(json.loads(lines[-1]))
+    loopback = max(loopback_stream(256 << 20) for _ in range(2)) / (1024 * 1024)
+    print(f"{'':24} {'monarch_fs':>22} {'Monarch 0.7':>22}")
+    for key in ("first_call_s", "call_one_ms", "call_all_4_ms", "tensor_64MiB_MiB_per_s"):
+        cells = []
+        for name in ("monarch_fs", "monarch"):
+            xs = [r[key] for r in results[name]]
+            cells.append(f"{min(xs):.3g}-{max(xs):.3g}")
+        print(f"{key:24} {cells[0]:>22} {cells[1]:>22}")
+    print(f"raw loopback stream, same run: {loopback:.0f} MiB/s")
+    print(json.dumps({"results": results, "loopback_MiB_per_s": loopback}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
