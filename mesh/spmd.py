@@ -3,7 +3,10 @@
 Every proc gets the environment torchrun gives (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 GROUP_RANK, MASTER_ADDR = the first host's address, MASTER_PORT = a port free on it right now,
 TORCHELASTIC_RESTART_COUNT), so `torch.distributed.init_process_group()` works unchanged. Each
-output line comes back prefixed with its rank.
+output line comes back prefixed with its rank; identical lines of many ranks are folded into one
+(`[ranks 0-63] epoch 3 done`, daemon/client/fold.py) unless `--no-fold`. Every rank also gets
+MONARCH_FS_JOB, the job's id, under which each node keeps its output (`monarch-fs logs JOB`) and
+what it started (`monarch-fs repro JOB --rank R`).
 
 When a rank fails (non-zero exit, a signal, or its host becomes unreachable) the first failure is
 reported (rank, host, cause, the tail of its stderr), the other ranks are stopped (SIGTERM, then
@@ -31,13 +34,16 @@ inside DATA frames on its TCP connections, not through a bulk channel; it has no
 
 from __future__ import annotations
 
+import secrets
 import signal as signals
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import TextIO
 
 import trio
 
+from ..daemon.client.fold import WINDOW, FoldedOutput
 from ..daemon.wire import bulk
 from .errors import MeshError
 from .hosts import Daemons, HostInfo, open_daemons, workspace_version
@@ -84,9 +90,20 @@ class Job:
     transport: str = "auto"  # --transport: auto, tcp or rdma
     out: TextIO = sys.stdout
     err: TextIO = sys.stderr
+    fold: bool = True  # --no-fold: every rank's every line
+    id: str = field(default_factory=lambda: new_job_id())
+
+    def __post_init__(self) -> None:
+        self.output = FoldedOutput(self.out, self.err, fold=self.fold)
 
     def say(self, text: str) -> None:
+        self.output.flush()  # what the ranks printed before this comes first
         print(f"monarch-fs run: {text}", file=self.err, flush=True)
+
+
+def new_job_id() -> str:
+    """A job's id: when it started, and enough randomness to tell two apart."""
+    return time.strftime("%m%d-%H%M%S-") + secrets.token_hex(2)
 
 
 class _Attempt:
@@ -109,9 +126,7 @@ class _Attempt:
 
     def on_event(self, rank: int, kind: str, data: dict) -> None:
         if kind == "output":
-            stream = self.job.err if data.get("stream") == "stderr" else self.job.out
-            stream.write("".join(f"[rank {rank}] {line}\n" for line in data.get("lines", [])))
-            stream.flush()
+            self.job.output.lines(rank, str(data.get("stream")), data.get("lines", []))
             return
         if kind not in ("exit", "lost"):
             return
@@ -126,7 +141,9 @@ class _Attempt:
     async def _wait(self, done) -> None:
         while not done():
             self.changed = trio.Event()
-            await self.changed.wait()
+            with trio.move_on_after(WINDOW / 2):
+                await self.changed.wait()
+            self.job.output.due()  # folded lines whose window passed
 
     async def run(self, restart: int) -> RankFailure | None:
         job, daemons = self.job, self.daemons
@@ -144,6 +161,7 @@ class _Attempt:
                         "GROUP_RANK": str(self._host(rank)), "MASTER_ADDR": master,
                         "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": str(restart),
                         "MONARCH_FS_TRANSPORT": self.transports[self._host(rank)],
+                        "MONARCH_FS_JOB": job.id,
                     }
                     spec: dict = {"argv": job.argv, "env": env}
                     if job.cwd or job.workspace:
@@ -169,7 +187,9 @@ class _Attempt:
         if f.stderr_tail:
             job.err.write("  its stderr ended with:\n" + "".join(
                 f"    {line}\n" for line in f.stderr_tail))
-            job.err.flush()
+        job.err.write(f"  all its output: monarch-fs logs {job.id} --rank {f.rank}; run it "
+                      f"here: monarch-fs repro {job.id} --rank {f.rank}\n")
+        job.err.flush()
 
     async def _spawn(self, rank: int, spec: dict) -> None:
         host = self._host(rank)

@@ -38,6 +38,7 @@ from .daemon.wire.auth import (
 from .daemon.wire.bulk import resolve_local
 from .daemon.wire.limits import Limits
 from .daemon.wire.replies import StatusReply
+from .debug_commands import cmd_logs
 from .fs.scan import Snapshot, SourceChanged
 from .fs.scan_cache import ScanCache
 from .options import KEEP_WARM_IDLE, build_parser
@@ -526,14 +527,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     local = resolve_local(args.transport, where=f"the controller {socket.gethostname()}")
     job = Job(argv, per_host=args.per_host, cwd=args.cwd, workspace=args.workspace,
               env=_env_pairs(args.env), max_restarts=args.max_restarts,
-              transport=args.transport)
+              transport=args.transport, fold=not args.no_fold)
     return trio.run(run_job, hosts, token, job, local)
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "daemon": cmd_daemon, "push": cmd_push, "status": cmd_status, "rm": cmd_rm,
     "run": cmd_run, "cluster": cmd_cluster, "slurm": cmd_slurm, "token": cmd_token,
-    "query": cmd_query, "top": cmd_top,
+    "query": cmd_query, "top": cmd_top, "logs": cmd_logs,
 }
 
 

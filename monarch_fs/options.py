@@ -13,6 +13,7 @@ from .daemon.wire import identity, topology
 from .daemon.wire.addresses import ENCRYPT_POLICIES
 from .daemon.wire.bulk import TRANSPORTS
 from .daemon.wire.limits import Limits
+from .debug_options import add_debug_commands
 from .fs.manifest import DEFAULT_MAX_ENTRIES
 
 DESCRIPTION = ("Push code and Python environments to every node of a cluster, serve them "
@@ -210,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "TCP, saying why), tcp, or rdma (an error naming the host without one). "
                         "run moves no bulk data itself: ranks get MONARCH_FS_TRANSPORT "
                         "(tcp, rdma-rc, rdma-srd) and the summary names it")
+    r.add_argument("--no-fold", action="store_true",
+                   help="print every line of every rank; by default identical lines that "
+                        "ranks print within half a second print once, `[ranks 0-63] ...`")
     r.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS")
 
     q = sub.add_parser(
@@ -232,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--explain", action="store_true",
                    help="print what each node runs and what runs here, and ask no node")
     q.add_argument("--schema", action="store_true", help="print the tables and their columns")
+
+    add_debug_commands(sub, hosts_help)
 
     tp = sub.add_parser("top", help="a live view of every node: version, throughput, cache "
                                     "hit rate, running processes")

@@ -42,6 +42,8 @@ from typing import Any
 import trio
 
 from ..wire.requests import RequestError
+from .logs import INSERT as INSERT_LOGS
+from .logs import LOG_COLUMNS, LOGS_SCHEMA, LogLines
 
 log = logging.getLogger("monarch_fs.daemon")
 
@@ -54,7 +56,8 @@ READ_COLUMNS = ("ts", "node", "interval", "requests", "reads", "bytes", "hits", 
                 "busy", "disk", "ops")
 # Every column a query may name, per table.
 TABLES: dict[str, tuple[str, ...]] = {"events": ("id", *EVENT_COLUMNS),
-                                      "reads": ("id", *READ_COLUMNS)}
+                                      "reads": ("id", *READ_COLUMNS),
+                                      "logs": ("id", *LOG_COLUMNS)}  # processes' output: logs.py
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
@@ -86,7 +89,7 @@ CREATE TABLE IF NOT EXISTS reads (
     ops TEXT                -- a JSON object: requests by operation
 );
 CREATE INDEX IF NOT EXISTS reads_ts ON reads (ts);
-"""
+""" + LOGS_SCHEMA
 
 DEFAULT_INTERVAL = 2.0  # seconds between writes (and the length of a `reads` row)
 DEFAULT_MAX_BYTES = 256 << 20
@@ -151,6 +154,9 @@ class EventLog:
         self._write_lock = threading.Lock()  # one write (and prune) at a time
         self._queries = trio.CapacityLimiter(2)
         self.pruned = 0  # rows deleted by retention since start
+        self.lines = LogLines(node)  # processes' output, written with the events (logs.py)
+        # Tables `query` may not read (the daemon sets it: logs under --identity munge).
+        self.hidden: frozenset[str] = frozenset()
 
     # ---- recording --------------------------------------------------------------------------
 
@@ -280,7 +286,12 @@ class EventLog:
                 rows.append(tuple({"ts": time.time(), "node": self.node,
                                    "kind": "events.dropped", "count": dropped}.get(c)
                                   for c in EVENT_COLUMNS))
-            if not rows and reads is None:
+            lines, lost = self.lines.take() if self.enabled else ([], 0)
+            if lost:
+                rows.append(tuple({"ts": time.time(), "node": self.node,
+                                   "kind": "logs.dropped", "count": lost}.get(c)
+                                  for c in EVENT_COLUMNS))
+            if not rows and reads is None and not lines:
                 return
             try:
                 db.execute("BEGIN")
@@ -289,12 +300,14 @@ class EventLog:
                 if reads is not None:
                     db.execute(f"INSERT INTO reads ({', '.join(READ_COLUMNS)}) VALUES "
                                f"({', '.join('?' * len(READ_COLUMNS))})", reads)
+                db.executemany(INSERT_LOGS, lines)
                 db.execute("COMMIT")
             except BaseException as e:
                 if db.in_transaction:
                     db.execute("ROLLBACK")
                 if isinstance(e, (sqlite3.OperationalError, OSError)):  # a full disk, a lock
                     self._pending.extendleft(reversed(rows))  # tried again at the next write
+                    self.lines.put_back(lines)
                 raise
             self._retain(db)
 
@@ -354,7 +367,10 @@ class EventLog:
         try:
             db.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES)
             db.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
-            db.set_authorizer(_authorize)
+            db.set_authorizer(_authorize if not self.hidden else
+                              lambda action, table, *rest: sqlite3.SQLITE_DENY if (
+                                  action == sqlite3.SQLITE_READ and table in self.hidden)
+                              else _authorize(action, table, *rest))
             deadline = time.monotonic() + timeout
             db.set_progress_handler(lambda: time.monotonic() > deadline, 10_000)
             try:
@@ -374,6 +390,12 @@ class EventLog:
                             "it with WHERE, or aggregate")
             except sqlite3.DatabaseError as e:
                 why = str(e)
+                hidden = [t for t in self.hidden if f"access to {t}." in why]
+                if hidden:
+                    raise RequestError(f"query refused: this daemon acts for each user "
+                                       f"(--identity munge), so {hidden[0]} is read with "
+                                       f"`monarch-fs {hidden[0]}`, which checks whose it is"
+                                       ) from None
                 if why == "not authorized" or "prohibited" in why:
                     raise RequestError("query refused: only reading statements run here "
                                        "(SELECT); events cannot be changed or deleted"

@@ -69,6 +69,7 @@ from ..wire.identity import Identity
 from ..wire.replies import SpawnReply
 from .dedicated_thread import DedicatedThread
 from .events import EventLog
+from .launches import job_of, launch_record
 
 log = logging.getLogger("monarch_fs.procs")
 
@@ -253,6 +254,8 @@ class RunningProcess:
     started: float = field(default_factory=time.monotonic)
     argv: str = ""
     stopped: str = ""
+    job: str = ""  # MONARCH_FS_JOB or MONARCH_MESH_NAME: its output's rows say it (logs.py)
+    uid: int | None = None  # the user it runs as
 
     def signal_group(self, sig: int) -> None:
         try:
@@ -343,10 +346,13 @@ class ProcessTable:
                               rank=_int_or_none(env_of.get("RANK",
                                                            env_of.get("MONARCH_MESH_RANK"))),
                               restart=_int_or_none(env_of.get("TORCHELASTIC_RESTART_COUNT")),
-                              mesh="MONARCH_MESH_NAME" in env_of, argv=" ".join(argv))
+                              mesh="MONARCH_MESH_NAME" in env_of, argv=" ".join(argv),
+                              job=job_of(env_of),
+                              uid=os.geteuid() if run_as is None else run_as.uid)
         self.procs[proc.id] = proc
-        self._record("proc.started", proc, detail={"cwd": cwd or enter,
-                                                   **({"user": run_as.name} if run_as else {})})
+        self._record("proc.started", proc, detail={
+            "cwd": cwd or enter, **({"user": run_as.name} if run_as else {}),
+            "launch": launch_record(args, Path(pin).name if pin else None)})
         self.nursery.start_soon(self._supervise, proc, trio.lowlevel.FdStream(out_r),
                                 trio.lowlevel.FdStream(err_r))
         log.info("started proc %d (pid %d%s): %s", proc.id, popen.pid,
@@ -379,7 +385,8 @@ class ProcessTable:
         self._record("proc.exited", proc, code=status["code"], signal=status["signal"],
                      seconds=round(time.monotonic() - proc.started, 3),
                      text="\n".join(proc.stderr_tail) or None,
-                     detail={"stopped": proc.stopped} if proc.stopped else None)
+                     detail={**({"stopped": proc.stopped} if proc.stopped else {}),
+                             **({"job": proc.job} if proc.job else {})} or None)
         if proc.mesh and returncode != 0 and not proc.stopped:
             self._record("mesh.failure", proc, code=status["code"], signal=status["signal"],
                          text="\n".join(proc.stderr_tail) or None)
@@ -410,6 +417,8 @@ class ProcessTable:
         lines = [line.decode("utf-8", "replace") for line in raw]
         if stream == "stderr":
             proc.stderr_tail.extend(lines)
+        if self.events is not None and self.events.enabled:
+            self.events.lines.add(proc, stream, lines)  # the `logs` table; never waits
         await self._emit(proc, "output", {"proc": proc.id, "stream": stream, "lines": lines})
 
     async def _emit(self, proc: RunningProcess, kind: str, data: dict) -> None:

@@ -141,6 +141,8 @@ class NodeService:
         # checked against munged at `munge_socket`; processes run as that user, and a
         # workspace belongs to who pushed it (wire/identity.py). "": the shared token only.
         self.identity = identity_mode
+        if identity_mode:  # whose output a line is, `monarch-fs logs` checks (node/logs.py)
+            self.events.hidden = frozenset({"logs"})
         self.munge_socket = munge_socket
         self.fan_scopes = identity.SeenScopes()  # control-tree requests acted on (replays)
         self.procs: ProcessTable | None = None  # while serving

@@ -25,6 +25,7 @@ from ...fs.manifest import ManifestError
 from ..wire import bulk, identity
 from ..wire import protocol as p
 from ..wire.identity import Identity, IdentityError
+from ..wire.logs import Logs, LogsReply
 from ..wire.read_lists import encode_reads
 from ..wire.replies import (
     BulkReply,
@@ -68,6 +69,7 @@ from ..wire.requests import (
 from ..wire.transport import Channel, ConnectionLost
 from .events import EventLog
 from .fetch import Upstream
+from .logs import read as read_logs
 from .procs import SpawnRefused, free_port
 from .relay import Relay
 from .writes import ChunkWrites
@@ -431,6 +433,12 @@ class Session:
     async def _stats(self, req: Stats) -> StatsReply:
         return self.service.stats()
 
+    async def _logs(self, req: Logs) -> LogsReply:
+        if not self.events.enabled:
+            raise RequestError("logs: this node records nothing (MONARCH_FS_EVENTS=0)")
+        await self.events.flush()  # every line printed before the request was asked
+        return await trio.to_thread.run_sync(read_logs, self.events.path, req, self.asker)
+
 
 def _hex(version: bytes | None) -> str | None:
     return version.hex() if version is not None else None
@@ -481,9 +489,9 @@ def _below(kids: list[dict]) -> int:
 
 
 # A handler takes its own request class (the route's), so the table types it loosely.
-Handler = Callable[[Session, Any], Awaitable[NodeReply]]
+Handler = Callable[[Session, Any], Awaitable[NodeReply | LogsReply]]
 
-_HANDLERS: list[tuple[type[NodeRequest], Handler]] = [
+_HANDLERS: list[tuple[type[NodeRequest | Logs], Handler]] = [
     (Status, Session._status),
     (Prepare, Session._prepare),
     (Commit, Session._commit),
@@ -500,7 +508,8 @@ _HANDLERS: list[tuple[type[NodeRequest], Handler]] = [
     (FirstReads, Session._first_reads),
     (Query, Session._query),
     (Stats, Session._stats),
+    (Logs, Session._logs),
 ]
 # The one dispatch table: every op a node answers, its request class and its handler.
-ROUTES: dict[str, tuple[type[NodeRequest], Handler]] = {
+ROUTES: dict[str, tuple[type[NodeRequest | Logs], Handler]] = {
     kind.op: (kind, handler) for kind, handler in _HANDLERS}

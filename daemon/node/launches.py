@@ -1,0 +1,30 @@
+"""What a node records of each process it starts, so that `monarch-fs repro` can start the same
+one elsewhere: the command and working folder as asked (before `{workspace}` and `{mount}`
+expand to this node's paths), the environment the request set (RANK and the torchrun
+variables, `run --env`) without what looks like a secret, the job, and the workspace version
+the process was pinned to. It goes into the `detail` of the `proc.started` event."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+# Names whose values are not written down: a credential passed by --env stays on its node.
+SECRET_NAME = re.compile(r"SECRET|TOKEN|PASSW|CREDENTIAL|PRIVATE|API_?KEY|ACCESS_?KEY|COOKIE",
+                         re.IGNORECASE)
+
+
+def job_of(env: dict[str, Any]) -> str:
+    """The job a process belongs to: `run`'s MONARCH_FS_JOB, a proc mesh's name, or none."""
+    return str(env.get("MONARCH_FS_JOB") or env.get("MONARCH_MESH_NAME") or "")
+
+
+def launch_record(args: dict[str, Any], version: str | None) -> dict[str, Any]:
+    """The repro record of a spawn request's `args` (argv, cwd, env) pinned to `version`."""
+    env = {str(k): str(v) for k, v in (args.get("env") or {}).items()}
+    kept = {k: v for k, v in env.items() if not SECRET_NAME.search(k)}
+    record: dict[str, Any] = {"argv": list(args.get("argv") or []), "cwd": args.get("cwd"),
+                              "env": kept, "job": job_of(env), "version": version}
+    if len(kept) < len(env):
+        record["withheld"] = sorted(set(env) - set(kept))
+    return record

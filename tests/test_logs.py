@@ -1,0 +1,144 @@
+"""Every rank's output in SQL (daemon/node/logs.py, daemon/client/logs.py) and folded on the
+controller (daemon/client/fold.py): real daemons, real processes, the real command line. After
+a job where rank 2 printed 1,000 lines and died, `monarch-fs logs --rank 2` shows them in
+order; identical lines of four ranks print once, and every one with --no-fold; another user's
+output is refused under --identity munge."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import sys
+import textwrap
+
+import pytest
+
+from helpers import mfs
+from monarch_fs.daemon.client.fold import FoldedOutput, rank_ranges
+from monarch_fs.daemon.node import logs as node_logs
+from monarch_fs.daemon.node.logs import LogLines
+
+# Each rank waits for every other to start (a file each), then does what argv says.
+JOB = textwrap.dedent("""
+    import os, sys, time
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    out, mode = sys.argv[1], sys.argv[2]
+    open(f"{out}/{rank}.up", "w").close()
+    while len([n for n in os.listdir(out) if n.endswith(".up")]) < world:
+        time.sleep(0.01)
+    if mode == "chatty":  # rank 2 prints 1,000 numbered lines and dies; the others wait
+        if rank == 2:
+            for i in range(1000):
+                print(f"line {i:04d} of rank 2")
+            print("rank 2 cannot go on", file=sys.stderr)
+            sys.exit(4)
+        time.sleep(60)
+    elif mode == "same":  # every rank prints the same two lines, and one of its own
+        print("epoch 3 done", flush=True)
+        print(f"loss of rank {rank}", flush=True)
+        print("all saved", flush=True)
+""")
+
+
+def run(c, tmp_path, mode: str, *args: str) -> tuple[object, str]:
+    """`monarch-fs run --per-host 2 ARGS -- python job.py OUT MODE`: its result and job id."""
+    (tmp_path / "job.py").write_text(JOB)
+    out = tmp_path / f"out-{mode}-{len(list(tmp_path.iterdir()))}"
+    out.mkdir()
+    r = mfs("run", "--hosts", c.hostfile, "--token-file", c.token_file, "--per-host", "2",
+            *args, "--", sys.executable, str(tmp_path / "job.py"), str(out), mode,
+            check=False, timeout=90)
+    m = re.search(r"monarch-fs logs (\S+) --rank", r.stderr)
+    return r, m.group(1) if m else ""
+
+
+def logs(c, *args: str, check: bool = True):
+    return mfs("logs", "--hosts", c.hostfile, "--token-file", c.token_file, *args, check=check)
+
+
+@pytest.mark.mount
+def test_a_dead_rank_s_thousand_lines_come_back_in_order(cluster2, tmp_path):
+    r, job = run(cluster2, tmp_path, "chatty")
+    assert r.returncode == 4, r.stderr
+    assert job, r.stderr  # the failure report names the job and the command
+    assert f"monarch-fs repro {job} --rank 2" in r.stderr
+
+    got = logs(cluster2, "--rank", "2")  # the newest job
+    assert got.stderr.startswith(f"monarch-fs logs: job {job}"), got.stderr
+    lines = got.stdout.splitlines()
+    want = [f"[rank 2] line {i:04d} of rank 2" for i in range(1000)]
+    # (stdout and stderr are two pipes: their lines keep their order within each)
+    assert [ln for ln in lines if " of rank 2" in ln] == want
+    assert len(lines) == 1001 and "[rank 2] rank 2 cannot go on" in lines
+
+    # the same by its id, narrowed by a pattern and by time
+    got = logs(cluster2, job, "--rank", "2", "--grep", r"line 09\d7")
+    assert got.stdout.splitlines() == [f"[rank 2] line 09{i}7 of rank 2" for i in range(10)]
+    assert logs(cluster2, job, "--since", "10m").stdout.count("\n") == 1001
+    assert not logs(cluster2, job, "--since", "2099-01-01T00:00").stdout
+
+    # and in SQL, over both nodes: the other ranks printed nothing
+    q = mfs("query", f"SELECT rank, count(*) AS n, max(stream) AS s FROM logs WHERE job = '{job}' "
+            "GROUP BY rank", "--hosts", cluster2.hostfile, "--token-file", cluster2.token_file,
+            "--json")
+    rows = json.loads(q.stdout)["rows"]
+    assert rows == [{"rank": 2, "n": 1001, "s": "stdout"}], rows
+
+    bad = logs(cluster2, job, "--grep", "(", check=False)
+    assert bad.returncode == 1 and "not a regular expression" in bad.stderr
+
+
+@pytest.mark.mount
+def test_identical_lines_of_many_ranks_print_once_unless_no_fold(cluster2, tmp_path):
+    r, _ = run(cluster2, tmp_path, "same")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.splitlines()
+    assert out.count("[ranks 0-3] epoch 3 done") == 1, r.stdout
+    assert out.count("[ranks 0-3] all saved") == 1, r.stdout
+    assert sorted(ln for ln in out if "loss" in ln) == [
+        f"[rank {i}] loss of rank {i}" for i in range(4)]
+    for i in range(4):  # each rank's lines in the order it printed them
+        mine = [ln for ln in out if re.search(rf"\[ranks? ([0-9,-]*\b{i}\b|0-3)\]", ln)]
+        assert [ln.split("] ", 1)[1] for ln in mine] == [
+            "epoch 3 done", f"loss of rank {i}", "all saved"], out
+
+    r, _ = run(cluster2, tmp_path, "same", "--no-fold")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.splitlines()
+    assert sorted(ln for ln in out if "epoch 3 done" in ln) == [
+        f"[rank {i}] epoch 3 done" for i in range(4)]
+
+    # read back afterwards, the same folding, by when each node read each line
+    got = logs(cluster2)
+    assert got.stdout.splitlines().count("[ranks 0-3] epoch 3 done") == 1, got.stdout
+    got = logs(cluster2, "--no-fold")
+    assert got.stdout.count("epoch 3 done") == 4
+
+
+def test_folding_keeps_each_rank_s_order():
+    out = io.StringIO()
+    now = [0.0]
+    f = FoldedOutput(out, out, clock=lambda: now[0])
+    f.lines(0, "stdout", ["a", "b"])
+    f.lines(1, "stdout", ["b"])  # rank 1 printed b before its a: b must come first for it
+    f.lines(1, "stdout", ["a"])
+    now[0] = 0.2
+    f.lines(2, "stderr", ["a"])  # another stream is another line
+    now[0] = 1.0
+    f.due()
+    assert out.getvalue().splitlines() == ["[rank 0] a", "[ranks 0-1] b", "[rank 1] a",
+                                           "[rank 2] a"]
+    assert rank_ranges([7, 0, 1, 2, 4, 6]) == "0-2,4,6-7"
+
+
+def test_lines_past_the_bound_are_dropped_and_counted(monkeypatch):
+    monkeypatch.setattr(node_logs, "MAX_PENDING_LINES", 5)
+
+    class Proc:
+        id, job, rank, restart, uid = 1, "j", 0, 0, 0
+
+    held = LogLines("node-0")
+    held.add(Proc(), "stdout", [str(i) for i in range(8)])
+    rows, dropped = held.take()
+    assert [r[-1] for r in rows] == ["0", "1", "2", "3", "4"] and dropped == 3
