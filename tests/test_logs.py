@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
+import shutil
 import sys
 import textwrap
 
@@ -142,3 +144,37 @@ def test_lines_past_the_bound_are_dropped_and_counted(monkeypatch):
     held.add(Proc(), "stdout", [str(i) for i in range(8)])
     rows, dropped = held.take()
     assert [r[-1] for r in rows] == ["0", "1", "2", "3", "4"] and dropped == 3
+
+
+@pytest.mark.mount
+@pytest.mark.root
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("munged")
+                    or not shutil.which("useradd"),
+                    reason="needs root, munged (package munge) and useradd")
+def test_another_user_s_output_is_refused_under_identity_munge(tmp_path):
+    from test_identity import as_user, munge_nodes
+
+    with munge_nodes(tmp_path, 1) as (daemons, munged, _, (a, b)):
+        addr = daemons[0].addr
+        out = as_user(a, munged, "run", "--hosts", addr, "--", "/usr/bin/python3", "-c",
+                      "print('secret of A'); raise SystemExit(2)")
+        assert out.returncode == 2, out.stderr
+        job = re.search(r"monarch-fs logs (\S+) --rank", out.stderr).group(1)
+
+        mine = as_user(a, munged, "logs", job, "--hosts", addr)
+        assert mine.returncode == 0, mine.stderr
+        assert mine.stdout == "[rank 0] secret of A\n"
+
+        theirs = as_user(b, munged, "logs", job, "--hosts", addr)
+        assert theirs.returncode == 1 and "secret of A" not in theirs.stdout
+        assert f"{addr}: " in theirs.stderr, theirs.stderr  # names the node and the cause
+        assert (f"job {job} ran as uid {a.pw.pw_uid}, not as you (uid {b.pw.pw_uid})"
+                in theirs.stderr), theirs.stderr
+        newest = as_user(b, munged, "logs", "--hosts", addr)  # B has no job of its own
+        assert newest.returncode == 1 and "no node holds the output" in newest.stderr
+        assert "secret of A" not in newest.stdout
+
+        sql = as_user(b, munged, "query", "SELECT line FROM logs", "--hosts", addr)
+        assert sql.returncode == 1 and "secret of A" not in sql.stdout
+        assert "read with `monarch-fs logs`" in sql.stdout + sql.stderr, sql
