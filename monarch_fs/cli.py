@@ -38,7 +38,7 @@ from .daemon.wire.auth import (
 from .daemon.wire.bulk import resolve_local
 from .daemon.wire.limits import Limits
 from .daemon.wire.replies import StatusReply
-from .debug_commands import cmd_logs
+from .debug_commands import cmd_logs, cmd_repro
 from .fs.scan import Snapshot, SourceChanged
 from .fs.scan_cache import ScanCache
 from .options import KEEP_WARM_IDLE, build_parser
@@ -535,6 +535,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "daemon": cmd_daemon, "push": cmd_push, "status": cmd_status, "rm": cmd_rm,
     "run": cmd_run, "cluster": cmd_cluster, "slurm": cmd_slurm, "token": cmd_token,
     "query": cmd_query, "top": cmd_top, "logs": cmd_logs,
+    "repro": cmd_repro,
 }
 
 

@@ -28,3 +28,13 @@ def cmd_logs(args: argparse.Namespace) -> int:
                                      out=sys.stdout, err=sys.stderr))
     except KeyboardInterrupt:  # --follow ends so
         return 0
+
+
+def cmd_repro(args: argparse.Namespace) -> int:
+    from .daemon.client.repro import find_launch, run
+    from .settings import settings
+
+    hosts, token = _target(args)
+    launch = trio.run(find_launch, hosts, token, args.job, args.rank)
+    return run(launch, store_dir=settings.store_dir, source=args.source, keep=args.keep,
+               err=sys.stderr)

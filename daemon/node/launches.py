@@ -7,6 +7,7 @@ the process was pinned to. It goes into the `detail` of the `proc.started` event
 from __future__ import annotations
 
 import re
+from pathlib import PurePath
 from typing import Any
 
 # Names whose values are not written down: a credential passed by --env stays on its node.
@@ -19,12 +20,17 @@ def job_of(env: dict[str, Any]) -> str:
     return str(env.get("MONARCH_FS_JOB") or env.get("MONARCH_MESH_NAME") or "")
 
 
-def launch_record(args: dict[str, Any], version: str | None) -> dict[str, Any]:
-    """The repro record of a spawn request's `args` (argv, cwd, env) pinned to `version`."""
+def launch_record(args: dict[str, Any], pin: str | None,
+                  source: str | None = None) -> dict[str, Any]:
+    """The repro record of a spawn request's `args` (argv, cwd, env) pinned to the version
+    folder `pin` (MOUNT/.versions/NAME/VERSION) of a workspace pushed from `source` (the dev
+    box's folder, when the node was told it)."""
     env = {str(k): str(v) for k, v in (args.get("env") or {}).items()}
     kept = {k: v for k, v in env.items() if not SECRET_NAME.search(k)}
     record: dict[str, Any] = {"argv": list(args.get("argv") or []), "cwd": args.get("cwd"),
-                              "env": kept, "job": job_of(env), "version": version}
+                              "env": kept, "job": job_of(env),
+                              "version": PurePath(pin).name if pin else None, "pinned": pin,
+                              "source": source}
     if len(kept) < len(env):
         record["withheld"] = sorted(set(env) - set(kept))
     return record

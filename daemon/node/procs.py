@@ -286,8 +286,10 @@ class ProcessTable:
             "{workspace}", pins.get("workspace", "{workspace}"))
 
     async def spawn(self, owner: object, emit: Emit, args: dict, pin: str | None,
-                    workspace: str = "", who: Identity | None = None) -> SpawnReply:
-        """Start `args["argv"]`; as user `who` (--identity munge), else as this daemon's."""
+                    workspace: str = "", who: Identity | None = None,
+                    source: str | None = None) -> SpawnReply:
+        """Start `args["argv"]`; as user `who` (--identity munge), else as this daemon's.
+        `source`: the folder the pinned workspace was pushed from (for repro's record)."""
         argv = args.get("argv")
         if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
             raise SpawnRefused("spawn: argv must be a non-empty list of strings")
@@ -352,7 +354,8 @@ class ProcessTable:
         self.procs[proc.id] = proc
         self._record("proc.started", proc, detail={
             "cwd": cwd or enter, **({"user": run_as.name} if run_as else {}),
-            "launch": launch_record(args, Path(pin).name if pin else None)})
+            **({"job": proc.job} if proc.job else {}),
+            "launch": launch_record(args, pin, source)})
         self.nursery.start_soon(self._supervise, proc, trio.lowlevel.FdStream(out_r),
                                 trio.lowlevel.FdStream(err_r))
         log.info("started proc %d (pid %d%s): %s", proc.id, popen.pid,

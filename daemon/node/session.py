@@ -411,7 +411,9 @@ class Session:
             await self.chan.send(p.Event(kind, data))
 
         return await self.procs.spawn(self.chan, emit, req.spec, pin,
-                                      workspace=req.workspace if pin else "", who=self.asker)
+                                      workspace=req.workspace if pin else "", who=self.asker,
+                                      source=self.service.refs.sources.get(req.workspace)
+                                      if pin else None)
 
     async def _kill(self, req: Kill) -> KillReply:
         self.procs.kill(self.chan, req.proc, req.signal)

@@ -1,0 +1,290 @@
+"""`monarch-fs repro [JOB] --rank R`: run one rank of a job again on the dev box, as it ran on
+the cluster.
+
+What the node recorded when it started the rank (its `proc.started` event: daemon/node/
+launches.py) says the command and working folder as asked, the environment the request set
+(RANK and the torchrun variables, `run --env`; names that look like secrets were never
+written down), and the workspace version it was pinned to. That version is written into a
+temporary folder, file by file, each chunk checked against its id, from the first place that
+has it: the dev box store (controller_store.py), the folder it was pushed from (its files as
+they are now, a chunk taken only when its id matches), or the version's folder on a node's
+mount when that is on this machine. The command then runs there with `{workspace}` and
+`{mount}` pointing at the copy, the rank's environment on top of this machine's PATH, HOME
+and locale (what a node gives every process, procs.base_env), and MASTER_ADDR and MASTER_PORT
+pointing here. repro says what differs from the cluster run and exits as the process does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from ...fs.chunk import CorruptChunk, chunk_id, decode, spans
+from ...fs.manifest import Kind, Manifest
+from ...fs.store import Store, StoreBusy
+from .query import query
+
+# What a node passes a process of its own environment (procs.BASE_ENV, and LC_*), and the
+# user's identity, taken here from this machine's.
+LOCAL_ENV = ("PATH", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR", "HOME", "USER", "LOGNAME",
+             "SHELL")
+
+
+class ReproError(ValueError):
+    """The rank cannot be run again here; the message says why."""
+
+
+@dataclass
+class Launch:
+    """What a node recorded of one rank's start, and how that process ended."""
+
+    host: str  # the node's address in the host list
+    node: str  # its name
+    job: str
+    rank: int
+    workspace: str | None
+    record: dict[str, Any]  # launches.launch_record
+    cwd_there: str | None  # the working folder on the node, expanded
+    code: int | None = None
+    signal: str | None = None
+    stopped: str = ""  # why the node stopped it, if it did (another rank failed...)
+
+    def ended(self) -> str:
+        if self.signal:
+            return f"killed by {self.signal}"
+        return f"exit code {self.code}" if self.code is not None else "still running"
+
+
+@dataclass
+class Written:
+    """A version written into a folder: how many files came from where."""
+
+    root: Path
+    sources: dict[str, int] = field(default_factory=dict)
+
+
+def _one(result: Any, what: str) -> list[dict[str, Any]]:
+    if result.failed and not result.rows:
+        raise ReproError(f"cannot ask the nodes for {what}: " + "; ".join(
+            f"{h}: {e}" for h, e in result.failed.items()))
+    return [dict(zip(result.columns, r)) for r in result.rows]
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+async def find_launch(hosts: Sequence[str], token: bytes, job: str | None, rank: int) -> Launch:
+    """The newest start of rank `rank` of `job` (default: the newest job) any node recorded,
+    and its end."""
+    where = f"kind = 'proc.started' AND rank = {int(rank)}"
+    if job is not None:
+        where += f" AND json_extract(detail, '$.job') = {_quote(job)}"
+    rows = _one(await query(hosts, token, "SELECT host, node, ts, workspace, detail FROM "
+                            f"events WHERE {where} ORDER BY ts DESC LIMIT 1"),
+                "what they started")
+    if not rows:
+        raise ReproError(f"no node recorded a start of rank {rank}" +
+                         (f" of job {job}" if job else "") + " (a node writes its events "
+                         "every 2 s: just after a job, try again)")
+    row = rows[0]
+    detail = json.loads(row["detail"] or "{}")
+    record = detail.get("launch")
+    if not isinstance(record, dict) or not record.get("argv"):
+        raise ReproError(f"{row['host']}: the start of rank {rank} has no launch record (a "
+                         "node older than monarch-fs repro started it)")
+    launch = Launch(row["host"], row["node"], record.get("job") or "", rank, row["workspace"],
+                    record, detail.get("cwd"))
+    ends = _one(await query(
+        hosts, token, "SELECT code, signal, detail FROM events WHERE kind = 'proc.exited' "
+        f"AND rank = {int(rank)} AND host = {_quote(launch.host)} AND ts >= {row['ts']!r} AND "
+        f"json_extract(detail, '$.job') = {_quote(launch.job)} ORDER BY ts LIMIT 1"),
+        "how it ended")
+    if ends:
+        launch.code, launch.signal = ends[0]["code"], ends[0]["signal"]
+        launch.stopped = json.loads(ends[0]["detail"] or "{}").get("stopped", "")
+    return launch
+
+
+def write_version(version: str, dest: Path, store_dir: Path, source: Path | None,
+                  pinned: Path | None) -> Written:
+    """Write workspace version `version` into `dest` (blocking; see the module docstring)."""
+    vid = bytes.fromhex(version)
+    store = None
+    if (store_dir / "packs").is_dir():
+        try:
+            store = Store(store_dir)
+        except (StoreBusy, OSError):  # a push holds it: the other places may do
+            store = None
+    try:
+        manifest = _manifest(vid, store)
+        if manifest is None:
+            if pinned is not None and pinned.is_dir():  # this machine is the node
+                shutil.copytree(pinned, dest, symlinks=True)
+                return Written(dest, {"the node's copy": 1})
+            raise ReproError(f"version {version[:12]} is not in the dev box store {store_dir} "
+                             "(pushed with --no-store, from another machine, or dropped past "
+                             "the store's bound) and no node's copy of it is on this machine")
+        out = Written(dest)
+        dest.mkdir(parents=True, exist_ok=True)
+        for e in manifest:
+            path = os.path.join(os.fsencode(dest), e.path) if e.path else os.fsencode(dest)
+            if e.kind == Kind.DIR:
+                os.makedirs(path, exist_ok=True)
+                os.chmod(path, (e.mode & 0o7777) | stat.S_IRWXU)
+            elif e.kind == Kind.SYMLINK:
+                os.symlink(e.target, path)
+            else:
+                where = _write_file(path, e.path, e.chunks, e.size, manifest.chunk_size, store,
+                                    source, pinned)
+                os.chmod(path, e.mode & 0o7777)
+                os.utime(path, ns=(e.mtime_ns, e.mtime_ns))
+                out.sources[where] = out.sources.get(where, 0) + 1
+        return out
+    finally:
+        if store is not None:
+            store.close()
+
+
+def _manifest(vid: bytes, store: Store | None) -> Manifest | None:
+    """The version's manifest from the dev box store, or None where it lacks an object."""
+    def get(oid: bytes) -> bytes | memoryview:
+        if store is None or not store.has(oid):
+            raise KeyError(oid)
+        return decode(oid, store.get_blob(oid))
+
+    try:
+        return Manifest.load(vid, get)
+    except (KeyError, CorruptChunk):
+        return None
+
+
+def _write_file(path: bytes, rel: bytes, chunks: Sequence[bytes], size: int, chunk_size: int,
+                store: Store | None, source: Path | None, pinned: Path | None) -> str:
+    """Write one file's chunks; where they came from (the last place used)."""
+    places = [(name, base) for name, base in (("the workspace's source folder", source),
+                                              ("the node's copy", pinned)) if base is not None]
+    where = "the dev box store"
+    with open(path, "wb") as f:
+        for cid, (offset, length) in zip(chunks, spans(size, chunk_size)):
+            if store is not None and store.has(cid):
+                f.write(decode(cid, store.get_blob(cid)))
+                continue
+            for name, base in places:
+                data = _read(os.path.join(os.fsencode(base), rel), offset, length)
+                if data is not None and chunk_id(data) == cid:
+                    f.write(data)
+                    where = name
+                    break
+            else:
+                raise ReproError(
+                    f"{os.fsdecode(rel)}: bytes {offset}-{offset + length} of this version are "
+                    "neither in the dev box store nor in " + (" or ".join(
+                        f"{name} ({base})" for name, base in places) or "a source folder") +
+                    " as they are now (changed since?): pass --source DIR of a copy as pushed")
+    return where
+
+
+def _read(path: bytes, offset: int, length: int) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(length)
+    except OSError:
+        return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prepare(launch: Launch, here: Path) -> tuple[list[str], str, dict[str, str], list[str]]:
+    """argv, working folder and environment to run `launch` with, its workspace at
+    `here/NAME`, and a line per thing that differs from the cluster run."""
+    rec = launch.record
+    ws = here / (launch.workspace or "workspace")
+
+    def expand(text: str) -> str:
+        text = text.replace("{mount}", str(here))
+        return text.replace("{workspace}", str(ws)) if launch.workspace else text
+
+    argv = [expand(a) for a in rec["argv"]]
+    cwd = expand(rec["cwd"]) if rec.get("cwd") else (str(ws) if launch.workspace
+                                                     else os.getcwd())
+    env = {k: v for k, v in os.environ.items() if k in LOCAL_ENV or k.startswith("LC_")}
+    env.update({k: expand(v) for k, v in rec.get("env", {}).items()})
+    env["MONARCH_FS_MOUNT"] = str(here)
+    if launch.workspace:
+        env["MONARCH_FS_WORKSPACE"] = str(ws)
+    differs = [f"host: {socket.gethostname()}, not {launch.node} ({launch.host})"]
+    if cwd != launch.cwd_there:
+        differs.append(f"working folder: {cwd}, not {launch.cwd_there or 'the daemon’s'}")
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
+        if name in env:
+            if env[name] != value:
+                differs.append(f"{name}={value}, not {env[name]}")
+            env[name] = value
+    if rec.get("withheld"):
+        differs.append("not recorded (secrets), so not set: " + ", ".join(rec["withheld"]))
+    differs.append("PATH, HOME, USER and the locale are this machine's")
+    return argv, cwd, env, differs
+
+
+def run(launch: Launch, *, store_dir: Path, source: str | None, keep: bool,
+        err: TextIO) -> int:
+    """Write the version, run the rank, say what differs and how it ended; its exit status."""
+    rec = launch.record
+    here = Path(tempfile.mkdtemp(prefix=f"monarch-fs-repro-{launch.job or 'job'}-"))
+    try:
+        if rec.get("version") and launch.workspace:
+            src = source or rec.get("source")
+            written = write_version(rec["version"], here / launch.workspace, store_dir,
+                                    Path(src) if src else None,
+                                    Path(rec["pinned"]) if rec.get("pinned") else None)
+            err.write(f"monarch-fs repro: {launch.workspace} {rec['version'][:12]} written to "
+                      f"{written.root} (" + ", ".join(f"{n} files from {w}" for w, n in
+                                                      written.sources.items()) + ")\n")
+        else:
+            err.write("monarch-fs repro: the job ran without --workspace: its command runs "
+                      "against this machine's files as they are\n")
+        argv, cwd, env, differs = prepare(launch, here)
+        err.write(f"monarch-fs repro: rank {launch.rank} of job {launch.job}: "
+                  f"{' '.join(argv)}\n" + "".join(f"  differs: {d}\n" for d in differs))
+        err.flush()
+        try:
+            code = subprocess.run(argv, cwd=cwd, env=env).returncode
+        except OSError as e:
+            raise ReproError(f"cannot start {argv[0]} in {cwd}: {e.strerror or e}") from None
+        status = 128 - code if code < 0 else code
+        sig = _signal_name(-code) if code < 0 else None
+        here_ended = f"killed by {sig}" if sig else f"exit code {code}"
+        same = ("the same" if (launch.code, launch.signal) == ((None, sig) if sig else (code, None))
+                else "it differs")
+        err.write(f"monarch-fs repro: {here_ended} here; on {launch.node}: {launch.ended()}"
+                  + (f" (stopped: {launch.stopped})" if launch.stopped else "")
+                  + f": {same}\n")
+        return status
+    finally:
+        if keep:
+            err.write(f"monarch-fs repro: kept {here}\n")
+        else:
+            shutil.rmtree(here, ignore_errors=True)
+
+
+def _signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"

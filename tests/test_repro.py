@@ -1,0 +1,72 @@
+"""`monarch-fs repro` (daemon/client/repro.py) against real daemons and real processes: a rank
+that failed on the cluster fails the same way on the dev box, from the version it ran (not the
+one pushed since), with the same arguments and environment, and repro says what differs."""
+
+from __future__ import annotations
+
+import re
+import sys
+import textwrap
+
+import pytest
+
+from helpers import mfs
+
+pytestmark = pytest.mark.mount
+
+TRAIN = textwrap.dedent("""
+    import os, sys
+    rank = int(os.environ["RANK"])
+    shard = open("data.txt").read().strip()
+    weights = open("weights.txt").read()
+    assert len(weights) == 200_000, len(weights)
+    if rank == int(sys.argv[1]) and os.environ.get("MODE") == "strict":
+        raise ValueError(f"rank {rank} of {os.environ['WORLD_SIZE']}: bad {shard!r}")
+    print(f"rank {rank} read {shard}")
+""")
+
+
+def test_a_failed_rank_fails_the_same_way_here_from_the_version_it_ran(fresh_cluster,
+                                                                        tmp_path, monkeypatch):
+    monkeypatch.setenv("MONARCH_FS_EVENTS_INTERVAL", "0.2")  # (a query does not flush yet)
+    c = fresh_cluster(2)
+    src = tmp_path / "ws"
+    src.mkdir()
+    (src / "train.py").write_text(TRAIN)
+    (src / "data.txt").write_text("shard-A\n")
+    (src / "weights.txt").write_text("0123456789" * 20_000)  # compressible: in the store
+    c.push(src)
+    hosts = ("--hosts", c.hostfile, "--token-file", c.token_file)
+    r = mfs("run", *hosts, "--per-host", "2", "--workspace", "ws", "--env", "MODE=strict",
+            "--", sys.executable, "train.py", "3", check=False, timeout=90)
+    assert r.returncode == 1, r.stderr
+    failure = "ValueError: rank 3 of 4: bad 'shard-A'"
+    assert failure in r.stderr
+    job = re.search(r"monarch-fs repro (\S+) --rank 3", r.stderr).group(1)
+
+    # the next version: no failure, another shard
+    (src / "train.py").write_text(TRAIN.replace('"strict"', '"never"'))
+    (src / "data.txt").write_text("shard-B\n")
+    c.push(src)
+
+    for args in (("--rank", "3"), (job, "--rank", "3")):  # the newest job, and by its id
+        here = mfs("repro", *args, *hosts, check=False, timeout=90)
+        assert here.returncode == 1, here.stderr
+        assert failure in here.stderr, here.stderr
+        assert "exit code 1 here; on node-1: exit code 1: the same" in here.stderr
+        assert f"rank 3 of job {job}: {sys.executable} train.py 3" in here.stderr
+        assert "differs: host:" in here.stderr and "not node-1" in here.stderr
+        assert re.search(r"differs: working folder: \S+/ws, not \S+/node-1/mnt/\.versions/ws/",
+                         here.stderr), here.stderr
+        assert re.search(r"differs: MASTER_PORT=\d+, not \d+", here.stderr)  # a port here
+        assert "weights.txt" not in here.stderr  # every file was found, checked
+        assert "files from the dev box store" in here.stderr
+
+    # rank 0 ran to its end on the cluster, and here too; it was not stopped for nothing
+    ok = mfs("repro", job, "--rank", "0", *hosts, check=False, timeout=90)
+    assert ok.returncode == 0, ok.stderr
+    assert "rank 0 read shard-A" in ok.stdout
+
+    nope = mfs("repro", "nope", "--rank", "0", *hosts, check=False)
+    assert nope.returncode == 1
+    assert "no node recorded a start of rank 0 of job nope" in nope.stderr
