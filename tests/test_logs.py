@@ -11,12 +11,14 @@ import json
 import os
 import re
 import shutil
+import signal
+import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from helpers import mfs
+from helpers import CLI_MODULE, mfs, terminate
 from monarch_fs.daemon.client.fold import FoldedOutput, rank_ranges
 from monarch_fs.daemon.node import logs as node_logs
 from monarch_fs.daemon.node.logs import LogLines
@@ -36,6 +38,10 @@ JOB = textwrap.dedent("""
             print("rank 2 cannot go on", file=sys.stderr)
             sys.exit(4)
         time.sleep(60)
+    elif mode == "ticks":  # rank 0 prints a numbered line every 0.1 s
+        for i in range(60 if rank == 0 else 0):
+            print(f"tick {i}", flush=True)
+            time.sleep(0.1)
     elif mode == "same":  # every rank prints the same two lines, and one of its own
         print("epoch 3 done", flush=True)
         print(f"loss of rank {rank}", flush=True)
@@ -116,6 +122,36 @@ def test_identical_lines_of_many_ranks_print_once_unless_no_fold(cluster2, tmp_p
     assert got.stdout.splitlines().count("[ranks 0-3] epoch 3 done") == 1, got.stdout
     got = logs(cluster2, "--no-fold")
     assert got.stdout.count("epoch 3 done") == 4
+
+
+@pytest.mark.mount
+def test_follow_prints_lines_as_the_nodes_record_them(cluster2, tmp_path):
+    (tmp_path / "job.py").write_text(JOB)
+    out = tmp_path / "out"
+    out.mkdir()
+    job = subprocess.Popen(
+        [sys.executable, "-m", CLI_MODULE, "run", "--hosts", cluster2.hostfile, "--token-file",
+         cluster2.token_file, "--", sys.executable, str(tmp_path / "job.py"), str(out),
+         "ticks"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    follow = None
+    try:
+        assert job.stdout.readline() == "[rank 0] tick 0\n"
+        follow = subprocess.Popen(
+            [sys.executable, "-m", CLI_MODULE, "logs", "--follow", "--hosts",
+             cluster2.hostfile, "--token-file", cluster2.token_file],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        seen = []
+        while (line := follow.stdout.readline()) and line != "[rank 0] tick 59\n":
+            seen.append(line.strip())
+        assert line == "[rank 0] tick 59\n", seen  # printed after it started: it followed
+        assert seen == [f"[rank 0] tick {i}" for i in range(59)]
+        follow.send_signal(signal.SIGINT)  # how a user stops it
+        assert follow.wait(10) == 0
+        assert job.wait(30) == 0
+    finally:
+        for p in (follow, job):
+            if p is not None:
+                terminate(p)
 
 
 def test_folding_keeps_each_rank_s_order():
