@@ -31,10 +31,19 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_repro(args: argparse.Namespace) -> int:
-    from .daemon.client.repro import find_launch, run
+    from .daemon.client.repro import ReproError, find_launches, run
+    from .daemon.client.repro_world import run_world
     from .settings import settings
 
+    if args.pdb and args.world:
+        raise ReproError("--pdb runs one rank (--rank R) under pdb, not --world")
     hosts, token = _target(args)
-    launch = trio.run(find_launch, hosts, token, args.job, args.rank)
-    return run(launch, store_dir=settings.store_dir, source=args.source, keep=args.keep,
-               err=sys.stderr)
+    launches = trio.run(find_launches, hosts, token, args.job,
+                        None if args.world else args.rank)
+    if args.world:
+        return trio.run(lambda: run_world(launches, store_dir=settings.store_dir,
+                                          source=args.source, keep=args.keep,
+                                          fold=not args.no_fold, out=sys.stdout,
+                                          err=sys.stderr))
+    return run(launches[0], store_dir=settings.store_dir, source=args.source, keep=args.keep,
+               pdb=args.pdb, err=sys.stderr)

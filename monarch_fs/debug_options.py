@@ -31,7 +31,7 @@ def add_debug_commands(sub: argparse._SubParsersAction, hosts_help: str) -> None
     lg.add_argument("--token-file", metavar="F")
 
     rp = sub.add_parser(
-        "repro", help="run one rank of a job again, here, as it ran on the cluster",
+        "repro", help="run a rank of a job (or all: --world) again, here, as on the cluster",
         description="Run rank R of job JOB (default: the newest job) on this machine: the "
                     "same command, arguments and environment the node recorded when it "
                     "started it, from the same workspace version (taken from the dev box "
@@ -39,7 +39,17 @@ def add_debug_commands(sub: argparse._SubParsersAction, hosts_help: str) -> None
                     "in a temporary folder, with MASTER_ADDR pointed here. Says what differs "
                     "from the cluster run (host, paths) and exits as the process does.")
     rp.add_argument("job", nargs="?", metavar="JOB", help="the job's id (default: the newest)")
-    rp.add_argument("--rank", type=int, required=True, metavar="R", help="the rank to run")
+    which = rp.add_mutually_exclusive_group(required=True)
+    which.add_argument("--rank", type=int, metavar="R", help="the rank to run")
+    which.add_argument("--world", action="store_true",
+                       help="run every rank of the job here at once, MASTER_ADDR and "
+                            "MASTER_PORT shared, output folded as `run` folds it; the first "
+                            "rank that fails stops the others and gives the exit status")
+    rp.add_argument("--pdb", action="store_true",
+                    help="with --rank: run it under pdb (`python -m pdb`): it stops at the "
+                         "first line, and at an uncaught exception")
+    rp.add_argument("--no-fold", action="store_true",
+                    help="with --world: print every line of every rank")
     rp.add_argument("--source", metavar="DIR",
                     help="the workspace's source folder, for what the dev box store does not "
                          "hold (default: the folder the node was told it was pushed from)")

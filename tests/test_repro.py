@@ -62,6 +62,13 @@ def test_a_failed_rank_fails_the_same_way_here_from_the_version_it_ran(fresh_clu
         assert "weights.txt" not in here.stderr  # every file was found, checked
         assert "files from the dev box store" in here.stderr
 
+    # under pdb: it stops at the exception, where the shard it read can be looked at
+    dbg = mfs("repro", job, "--rank", "3", "--pdb", *hosts, check=False, timeout=90,
+              input="c\np shard\nq\n")
+    assert "Entering post mortem debugging" in dbg.stdout, dbg.stdout + dbg.stderr
+    assert "'shard-A'" in dbg.stdout
+    assert f"rank 3 of job {job}: {sys.executable} -m pdb train.py 3" in dbg.stderr
+
     # rank 0 ran to its end on the cluster, and here too; it was not stopped for nothing
     ok = mfs("repro", job, "--rank", "0", *hosts, check=False, timeout=90)
     assert ok.returncode == 0, ok.stderr
@@ -70,3 +77,43 @@ def test_a_failed_rank_fails_the_same_way_here_from_the_version_it_ran(fresh_clu
     nope = mfs("repro", "nope", "--rank", "0", *hosts, check=False)
     assert nope.returncode == 1
     assert "no node recorded a start of rank 0 of job nope" in nope.stderr
+
+
+ALL_REDUCE = textwrap.dedent("""
+    import os, warnings
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    print(f"sum {t.item():g} of {dist.get_world_size()}", flush=True)
+    dist.destroy_process_group()
+    if rank == 3:
+        raise SystemExit(f"rank 3 refuses the sum {t.item():g}")
+""")
+
+
+def test_world_runs_every_rank_here_as_one_torch_world(fresh_cluster, tmp_path, monkeypatch):
+    """--world: the four ranks of a 2x2 torch job form their gloo world on the dev box (rank 3
+    alone would wait for the others forever), and rank 3 fails as it did on the cluster."""
+    monkeypatch.setenv("MONARCH_FS_EVENTS_INTERVAL", "0.2")
+    c = fresh_cluster(2)
+    src = tmp_path / "dist"
+    src.mkdir()
+    (src / "train.py").write_text(ALL_REDUCE)
+    c.push(src)
+    hosts = ("--hosts", c.hostfile, "--token-file", c.token_file)
+    r = mfs("run", *hosts, "--per-host", "2", "--workspace", "dist", "--", sys.executable,
+            "train.py", check=False, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert "rank 3 refuses the sum 10" in r.stderr
+
+    here = mfs("repro", "--world", *hosts, check=False, timeout=120)
+    assert here.returncode == 1, here.stderr
+    assert "[ranks 0-3] sum 10 of 4" in here.stdout, here.stdout + here.stderr
+    assert "[rank 3] rank 3 refuses the sum 10" in here.stderr
+    assert "all 4 ranks of job" in here.stderr and "ran on node-0, node-1" in here.stderr
+    assert "rank 3: exit code 1 here; on node-1: exit code 1: the same" in here.stderr
+    assert "rank 3 failed first" in here.stderr

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -38,6 +39,7 @@ from .query import query
 # user's identity, taken here from this machine's.
 LOCAL_ENV = ("PATH", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR", "HOME", "USER", "LOGNAME",
              "SHELL")
+PYTHON = re.compile(r"python[0-9.]*")  # what --pdb can run under pdb
 
 
 class ReproError(ValueError):
@@ -84,36 +86,48 @@ def _quote(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
-async def find_launch(hosts: Sequence[str], token: bytes, job: str | None, rank: int) -> Launch:
-    """The newest start of rank `rank` of `job` (default: the newest job) any node recorded,
-    and its end."""
-    where = f"kind = 'proc.started' AND rank = {int(rank)}"
-    if job is not None:
-        where += f" AND json_extract(detail, '$.job') = {_quote(job)}"
-    rows = _one(await query(hosts, token, "SELECT host, node, ts, workspace, detail FROM "
-                            f"events WHERE {where} ORDER BY ts DESC LIMIT 1"),
-                "what they started")
-    if not rows:
-        raise ReproError(f"no node recorded a start of rank {rank}" +
+async def find_launches(hosts: Sequence[str], token: bytes, job: str | None,
+                        rank: int | None) -> list[Launch]:
+    """The newest start of rank `rank` (None: of every rank) of `job` (default: the newest job
+    any node recorded a start of), each with its end, by rank."""
+    of_rank = "" if rank is None else f" AND rank = {int(rank)}"
+    if job is None:
+        rows = _one(await query(
+            hosts, token, "SELECT detail FROM events WHERE kind = 'proc.started' AND "
+            f"json_extract(detail, '$.job') IS NOT NULL{of_rank} ORDER BY ts DESC LIMIT 1"),
+            "what they started")
+        if rows:
+            job = json.loads(rows[0]["detail"])["job"]
+    rows = [] if job is None else _one(await query(
+        hosts, token, "SELECT host, node, ts, rank, workspace, detail FROM events WHERE "
+        f"kind = 'proc.started' AND json_extract(detail, '$.job') = {_quote(job)}{of_rank} "
+        "ORDER BY ts"), "what they started")
+    if not rows or job is None:
+        raise ReproError("no node recorded a start of " + (f"rank {rank}" if rank is not None
+                                                           else "any rank") +
                          (f" of job {job}" if job else "") + " (a node writes its events "
                          "every 2 s: just after a job, try again)")
-    row = rows[0]
-    detail = json.loads(row["detail"] or "{}")
-    record = detail.get("launch")
-    if not isinstance(record, dict) or not record.get("argv"):
-        raise ReproError(f"{row['host']}: the start of rank {rank} has no launch record (a "
-                         "node older than monarch-fs repro started it)")
-    launch = Launch(row["host"], row["node"], record.get("job") or "", rank, row["workspace"],
-                    record, detail.get("cwd"))
+    newest = {r["rank"]: r for r in rows}  # the last attempt's start of each rank
     ends = _one(await query(
-        hosts, token, "SELECT code, signal, detail FROM events WHERE kind = 'proc.exited' "
-        f"AND rank = {int(rank)} AND host = {_quote(launch.host)} AND ts >= {row['ts']!r} AND "
-        f"json_extract(detail, '$.job') = {_quote(launch.job)} ORDER BY ts LIMIT 1"),
-        "how it ended")
-    if ends:
-        launch.code, launch.signal = ends[0]["code"], ends[0]["signal"]
-        launch.stopped = json.loads(ends[0]["detail"] or "{}").get("stopped", "")
-    return launch
+        hosts, token, "SELECT host, rank, ts, code, signal, detail FROM events WHERE "
+        f"kind = 'proc.exited' AND json_extract(detail, '$.job') = {_quote(job)}{of_rank} "
+        "ORDER BY ts"), "how they ended")
+    launches = []
+    for r, row in sorted(newest.items()):
+        detail = json.loads(row["detail"] or "{}")
+        record = detail.get("launch")
+        if not isinstance(record, dict) or not record.get("argv"):
+            raise ReproError(f"{row['host']}: the start of rank {r} has no launch record (a "
+                             "node older than monarch-fs repro started it)")
+        launch = Launch(row["host"], row["node"], str(job), r, row["workspace"], record,
+                        detail.get("cwd"))
+        end = next((e for e in ends if e["host"] == row["host"] and e["rank"] == r
+                    and e["ts"] >= row["ts"]), None)
+        if end is not None:
+            launch.code, launch.signal = end["code"], end["signal"]
+            launch.stopped = json.loads(end["detail"] or "{}").get("stopped", "")
+        launches.append(launch)
+    return launches
 
 
 def write_version(version: str, dest: Path, store_dir: Path, source: Path | None,
@@ -210,9 +224,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def prepare(launch: Launch, here: Path) -> tuple[list[str], str, dict[str, str], list[str]]:
+def prepare(launch: Launch, here: Path, port: int | None = None, pdb: bool = False
+            ) -> tuple[list[str], str, dict[str, str], list[str]]:
     """argv, working folder and environment to run `launch` with, its workspace at
-    `here/NAME`, and a line per thing that differs from the cluster run."""
+    `here/NAME` and MASTER_PORT `port` (default: a free one), under pdb if asked; and a line
+    per thing that differs from the cluster run."""
     rec = launch.record
     ws = here / (launch.workspace or "workspace")
 
@@ -221,6 +237,11 @@ def prepare(launch: Launch, here: Path) -> tuple[list[str], str, dict[str, str],
         return text.replace("{workspace}", str(ws)) if launch.workspace else text
 
     argv = [expand(a) for a in rec["argv"]]
+    if pdb:
+        if not PYTHON.fullmatch(os.path.basename(argv[0])):
+            raise ReproError(f"--pdb: rank {launch.rank} ran {argv[0]}, not a Python "
+                             "interpreter (python, python3, python3.11...)")
+        argv[1:1] = ["-m", "pdb"]
     cwd = expand(rec["cwd"]) if rec.get("cwd") else (str(ws) if launch.workspace
                                                      else os.getcwd())
     env = {k: v for k, v in os.environ.items() if k in LOCAL_ENV or k.startswith("LC_")}
@@ -231,7 +252,8 @@ def prepare(launch: Launch, here: Path) -> tuple[list[str], str, dict[str, str],
     differs = [f"host: {socket.gethostname()}, not {launch.node} ({launch.host})"]
     if cwd != launch.cwd_there:
         differs.append(f"working folder: {cwd}, not {launch.cwd_there or 'the daemon’s'}")
-    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
+    for name, value in (("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", str(port if port is not None else free_port()))):
         if name in env:
             if env[name] != value:
                 differs.append(f"{name}={value}, not {env[name]}")
@@ -242,24 +264,46 @@ def prepare(launch: Launch, here: Path) -> tuple[list[str], str, dict[str, str],
     return argv, cwd, env, differs
 
 
-def run(launch: Launch, *, store_dir: Path, source: str | None, keep: bool,
+def materialize(launch: Launch, here: Path, *, store_dir: Path, source: str | None,
+                err: TextIO) -> None:
+    """Write the version `launch` ran into `here/NAME`, saying from where."""
+    rec = launch.record
+    if rec.get("version") and launch.workspace:
+        src = source or rec.get("source")
+        written = write_version(rec["version"], here / launch.workspace, store_dir,
+                                Path(src) if src else None,
+                                Path(rec["pinned"]) if rec.get("pinned") else None)
+        err.write(f"monarch-fs repro: {launch.workspace} {rec['version'][:12]} written to "
+                  f"{written.root} (" + ", ".join(f"{n} files from {w}" for w, n in
+                                                  written.sources.items()) + ")\n")
+    else:
+        err.write("monarch-fs repro: the job ran without --workspace: its command runs "
+                  "against this machine's files as they are\n")
+
+
+def outcome(launch: Launch, code: int) -> tuple[int, str]:
+    """The exit status for a process that ended with `code` (Popen's), and a line comparing
+    that with how the rank ended on its node."""
+    sig = _signal_name(-code) if code < 0 else None
+    here = f"killed by {sig}" if sig else f"exit code {code}"
+    same = (launch.code, launch.signal) == ((None, sig) if sig else (code, None))
+    return (128 - code if code < 0 else code,
+            f"{here} here; on {launch.node}: {launch.ended()}"
+            + (f" (stopped: {launch.stopped})" if launch.stopped else "")
+            + (": the same" if same else ": it differs"))
+
+
+def scratch(job: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=f"monarch-fs-repro-{job or 'job'}-"))
+
+
+def run(launch: Launch, *, store_dir: Path, source: str | None, keep: bool, pdb: bool,
         err: TextIO) -> int:
     """Write the version, run the rank, say what differs and how it ended; its exit status."""
-    rec = launch.record
-    here = Path(tempfile.mkdtemp(prefix=f"monarch-fs-repro-{launch.job or 'job'}-"))
+    here = scratch(launch.job)
     try:
-        if rec.get("version") and launch.workspace:
-            src = source or rec.get("source")
-            written = write_version(rec["version"], here / launch.workspace, store_dir,
-                                    Path(src) if src else None,
-                                    Path(rec["pinned"]) if rec.get("pinned") else None)
-            err.write(f"monarch-fs repro: {launch.workspace} {rec['version'][:12]} written to "
-                      f"{written.root} (" + ", ".join(f"{n} files from {w}" for w, n in
-                                                      written.sources.items()) + ")\n")
-        else:
-            err.write("monarch-fs repro: the job ran without --workspace: its command runs "
-                      "against this machine's files as they are\n")
-        argv, cwd, env, differs = prepare(launch, here)
+        materialize(launch, here, store_dir=store_dir, source=source, err=err)
+        argv, cwd, env, differs = prepare(launch, here, pdb=pdb)
         err.write(f"monarch-fs repro: rank {launch.rank} of job {launch.job}: "
                   f"{' '.join(argv)}\n" + "".join(f"  differs: {d}\n" for d in differs))
         err.flush()
@@ -267,14 +311,8 @@ def run(launch: Launch, *, store_dir: Path, source: str | None, keep: bool,
             code = subprocess.run(argv, cwd=cwd, env=env).returncode
         except OSError as e:
             raise ReproError(f"cannot start {argv[0]} in {cwd}: {e.strerror or e}") from None
-        status = 128 - code if code < 0 else code
-        sig = _signal_name(-code) if code < 0 else None
-        here_ended = f"killed by {sig}" if sig else f"exit code {code}"
-        same = ("the same" if (launch.code, launch.signal) == ((None, sig) if sig else (code, None))
-                else "it differs")
-        err.write(f"monarch-fs repro: {here_ended} here; on {launch.node}: {launch.ended()}"
-                  + (f" (stopped: {launch.stopped})" if launch.stopped else "")
-                  + f": {same}\n")
+        status, line = outcome(launch, code)
+        err.write(f"monarch-fs repro: {line}\n")
         return status
     finally:
         if keep:
