@@ -86,7 +86,7 @@ class LogLines:
             if len(line) > MAX_LINE_CHARS:
                 line = line[:MAX_LINE_CHARS]
             self._pending.append((now, self.node, job, proc.rank, proc.restart, proc.id,
-                                  proc.uid, stream, _utf8(line)))
+                                  proc.uid, stream, line))  # (decoded with "replace")
 
     def take(self) -> tuple[list[tuple], int]:
         """The rows to write now and how many lines were dropped since the last take."""
@@ -102,14 +102,6 @@ class LogLines:
             self.dropped += len(rows) - max(room, 0)
             rows = rows[:max(room, 0)]
         self._pending.extendleft(reversed(rows))
-
-
-def _utf8(text: str) -> str:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text
 
 
 @functools.lru_cache(maxsize=16)
@@ -131,22 +123,22 @@ def read(path: Path, req: Logs, asker: Identity | None) -> LogsReply:
         deadline = time.monotonic() + READ_TIMEOUT
         db.set_progress_handler(lambda: time.monotonic() > deadline, 10_000)
         db.create_function("regexp", 2, _regexp, deterministic=True)
-        mine = asker is not None and asker.uid != 0
+        uid = None if asker is None or asker.uid == 0 else asker.uid  # root reads all
         try:
             if req.job is None:
-                where, args = ("WHERE job IS NOT NULL AND uid = ?", [asker.uid]) if (
-                    asker is not None and mine) else ("WHERE job IS NOT NULL", [])
+                where, args = ("WHERE job IS NOT NULL", []) if uid is None else (
+                    "WHERE job IS NOT NULL AND uid = ?", [uid])
                 row = db.execute(f"SELECT job, ts FROM logs {where} ORDER BY id DESC LIMIT 1",
                                  args).fetchone()
                 return LogsReply(jobs=[[row[0], row[1]]] if row else [], rows=[])
-            if asker is not None and mine:
+            if uid is not None:
                 owner = db.execute("SELECT uid FROM logs WHERE job = ? LIMIT 1",
                                    (req.job,)).fetchone()
-                if owner is not None and owner[0] != asker.uid:
+                if owner is not None and owner[0] != uid:
                     raise RequestError(
-                        f"logs: job {req.job} ran as uid {owner[0]}, not as you (uid "
-                        f"{asker.uid}): under --identity munge a user reads their own "
-                        "processes' output only")
+                        f"logs: job {req.job} ran as uid {owner[0]}, not as you (uid {uid}): "
+                        "under --identity munge a user reads their own processes' output "
+                        "only")
             clauses, params = ["job = ?", "id > ?"], [req.job, req.after]
             if req.rank is not None:
                 clauses.append("rank = ?")
@@ -157,9 +149,9 @@ def read(path: Path, req: Logs, asker: Identity | None) -> LogsReply:
             if req.grep is not None:
                 clauses.append("line REGEXP ?")
                 params.append(req.grep)
-            if asker is not None and mine:
+            if uid is not None:
                 clauses.append("uid = ?")
-                params.append(asker.uid)
+                params.append(uid)
             rows = db.execute(
                 "SELECT id, ts, rank, restart, stream, line FROM logs WHERE "
                 f"{' AND '.join(clauses)} ORDER BY id LIMIT ?",
