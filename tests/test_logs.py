@@ -214,3 +214,42 @@ def test_another_user_s_output_is_refused_under_identity_munge(tmp_path):
         sql = as_user(b, munged, "query", "SELECT line FROM logs", "--hosts", addr)
         assert sql.returncode == 1 and "secret of A" not in sql.stdout
         assert "read with `monarch-fs logs`" in sql.stdout + sql.stderr, sql
+
+
+async def test_the_logs_table_holds_the_events_bounds(tmp_path):
+    """A chatty process's lines into a 1 MiB bound: the database stays within it, the newest
+    lines are kept; and lines older than the age bound go."""
+    import trio
+
+    from monarch_fs.daemon.node.events import EventLog
+
+    class Proc:
+        id, job, rank, restart, uid = 1, "j", 0, 0, 0
+
+    events = EventLog(tmp_path / "events.db", "node-0", max_bytes=1 << 20, interval=3600)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(events.run)
+        for batch in range(20):
+            events.lines.add(Proc(), "stdout", [f"line {batch}-{i} " + "x" * 100
+                                                for i in range(5000)])
+            await events.flush()
+        nursery.cancel_scope.cancel()
+    answer = await events.query("SELECT count(*), min(id), (SELECT line FROM logs ORDER BY "
+                                "id DESC LIMIT 1) FROM logs")
+    await events.close()
+    count, first, newest = answer.rows[0]
+    assert (tmp_path / "events.db").stat().st_size <= 1 << 20
+    assert 0 < count < 20_000 and first > 80_000 and newest.startswith("line 19-4999 ")
+
+    aged = EventLog(tmp_path / "aged.db", "node-0", max_age=0.5, interval=3600)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(aged.run)
+        aged.lines.add(Proc(), "stdout", ["old"])
+        await aged.flush()
+        await trio.sleep(0.7)
+        aged.lines.add(Proc(), "stderr", ["new"])
+        await aged.flush()
+        answer = await aged.query("SELECT stream, line FROM logs")
+        nursery.cancel_scope.cancel()
+    await aged.close()
+    assert answer.rows == [["stderr", "new"]]
