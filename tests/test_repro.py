@@ -117,3 +117,24 @@ def test_world_runs_every_rank_here_as_one_torch_world(fresh_cluster, tmp_path, 
     assert "all 4 ranks of job" in here.stderr and "ran on node-0, node-1" in here.stderr
     assert "rank 3: exit code 1 here; on node-1: exit code 1: the same" in here.stderr
     assert "rank 3 failed first" in here.stderr
+
+
+def test_a_restarted_job_is_reproduced_from_the_attempt_that_failed(fresh_cluster, tmp_path,
+                                                                      monkeypatch):
+    monkeypatch.setenv("MONARCH_FS_EVENTS_INTERVAL", "0.2")
+    c = fresh_cluster(1)
+    hosts = ("--hosts", c.hostfile, "--token-file", c.token_file)
+    once = ("import os, sys; r = os.environ['RANK']; a = os.environ['TORCHELASTIC_RESTART_COUNT']"
+            "; print('rank', r, 'attempt', a); sys.exit(7 if (r, a) == ('1', '0') else 0)")
+    r = mfs("run", *hosts, "--per-host", "2", "--max-restarts", "1", "--", sys.executable,
+            "-c", once, check=False, timeout=90)
+    assert r.returncode == 0 and "exit code 7 (attempt 1 of 2)" in r.stderr, r.stderr
+
+    failed = mfs("repro", "--rank", "1", *hosts, check=False, timeout=90)
+    assert failed.returncode == 7, failed.stderr
+    assert failed.stdout == "rank 1 attempt 0\n"
+    assert "exit code 7 here; on node-0: exit code 7: the same" in failed.stderr
+
+    fine = mfs("repro", "--rank", "0", *hosts, check=False, timeout=90)  # it never failed
+    assert fine.returncode == 0 and fine.stdout == "rank 0 attempt 1\n", fine.stderr
+    assert "(attempt 2)" in fine.stderr

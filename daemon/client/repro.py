@@ -57,6 +57,7 @@ class Launch:
     workspace: str | None
     record: dict[str, Any]  # launches.launch_record
     cwd_there: str | None  # the working folder on the node, expanded
+    attempt: int = 0  # TORCHELASTIC_RESTART_COUNT: which attempt of `run --max-restarts`
     code: int | None = None
     signal: str | None = None
     stopped: str = ""  # why the node stopped it, if it did (another rank failed...)
@@ -88,8 +89,10 @@ def _quote(text: str) -> str:
 
 async def find_launches(hosts: Sequence[str], token: bytes, job: str | None,
                         rank: int | None) -> list[Launch]:
-    """The newest start of rank `rank` (None: of every rank) of `job` (default: the newest job
-    any node recorded a start of), each with its end, by rank."""
+    """The start of rank `rank` (None: of every rank) of `job` (default: the newest job any
+    node recorded a start of) in its newest attempt (`run --max-restarts`) in which it failed,
+    else in the newest, each with its end, by rank. (For every rank: the newest attempt in
+    which one failed.)"""
     of_rank = "" if rank is None else f" AND rank = {int(rank)}"
     if job is None:
         rows = _one(await query(
@@ -99,19 +102,22 @@ async def find_launches(hosts: Sequence[str], token: bytes, job: str | None,
         if rows:
             job = json.loads(rows[0]["detail"])["job"]
     rows = [] if job is None else _one(await query(
-        hosts, token, "SELECT host, node, ts, rank, workspace, detail FROM events WHERE "
-        f"kind = 'proc.started' AND json_extract(detail, '$.job') = {_quote(job)}{of_rank} "
-        "ORDER BY ts"), "what they started")
+        hosts, token, "SELECT host, node, ts, rank, restart, workspace, detail FROM events "
+        f"WHERE kind = 'proc.started' AND json_extract(detail, '$.job') = {_quote(job)}"
+        f"{of_rank} ORDER BY ts"), "what they started")
     if not rows or job is None:
         raise ReproError("no node recorded a start of " + (f"rank {rank}" if rank is not None
                                                            else "any rank") +
                          (f" of job {job}" if job else "") + " (a node writes its events "
                          "every 2 s: just after a job, try again)")
-    newest = {r["rank"]: r for r in rows}  # the last attempt's start of each rank
     ends = _one(await query(
-        hosts, token, "SELECT host, rank, ts, code, signal, detail FROM events WHERE "
+        hosts, token, "SELECT host, rank, restart, ts, code, signal, detail FROM events WHERE "
         f"kind = 'proc.exited' AND json_extract(detail, '$.job') = {_quote(job)}{of_rank} "
         "ORDER BY ts"), "how they ended")
+    failed = [e["restart"] or 0 for e in ends if (e["code"] or e["signal"])
+              and not json.loads(e["detail"] or "{}").get("stopped")]
+    attempt = max(failed) if failed else max(r["restart"] or 0 for r in rows)
+    newest = {r["rank"]: r for r in rows if (r["restart"] or 0) == attempt}
     launches = []
     for r, row in sorted(newest.items()):
         detail = json.loads(row["detail"] or "{}")
@@ -120,7 +126,7 @@ async def find_launches(hosts: Sequence[str], token: bytes, job: str | None,
             raise ReproError(f"{row['host']}: the start of rank {r} has no launch record (a "
                              "node older than monarch-fs repro started it)")
         launch = Launch(row["host"], row["node"], str(job), r, row["workspace"], record,
-                        detail.get("cwd"))
+                        detail.get("cwd"), attempt)
         end = next((e for e in ends if e["host"] == row["host"] and e["rank"] == r
                     and e["ts"] >= row["ts"]), None)
         if end is not None:
@@ -304,7 +310,8 @@ def run(launch: Launch, *, store_dir: Path, source: str | None, keep: bool, pdb:
     try:
         materialize(launch, here, store_dir=store_dir, source=source, err=err)
         argv, cwd, env, differs = prepare(launch, here, pdb=pdb)
-        err.write(f"monarch-fs repro: rank {launch.rank} of job {launch.job}: "
+        err.write(f"monarch-fs repro: rank {launch.rank} of job {launch.job}"
+                  + (f" (attempt {launch.attempt + 1})" if launch.attempt else "") + ": "
                   f"{' '.join(argv)}\n" + "".join(f"  differs: {d}\n" for d in differs))
         err.flush()
         try:
