@@ -41,9 +41,9 @@ def cmd_repro(args: argparse.Namespace) -> int:
     launches = trio.run(find_launches, hosts, token, args.job,
                         None if args.world else args.rank)
     if args.world:
-        return trio.run(lambda: run_world(launches, store_dir=settings.store_dir,
+        return trio.run(lambda: run_world(launches, token=token, store_dir=settings.store_dir,
                                           source=args.source, keep=args.keep,
                                           fold=not args.no_fold, out=sys.stdout,
                                           err=sys.stderr))
-    return run(launches[0], store_dir=settings.store_dir, source=args.source, keep=args.keep,
-               pdb=args.pdb, err=sys.stderr)
+    return run(launches[0], token=token, store_dir=settings.store_dir, source=args.source,
+               keep=args.keep, pdb=args.pdb, err=sys.stderr)

@@ -7,8 +7,8 @@ launches.py) says the command and working folder as asked, the environment the r
 written down), and the workspace version it was pinned to. That version is written into a
 temporary folder, file by file, each chunk checked against its id, from the first place that
 has it: the dev box store (controller_store.py), the folder it was pushed from (its files as
-they are now, a chunk taken only when its id matches), or the version's folder on a node's
-mount when that is on this machine. The command then runs there with `{workspace}` and
+they are now, a chunk taken only when its id matches), or the node that ran it (a
+`read_chunks` request: wire/chunk_read.py). The command then runs there with `{workspace}` and
 `{mount}` pointing at the copy, the rank's environment on top of this machine's PATH, HOME
 and locale (what a node gives every process, procs.base_env), and MASTER_ADDR and MASTER_PORT
 pointing here. repro says what differs from the cluster run and exits as the process does.
@@ -25,14 +25,19 @@ import socket
 import stat
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+import trio
+
 from ...fs.chunk import CorruptChunk, chunk_id, decode, spans
 from ...fs.manifest import Kind, Manifest
 from ...fs.store import Store, StoreBusy
+from ..wire import identity
+from ..wire.chunk_read import ChunksReply, ReadChunks
+from ..wire.transport import Channel, RemoteError, connect
 from .query import query
 
 # What a node passes a process of its own environment (procs.BASE_ENV, and LC_*), and the
@@ -136,9 +141,13 @@ async def find_launches(hosts: Sequence[str], token: bytes, job: str | None,
     return launches
 
 
+Remote = Callable[[bytes], bytes]  # a chunk's raw bytes from the node (KeyError: it lacks it)
+
+
 def write_version(version: str, dest: Path, store_dir: Path, source: Path | None,
-                  pinned: Path | None) -> Written:
-    """Write workspace version `version` into `dest` (blocking; see the module docstring)."""
+                  remote: Remote | None) -> Written:
+    """Write workspace version `version` into `dest`, each object from the dev box store,
+    else the `source` folder as it is now, else `remote` (the node; blocking)."""
     vid = bytes.fromhex(version)
     store = None
     if (store_dir / "packs").is_dir():
@@ -146,15 +155,27 @@ def write_version(version: str, dest: Path, store_dir: Path, source: Path | None
             store = Store(store_dir)
         except (StoreBusy, OSError):  # a push holds it: the other places may do
             store = None
+    places: list[tuple[str, Callable[[bytes, bytes, int, int], bytes | None]]] = []
+    if store is not None:
+        places.append(("the dev box store", lambda cid, rel, off, n: _stored(store, cid)))
+    if source is not None:
+        places.append(("the source folder",
+                       lambda cid, rel, off, n: _read(os.path.join(os.fsencode(source), rel),
+                                                      off, n)))
+    if remote is not None:
+        places.append(("the node", lambda cid, rel, off, n: _asked(remote, cid)))
     try:
-        manifest = _manifest(vid, store)
-        if manifest is None:
-            if pinned is not None and pinned.is_dir():  # this machine is the node
-                shutil.copytree(pinned, dest, symlinks=True)
-                return Written(dest, {"the node's copy": 1})
-            raise ReproError(f"version {version[:12]} is not in the dev box store {store_dir} "
-                             "(pushed with --no-store, from another machine, or dropped past "
-                             "the store's bound) and no node's copy of it is on this machine")
+        def get(oid: bytes) -> bytes:
+            for _, place in places:
+                if (data := place(oid, b"", 0, 0)) is not None and chunk_id(data) == oid:
+                    return data
+            raise KeyError(oid)
+
+        try:
+            manifest = Manifest.load(vid, get)
+        except (KeyError, CorruptChunk):
+            raise ReproError(f"version {version[:12]} is neither in the dev box store "
+                             f"{store_dir} nor on the node that ran it") from None
         out = Written(dest)
         dest.mkdir(parents=True, exist_ok=True)
         for e in manifest:
@@ -165,8 +186,8 @@ def write_version(version: str, dest: Path, store_dir: Path, source: Path | None
             elif e.kind == Kind.SYMLINK:
                 os.symlink(e.target, path)
             else:
-                where = _write_file(path, e.path, e.chunks, e.size, manifest.chunk_size, store,
-                                    source, pinned)
+                where = _write_file(path, e.path, e.chunks, e.size, manifest.chunk_size,
+                                    places)
                 os.chmod(path, e.mode & 0o7777)
                 os.utime(path, ns=(e.mtime_ns, e.mtime_ns))
                 out.sources[where] = out.sources.get(where, 0) + 1
@@ -176,32 +197,27 @@ def write_version(version: str, dest: Path, store_dir: Path, source: Path | None
             store.close()
 
 
-def _manifest(vid: bytes, store: Store | None) -> Manifest | None:
-    """The version's manifest from the dev box store, or None where it lacks an object."""
-    def get(oid: bytes) -> bytes | memoryview:
-        if store is None or not store.has(oid):
-            raise KeyError(oid)
-        return decode(oid, store.get_blob(oid))
+def _stored(store: Store, cid: bytes) -> bytes | None:
+    return bytes(decode(cid, store.get_blob(cid))) if store.has(cid) else None
 
+
+def _asked(remote: Remote, cid: bytes) -> bytes | None:
     try:
-        return Manifest.load(vid, get)
-    except (KeyError, CorruptChunk):
+        return remote(cid)
+    except KeyError:
         return None
 
 
 def _write_file(path: bytes, rel: bytes, chunks: Sequence[bytes], size: int, chunk_size: int,
-                store: Store | None, source: Path | None, pinned: Path | None) -> str:
-    """Write one file's chunks; where they came from (the last place used)."""
-    places = [(name, base) for name, base in (("the workspace's source folder", source),
-                                              ("the node's copy", pinned)) if base is not None]
+                places: list[tuple[str, Callable[[bytes, bytes, int, int], bytes | None]]]
+                ) -> str:
+    """Write one file's chunks, each from the first place that has it; where the last came
+    from."""
     where = "the dev box store"
     with open(path, "wb") as f:
         for cid, (offset, length) in zip(chunks, spans(size, chunk_size)):
-            if store is not None and store.has(cid):
-                f.write(decode(cid, store.get_blob(cid)))
-                continue
-            for name, base in places:
-                data = _read(os.path.join(os.fsencode(base), rel), offset, length)
+            for name, place in places:
+                data = place(cid, rel, offset, length)
                 if data is not None and chunk_id(data) == cid:
                     f.write(data)
                     where = name
@@ -209,9 +225,8 @@ def _write_file(path: bytes, rel: bytes, chunks: Sequence[bytes], size: int, chu
             else:
                 raise ReproError(
                     f"{os.fsdecode(rel)}: bytes {offset}-{offset + length} of this version are "
-                    "neither in the dev box store nor in " + (" or ".join(
-                        f"{name} ({base})" for name, base in places) or "a source folder") +
-                    " as they are now (changed since?): pass --source DIR of a copy as pushed")
+                    "in none of " + ", ".join(n for n, _ in places) + " (the source folder "
+                    "as it is now: changed since?); pass --source DIR of a copy as pushed")
     return where
 
 
@@ -270,21 +285,59 @@ def prepare(launch: Launch, here: Path, port: int | None = None, pdb: bool = Fal
     return argv, cwd, env, differs
 
 
-def materialize(launch: Launch, here: Path, *, store_dir: Path, source: str | None,
-                err: TextIO) -> None:
-    """Write the version `launch` ran into `here/NAME`, saying from where."""
-    rec = launch.record
-    if rec.get("version") and launch.workspace:
-        src = source or rec.get("source")
-        written = write_version(rec["version"], here / launch.workspace, store_dir,
-                                Path(src) if src else None,
-                                Path(rec["pinned"]) if rec.get("pinned") else None)
-        err.write(f"monarch-fs repro: {launch.workspace} {rec['version'][:12]} written to "
-                  f"{written.root} (" + ", ".join(f"{n} files from {w}" for w, n in
-                                                  written.sources.items()) + ")\n")
-    else:
+async def materialize(launch: Launch, here: Path, *, token: bytes, store_dir: Path,
+                      source: str | None, err: TextIO) -> None:
+    """Write the version `launch` ran into `here/NAME`, saying from where; what neither the
+    dev box store nor the source folder has is asked of the node that ran it."""
+    rec, name = launch.record, launch.workspace
+    if not (rec.get("version") and name):
         err.write("monarch-fs repro: the job ran without --workspace: its command runs "
                   "against this machine's files as they are\n")
+        return
+    src = source or rec.get("source")
+    async with NodeChunks(launch.host, token, name, rec["version"]) as node:
+        written = await trio.to_thread.run_sync(
+            lambda: write_version(rec["version"], here / name, store_dir,
+                                  Path(src) if src else None, node.blocking_get))
+    err.write(f"monarch-fs repro: {launch.workspace} {rec['version'][:12]} written to "
+              f"{written.root} (" + ", ".join(f"{n} files from {w}" for w, n in
+                                              written.sources.items()) + ")\n")
+
+
+class NodeChunks:
+    """Chunks of one version, asked of the node that serves it (`read_chunks`), connected at
+    the first ask; `blocking_get` is for the worker thread that writes the version."""
+
+    def __init__(self, host: str, token: bytes, workspace: str, version: str) -> None:
+        self.host, self.token = host, token
+        self.workspace, self.version = workspace, bytes.fromhex(version)
+        self.chan: Channel | None = None
+        self.asked = 0
+
+    async def __aenter__(self) -> NodeChunks:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.chan is not None:
+            await self.chan.aclose()
+
+    async def get(self, cid: bytes) -> bytes:
+        if self.chan is None:
+            self.chan = await connect(self.host, self.token)
+        req = ReadChunks(self.workspace, self.version, [cid])
+        signed = await identity.sign(self.chan, req.op, req.to_wire())  # if the node asks who
+        try:
+            reply = ChunksReply.from_wire(await self.chan.request(req.op, **signed))
+        except RemoteError as e:
+            raise ReproError(f"{self.host}: {e.message}") from None
+        blob = reply.blobs[0] if reply.blobs else None
+        if blob is None:
+            raise KeyError(cid)
+        self.asked += 1
+        return bytes(decode(cid, blob))
+
+    def blocking_get(self, cid: bytes) -> bytes:
+        return trio.from_thread.run(self.get, cid)
 
 
 def outcome(launch: Launch, code: int) -> tuple[int, str]:
@@ -303,12 +356,13 @@ def scratch(job: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"monarch-fs-repro-{job or 'job'}-"))
 
 
-def run(launch: Launch, *, store_dir: Path, source: str | None, keep: bool, pdb: bool,
-        err: TextIO) -> int:
+def run(launch: Launch, *, token: bytes, store_dir: Path, source: str | None, keep: bool,
+        pdb: bool, err: TextIO) -> int:
     """Write the version, run the rank, say what differs and how it ended; its exit status."""
     here = scratch(launch.job)
     try:
-        materialize(launch, here, store_dir=store_dir, source=source, err=err)
+        trio.run(lambda: materialize(launch, here, token=token, store_dir=store_dir,
+                                     source=source, err=err))
         argv, cwd, env, differs = prepare(launch, here, pdb=pdb)
         err.write(f"monarch-fs repro: rank {launch.rank} of job {launch.job}"
                   + (f" (attempt {launch.attempt + 1})" if launch.attempt else "") + ": "

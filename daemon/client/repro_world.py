@@ -22,8 +22,9 @@ from .repro import Launch, ReproError, free_port, materialize, outcome, prepare,
 STOP_GRACE = 5.0
 
 
-async def run_world(launches: Sequence[Launch], *, store_dir: Path, source: str | None,
-                    keep: bool, fold: bool, out: TextIO, err: TextIO) -> int:
+async def run_world(launches: Sequence[Launch], *, token: bytes, store_dir: Path,
+                    source: str | None, keep: bool, fold: bool, out: TextIO, err: TextIO
+                    ) -> int:
     """Run every rank of `launches` here; the exit status (see the module docstring)."""
     versions = {(ln.workspace, ln.record.get("version")) for ln in launches}
     if len(versions) > 1:
@@ -32,7 +33,8 @@ async def run_world(launches: Sequence[Launch], *, store_dir: Path, source: str 
     first = launches[0]
     here = scratch(first.job)
     try:
-        materialize(first, here, store_dir=store_dir, source=source, err=err)
+        await materialize(first, here, token=token, store_dir=store_dir, source=source,
+                          err=err)
         port = free_port()
         ready = {ln.rank: prepare(ln, here, port) for ln in launches}
         argv, _, _, differs = ready[first.rank]

@@ -24,6 +24,7 @@ from ...fs.chunk import CorruptChunk
 from ...fs.manifest import ManifestError
 from ..wire import bulk, identity
 from ..wire import protocol as p
+from ..wire.chunk_read import ChunksReply, ReadChunks
 from ..wire.identity import Identity, IdentityError
 from ..wire.logs import Logs, LogsReply
 from ..wire.read_lists import encode_reads
@@ -67,6 +68,7 @@ from ..wire.requests import (
     Status,
 )
 from ..wire.transport import Channel, ConnectionLost
+from . import chunk_read
 from .events import EventLog
 from .fetch import Upstream
 from .logs import read as read_logs
@@ -441,6 +443,10 @@ class Session:
         await self.events.flush()  # every line printed before the request was asked
         return await trio.to_thread.run_sync(read_logs, self.events.path, req, self.asker)
 
+    async def _read_chunks(self, req: ReadChunks) -> ChunksReply:
+        chunk_read.check(self.publisher, req, self.asker)
+        return await trio.to_thread.run_sync(chunk_read.read, self.service.store, req.ids)
+
 
 def _hex(version: bytes | None) -> str | None:
     return version.hex() if version is not None else None
@@ -491,9 +497,10 @@ def _below(kids: list[dict]) -> int:
 
 
 # A handler takes its own request class (the route's), so the table types it loosely.
-Handler = Callable[[Session, Any], Awaitable[NodeReply | LogsReply]]
+Handler = Callable[[Session, Any], Awaitable[NodeReply | LogsReply | ChunksReply]]
+Routed = type[NodeRequest | Logs | ReadChunks]
 
-_HANDLERS: list[tuple[type[NodeRequest | Logs], Handler]] = [
+_HANDLERS: list[tuple[Routed, Handler]] = [
     (Status, Session._status),
     (Prepare, Session._prepare),
     (Commit, Session._commit),
@@ -511,7 +518,8 @@ _HANDLERS: list[tuple[type[NodeRequest | Logs], Handler]] = [
     (Query, Session._query),
     (Stats, Session._stats),
     (Logs, Session._logs),
+    (ReadChunks, Session._read_chunks),
 ]
 # The one dispatch table: every op a node answers, its request class and its handler.
-ROUTES: dict[str, tuple[type[NodeRequest | Logs], Handler]] = {
+ROUTES: dict[str, tuple[Routed, Handler]] = {
     kind.op: (kind, handler) for kind, handler in _HANDLERS}

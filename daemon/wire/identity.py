@@ -38,8 +38,8 @@ MODE = "munge"  # --identity munge; what a daemon advertises as `identity` in it
 ASKER = "the user who asks"  # status's procs_user under --identity munge
 FIELD = "cred"  # the request argument that carries the credential
 # The requests that act for a user (`current` answers for one: is that workspace theirs?;
-# `logs` with the asker's processes' output only).
-OPS = frozenset({"spawn", "prepare", "commit", "current", "remove", "logs"})
+# `logs` with the asker's processes' output only; `read_chunks` of the asker's workspace).
+OPS = frozenset({"spawn", "prepare", "commit", "current", "remove", "logs", "read_chunks"})
 DEFAULT_SOCKET = "/run/munge/munge.socket.2"  # libmunge's
 TIMEOUT = 10.0  # seconds for munge or unmunge to answer
 _PAYLOAD_TAG = "monarch-fs-identity-1"
