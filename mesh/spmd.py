@@ -114,6 +114,7 @@ class _Attempt:
         self.daemons = daemons
         self.transports = transports  # per host: tcp, rdma-rc or rdma-srd
         self.world = job.per_host * len(daemons.hosts)
+        job.output.fold = job.fold and self.world > 1  # one rank: nothing to wait for
         self.procs: dict[int, tuple[int, int]] = {}  # rank -> (host, daemon's proc id)
         self.exited: set[int] = set()
         self.failure: RankFailure | None = None
