@@ -15,6 +15,7 @@ oldest go.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TextIO
@@ -62,16 +63,19 @@ class FoldedOutput:
         self.fold = fold
         self.window = window
         self.clock = clock
-        self._held: dict[int, _Group] = {}  # by seq, oldest first
+        # By seq, oldest first (taking the oldest is O(1) whatever was deleted before it).
+        self._held: OrderedDict[int, _Group] = OrderedDict()
         self._latest: dict[tuple[str, str], _Group] = {}  # (stream, text) -> newest group
         self._last_of: dict[int, int] = {}  # rank -> seq of its newest held group
         self._seq = 0
+        self._written = False
 
     def lines(self, rank: int, stream: str, texts: Iterable[str],
               at: float | None = None) -> None:
         """Lines rank `rank` printed on `stream` (stdout or stderr), at `at` (default now)."""
         if not self.fold:
             self._write(stream, "".join(f"[rank {rank}] {t}\n" for t in texts))
+            self._flush_streams()
             return
         now = self.clock() if at is None else at
         for text in texts:
@@ -91,9 +95,9 @@ class FoldedOutput:
                         self._last_of[r] = g.seq
             g.ranks.append(rank)
             self._last_of[rank] = g.seq
-        self.due(now)
         while len(self._held) > MAX_HELD:
             self._emit(next(iter(self._held.values())))
+        self.due(now)
 
     def _new(self, g: _Group) -> _Group:
         """`g`, held as the newest group."""
@@ -111,11 +115,13 @@ class FoldedOutput:
             if now - g.first < self.window:
                 break
             self._emit(g)
+        self._flush_streams()
 
     def flush(self) -> None:
         """Print every held line."""
         while self._held:
             self._emit(next(iter(self._held.values())))
+        self._flush_streams()
 
     def _emit(self, g: _Group) -> None:
         del self._held[g.seq]
@@ -124,6 +130,12 @@ class FoldedOutput:
         self._write(g.stream, f"{prefix(g.ranks)} {g.text}\n")
 
     def _write(self, stream: str, text: str) -> None:
-        f = self.err if stream == "stderr" else self.out
-        f.write(text)
-        f.flush()
+        (self.err if stream == "stderr" else self.out).write(text)
+        self._written = True
+
+    def _flush_streams(self) -> None:
+        """Flush once per call, not per line: `logs` prints a million lines."""
+        if self._written:
+            self._written = False
+            self.out.flush()
+            self.err.flush()
