@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import os
 import sys
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -82,6 +83,8 @@ def _spawn_specs(state: MeshState, addrs: list[str], env: dict | None, cwd: str 
         "MONARCH_MESH_DEFAULTS": base64.b64encode(wire.compact_json({
             "python": python, "python_path": python_path, "workspace": workspace,
             "version": version}).encode()).decode(),
+        # The job its procs' output is kept under on each node (`monarch-fs logs JOB`).
+        "MONARCH_FS_JOB": f"{state.name}-{time.strftime('%m%d-%H%M%S')}-{os.urandom(2).hex()}",
     }
     options: dict[str, Any] = {}
     if cwd:

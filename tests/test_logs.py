@@ -253,3 +253,23 @@ async def test_the_logs_table_holds_the_events_bounds(tmp_path):
         nursery.cancel_scope.cancel()
     await aged.close()
     assert answer.rows == [["stderr", "new"]]
+
+
+@pytest.mark.mount
+@pytest.mark.filterwarnings("ignore:Failed to initialize NumPy")
+def test_a_proc_mesh_s_output_is_kept_under_its_own_job(cluster2):
+    from pathlib import Path
+
+    from monarch_fs.mesh import HostMesh
+
+    with HostMesh.connect(cluster2.hostfile, token_file=cluster2.token_file) as hosts:
+        procs = hosts.spawn_procs(per_host=2, python_path=[str(Path(__file__).parent)])
+        try:
+            procs.spawn("victims", "mesh_actors:Victim").pid.call()
+        finally:
+            procs.stop()
+    got = logs(cluster2)  # the newest job: the mesh's
+    job = got.stderr.removeprefix("monarch-fs logs: job ").strip()
+    assert re.fullmatch(r"procs-\d{4}-\d{6}-[0-9a-f]{4}", job), got.stderr
+    assert sorted(got.stdout.splitlines()) == [
+        f"[rank {r}] victim {r} says goodbye on stderr" for r in range(4)]
