@@ -13,7 +13,8 @@ def add_debug_commands(sub: argparse._SubParsersAction, hosts_help: str) -> None
                     "node holds output of), as each node recorded it in its `logs` table, in "
                     "the order it was printed. Identical lines of many ranks print once, "
                     "`[ranks 0-63] epoch 3 done`, unless --no-fold. Exit status 1 when a "
-                    "node did not answer (the others' lines are printed).")
+                    "node did not answer (the others' lines are printed), or, as grep, when "
+                    "no line was printed.")
     lg.add_argument("job", nargs="?", metavar="JOB",
                     help="the job's id (`run` prints it when a rank fails; MONARCH_FS_JOB in "
                          "each rank) or a proc mesh's name")

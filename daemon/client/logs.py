@@ -162,4 +162,4 @@ async def logs(hosts: Sequence[str], token: bytes, job: str | None, *, rank: int
         err.write(f"monarch-fs logs: no lines of job {job}"
                   + (f" from rank {rank}" if rank is not None else "")
                   + (" matching" if grep or since else "") + "\n")
-    return 1 if failed else 0
+    return 1 if failed or not total else 0  # as grep: 1 when no line was printed
