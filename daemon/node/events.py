@@ -367,10 +367,15 @@ class EventLog:
         try:
             db.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES)
             db.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
-            db.set_authorizer(_authorize if not self.hidden else
-                              lambda action, table, *rest: sqlite3.SQLITE_DENY if (
-                                  action == sqlite3.SQLITE_READ and table in self.hidden)
-                              else _authorize(action, table, *rest))
+            hidden: list[str] = []  # the hidden tables the query read (refused)
+
+            def authorize(action: int, table: object, *rest: object) -> int:
+                if action == sqlite3.SQLITE_READ and table in self.hidden:
+                    hidden.append(str(table))
+                    return sqlite3.SQLITE_DENY
+                return _authorize(action, table, *rest)
+
+            db.set_authorizer(authorize)
             deadline = time.monotonic() + timeout
             db.set_progress_handler(lambda: time.monotonic() > deadline, 10_000)
             try:
@@ -390,7 +395,6 @@ class EventLog:
                             "it with WHERE, or aggregate")
             except sqlite3.DatabaseError as e:
                 why = str(e)
-                hidden = [t for t in self.hidden if f"access to {t}." in why]
                 if hidden:
                     raise RequestError(f"query refused: this daemon acts for each user "
                                        f"(--identity munge), so {hidden[0]} is read with "
