@@ -6,6 +6,7 @@ any user on the node who may read the mount can read its files."""
 
 from __future__ import annotations
 
+from ...fs.chunk import CorruptChunk
 from ...fs.store import Store
 from ..wire.chunk_read import MAX_REPLY_BYTES, ChunksReply, ReadChunks
 from ..wire.identity import Identity
@@ -30,7 +31,12 @@ def read(store: Store, ids: list[bytes]) -> ChunksReply:
     blobs: list[bytes | None] = []
     size = 0
     for cid in ids:
-        blob = store.get_blob(cid) if size < MAX_REPLY_BYTES and store.has(cid) else None
+        blob = None
+        if size < MAX_REPLY_BYTES and store.has(cid):
+            try:
+                blob = store.get_blob(cid)
+            except (KeyError, CorruptChunk):  # collected meanwhile, or damaged: not here
+                blob = None
         size += len(blob) if blob is not None else 0
         blobs.append(blob)
     return ChunksReply(blobs)
