@@ -334,7 +334,10 @@ class NodeChunks:
         if blob is None:
             raise KeyError(cid)
         self.asked += 1
-        return bytes(decode(cid, blob))
+        try:
+            return bytes(decode(cid, blob))
+        except CorruptChunk as e:
+            raise ReproError(f"{self.host}: sent a damaged chunk: {e}") from None
 
     def blocking_get(self, cid: bytes) -> bytes:
         return trio.from_thread.run(self.get, cid)
