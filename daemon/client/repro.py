@@ -37,7 +37,8 @@ from ...fs.manifest import Kind, Manifest
 from ...fs.store import Store, StoreBusy
 from ..wire import identity
 from ..wire.chunk_read import ChunksReply, ReadChunks
-from ..wire.transport import Channel, RemoteError, connect
+from ..wire.protocol import ProtocolError
+from ..wire.transport import Channel, ConnectError, ConnectionLost, RemoteError, connect
 from .query import query
 
 # What a node passes a process of its own environment (procs.BASE_ENV, and LC_*), and the
@@ -322,14 +323,17 @@ class NodeChunks:
             await self.chan.aclose()
 
     async def get(self, cid: bytes) -> bytes:
-        if self.chan is None:
-            self.chan = await connect(self.host, self.token)
-        req = ReadChunks(self.workspace, self.version, [cid])
-        signed = await identity.sign(self.chan, req.op, req.to_wire())  # if the node asks who
         try:
+            if self.chan is None:
+                self.chan = await connect(self.host, self.token)
+            req = ReadChunks(self.workspace, self.version, [cid])
+            signed = await identity.sign(self.chan, req.op, req.to_wire())  # if it asks who
             reply = ChunksReply.from_wire(await self.chan.request(req.op, **signed))
         except RemoteError as e:
             raise ReproError(f"{self.host}: {e.message}") from None
+        except (ConnectError, ConnectionLost, identity.IdentityError, ProtocolError) as e:
+            raise ReproError(f"cannot ask {self.host} for what the dev box lacks of "
+                             f"{self.workspace}: {e}") from None
         blob = reply.blobs[0] if reply.blobs else None
         if blob is None:
             raise KeyError(cid)
