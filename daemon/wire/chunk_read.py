@@ -61,6 +61,8 @@ class ChunksReply:
 
     @classmethod
     def from_wire(cls, value: Mapping[str, Any]) -> ChunksReply:
+        if not isinstance(value, Mapping):
+            raise MalformedReply("malformed read_chunks reply: expected an object")
         blobs = value.get("blobs")
         if not isinstance(blobs, list) or not all(b is None or isinstance(b, str)
                                                   for b in blobs):

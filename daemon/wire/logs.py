@@ -73,6 +73,8 @@ class LogsReply:
 
     @classmethod
     def from_wire(cls, value: Mapping[str, Any]) -> LogsReply:
+        if not isinstance(value, Mapping):
+            raise MalformedReply(f"malformed logs reply: expected an object, not {value!r}")
         jobs, rows = value.get("jobs"), value.get("rows")
         if not isinstance(jobs, list) or not isinstance(rows, list):
             raise MalformedReply("malformed logs reply: 'jobs' and 'rows' must be lists")
