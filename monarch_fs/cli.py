@@ -19,6 +19,7 @@ from typing import Any
 
 import trio
 
+from . import debug_commands
 from .daemon.client import cluster, handoff, slurm
 from .daemon.client.controller_store import Summary, read_summary
 from .daemon.client.hosts import HostsError, resolve_target
@@ -38,7 +39,6 @@ from .daemon.wire.auth import (
 from .daemon.wire.bulk import resolve_local
 from .daemon.wire.limits import Limits
 from .daemon.wire.replies import StatusReply
-from .debug_commands import cmd_logs, cmd_repro
 from .fs.scan import Snapshot, SourceChanged
 from .fs.scan_cache import ScanCache
 from .options import KEEP_WARM_IDLE, build_parser
@@ -534,8 +534,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "daemon": cmd_daemon, "push": cmd_push, "status": cmd_status, "rm": cmd_rm,
     "run": cmd_run, "cluster": cmd_cluster, "slurm": cmd_slurm, "token": cmd_token,
-    "query": cmd_query, "top": cmd_top, "logs": cmd_logs,
-    "repro": cmd_repro,
+    "query": cmd_query, "top": cmd_top, "logs": debug_commands.cmd_logs,
+    "repro": debug_commands.cmd_repro,
 }
 
 
