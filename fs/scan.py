@@ -17,24 +17,19 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import trio
 
-from .chunk import CHUNK_SIZE, chunk_id, spans
-from .layered import derived
-from .manifest import Entry, Kind, Manifest, sort_key
+from .chunk import CHUNK_SIZE, chunk_id
+from .manifest import Entry, Kind, Manifest
 from .scan_cache import Key, ScanCache, stat_key
+from .snapshot import Snapshot, Source, Sources
 
 _BATCH_BYTES = 8 * 1024 * 1024
 _BATCH_FILES = 256
-
-
-class SourceChanged(Exception):
-    """A source file changed between the scan and the moment its chunk was sent."""
 
 
 class ScanStopped(Exception):
@@ -46,121 +41,6 @@ class ScanStopped(Exception):
     def __init__(self, found: object = None):
         super().__init__("scan stopped")
         self.found = found
-
-
-class Source(NamedTuple):
-    """Where the dev box reads one chunk from: a piece of one local file. (A named tuple, as
-    Entry is: a scan makes one for each chunk of every file.)"""
-
-    path: bytes  # absolute path of the file holding the chunk
-    offset: int
-    length: int
-    unread: bool = False  # the scan did not read the file: its chunk ids came from the cache
-
-
-class Sources(Mapping[bytes, Source]):
-    """Where each chunk of a snapshot is read from. Those of the files the scan read are in
-    `read`, made as it hashed them. Those of the files it did not read (the scan cache knew
-    them) are found in the manifest the first time one is asked for: a push asks only for the
-    chunks some node lacks, mostly none of those, and making them all in the walk took 0.37 s
-    of the 1.05 s scan of an unchanged tree of 100k files."""
-
-    def __init__(self, root: bytes, manifest: Manifest, read: MutableMapping[bytes, Source]):
-        self.root, self.manifest, self.read = root, manifest, read
-        self._unread: dict[bytes, Source] | None = None
-
-    def _others(self) -> dict[bytes, Source]:
-        if self._unread is None:
-            read, found = self.read, {}
-            for e in self.manifest:
-                for cid, (off, length) in zip(e.chunks, spans(e.size, self.manifest.chunk_size)):
-                    if cid not in found and cid not in read:
-                        found[cid] = Source(os.path.join(self.root, e.path), off, length, True)
-            self._unread = found  # (two threads asking at once both make it: either is right)
-        return self._unread
-
-    def __getitem__(self, cid: bytes) -> Source:
-        src = self.read.get(cid)
-        return src if src is not None else self._others()[cid]
-
-    def __contains__(self, cid: object) -> bool:
-        return cid in self.read or cid in self._others()
-
-    def __iter__(self) -> Iterator[bytes]:
-        yield from self.read
-        yield from self._others()
-
-    def __len__(self) -> int:
-        return len(self.read) + len(self._others())
-
-
-@dataclass
-class Snapshot:
-    """A scanned folder: its manifest and where to read each of its chunks."""
-
-    root: bytes
-    manifest: Manifest
-    sources: Sources  # chunk id -> one place to read it
-    warnings: list[str] = field(default_factory=list)
-    cache: ScanCache | None = None
-    hashed_files: int = 0  # files read and hashed by the scan
-    hashed_bytes: int = 0
-    cached_files: int = 0  # files whose chunk ids came from the cache, unread
-    # How many files hold each chunk (made when a rescan first needs it): a rescan keeps a
-    # chunk's source only while some file holds it.
-    refs: MutableMapping[bytes, int] | None = None
-    # A rescan's: the version it was rescanned from, and the chunks and folder objects it has
-    # that that one may not (what a push asks the nodes about, when they hold that version).
-    since: bytes | None = None
-    added: set[bytes] | None = None
-
-    def holds(self, cid: bytes) -> bool:
-        """Whether `cid` is one of this snapshot's chunks or folder objects."""
-        return cid in self.chunk_refs() or cid in self.manifest.objects()
-
-    def chunk_refs(self) -> MutableMapping[bytes, int]:
-        if self.refs is None:
-            refs: dict[bytes, int] = {}
-            for e in self.manifest:
-                for cid in e.chunks:
-                    refs[cid] = refs.get(cid, 0) + 1
-            self.refs = refs
-        return self.refs
-
-    def read_chunk(self, cid: bytes) -> bytes | bytearray | memoryview:
-        """The raw bytes of a chunk, read again from its source and checked against its id."""
-        return self.read_into(cid, 0)
-
-    def read_into(self, cid: bytes, lead: int,
-                  alloc: Callable[[int], bytearray | memoryview] = bytearray
-                  ) -> bytearray | memoryview:
-        """read_chunk's bytes after `lead` bytes left free for the caller (a blob's codec byte:
-        a raw link's 1 GB would otherwise be copied once more to put it in front), in a buffer
-        of `alloc(lead + length)` (a pool's: daemon/wire/buffers.py). One open and pread:
-        Python's open() adds an fstat and an ioctl per file, and 22k files made it a quarter
-        of a push's CPU on the dev box."""
-        src = self.sources[cid]
-        buf = alloc(lead + src.length)
-        try:
-            fd = os.open(src.path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise SourceChanged(f"{os.fsdecode(src.path)} was deleted during the push") from None
-        try:
-            got = os.preadv(fd, [memoryview(buf)[lead:]], src.offset)
-        finally:
-            os.close(fd)
-        data = memoryview(buf)[lead:]
-        if got != src.length or chunk_id(data) != cid:
-            if src.unread and self.cache is not None and self.cache.vouches(src.path, cid):
-                # Not an edit during the push: the file changed without its size, mtime or
-                # ctime changing, so the cache cannot tell. Forget it, or every push would fail.
-                self.cache.discard()
-                raise SourceChanged(
-                    f"{os.fsdecode(src.path)} does not hold the bytes the scan cache recorded, "
-                    "although its size, mtime and ctime are unchanged; the scan cache of "
-                    f"{os.fsdecode(self.root)} was cleared: push again")
-            raise SourceChanged(f"{os.fsdecode(src.path)} changed during the push; push again")
-        return buf
 
 
 @dataclass(slots=True)
@@ -206,20 +86,20 @@ _name = operator.attrgetter("name")
 
 
 @dataclass
-class _Walk:
+class Walk:
     entries: list[Entry]  # folders, symlinks, and files whose chunk ids came from the cache
     files: list[_File]  # files to hash
     warnings: list[str]
     cached_files: int = 0
 
-    def moved(self) -> _Walk:
+    def moved(self) -> Walk:
         """A walk with what this one found, this one left empty."""
-        moved = _Walk(self.entries, self.files, self.warnings, self.cached_files)
+        moved = Walk(self.entries, self.files, self.warnings, self.cached_files)
         self.entries, self.files, self.warnings = [], [], []
         return moved
 
 
-def _is_folder(path: bytes) -> bool:
+def is_folder(path: bytes) -> bool:
     """A folder itself, not a link to one (whose target is outside the snapshot's tree)."""
     try:
         return stat.S_ISDIR(os.lstat(path).st_mode)
@@ -227,7 +107,7 @@ def _is_folder(path: bytes) -> bool:
         return False
 
 
-def _folder(root: bytes, rel: bytes) -> Entry:
+def folder_entry(root: bytes, rel: bytes) -> Entry:
     """The entry of folder `rel` (b"": the root), from a fresh lstat."""
     st = os.lstat(os.path.join(root, rel) if rel else root)
     if not stat.S_ISDIR(st.st_mode):
@@ -235,8 +115,8 @@ def _folder(root: bytes, rel: bytes) -> Entry:
     return Entry(rel, Kind.DIR, stat.S_IMODE(st.st_mode), 0, st.st_mtime_ns)
 
 
-def _list(root: bytes, rel_dir: bytes, excludes: Sequence[str], cache: ScanCache | None,
-          out: _Walk) -> list[bytes]:
+def list_folder(root: bytes, rel_dir: bytes, excludes: Sequence[str], cache: ScanCache | None,
+          out: Walk) -> list[bytes]:
     """Add the entries of folder `rel_dir`'s children to `out` (a file the cache does not
     know goes to out.files, for hashing); its subfolders, to list next."""
     abs_dir = os.path.join(root, rel_dir) if rel_dir else root
@@ -275,137 +155,20 @@ def _list(root: bytes, rel_dir: bytes, excludes: Sequence[str], cache: ScanCache
     return folders
 
 
-def _walk(root: bytes, excludes: Sequence[str], cache: ScanCache | None = None,
-          top: bytes = b"", out: _Walk | None = None,
-          stop: threading.Event | None = None) -> _Walk:
+def walk_tree(root: bytes, excludes: Sequence[str], cache: ScanCache | None = None,
+          top: bytes = b"", out: Walk | None = None,
+          stop: threading.Event | None = None) -> Walk:
     """Metadata of folder `top` (b"": the root) and every entry below it, added to `out`;
     regular files the cache does not know are returned for hashing. Raises ScanStopped
     between two folders once `stop` is set."""
-    out = out or _Walk([], [], [])
-    out.entries.append(_folder(root, top))
+    out = out or Walk([], [], [])
+    out.entries.append(folder_entry(root, top))
     stack = [top]
     while stack:
         if stop is not None and stop.is_set():  # (what it found goes with the exception,
             raise ScanStopped(out.moved())  # not with the frames: see ScanStopped)
-        stack += _list(root, stack.pop(), excludes, cache, out)
+        stack += list_folder(root, stack.pop(), excludes, cache, out)
     return out
-
-
-@dataclass
-class _Rewalk:
-    """What a rescan found: the walk of what it listed, and what of the tree that replaces."""
-
-    walk: _Walk
-    listed: dict[bytes, Entry]  # folders listed again (each with its fresh entry) or new
-    replaced: list[Entry]  # the tree's entries that the walk's stand for (chunk counts)
-    stale: list[Entry]  # of those, the ones gone or changed (their files may hold other bytes)
-
-
-def _rewalk(prev: Snapshot, changed: Iterable[bytes], excludes: Sequence[str]) -> _Rewalk:
-    """List again the folders of `prev` that hold the paths `changed` (relative), walk whole
-    the folders that are new, and look at nothing else."""
-    root, tree = prev.root, prev.manifest
-    found = _Rewalk(_Walk([], [], []), {}, [], [])
-    out, listed = found.walk, found.listed
-
-    def known_folder(path: bytes) -> bytes:
-        """The nearest folder, `path` or above it, that the tree has and that still is one:
-        listing it again finds what changed at `path` (a new folder is walked from there)."""
-        while path and not (tree.folder(path) is not None
-                            and _is_folder(os.path.join(root, path))):
-            path = path.rpartition(b"/")[0]
-        return path
-
-    def drop(e: Entry) -> None:  # a path of the tree that is gone, and all below it
-        folder = tree.folder(e.path)
-        assert folder is not None
-        below = list(folder.walk())
-        found.replaced += below
-        found.stale += below
-
-    todo = sorted({known_folder(p) for p in changed}, key=sort_key)  # parents first
-    while todo:
-        d = todo.pop(0)
-        if d in listed:
-            continue
-        fresh = _Walk([], [], [])
-        _list(root, d, excludes, prev.cache, fresh)
-        listed[d] = _folder(root, d)
-        now = {e.path: e for e in fresh.entries}
-        hashed = {f.path for f in fresh.files}
-        folder = tree.folder(d)
-        assert folder is not None
-        for old in folder.kids:
-            new = now.get(old.path)
-            if old.kind == Kind.DIR:
-                if new is None or new.kind != Kind.DIR:
-                    drop(old)
-                elif (new.mode, new.mtime_ns) != (old.mode, old.mtime_ns) and \
-                        old.path not in todo:  # its own entry changed: list it too
-                    todo.append(old.path)
-                    todo.sort(key=sort_key)
-                continue
-            found.replaced.append(old)
-            if old.path in hashed or new != old:
-                found.stale.append(old)
-        for e in fresh.entries:
-            if e.kind == Kind.DIR and tree.folder(e.path) is None:
-                before = len(out.entries)  # a new folder: walked whole
-                _walk(root, excludes, prev.cache, e.path, out)
-                listed.update((f.path, f) for f in out.entries[before:] if f.kind == Kind.DIR)
-            else:
-                out.entries.append(e)
-        out.files += fresh.files
-        out.warnings += fresh.warnings
-        out.cached_files += fresh.cached_files
-    return found
-
-
-def _without_stale(prev: Snapshot, found: _Rewalk) -> MutableMapping[bytes, Source]:
-    """The sources of the files `prev` read, but for those of files that changed (the rescan
-    hashes them again). Derived from `prev`'s (fs/layered.py): a copy of 100k sources cost
-    2.4 ms an edit."""
-    sources = derived(prev.sources.read)
-    changed = {os.path.join(prev.root, e.path) for e in found.stale}
-    for e in found.stale:
-        for cid in e.chunks:
-            src = sources.get(cid)
-            if src is not None and src.path in changed:
-                del sources[cid]
-    return sources
-
-
-def _edited(prev: Snapshot, found: _Rewalk, entries: list[Entry],
-            sources: MutableMapping[bytes, Source]
-            ) -> tuple[Manifest, MutableMapping[bytes, int]]:
-    """The manifest after a rescan, made from `prev`'s at the cost of what was listed, and
-    the chunks' reference counts. `sources` loses the chunks nothing holds any more (one
-    that a file that changed held, and an unchanged one still does, is found in the manifest:
-    Sources)."""
-    kids: dict[bytes, list[Entry]] = {}
-    for e in entries:
-        if e.path:
-            kids.setdefault(e.parent, []).append(e)
-    manifest = prev.manifest.edited(
-        {path: (folder, kids.get(path, [])) for path, folder in found.listed.items()})
-    refs = derived(prev.chunk_refs())
-    for e in found.replaced:
-        for cid in e.chunks:
-            refs[cid] -= 1
-    for e in entries:
-        for cid in e.chunks:
-            refs[cid] = refs.get(cid, 0) + 1
-    for cid in [cid for e in found.replaced for cid in e.chunks if refs.get(cid, 1) <= 0]:
-        del refs[cid]
-        sources.pop(cid, None)
-    files, size = prev.manifest.file_totals()
-    for sign, group in ((-1, found.replaced), (1, entries)):
-        for e in group:
-            if e.kind == Kind.FILE:
-                files += sign
-                size += sign * e.size
-    manifest.totals = (files, size)
-    return manifest, refs
 
 
 _Hashed = tuple[int, list[tuple[bytes, Source]], bool]
@@ -481,12 +244,12 @@ async def scan(
     broot = os.fsencode(os.path.abspath(root))
     started = time.time_ns()  # before any stat: the reference for racily clean files
 
-    def walk() -> _Walk:
+    def walk() -> Walk:
         if cache is not None:
             cache.begin(chunk_size, started)
-        return _walk(broot, tuple(excludes), cache, stop=stop)
+        return walk_tree(broot, tuple(excludes), cache, stop=stop)
 
-    return await _complete(broot, await trio.to_thread.run_sync(walk), chunk_size, progress,
+    return await complete(broot, await trio.to_thread.run_sync(walk), chunk_size, progress,
                            cache, validate=validate)
 
 
@@ -508,32 +271,7 @@ def collector_paused(freeze: bool = False) -> Iterator[None]:
             gc.enable()
 
 
-async def rescan(prev: Snapshot, changed: Iterable[bytes], excludes: Sequence[str] = (),
-                 chunk_size: int = CHUNK_SIZE) -> Snapshot:
-    """`prev` again, after the paths `changed` (relative to its root; a file watcher's) have
-    changed: only the folders that hold them are listed, only what changed is hashed, and the
-    manifest is `prev`'s with those folders replaced, so an edit costs the same in a tree of
-    100k files as in one of 100. What a watcher missed is missed here too: a whole `scan` is
-    the check (push --watch runs one when it is idle). The scan cache is not saved: it keeps
-    what the last whole scan saw."""
-    found = await trio.to_thread.run_sync(_rewalk, prev, set(changed), tuple(excludes))
-    read = _without_stale(prev, found)
-    refs: MutableMapping[bytes, int] = {}
-    added: set[bytes] = set()
-
-    def build(entries: list[Entry]) -> Manifest:
-        nonlocal refs
-        manifest, refs = _edited(prev, found, entries, read)
-        manifest.known_ids = refs  # its keys: every chunk once
-        added.update(manifest.new_objects, (c for e in entries for c in e.chunks))
-        return manifest
-
-    snap = await _complete(prev.root, found.walk, chunk_size, None, prev.cache, build, read=read)
-    snap.refs, snap.since, snap.added = refs, prev.manifest.id, added
-    return snap
-
-
-async def _complete(broot: bytes, walk: _Walk, chunk_size: int,
+async def complete(broot: bytes, walk: Walk, chunk_size: int,
                     progress: Callable[[int, int], None] | None, cache: ScanCache | None,
                     build: Callable[[list[Entry]], Manifest] | None = None,
                     validate: bool = True,

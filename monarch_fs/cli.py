@@ -25,7 +25,9 @@ from .daemon.client.controller_store import Summary, read_summary
 from .daemon.client.hosts import HostsError, resolve_target
 from .daemon.client.links import Sessions
 from .daemon.client.progress import Progress, fmt_bytes
-from .daemon.client.push import PushError, PushResult, push, workspace_name
+from .daemon.client.push import push
+from .daemon.client.push_options import PushOptions, workspace_name
+from .daemon.client.push_result import PushError, PushResult
 from .daemon.client.status import remove, status
 from .daemon.node.procs import ROOT_PROCS_FLAG
 from .daemon.wire import identity
@@ -39,8 +41,8 @@ from .daemon.wire.auth import (
 from .daemon.wire.bulk import resolve_local
 from .daemon.wire.limits import Limits
 from .daemon.wire.replies import StatusReply
-from .fs.scan import Snapshot, SourceChanged
 from .fs.scan_cache import ScanCache
+from .fs.snapshot import Snapshot, SourceChanged
 from .options import KEEP_WARM_IDLE, build_parser
 from .settings import settings
 
@@ -132,20 +134,18 @@ def cmd_push(args: argparse.Namespace) -> int:
                   sessions: Sessions | None = None) -> PushResult:
         if args.compile:
             await compile_first(args.src)
-        return await push(
-            args.src, hosts, token, name=args.name, excludes=args.exclude, progress=progress,
-            topology_kind=args.topology, fanout=args.fanout, allow_partial=args.allow_partial,
-            timeout=args.timeout, cache_dir=cache_dir, transport=transport,
-            encrypt=args.encrypt, at_source=args.at_source,
+        return await push(args.src, hosts, token, PushOptions(
+            name=args.name, excludes=args.exclude, topology=args.topology, fanout=args.fanout,
+            allow_partial=args.allow_partial, timeout=args.timeout, cache_dir=cache_dir,
+            transport=transport, encrypt=args.encrypt, at_source=args.at_source,
             # push --watch: after a push every node took, the next go without the dev box
             # store, whose open and fill cost grows with the tree, not the change (a later push
             # to fresh nodes reads the few edited files again).
             store_dir=None if args.no_store or held is not None else settings.store_dir,
             store_bound=settings.store_bound, compress=args.compress, early=args.early,
-            on_usable=usable, first_reads_dir=home_dir() / "first-reads",
-            bwlimit=args.bwlimit * (1 << 20), snapshot=snapshot, held=held,
-            sessions=sessions, control=args.control, control_fanout=args.control_fanout,
-            freeze_scan=True)
+            first_reads_dir=home_dir() / "first-reads", bwlimit=args.bwlimit * (1 << 20),
+            control=args.control, control_fanout=args.control_fanout, freeze_scan=True),
+            progress=progress, on_usable=usable, snapshot=snapshot, held=held, sessions=sessions)
 
     def usable(seconds: float, nodes: int) -> None:
         """push --early: the version is served everywhere (the rest still streams)."""

@@ -63,9 +63,8 @@ class Settings:
         """MONARCH_FS_STORE_MIB (20480, i.e. 20 GiB), in bytes: the dev box store's size bound;
         after a push over it, the least recently pushed snapshots are dropped (never the one
         just pushed). 0 keeps only the snapshot just pushed."""
-        from .daemon.client.controller_store import DEFAULT_BOUND
-
-        return max(0, self._int("MONARCH_FS_STORE_MIB", DEFAULT_BOUND >> 20)) << 20
+        # (a torch venv is ~0.5 GiB in the store: the default holds some 40 of them)
+        return max(0, self._int("MONARCH_FS_STORE_MIB", 20480)) << 20
 
     @property
     def token_file(self) -> str | None:

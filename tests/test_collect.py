@@ -66,6 +66,7 @@ def test_a_push_in_flight_keeps_what_it_was_told_the_node_has(small_packs, fresh
     import trio
 
     from monarch_fs.daemon.client.push import push
+    from monarch_fs.daemon.client.push_options import PushOptions
     from monarch_fs.daemon.wire.auth import load_token
     from monarch_fs.daemon.wire.transport import connect
     from monarch_fs.fs.scan import scan
@@ -88,14 +89,14 @@ def test_a_push_in_flight_keeps_what_it_was_told_the_node_has(small_packs, fresh
             assert await chan.query_missing(ids) == []  # "I have all of b's chunks"
             for _ in range(3):  # meanwhile a moves on: its first version is dropped
                 fill(a)
-                await push(a, c.hosts, token, transport="tcp")
+                await push(a, c.hosts, token, PushOptions(transport="tcp"))
             assert c.status()[0]["packs_collected"] == 0  # the claim held the collect back
             assert await chan.query_missing(ids) == []
         finally:
             await chan.aclose()
         # The claim went with the session: the deferred collect drops the first version of a
         wait_for(lambda: c.status()[0]["packs_collected"] > 0, 20, "the deferred collect")
-        await push(b, c.hosts, token, transport="tcp")  # which sends b's chunks again
+        await push(b, c.hosts, token, PushOptions(transport="tcp"))  # which sends b's chunks again
 
     trio.run(main)
     assert tree(c.mnt(0) / "b") == tree(b)

@@ -23,6 +23,7 @@ import pytest
 import trio
 
 from monarch_fs.daemon.client.push import push
+from monarch_fs.daemon.client.push_options import PushOptions
 from monarch_fs.daemon.wire import frames
 from monarch_fs.daemon.wire.auth import load_token
 from monarch_fs.daemon.wire.limits import LogOnce
@@ -197,7 +198,7 @@ async def test_running_out_of_descriptors_costs_one_log_line_and_clients_are_ser
     src = tmp_path / "app"
     src.mkdir()
     (src / "a.py").write_text("print('a')\n")
-    await push(src, [d.addr], token, transport="tcp")  # the store and refs exist
+    await push(src, [d.addr], token, PushOptions(transport="tcp"))  # the store and refs exist
     (src / "a.py").write_text("print('b')\n")
 
     # 16 descriptors to spare, fewer than the 64 connections a peer may open: a flood of 150
@@ -210,7 +211,8 @@ async def test_running_out_of_descriptors_costs_one_log_line_and_clients_are_ser
         log = d.log()
         assert log.count("EMFILE") == 1, log
     t = time.monotonic()
-    result = await push(src, [d.addr], token, transport="tcp")  # flood closed: served now
+    # the flood closed: served now
+    result = await push(src, [d.addr], token, PushOptions(transport="tcp"))
     seconds = time.monotonic() - t
     print(f"push after the flood: {seconds:.3f} s")
     assert result.nodes == 1 and (d.mnt / "app" / "a.py").read_text() == "print('b')\n"

@@ -22,7 +22,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from monarch_fs.daemon.client.push import PushError, push
+from monarch_fs.daemon.client.push import push
+from monarch_fs.daemon.client.push_options import PushOptions
+from monarch_fs.daemon.client.push_result import PushError
 from monarch_fs.daemon.node.service import NodeService, open_listeners
 from monarch_fs.daemon.wire import bulk, rdma
 from monarch_fs.daemon.wire.rdma_engines import SenderEngine
@@ -127,7 +129,7 @@ async def test_chain_relays_over_rdma_hops(monkeypatch, tmp_path, instrumented, 
         a, b, c = nodes
         with trio.fail_after(60):
             result = await push(tmp_path / "app", [d.addr for d in nodes], TOKEN,
-                                topology_kind="chain", transport=local, timeout=20)
+                                PushOptions(topology="chain", transport=local, timeout=20))
         assert result.topology == "chain" and result.nodes == 3
         assert result.transport == mode
         # The dev box sent to A only; A relayed to B and B to C, each over an RDMA channel.
@@ -171,7 +173,7 @@ async def test_a_broken_rdma_hop_is_reported_naming_the_host(monkeypatch, tmp_pa
         with trio.fail_after(60):
             with pytest.raises(PushError) as e:
                 await push(tmp_path / "app", [d.addr for d in nodes], TOKEN,
-                           topology_kind="chain", transport=local, timeout=20)
+                           PushOptions(topology="chain", transport=local, timeout=20))
         assert fabric.broken, "the B -> C channel was never opened"
         assert e.value.stage == "sending chunks"
         assert list(e.value.failures) == [c.addr]

@@ -16,8 +16,10 @@ import pytest
 from helpers import SMALL
 from monarch_fs.fs.chunk import chunk_id, spans
 from monarch_fs.fs.manifest import Entry, Kind, Manifest, ManifestError
-from monarch_fs.fs.scan import ScanStopped, Snapshot, SourceChanged, rescan, scan
+from monarch_fs.fs.rescan import rescan
+from monarch_fs.fs.scan import ScanStopped, scan
 from monarch_fs.fs.scan_cache import ScanCache
+from monarch_fs.fs.snapshot import Snapshot, SourceChanged
 
 
 def make_tree(root: Path) -> dict[str, bytes]:

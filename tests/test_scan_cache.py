@@ -18,7 +18,8 @@ import pytest
 from helpers import SMALL, Opens, mfs, tree, wait_for
 from monarch_fs.fs.chunk import CHUNK_SIZE, chunk_id
 from monarch_fs.fs.manifest import Kind
-from monarch_fs.fs.scan import SourceChanged, rescan, scan
+from monarch_fs.fs.rescan import rescan
+from monarch_fs.fs.scan import scan
 from monarch_fs.fs.scan_cache import (
     FOLDERS,
     RACY_NS,
@@ -27,6 +28,7 @@ from monarch_fs.fs.scan_cache import (
     cache_file,
     stat_key,
 )
+from monarch_fs.fs.snapshot import SourceChanged
 
 RACY = 50_000_000  # 50 ms: tests wait this long after writing instead of the default 2 s
 

@@ -17,6 +17,7 @@ import trio
 
 from helpers import staged
 from monarch_fs.daemon.client.push import push
+from monarch_fs.daemon.client.push_options import PushOptions
 from monarch_fs.daemon.node.service import NodeService, open_listeners
 from monarch_fs.daemon.node.session import ROUTES
 from monarch_fs.daemon.wire import protocol as p
@@ -101,14 +102,14 @@ async def test_a_push_through_the_real_client_is_published_without_a_mount(tmp_p
     write_tree(src, files)
     async with serving(tmp_path, 2) as nodes:
         with trio.fail_after(30):
-            first = await push(src, [n.addr for n in nodes], TOKEN, topology_kind="chain",
-                               transport="tcp")
+            first = await push(src, [n.addr for n in nodes], TOKEN,
+                               PushOptions(topology="chain", transport="tcp"))
         assert first.nodes == 2 and first.topology == "chain"
         assert nodes[0].counters["chunks_forwarded"] > 0  # the relay really ran
         (src / "a.txt").write_bytes(b"hello again")
         with trio.fail_after(30):
-            second = await push(src, [n.addr for n in nodes], TOKEN, topology_kind="chain",
-                               transport="tcp")
+            second = await push(src, [n.addr for n in nodes], TOKEN,
+                               PushOptions(topology="chain", transport="tcp"))
         for node in nodes:
             chan = await connect(node.addr, TOKEN)
             async with chan:

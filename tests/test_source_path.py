@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from test_service import TOKEN, send_version, serving
 
-from monarch_fs.daemon.client.push import source_args
+from monarch_fs.daemon.client.push_options import source_args
 from monarch_fs.daemon.node import source_path
 from monarch_fs.daemon.wire.requests import Commit, RequestError, check_source_path
 from monarch_fs.daemon.wire.transport import RemoteError, connect

@@ -46,7 +46,6 @@ SOURCED = "sourced.ids"  # ids of chunks whose wire form is their source file, 1
 BUSY_WAIT = 2.0  # seconds a push waits for a store another push holds
 SEAL_RECORDS = 2048  # an open pack with this many records is sealed after a push (finish)
 SMALL_PUSH = 4 << 20  # a push that sends less goes without the store (mark_pushed)
-DEFAULT_BOUND = 20 << 30  # a torch venv is ~0.5 GiB in the store: some 40 of them
 
 
 @dataclass

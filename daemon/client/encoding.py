@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 
 from ...fs import chunk
-from ...fs.scan import SourceChanged
+from ...fs.snapshot import SourceChanged
 from .controller_store import ControllerStore, as_raw
 
 Batch = list[tuple[bytes, bytes | memoryview]]

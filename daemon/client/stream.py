@@ -21,7 +21,7 @@ from functools import cached_property
 import trio
 
 from ...fs import chunk
-from ...fs.scan import Source, SourceChanged
+from ...fs.snapshot import Source, SourceChanged
 from ..wire import bulk, topology
 from ..wire import protocol as p
 from ..wire.buffers import BufferPool

@@ -46,11 +46,13 @@ import trio
 from watchfiles._rust_notify import RustNotify  # documented: watchfiles' "Rust backend" API
 
 from ...fs.private_files import private_dir
-from ...fs.scan import ScanStopped, Snapshot, is_excluded, rescan, scan
+from ...fs.rescan import rescan
+from ...fs.scan import ScanStopped, is_excluded, scan
 from ...fs.scan_cache import ScanCache
+from ...fs.snapshot import Snapshot
 from . import handoff
 from .progress import fmt_bytes
-from .push import PushResult
+from .push_result import PushResult
 
 QUIET_MS = 5  # an editor's save is a few events within a millisecond or two
 DEBOUNCE_MS = 1000

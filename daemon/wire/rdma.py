@@ -23,7 +23,7 @@ from typing import Any
 import trio
 
 from ...settings import settings
-from .bulk import BulkError, BulkReceiver, BulkSender, Deliver
+from .bulk_channel import BulkError, BulkReceiver, BulkSender, Deliver
 from .rdma_endpoint import RdmaEndpoint
 from .rdma_engines import RECV, Backoff, PostRecv, ReceiverEngine, SenderEngine
 from .rdma_format import BulkProtocolError, check_geometry, decode_credit

@@ -12,7 +12,7 @@ import socket
 from typing import Any
 
 from ...settings import settings
-from .bulk import BulkError
+from .bulk_channel import BulkError
 from .rdma_devices import efa_enums, enums
 from .rdma_engines import (
     READ_DONE,

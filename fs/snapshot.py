@@ -1,0 +1,135 @@
+"""A scanned folder as a push sees it: its manifest, and where on the dev box to read each
+chunk again when a node lacks it (nothing is copied at scan time). A chunk is checked against its
+id when it is read, so a file edited during a push is caught, never sent as the wrong bytes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from .chunk import chunk_id, spans
+from .manifest import Manifest
+from .scan_cache import ScanCache
+
+
+class SourceChanged(Exception):
+    """A source file changed between the scan and the moment its chunk was sent."""
+
+
+
+class Source(NamedTuple):
+    """Where the dev box reads one chunk from: a piece of one local file. (A named tuple, as
+    Entry is: a scan makes one for each chunk of every file.)"""
+
+    path: bytes  # absolute path of the file holding the chunk
+    offset: int
+    length: int
+    unread: bool = False  # the scan did not read the file: its chunk ids came from the cache
+
+
+class Sources(Mapping[bytes, Source]):
+    """Where each chunk of a snapshot is read from. Those of the files the scan read are in
+    `read`, made as it hashed them. Those of the files it did not read (the scan cache knew
+    them) are found in the manifest the first time one is asked for: a push asks only for the
+    chunks some node lacks, mostly none of those, and making them all in the walk took 0.37 s
+    of the 1.05 s scan of an unchanged tree of 100k files."""
+
+    def __init__(self, root: bytes, manifest: Manifest, read: MutableMapping[bytes, Source]):
+        self.root, self.manifest, self.read = root, manifest, read
+        self._unread: dict[bytes, Source] | None = None
+
+    def _others(self) -> dict[bytes, Source]:
+        if self._unread is None:
+            read, found = self.read, {}
+            for e in self.manifest:
+                for cid, (off, length) in zip(e.chunks, spans(e.size, self.manifest.chunk_size)):
+                    if cid not in found and cid not in read:
+                        found[cid] = Source(os.path.join(self.root, e.path), off, length, True)
+            self._unread = found  # (two threads asking at once both make it: either is right)
+        return self._unread
+
+    def __getitem__(self, cid: bytes) -> Source:
+        src = self.read.get(cid)
+        return src if src is not None else self._others()[cid]
+
+    def __contains__(self, cid: object) -> bool:
+        return cid in self.read or cid in self._others()
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield from self.read
+        yield from self._others()
+
+    def __len__(self) -> int:
+        return len(self.read) + len(self._others())
+
+
+@dataclass
+class Snapshot:
+    """A scanned folder: its manifest and where to read each of its chunks."""
+
+    root: bytes
+    manifest: Manifest
+    sources: Sources  # chunk id -> one place to read it
+    warnings: list[str] = field(default_factory=list)
+    cache: ScanCache | None = None
+    hashed_files: int = 0  # files read and hashed by the scan
+    hashed_bytes: int = 0
+    cached_files: int = 0  # files whose chunk ids came from the cache, unread
+    # How many files hold each chunk (made when a rescan first needs it): a rescan keeps a
+    # chunk's source only while some file holds it.
+    refs: MutableMapping[bytes, int] | None = None
+    # A rescan's: the version it was rescanned from, and the chunks and folder objects it has
+    # that that one may not (what a push asks the nodes about, when they hold that version).
+    since: bytes | None = None
+    added: set[bytes] | None = None
+
+    def holds(self, cid: bytes) -> bool:
+        """Whether `cid` is one of this snapshot's chunks or folder objects."""
+        return cid in self.chunk_refs() or cid in self.manifest.objects()
+
+    def chunk_refs(self) -> MutableMapping[bytes, int]:
+        if self.refs is None:
+            refs: dict[bytes, int] = {}
+            for e in self.manifest:
+                for cid in e.chunks:
+                    refs[cid] = refs.get(cid, 0) + 1
+            self.refs = refs
+        return self.refs
+
+    def read_chunk(self, cid: bytes) -> bytes | bytearray | memoryview:
+        """The raw bytes of a chunk, read again from its source and checked against its id."""
+        return self.read_into(cid, 0)
+
+    def read_into(self, cid: bytes, lead: int,
+                  alloc: Callable[[int], bytearray | memoryview] = bytearray
+                  ) -> bytearray | memoryview:
+        """read_chunk's bytes after `lead` bytes left free for the caller (a blob's codec byte:
+        a raw link's 1 GB would otherwise be copied once more to put it in front), in a buffer
+        of `alloc(lead + length)` (a pool's: daemon/wire/buffers.py). One open and pread:
+        Python's open() adds an fstat and an ioctl per file, and 22k files made it a quarter
+        of a push's CPU on the dev box."""
+        src = self.sources[cid]
+        buf = alloc(lead + src.length)
+        try:
+            fd = os.open(src.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise SourceChanged(f"{os.fsdecode(src.path)} was deleted during the push") from None
+        try:
+            got = os.preadv(fd, [memoryview(buf)[lead:]], src.offset)
+        finally:
+            os.close(fd)
+        data = memoryview(buf)[lead:]
+        if got != src.length or chunk_id(data) != cid:
+            if src.unread and self.cache is not None and self.cache.vouches(src.path, cid):
+                # Not an edit during the push: the file changed without its size, mtime or
+                # ctime changing, so the cache cannot tell. Forget it, or every push would fail.
+                self.cache.discard()
+                raise SourceChanged(
+                    f"{os.fsdecode(src.path)} does not hold the bytes the scan cache recorded, "
+                    "although its size, mtime and ctime are unchanged; the scan cache of "
+                    f"{os.fsdecode(self.root)} was cleared: push again")
+            raise SourceChanged(f"{os.fsdecode(src.path)} changed during the push; push again")
+        return buf
