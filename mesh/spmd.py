@@ -253,8 +253,6 @@ async def run_job(addrs: list[str], token: bytes, job: Job,
             kinds = choose_transports(daemons, job, local)
             summary = "transport " + ",".join(sorted(set(kinds)))
             world = job.per_host * len(daemons.hosts)
-            job.say(f"job {job.id}: {world} ranks on {len(daemons.hosts)} hosts (their output, "
-                    f"from anywhere: monarch-fs logs {job.id} --follow)")
             restart = 0
             while True:
                 failure = await _Attempt(job, daemons, kinds).run(restart)
