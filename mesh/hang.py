@@ -124,7 +124,7 @@ class CallWatch:
         why = (f"call {call.actor}.{call.method} waited {self.timeout:g} s for "
                f"{ranks_text(waiting)}")
         report = await collect([str(h) for h in state.launcher.hosts],
-                               asking(state.launcher), state.name, hang=why)
+                               asking(state.launcher), state.job, hang=why)
         print(f"monarch-fs mesh: hang: {why}; the stacks of proc mesh {state.name!r}:",
               file=err, flush=True)
         err.write(render(report))

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import trio
 
 from ..daemon.wire import protocol as p
+from ..daemon.wire.jobs import new_job_name
 from ..daemon.wire.transport import Channel
 from . import wire
 from .calls import CallTarget, MeshRef
@@ -103,6 +104,7 @@ class MeshState(CallTarget):
         per_host_n = self.per_host = math.prod(per_host.values())
         self.procs = [Proc(h * per_host_n + lr, h, lr, info)
                       for h, info in enumerate(launcher.hosts) for lr in range(per_host_n)]
+        self.job = new_job_name(name)  # its procs' MONARCH_FS_JOB: `monarch-fs logs`, `stacks`
         self.token = secrets.token_bytes(32)
         self.peer_token = secrets.token_bytes(32)  # for direct calls; never the owner's token
         self.supervisor = supervisor

@@ -103,6 +103,8 @@ def _spawn_specs(state: MeshState, addrs: list[str], env: dict | None, cwd: str 
         "MONARCH_MESH_DEFAULTS": base64.b64encode(wire.compact_json({
             "python": python, "python_path": python_path, "workspace": workspace,
             "version": version}).encode()).decode(),
+        # The job its procs' output is kept under on each node (`monarch-fs logs JOB`).
+        "MONARCH_FS_JOB": state.job,
     }
     options: dict[str, Any] = {}
     if cwd:

@@ -3,7 +3,10 @@
 Every proc gets the environment torchrun gives (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 GROUP_RANK, MASTER_ADDR = the first host's address, MASTER_PORT = a port free on it right now,
 TORCHELASTIC_RESTART_COUNT), so `torch.distributed.init_process_group()` works unchanged. Each
-output line comes back prefixed with its rank.
+output line comes back prefixed with its rank; identical lines of many ranks are folded into one
+(`[ranks 0-63] epoch 3 done`, daemon/client/fold.py) unless `--no-fold`. Every rank also gets
+MONARCH_FS_JOB, the job's id, under which each node keeps its output (`monarch-fs logs JOB`) and
+what it started (`monarch-fs repro JOB --rank R`).
 
 When a rank fails (non-zero exit, a signal, or its host becomes unreachable) the first failure is
 reported (rank, host, cause, the tail of its stderr), the other ranks are stopped (SIGTERM, then
@@ -38,6 +41,7 @@ from typing import TextIO
 
 import trio
 
+from ..daemon.client.fold import WINDOW, FoldedOutput
 from ..daemon.wire import bulk
 from ..daemon.wire.jobs import JOB_ENV, new_job_name
 from . import hang
@@ -89,8 +93,13 @@ class Job:
     id: str = field(default_factory=new_job_name)  # every rank's MONARCH_FS_JOB
     out: TextIO = sys.stdout
     err: TextIO = sys.stderr
+    fold: bool = True  # --no-fold: every rank's every line
+
+    def __post_init__(self) -> None:
+        self.output = FoldedOutput(self.out, self.err, fold=self.fold)
 
     def say(self, text: str) -> None:
+        self.output.flush()  # what the ranks printed before this comes first
         print(f"monarch-fs run: {text}", file=self.err, flush=True)
 
 
@@ -102,6 +111,7 @@ class _Attempt:
         self.daemons = daemons
         self.transports = transports  # per host: tcp, rdma-rc or rdma-srd
         self.world = job.per_host * len(daemons.hosts)
+        job.output.fold = job.fold and self.world > 1  # one rank: nothing to wait for
         self.procs: dict[int, tuple[int, int]] = {}  # rank -> (host, daemon's proc id)
         self.exited: set[int] = set()
         self.failure: RankFailure | None = None
@@ -124,9 +134,7 @@ class _Attempt:
         if kind == "output":
             if self.hang is not None:
                 self.hang.heard()
-            stream = self.job.err if data.get("stream") == "stderr" else self.job.out
-            stream.write("".join(f"[rank {rank}] {line}\n" for line in data.get("lines", [])))
-            stream.flush()
+            self.job.output.lines(rank, str(data.get("stream")), data.get("lines", []))
             return
         if kind not in ("exit", "lost"):
             return
@@ -141,7 +149,9 @@ class _Attempt:
     async def _wait(self, done) -> None:
         while not done():
             self.changed = trio.Event()
-            await self.changed.wait()
+            with trio.move_on_after(WINDOW / 2):
+                await self.changed.wait()
+            self.job.output.due()  # folded lines whose window passed
 
     async def run(self, restart: int) -> RankFailure | None:
         job, daemons = self.job, self.daemons
@@ -187,7 +197,9 @@ class _Attempt:
         if f.stderr_tail:
             job.err.write("  its stderr ended with:\n" + "".join(
                 f"    {line}\n" for line in f.stderr_tail))
-            job.err.flush()
+        job.err.write(f"  all its output: monarch-fs logs {job.id} --rank {f.rank}; run it "
+                      f"here: monarch-fs repro {job.id} --rank {f.rank}\n")
+        job.err.flush()
 
     async def _spawn(self, rank: int, spec: dict) -> None:
         host = self._host(rank)

@@ -19,6 +19,7 @@ from typing import Any
 
 import trio
 
+from . import debug_commands
 from .daemon.client import cluster, handoff, slurm
 from .daemon.client.controller_store import Summary, read_summary
 from .daemon.client.hosts import HostsError, resolve_target
@@ -537,7 +538,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     job = Job(argv, per_host=args.per_host, cwd=args.cwd, workspace=args.workspace,
               env=_env_pairs(args.env), max_restarts=args.max_restarts,
               transport=args.transport, hang_timeout=args.hang_timeout,
-              on_hang=args.on_hang)
+              on_hang=args.on_hang, fold=not args.no_fold)
     return trio.run(run_job, hosts, token, job, local)
 
 
@@ -545,6 +546,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "daemon": cmd_daemon, "push": cmd_push, "status": cmd_status, "rm": cmd_rm,
     "run": cmd_run, "cluster": cmd_cluster, "slurm": cmd_slurm, "token": cmd_token,
     "query": cmd_query, "top": cmd_top, "stacks": cmd_stacks,
+    "logs": debug_commands.cmd_logs, "repro": debug_commands.cmd_repro,
 }
 
 

@@ -14,6 +14,7 @@ from .daemon.wire import identity, topology
 from .daemon.wire.addresses import ENCRYPT_POLICIES
 from .daemon.wire.bulk import TRANSPORTS
 from .daemon.wire.limits import Limits
+from .debug_options import add_debug_commands
 from .fs.manifest import DEFAULT_MAX_ENTRIES
 
 DESCRIPTION = ("Push code and Python environments to every node of a cluster, serve them "
@@ -237,12 +238,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--on-hang", choices=["kill", "wait"], default="kill",
                    help="after a hang's stacks: kill (default) fails the attempt, so "
                         "--max-restarts can restart the group; wait lets it run on")
+    r.add_argument("--no-fold", action="store_true",
+                   help="print every line of every rank; by default identical lines that "
+                        "ranks print within half a second print once, `[ranks 0-63] ...`")
     r.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS")
 
     q = sub.add_parser(
         "query", help="one SQL query over the telemetry of every node",
-        description="Run one SELECT over the `events`, `reads` and `stacks` tables of every "
-                    "node (see --schema); rows come back with a `host` column. Filters and "
+        description="Run one SELECT over the `events`, `reads`, `stacks` and `logs` tables of "
+                    "every node (see --schema); rows come back with a `host` column. Filters and "
                     "aggregates run on the nodes, the rest here. A node that does not answer "
                     "is reported and the others still answer (exit status 1 then).")
     q.add_argument("sql", nargs="?", metavar="SQL")
@@ -259,6 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--explain", action="store_true",
                    help="print what each node runs and what runs here, and ask no node")
     q.add_argument("--schema", action="store_true", help="print the tables and their columns")
+
+    add_debug_commands(sub, hosts_help)
 
     tp = sub.add_parser("top", help="a live view of every node: version, throughput, cache "
                                     "hit rate, running processes")

@@ -201,7 +201,7 @@ def test_no_environ_shows_the_mesh_token_to_a_proc_or_what_it_starts(hosts, star
             env, gc = r["environ"], r["grandchild"]
             assert env["JOB_SETTING"] == "on" and env["MONARCH_MESH_NAME"] == "procs"
             assert {k for k in env if k.startswith("MONARCH_FS_")} == {
-                "MONARCH_FS_MOUNT", "MONARCH_FS_SECRETS_FD"}, sorted(env)
+                "MONARCH_FS_MOUNT", "MONARCH_FS_SECRETS_FD", "MONARCH_FS_JOB"}, sorted(env)
             assert "MONARCH_MESH_TOKEN" not in env and token not in json.dumps(env)
             assert "MONARCH_FS_SECRETS_FD" not in r["os_environ"]  # read, closed, dropped
             assert token not in gc["environ"] and token not in gc["parent"]

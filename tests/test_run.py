@@ -150,7 +150,8 @@ def test_a_signal_gives_128_plus_its_number(cluster2, job, started):
 
 
 def test_max_restarts_restarts_the_whole_group(cluster2, job, started):
-    r = run_ranks(cluster2, job, started, "once", "--per-host", "2", "--max-restarts", "2")
+    r = run_ranks(cluster2, job, started, "once", "--per-host", "2", "--max-restarts", "2",
+                  "--no-fold")  # a line per rank (tests/test_logs.py: folded)
     assert r.returncode == 0, r.stderr
     assert "rank 2 on node-1" in r.stderr and "exit code 7 (attempt 1 of 3)" in r.stderr
     assert "first attempt fails" in r.stderr

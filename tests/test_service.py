@@ -21,6 +21,8 @@ from monarch_fs.daemon.client.push_options import PushOptions
 from monarch_fs.daemon.node.service import NodeService, open_listeners
 from monarch_fs.daemon.node.session import ROUTES
 from monarch_fs.daemon.wire import protocol as p
+from monarch_fs.daemon.wire.chunk_read import ChunksReply, ReadChunks
+from monarch_fs.daemon.wire.logs import Logs, LogsReply
 from monarch_fs.daemon.wire.replies import (
     BulkReply,
     CommitReply,
@@ -228,7 +230,7 @@ async def test_a_corrupt_chunk_refuses_the_requests_after_it(tmp_path):
 def test_every_op_has_one_route_and_parses_its_arguments():
     assert set(ROUTES) == {"status", "prepare", "commit", "current", "remove", "relay", "fan",
                            "flush", "bulk", "spawn", "kill", "free_port", "probe", "first_reads",
-                           "query", "stats"}
+                           "query", "stats", "logs", "read_chunks"}
     version = "ab" * 16
     assert Prepare.parse({"name": "ws", "version": version}) == Prepare(
         "ws", bytes.fromhex(version))
@@ -251,13 +253,20 @@ def test_every_op_has_one_route_and_parses_its_arguments():
     assert Spawn.parse({"argv": ["x"]}).version is None
     assert Query.parse({"sql": "SELECT 1", "params": {"host": "h:1"}}) == Query(
         "SELECT 1", {"host": "h:1"}, 10.0)
+    assert Logs.parse({}) == Logs() and Logs.parse(Logs("j", 2, "x+", 1.5, 7).to_wire()) == Logs(
+        "j", 2, "x+", 1.5, 7)
+    assert ReadChunks.parse(ReadChunks("ws", bytes(16), [bytes(16)]).to_wire()).ids == [bytes(16)]
     for kind, args in [(Prepare, {"name": 1, "version": version}), (OpenRelay, {"timeout": "x"}),
                        (Prepare, {"name": "ws", "version": version, "early": ["zz"]}),
                        (Bulk, {}), (Kill, {"proc": None}), (Spawn, {"workspace": 3}),
                        (Fan, {**fan, "request": "spawn"}), (Fan, {**fan, "args": []}),
                        (Fan, {**fan, "scope": "not hex"}),
                        (Query, {}), (Query, {"sql": "SELECT 1", "params": {"h": [1]}}),
-                       (Query, {"sql": "SELECT 1", "timeout": 0})]:
+                       (Query, {"sql": "SELECT 1", "timeout": 0}),
+                       (Logs, {"job": ""}), (Logs, {"rank": -1}), (Logs, {"grep": "("}),
+                       (Logs, {"since": "yesterday"}), (ReadChunks, {"workspace": "ws"}),
+                       (ReadChunks, {"workspace": "ws", "version": version, "ids": ["zz"]}),
+                       (ReadChunks, {"workspace": "../x", "version": version, "ids": []})]:
         with pytest.raises((RequestError, ValueError)):
             kind.parse(args)
 
@@ -282,6 +291,10 @@ def test_every_reply_round_trips_the_dict_nodes_send_and_refuses_a_malformed_one
         (FreePortReply, {"port": 29500}),
         (FanReply, {"failed": {"h:2": "refused"}, "replies": {"": {"current": True}}}),
         (QueryReply, {"columns": ["kind", "n"], "rows": [["push.received", 2], [None, 1.5]]}),
+        (LogsReply, {"jobs": [["1206-000000-beef", 1.5]], "rows": []}),
+        (LogsReply, {"jobs": [], "rows": [[7, 1.5, 2, 0, "stderr", "died"], [8, 2, None, None,
+                                                                           "stdout", ""]]}),
+        (ChunksReply, {"blobs": ["AGFi", None]}),
     ]
     for kind, value in wire:
         assert kind.from_wire(value).to_wire() == value
@@ -299,7 +312,11 @@ def test_every_reply_round_trips_the_dict_nodes_send_and_refuses_a_malformed_one
                         (FreePortReply, {"port": "80"}), (KillReply, []),
                         (FanReply, {"failed": {}}), (FanReply, {"failed": {}, "replies": []}),
                         (QueryReply, {"columns": ["a"], "rows": [[1, 2]]}),
-                        (QueryReply, {"columns": ["a"], "rows": [[[1]]]})]:
+                        (QueryReply, {"columns": ["a"], "rows": [[[1]]]}),
+                        (LogsReply, {"jobs": []}), (LogsReply, {"jobs": [["j"]], "rows": []}),
+                        (LogsReply, {"jobs": [], "rows": [[1, 2, 3]]}), (LogsReply, []),
+                        (ChunksReply, {}), (ChunksReply, {"blobs": ["!!"]}),
+                        (ChunksReply, {"blobs": [1]})]:
         with pytest.raises(MalformedReply, match=f"malformed {kind.op} reply"):
             kind.from_wire(value)
     assert issubclass(MalformedReply, p.ProtocolError)

@@ -45,6 +45,8 @@ from ..wire.identity import Identity
 from ..wire.requests import RequestError
 from . import events_query
 from .events_query import MAX_ROWS, QUERY_TIMEOUT, Answer
+from .logs import INSERT as INSERT_LOGS
+from .logs import LOG_COLUMNS, LOGS_SCHEMA, LogLines
 from .stack_table import STACK_COLUMNS, STACK_SCHEMA
 
 log = logging.getLogger("monarch_fs.daemon")
@@ -59,7 +61,8 @@ READ_COLUMNS = ("ts", "node", "interval", "requests", "reads", "bytes", "hits", 
 # Every column a query may name, per table.
 TABLES: dict[str, tuple[str, ...]] = {"events": ("id", *EVENT_COLUMNS),
                                       "reads": ("id", *READ_COLUMNS),
-                                      "stacks": ("id", *STACK_COLUMNS)}
+                                      "stacks": ("id", *STACK_COLUMNS),
+                                      "logs": ("id", *LOG_COLUMNS)}  # processes' output: logs.py
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
@@ -92,7 +95,7 @@ CREATE TABLE IF NOT EXISTS reads (
     ops TEXT                -- a JSON object: requests by operation
 );
 CREATE INDEX IF NOT EXISTS reads_ts ON reads (ts);
-""" + STACK_SCHEMA
+""" + STACK_SCHEMA + LOGS_SCHEMA
 
 DEFAULT_INTERVAL = 2.0  # seconds between writes (and the length of a `reads` row)
 DEFAULT_MAX_BYTES = 256 << 20
@@ -153,6 +156,7 @@ class EventLog:
         self._write_lock = threading.Lock()  # one write (and prune) at a time
         self._queries = trio.CapacityLimiter(2)
         self.pruned = 0  # rows deleted by retention since start
+        self.lines = LogLines(node)  # processes' output, written with the events (logs.py)
 
     # ---- recording --------------------------------------------------------------------------
 
@@ -296,7 +300,12 @@ class EventLog:
                                    "kind": "events.dropped", "count": dropped}.get(c)
                                   for c in EVENT_COLUMNS))
             extra = [self._rows.popleft() for _ in range(len(self._rows))]
-            if not rows and reads is None and not extra:
+            lines, lost = self.lines.take() if self.enabled else ([], 0)
+            if lost:
+                rows.append(tuple({"ts": time.time(), "node": self.node,
+                                   "kind": "logs.dropped", "count": lost}.get(c)
+                                  for c in EVENT_COLUMNS))
+            if not rows and reads is None and not extra and not lines:
                 return
             try:
                 db.execute("BEGIN")
@@ -309,6 +318,7 @@ class EventLog:
                     cols = TABLES[table][1:]
                     db.execute(f"INSERT INTO {table} ({', '.join(cols)}) VALUES "
                                f"({', '.join('?' * len(cols))})", row)
+                db.executemany(INSERT_LOGS, lines)
                 db.execute("COMMIT")
             except BaseException as e:
                 if db.in_transaction:
@@ -317,6 +327,7 @@ class EventLog:
                 if isinstance(e, (sqlite3.OperationalError, OSError, MemoryError)):
                     self._pending.extendleft(reversed(rows))  # tried again at the next write
                     self._rows.extendleft(reversed(extra))
+                    self.lines.put_back(lines)
                 raise
             self._retain(db)
 

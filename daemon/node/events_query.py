@@ -57,7 +57,7 @@ MAX_HEAP_BYTES = 256 << 20
 
 # Table -> the column holding the uid a row belongs to (NULL: the node's own, everyone's).
 # Under --identity munge a non-root asker reads only their rows and the node's own.
-OWNERS: dict[str, str] = {"events": "uid", "stacks": "uid"}
+OWNERS: dict[str, str] = {"events": "uid", "stacks": "uid", "logs": "uid"}
 
 # Functions a query may call: SQLite's core scalar, aggregate, window, date, math and JSON
 # functions; nothing that reads internals or pointers, loads code, or is quadratic.

@@ -71,6 +71,7 @@ from ..wire.replies import SpawnReply
 from . import spawn_args
 from .dedicated_thread import DedicatedThread
 from .events import EventLog
+from .launches import launch_record
 
 log = logging.getLogger("monarch_fs.procs")
 
@@ -255,7 +256,7 @@ class RunningProcess:
     started: float = field(default_factory=time.monotonic)
     argv: str = ""
     stopped: str = ""
-    job: str = ""  # its run job or proc mesh (wire/jobs.py), for `monarch-fs stacks`
+    job: str = ""  # its run job or proc mesh (wire/jobs.py): `monarch-fs stacks`, its logs rows
     uid: int | None = None  # the user it runs as
 
     def signal_group(self, sig: int) -> None:
@@ -287,8 +288,10 @@ class ProcessTable:
             "{workspace}", pins.get("workspace", "{workspace}"))
 
     async def spawn(self, owner: object, emit: Emit, args: dict, pin: str | None,
-                    workspace: str = "", who: Identity | None = None) -> SpawnReply:
-        """Start `args["argv"]`; as user `who` (--identity munge), else as this daemon's."""
+                    workspace: str = "", who: Identity | None = None,
+                    source: str | None = None) -> SpawnReply:
+        """Start `args["argv"]`; as user `who` (--identity munge), else as this daemon's.
+        `source`: the folder the pinned workspace was pushed from (for repro's record)."""
         argv = args.get("argv")
         if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
             raise SpawnRefused("spawn: argv must be a non-empty list of strings")
@@ -362,8 +365,10 @@ class ProcessTable:
                               job=job_of(env_of),
                               uid=os.geteuid() if run_as is None else run_as.uid)
         self.procs[proc.id] = proc
-        self._record("proc.started", proc, detail={"cwd": cwd or enter,
-                                                   **({"user": run_as.name} if run_as else {})})
+        self._record("proc.started", proc, detail={
+            "cwd": cwd or enter, **({"user": run_as.name} if run_as else {}),
+            **({"job": proc.job} if proc.job else {}),
+            "launch": launch_record(args, pin, source)})
         self.nursery.start_soon(self._supervise, proc, trio.lowlevel.FdStream(out_r),
                                 trio.lowlevel.FdStream(err_r))
         log.info("started proc %d (pid %d%s): %s", proc.id, popen.pid,
@@ -396,7 +401,8 @@ class ProcessTable:
         self._record("proc.exited", proc, code=status["code"], signal=status["signal"],
                      seconds=round(time.monotonic() - proc.started, 3),
                      text="\n".join(proc.stderr_tail) or None,
-                     detail={"stopped": proc.stopped} if proc.stopped else None)
+                     detail={**({"stopped": proc.stopped} if proc.stopped else {}),
+                             **({"job": proc.job} if proc.job else {})} or None)
         if proc.mesh and returncode != 0 and not proc.stopped:
             self._record("mesh.failure", proc, code=status["code"], signal=status["signal"],
                          text="\n".join(proc.stderr_tail) or None)
@@ -427,6 +433,8 @@ class ProcessTable:
         lines = [line.decode("utf-8", "replace") for line in raw]
         if stream == "stderr":
             proc.stderr_tail.extend(lines)
+        if self.events is not None and self.events.enabled:
+            self.events.lines.add(proc, stream, lines)  # the `logs` table; never waits
         await self._emit(proc, "output", {"proc": proc.id, "stream": stream, "lines": lines})
 
     async def _emit(self, proc: RunningProcess, kind: str, data: dict) -> None:

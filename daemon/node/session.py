@@ -24,7 +24,9 @@ from ...fs.chunk import CorruptChunk
 from ...fs.manifest import ManifestError
 from ..wire import bulk, identity
 from ..wire import protocol as p
+from ..wire.chunk_read import ChunksReply, ReadChunks
 from ..wire.identity import Identity, IdentityError
+from ..wire.logs import Logs, LogsReply
 from ..wire.read_lists import encode_reads
 from ..wire.replies import (
     BulkReply,
@@ -66,8 +68,10 @@ from ..wire.requests import (
     Status,
 )
 from ..wire.transport import Channel, ConnectionLost
+from . import chunk_read
 from .events import EventLog
 from .fetch import Upstream
+from .logs import read as read_logs
 from .procs import SpawnRefused, free_port
 from .relay import Relay
 from .stacks import ROUTES as STACK_ROUTES
@@ -411,7 +415,9 @@ class Session:
             await self.chan.send(p.Event(kind, data))
 
         return await self.procs.spawn(self.chan, emit, req.spec, pin,
-                                      workspace=req.workspace if pin else "", who=self.asker)
+                                      workspace=req.workspace if pin else "", who=self.asker,
+                                      source=self.service.refs.sources.get(req.workspace)
+                                      if pin else None)
 
     async def _kill(self, req: Kill) -> KillReply:
         self.procs.kill(self.chan, req.proc, req.signal)
@@ -433,6 +439,16 @@ class Session:
 
     async def _stats(self, req: Stats) -> StatsReply:
         return self.service.stats(self.asker)
+
+    async def _logs(self, req: Logs) -> LogsReply:
+        if not self.events.enabled:
+            raise RequestError("logs: this node records nothing (MONARCH_FS_EVENTS=0)")
+        await self.events.flush()  # every line printed before the request was asked
+        return await trio.to_thread.run_sync(read_logs, self.events.path, req, self.asker)
+
+    async def _read_chunks(self, req: ReadChunks) -> ChunksReply:
+        chunk_read.check(self.publisher, req, self.asker)
+        return await trio.to_thread.run_sync(chunk_read.read, self.service.store, req.ids)
 
 
 def _hex(version: bytes | None) -> str | None:
@@ -484,9 +500,10 @@ def _below(kids: list[dict]) -> int:
 
 
 # A handler takes its own request class (the route's), so the table types it loosely.
-Handler = Callable[[Session, Any], Awaitable[NodeReply]]
+Handler = Callable[[Session, Any], Awaitable[NodeReply | LogsReply | ChunksReply]]
+Routed = type[NodeRequest | Logs | ReadChunks]
 
-_HANDLERS: list[tuple[type[NodeRequest], Handler]] = [
+_HANDLERS: list[tuple[Routed, Handler]] = [
     (Status, Session._status),
     (Prepare, Session._prepare),
     (Commit, Session._commit),
@@ -504,7 +521,9 @@ _HANDLERS: list[tuple[type[NodeRequest], Handler]] = [
     (Query, Session._query),
     (Stats, Session._stats),
     *STACK_ROUTES,  # stacks.py's ops
+    (Logs, Session._logs),
+    (ReadChunks, Session._read_chunks),
 ]
 # The one dispatch table: every op a node answers, its request class and its handler.
-ROUTES: dict[str, tuple[type[NodeRequest], Handler]] = {
+ROUTES: dict[str, tuple[Routed, Handler]] = {
     kind.op: (kind, handler) for kind, handler in _HANDLERS}

@@ -40,8 +40,10 @@ MODE = "munge"  # --identity munge; what a daemon advertises as `identity` in it
 ASKER = "the user who asks"  # status's procs_user under --identity munge
 FIELD = "cred"  # the request argument that carries the credential
 # The requests that act for a user (`current` answers for one: is that workspace theirs?;
-# `query` reads the rows of theirs and the node's own, `stats` and `stacks` their processes).
-OPS = frozenset({"spawn", "prepare", "commit", "current", "remove", "query", "stats", "stacks"})
+# `query` reads the rows of theirs and the node's own, `stats` and `stacks` their processes,
+# `logs` their processes' output, `read_chunks` of their workspace).
+OPS = frozenset({"spawn", "prepare", "commit", "current", "remove", "query", "stats", "stacks",
+                 "logs", "read_chunks"})
 DEFAULT_SOCKET = "/run/munge/munge.socket.2"  # libmunge's
 TIMEOUT = 10.0  # seconds for munge or unmunge to answer
 _PAYLOAD_TAG = "monarch-fs-identity-1"

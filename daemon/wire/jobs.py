@@ -6,15 +6,17 @@ them."""
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Mapping
 
 JOB_ENV = "MONARCH_FS_JOB"  # set by `run` on every rank
 MESH_ENV = "MONARCH_MESH_NAME"  # a proc mesh's name: its procs' job
 
 
-def new_job_name() -> str:
-    """A fresh name for a `run` job: short enough to type, random enough not to collide."""
-    return "run-" + secrets.token_hex(4)
+def new_job_name(kind: str = "run") -> str:
+    """A fresh job name: what started it (`run`, or a proc mesh's name), when (the newest sorts
+    last), and enough randomness to tell two of the same second apart: `run-1206-013015-9f3a`."""
+    return f"{kind}-{time.strftime('%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
 def job_of(env: Mapping[str, object]) -> str:
