@@ -95,7 +95,7 @@ class Store:
                     self.lost += tail.dropped
                     self.lost_bytes += tail.cut
                     if n != numbers[-1]:  # a seal a crash cut short: verified, done now
-                        pack.write_index(self.packs, n, listed)
+                        durable.seal_checked(self.packs, n, listed)
                 found = listed
                 self._index.update(found)
             except OSError as e:
