@@ -424,13 +424,13 @@ class Store:
         return freed + freed_objects
 
     def collect(self, live: collection.Live) -> tuple[int, int]:
-        """Free the space of objects outside `live()`; (packs deleted, bytes freed). Deletes
-        the sealed packs no live object is in, compacts those mostly dead: see
+        """Free the space of objects outside `live()`; (packs deleted, bytes freed): see
         fs/collect.py. Blocking: run it in a worker thread."""
         with self._sync_lock:  # full packs are sealed first (durable.Seals)
             self.seals.finish(self.packs)
         packs, freed = collection.collect(self, live)
-        objects, more = self.objects.collect(live())
+        with self._sync_lock:  # not while a flush records one
+            objects, more = self.objects.collect(live())
         return packs + objects, freed + more
 
     def usage(self) -> tuple[int, int]:
