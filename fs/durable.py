@@ -117,6 +117,13 @@ def scan_unsealed(folder: Path, n: int) -> tuple[list[tuple[bytes, int]], Tail]:
     return found, tail
 
 
+def seal_checked(folder: Path, n: int, records: list[tuple[bytes, int]]) -> None:
+    """Seal pack `n`, checked at start (scan_unsealed made it durable): its index, then no
+    durable point."""
+    write_index(folder, n, records)
+    drop_point(folder, n)
+
+
 class Seals:
     """Full packs whose seal (flush, then index) waits for the next flush (--durable
     background): a seal on the append path made every 256 MiB of a push wait for the disk.

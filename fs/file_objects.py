@@ -346,19 +346,20 @@ class FileObjects:
         return freed
 
     def collect(self, live: Iterable[Iterable[bytes]]) -> tuple[int, int]:
-        """Delete the recorded file objects none of whose chunks is live; (objects, bytes)."""
+        """Delete the recorded (or settled: published, not flushed yet) file objects none of
+        whose chunks is live; (objects, bytes)."""
         for fd in self._retired:  # any read that used them finished long ago
             os.close(fd)
         self._retired.clear()
         index = self.index
         used = {cid for group in live for cid in group if cid in index}
         dead = [o for o in self.objects.values()
-                if o.recorded and not any(cid in used for cid, _, _ in o.spans)]
+                if (o.recorded or o.settled) and not any(cid in used for cid, _, _ in o.spans)]
         return len(dead), self.drop(dead)
 
     def usage(self) -> tuple[int, int]:
-        """(complete objects, their bytes)."""
-        done = [o.size for o in list(self.objects.values()) if o.recorded]
+        """(complete objects a publish counted on, their bytes)."""
+        done = [o.size for o in list(self.objects.values()) if o.recorded or o.settled]
         return len(done), sum(done)
 
     def close(self) -> None:

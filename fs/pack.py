@@ -13,7 +13,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -23,6 +23,8 @@ RECORD = struct.Struct("<4s16sI")  # magic, chunk id, blob length
 MAGIC = b"MFSR"
 IDX = struct.Struct("<16sQI")  # chunk id, blob offset, blob length
 PACK_SHIFT = 72  # a location's pack number is loc >> PACK_SHIFT (see loc)
+_IOV_MAX = 1024  # iovecs one writev takes (Linux's UIO_MAXIOV)
+Buffer = bytes | bytearray | memoryview
 
 
 def loc(pack: int, offset: int, length: int) -> int:
@@ -76,6 +78,32 @@ def scan(folder: Path, n: int) -> Iterator[tuple[bytes, int]]:
                 off = end
     if off != size:
         os.truncate(path, off)
+
+
+def append(fd: int, size: int, records: Sequence[tuple[bytes, Sequence[Buffer]]]
+           ) -> list[tuple[int, int]]:
+    """Append `records` (id, blob parts) to the pack open for appending as `fd`, `size` bytes
+    long until now, in as few writes as the iovec limit allows; (blob offset, length) of each.
+    On any error the pack is cut back to `size`: no partial record stays behind."""
+    iov: list[Buffer] = []
+    places, off = [], size
+    for cid, parts in records:
+        length = sum(len(part) for part in parts)
+        iov += [RECORD.pack(MAGIC, cid, length), *parts]
+        places.append((off + RECORD.size, length))
+        off += RECORD.size + length
+    try:
+        for i in range(0, len(iov), _IOV_MAX):
+            group = iov[i:i + _IOV_MAX]
+            written = os.writev(fd, group)
+            if written < sum(len(b) for b in group):  # short: finish from where it stopped
+                rest = memoryview(b"".join(group))[written:]
+                while rest:
+                    rest = rest[os.write(fd, rest):]
+    except BaseException:
+        os.ftruncate(fd, size)
+        raise
+    return places
 
 
 def write_index(folder: Path, n: int, records: list[tuple[bytes, int]]) -> None:

@@ -37,12 +37,12 @@ from . import collect as collection
 from . import durable, pack
 from .chunk import ID_SIZE, RAW, CorruptChunk, chunk_id, decode, encode, raw_size
 from .file_objects import FileObjects
-from .pack import MAGIC, PACK_SHIFT, RECORD, loc, unloc
-from .private_files import PRIVATE_FILE, fsync_dir, private_dir
+from .pack import PACK_SHIFT, loc, unloc
+from .private_files import PRIVATE_FILE, private_dir
+from .store_durability import RAW_CODEC, StoreDurability
 from .store_lock import StoreBusy, lock
 
 PACK_LIMIT = 256 * 1024 * 1024
-RAW_CODEC = bytes([RAW])
 # A small blob read from a pack brings the pack's next READ_AROUND bytes into the page cache:
 # files pushed together (a folder's modules) are read together, and a read that finds its
 # blob in memory is answered without a worker thread (get_if_cached). A cold replay of the
@@ -52,7 +52,7 @@ NOWAIT_MAX = 256 << 10  # get_if_cached decodes on the caller's thread: keep tha
 _NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 
 
-class Store:
+class Store(StoreDurability):
     """The node's content-addressed chunk store: append-only pack files and an index of where
     each chunk is, verified against its id on the way in and on the way out."""
 
@@ -95,7 +95,7 @@ class Store:
                     self.lost += tail.dropped
                     self.lost_bytes += tail.cut
                     if n != numbers[-1]:  # a seal a crash cut short: verified, done now
-                        pack.write_index(self.packs, n, listed)
+                        durable.seal_checked(self.packs, n, listed)
                 found = listed
                 self._index.update(found)
             except OSError as e:
@@ -197,41 +197,61 @@ class Store:
         anyway, and reads of raw objects cost a hash instead of a decompression. `verified`
         skips the check for a blob the caller has just encoded from bytes it hashed (the dev
         box's store, daemon/client/controller_store.py); never for bytes from a peer."""
+        done = self.put_blobs([(cid, blob)], raw=raw, verified=verified)[0]
+        if isinstance(done, CorruptChunk):
+            raise done
+        return done
+
+    def put_blobs(self, blobs: Sequence[tuple[bytes, bytes | memoryview]], *, raw: bool = False,
+                  verified: bool = False) -> list[bool | CorruptChunk]:
+        """put_blob of each (id, blob), their records appended in one write (a write and a lock
+        per small chunk were most of a node's work per small file): what each did, or why it
+        was refused. OSError (a full disk): no record of them was appended."""
+        out: list[bool | CorruptChunk] = []
+        todo: dict[bytes, tuple[int, list[bytes | memoryview]]] = {}
+        for cid, blob in blobs:
+            try:
+                parts = None if cid in todo else self._parts(cid, blob, raw, verified)
+            except CorruptChunk as e:
+                out.append(e)
+                continue
+            if parts:
+                todo[cid] = (len(out), parts)
+            out.append(parts is not None)  # [] once placed in its file object
+        with self._lock:
+            for cid, (i, _) in todo.items():
+                out[i] = not self.has(cid)
+            if new := [(cid, parts) for cid, (i, parts) in todo.items() if out[i]]:
+                self._append_all(new)
+        return out
+
+    def _parts(self, cid: bytes, blob: bytes | memoryview, raw: bool, verified: bool
+               ) -> list[bytes | memoryview] | None:
+        """A verified blob's record parts; None if the object exists, [] once written raw at
+        its offset in its file object (readable from then on)."""
         if len(cid) != ID_SIZE:
             raise CorruptChunk(f"chunk id {cid.hex()} is not {ID_SIZE} bytes")
         if self.has(cid):
-            return False
+            return None
         if verified and not raw and not self.objects.wants(cid):
-            parts: list[bytes | memoryview] = [blob]
-        else:
-            data = decode(cid, blob)
-            if self.objects.wants(cid) and self.objects.place(cid, data):
-                return True  # raw, at its offset in its file: readable from now on
-            parts = [RAW_CODEC, data] if raw and blob[0] != RAW else [blob]
-        with self._lock:
-            if self.has(cid):
-                return False
-            self._append(cid, parts)
-        return True
+            return [blob]
+        data = decode(cid, blob)
+        if self.objects.wants(cid) and self.objects.place(cid, data):
+            return []
+        return [RAW_CODEC, data] if raw and blob[0] != RAW else [blob]
 
     def _append(self, cid: bytes, parts: list[bytes | memoryview]) -> None:
         """Append one record to the open pack and point the index at it. Holds self._lock."""
-        length = sum(len(part) for part in parts)
-        header = RECORD.pack(MAGIC, cid, length)
-        size = len(header) + length
-        off = self._size
-        try:
-            written = os.writev(self._fd, [header, *parts])
-            if written < size:  # short write: finish it from where it stopped
-                rest = memoryview(b"".join([header, *parts]))[written:]
-                while rest:
-                    rest = rest[os.write(self._fd, rest):]
-        except BaseException:
-            os.ftruncate(self._fd, off)  # no partial record stays behind
-            raise
-        self._size = off + size
-        self._index[cid] = loc(self._cur, off + RECORD.size, length)
-        self._records.append((cid, self._index[cid]))
+        self._append_all([(cid, parts)])
+
+    def _append_all(self, records: list[tuple[bytes, list[bytes | memoryview]]]) -> None:
+        """Append records to the open pack in one write (pack.append) and point the index at
+        them. Holds self._lock."""
+        places = pack.append(self._fd, self._size, records)
+        for (cid, _), (off, length) in zip(records, places):
+            self._index[cid] = at = loc(self._cur, off, length)
+            self._records.append((cid, at))
+        self._size = places[-1][0] + places[-1][1]
         if self._size >= self.pack_limit:
             self._seal()
 
@@ -345,92 +365,14 @@ class Store:
             raise CorruptChunk(f"chunk {cid.hex()}: its file object holds other bytes")
         return data
 
-    def sync(self, spill: bool = True) -> None:
-        """Make every object written so far durable (a sealed pack was when it was sealed).
-        Only the store's own files: a syncfs would also wait for everything else written to this
-        filesystem. Without `spill`, chunks of file objects still arriving stay there, not
-        durable (FileObjects.sync)."""
-        with self._sync_lock:
-            self.objects.sync(self._fill, self._spill if spill else None)
-            self.seals.finish(self.packs)
-            self._flush_pack()
-
-    def settle(self) -> None:
-        """`sync` before a publish without waiting for the disk (--durable background): file
-        objects completed, they and the open pack's records kept by a cut back; `flush` makes
-        them durable later, and a crash before that is found at start (fs/durable.py)."""
-        with self._sync_lock:
-            self.objects.settle(self._fill)
-            with self._lock:
-                self._settled = self._size
-
-    def flush(self) -> None:
-        """Make the complete file objects and the open pack durable, and record its durable
-        point; appends go on meanwhile (see _flush_pack)."""
-        with self._sync_lock:
-            self.objects.flush()
-            self.seals.finish(self.packs)
-            self._flush_pack()
-
-    def _flush_pack(self) -> None:
-        """fdatasync the open pack as it is now (a duplicate descriptor, outside the store's
-        lock), then record its durable point. Holds _sync_lock."""
-        with self._lock:
-            fd, n, size, cuts = os.dup(self._fd), self._cur, self._size, self._cuts
-        try:
-            os.fdatasync(fd)
-        finally:
-            os.close(fd)
-        with self._lock:  # sealed meanwhile: durable whole; cut back: the point is moot
-            if self._cur == n and self._cuts == cuts:
-                self._durable = max(self._durable, size)
-                durable.write_point(self.packs, n, size)
-        fsync_dir(self.packs)
-
-    def _fill(self, cid: bytes) -> bytes | memoryview | None:
-        """A chunk's verified bytes for a file object that lacks it, if the store has it."""
-        try:
-            return self.get(cid)
-        except (KeyError, CorruptChunk):
-            return None
-
-    def _spill(self, cid: bytes, data: bytes) -> None:
-        """Copy a chunk of a file object that cannot be completed to the open pack, raw."""
-        with self._lock:
-            if cid not in self._index:
-                self._append(cid, [RAW_CODEC, data])
-
-    def cut_back(self) -> int:
-        """Drop the records appended to the open pack since it was last made durable or
-        settled, giving their space back now (a push that failed on a full disk: no collect
-        reaches them); the bytes freed. No published or prepared version loses anything; the
-        dropped objects leave the index, so a later push sends them again."""
-        with self._sync_lock:  # not while a flush records what it cuts
-            freed_objects = self.objects.cut_back()
-        with self._lock:
-            cut = max(self._durable, self._settled)
-            if self._size <= cut:
-                return freed_objects
-            os.ftruncate(self._fd, cut)
-            kept: list[tuple[bytes, int]] = []
-            for cid, at in self._records:
-                if unloc(at)[1] < cut:
-                    kept.append((cid, at))
-                elif self._index.get(cid) == at:
-                    del self._index[cid]
-            self._records = kept
-            self._cuts += 1
-            freed, self._size = self._size - cut, cut
-        return freed + freed_objects
-
     def collect(self, live: collection.Live) -> tuple[int, int]:
-        """Free the space of objects outside `live()`; (packs deleted, bytes freed). Deletes
-        the sealed packs no live object is in, compacts those mostly dead: see
+        """Free the space of objects outside `live()`; (packs deleted, bytes freed): see
         fs/collect.py. Blocking: run it in a worker thread."""
         with self._sync_lock:  # full packs are sealed first (durable.Seals)
             self.seals.finish(self.packs)
         packs, freed = collection.collect(self, live)
-        objects, more = self.objects.collect(live())
+        with self._sync_lock:  # not while a flush records one
+            objects, more = self.objects.collect(live())
         return packs + objects, freed + more
 
     def usage(self) -> tuple[int, int]:

@@ -202,5 +202,7 @@ def test_a_full_pack_is_sealed_at_the_next_flush_or_at_start(tmp_path):
     try:
         assert store.lost == 0 and all(len(store.get(c)) == 20_000 for c in ids + more)
         assert len(list(store.packs.glob("*.idx"))) == 3  # verified and sealed at start
+        sealed = {p.stem for p in store.packs.glob("*.idx")}
+        assert not sealed & {p.stem for p in store.packs.glob("*.durable")}  # none left over
     finally:
         store.close()

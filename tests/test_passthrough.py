@@ -40,10 +40,13 @@ def file_objects(c, i: int = 0) -> list[str]:
 
 
 def written(c) -> None:
-    """Wait until every node has written the backing files it was copying (a publish does not
-    wait for them)."""
+    """Wait until every node has written the backing files it was copying and flushed its
+    file objects (a publish waits for neither: --durable background)."""
     wait_for(lambda: all(n["backing_writing"] == 0 for n in c.status()), 30,
              "the backing files to be written")
+    wait_for(lambda: not any(p.name.endswith(".settled") for i in range(len(c.mounts()))
+                             for p in backing_dir(c, i).iterdir()), 30,
+             "the file objects to be flushed")
 
 
 def kernel_has_passthrough() -> bool:

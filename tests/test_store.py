@@ -16,7 +16,8 @@ import pytest
 from helpers import flip_bits as _flip
 from monarch_fs.fs import chunk
 from monarch_fs.fs import collect as collect_module
-from monarch_fs.fs.chunk import RAW, ZSTD, CorruptChunk, chunk_id
+from monarch_fs.fs.chunk import RAW, ZSTD, CorruptChunk, chunk_id, encode
+from monarch_fs.fs.pack import RECORD
 from monarch_fs.fs.store import NOWAIT_MAX, READ_AROUND, Store, StoreBusy
 
 
@@ -580,3 +581,22 @@ def test_will_need_brings_a_file_objects_chunks_into_the_page_cache(tmp_path):
     assert _resident(part, 0, 4 * CS)
     assert not _resident(part, 4 * CS, size - 4 * CS)  # only what was asked for
     assert [bytes(s.get(c)) for c in ids] == pieces
+
+
+def test_a_batch_of_blobs_is_verified_each_and_appended_together(tmp_path):
+    """Store.put_blobs (a node's write batch): each blob verified on its own, a repeat or an
+    object already held stored once, a bad one refused without the rest, all in one append."""
+    s = Store(tmp_path / "store")
+    held = s.put(os.urandom(50))
+    a, b = os.urandom(100), os.urandom(200)
+    size = s._size
+    out = s.put_blobs([(chunk_id(a), encode(a)), (chunk_id(a), encode(a)),
+                       (chunk_id(b), encode(b)[:-1] + b"?"), (held, encode(b"x"))])
+    assert out[:2] == [True, False] and isinstance(out[2], CorruptChunk) and out[3] is False
+    assert s._size == size + RECORD.size + len(encode(a))  # one record: a's
+    s.close()
+    s = Store(tmp_path / "store")
+    try:
+        assert s.get(chunk_id(a)) == a and not s.has(chunk_id(b)) and len(s) == 2
+    finally:
+        s.close()

@@ -15,10 +15,6 @@ WRITE_BATCH_BYTES = 4 << 20
 WRITE_BATCH_CHUNKS = 256
 
 
-class StoreFailed(RequestError):
-    """A chunk could not be written to the store (a full disk, say)."""
-
-
 class ChunkWrites:
     """The store writes one connection has in flight, and the errors they met.
 
@@ -63,23 +59,16 @@ class ChunkWrites:
         self._idle = trio.Event() if self.pending == 1 else self._idle
         nursery.start_soon(self._run, token, batch)
 
-    def _put(self, msg: p.PutChunk) -> bool:
-        try:
-            return self.store.put_blob(msg.cid, msg.blob, raw=self.raw)
-        except CorruptChunk as e:
-            raise RequestError(f"rejected {e}") from None
-        except OSError as e:
-            raise StoreFailed(f"cannot store chunk {msg.cid.hex()}: {e.strerror or e}") from None
-
     def _put_all(self, batch: list[p.PutChunk]) -> tuple[int, list[str], bool]:
-        stored, errors, store_failed = 0, [], False
-        for msg in batch:
-            try:
-                stored += self._put(msg)
-            except RequestError as e:
-                errors.append(str(e))
-                store_failed |= isinstance(e, StoreFailed)
-        return stored, errors, store_failed
+        """Verify and store a batch (its records in one write: Store.put_blobs); (chunks
+        stored, errors, whether the store failed)."""
+        try:
+            done = self.store.put_blobs([(msg.cid, msg.blob) for msg in batch], raw=self.raw)
+        except OSError as e:  # a full disk: none of the batch's records was kept
+            more = f" (and {len(batch) - 1} more)" if len(batch) > 1 else ""
+            return 0, [f"cannot store chunk {batch[0].cid.hex()}{more}: {e.strerror or e}"], True
+        errors = [f"rejected {d}" for d in done if isinstance(d, CorruptChunk)]
+        return sum(d is True for d in done), errors, False
 
     async def _run(self, token: object, batch: list[p.PutChunk]) -> None:
         try:
