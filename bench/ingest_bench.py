@@ -5,8 +5,15 @@ Reports MB/s of content (wall time of the push), the daemons' CPU seconds per GB
 content each one ingested) and the node disk per content byte (store + backing files, once the
 backing copies are done), beside the raw loopback stream measured in the same run
 (bench/limits.py: one Python TCP stream, 4 MiB sendall/recv_into) and the push's rate over it.
+Also the push process's own CPU per GB (the dev box's half of the path).
+
+Relays: `--nodes 3 --topology chain` streams to node 0, which forwards to node 1, which
+forwards to node 2; `per_node_cpu_s_per_gb` is each daemon's CPU per GB it ingested, so the
+first two are a relay hop each (receive, verify, write, forward) and the last a plain ingest.
+On a machine whose cores the daemons share, CPU per GB per hop is the figure, not wall time.
 
     python -m bench.ingest_bench --mib 1024 --nodes 1 [--durable sync|background]
+    python -m bench.ingest_bench --mib 1024 --nodes 3 --topology chain
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import subprocess
 import tempfile
@@ -59,6 +67,8 @@ def main() -> None:
                                        "ends in .data, else py-spy's collapsed stacks"))
     ap.add_argument("--durable", choices=["background", "sync"],
                     help="the daemons' --durable (default: theirs, background)")
+    ap.add_argument("--topology", choices=["auto", "chain", "tree", "star"],
+                    help="the push's --topology (chain: a relay hop per node but the last)")
     args = ap.parse_args()
     if args.durable:
         os.environ["MONARCH_FS_DURABLE"] = args.durable  # the cluster's daemons inherit it
@@ -84,7 +94,12 @@ def main() -> None:
                 time.sleep(1)
             before = [cpu_seconds(p) for p in pids]
             user_before = [cpu_seconds(p, (11,)) for p in pids]
-            seconds, result = c.push(src)
+            children = resource.getrusage(resource.RUSAGE_CHILDREN)
+            seconds, result = c.push(src, args=["--topology", args.topology]
+                                     if args.topology else [])
+            pushed = resource.getrusage(resource.RUSAGE_CHILDREN)
+            push_cpu = (pushed.ru_utime + pushed.ru_stime
+                        - children.ru_utime - children.ru_stime)
             if spy is not None:
                 spy.send_signal(signal.SIGINT)
                 spy.wait()
@@ -109,6 +124,10 @@ def main() -> None:
                 "daemon_cpu_s_per_gb_push": round(cpu / gb, 2),
                 "of_which_user": round(user / gb, 2),
                 "daemon_cpu_s_per_gb_incl_backing": round(cpu_all / gb, 2),
+                "per_node_cpu_s_per_gb": [round((a - b) / (content / 1e9), 2)
+                                          for a, b in zip(after, before)],
+                "push_cpu_s_per_gb": round(push_cpu / (content / 1e9), 2),
+                "topology": args.topology or "auto",
                 "disk_per_content_byte": round(max(disk) / content, 3),
                 "exit": result.get("ok", result.get("status")),
             }))
