@@ -223,6 +223,20 @@ def test_frame_buffers_are_reused_only_once_no_view_is_left():
     assert len(w.server._buffers._pool) == 3  # the two held, and one taken again and again
 
 
+def test_a_large_frame_passes_at_most_its_first_in_place_bytes_through_the_shared_buffer():
+    """Between large frames a read goes into the shared receive buffer, and what it takes of
+    the next frame is copied out again into that frame's own buffer. Offered 256 KiB there,
+    a read took 256 KiB of every 4 MiB chunk: two copies, and the shared buffer grown past
+    malloc's mmap threshold and freed once per chunk (64 page faults each, 17,000 per GiB)."""
+    w = ready_pair()
+    blobs = [b"\x00" + bytes([i]) * (4 << 20) for i in range(3)]
+    data = b"".join(w.client.send(PutChunk(bytes([i]) * 16, b)) for i, b in enumerate(blobs))
+    got, buffers = recv_into_all(w.server, data, 8 << 20)  # a socket holding all of it
+    assert [bytes(m.blob) for m in got] == blobs
+    shared = [b for b in buffers if not any(b.obj is m.blob.obj for m in got)]
+    assert shared and all(len(b) <= IN_PLACE for b in shared)
+
+
 def test_a_small_buffer_or_one_past_the_pool_is_made_to_measure():
     """A small file's chunk read while every pooled buffer is held got a whole new 4 MiB
     one (a zero-fill per 20 KB file: half of a push's CPU for a tree of small files)."""
