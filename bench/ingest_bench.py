@@ -127,6 +127,7 @@ def main() -> None:
                 "per_node_cpu_s_per_gb": [round((a - b) / (content / 1e9), 2)
                                           for a, b in zip(after, before)],
                 "push_cpu_s_per_gb": round(push_cpu / (content / 1e9), 2),
+                "phases": result.get("phases"),  # push --json's: scan, send, publish...
                 "topology": args.topology or "auto",
                 "disk_per_content_byte": round(max(disk) / content, 3),
                 "exit": result.get("ok", result.get("status")),
