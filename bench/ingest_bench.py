@@ -14,6 +14,7 @@ On a machine whose cores the daemons share, CPU per GB per hop is the figure, no
 
     python -m bench.ingest_bench --mib 1024 --nodes 1 [--durable sync|background]
     python -m bench.ingest_bench --mib 1024 --nodes 3 --topology chain
+    python -m bench.ingest_bench --mib 1024 --encrypt on
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ def main() -> None:
                     help="the daemons' --durable (default: theirs, background)")
     ap.add_argument("--topology", choices=["auto", "chain", "tree", "star"],
                     help="the push's --topology (chain: a relay hop per node but the last)")
+    ap.add_argument("--encrypt", choices=["auto", "on"],
+                    help="the push's --encrypt (auto: loopback is authenticated, not encrypted)")
     args = ap.parse_args()
     if args.durable:
         os.environ["MONARCH_FS_DURABLE"] = args.durable  # the cluster's daemons inherit it
@@ -95,8 +98,9 @@ def main() -> None:
             before = [cpu_seconds(p) for p in pids]
             user_before = [cpu_seconds(p, (11,)) for p in pids]
             children = resource.getrusage(resource.RUSAGE_CHILDREN)
-            seconds, result = c.push(src, args=["--topology", args.topology]
-                                     if args.topology else [])
+            push_args = ["--topology", args.topology] if args.topology else []
+            push_args += ["--encrypt", args.encrypt] if args.encrypt else []
+            seconds, result = c.push(src, args=push_args)
             pushed = resource.getrusage(resource.RUSAGE_CHILDREN)
             push_cpu = (pushed.ru_utime + pushed.ru_stime
                         - children.ru_utime - children.ru_stime)
@@ -128,7 +132,7 @@ def main() -> None:
                                           for a, b in zip(after, before)],
                 "push_cpu_s_per_gb": round(push_cpu / (content / 1e9), 2),
                 "phases": result.get("phases"),  # push --json's: scan, send, publish...
-                "topology": args.topology or "auto",
+                "topology": args.topology or "auto", "encrypt": args.encrypt or "auto",
                 "disk_per_content_byte": round(max(disk) / content, 3),
                 "exit": result.get("ok", result.get("status")),
             }))
