@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import stat
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -352,3 +353,29 @@ def test_resolve_token(tmp_path, monkeypatch):
     assert resolve_token(str(tmp_path / "cli")) == b"from-cli"
     with pytest.raises(TokenError, match="nope"):
         resolve_token(str(tmp_path / "nope"))
+
+
+def _congestion(ch: Channel) -> bytes:
+    return ch.stream.socket.getsockopt(  # type: ignore[attr-defined]
+        socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0")
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_CONGESTION"), reason="Linux only")
+async def test_loopback_sessions_leave_bbr_whatever_the_host_default():
+    """Under BBR (this machine's default) a loopback session's window stays at a few dozen
+    segments: a 4 MiB chunk left in ~20 sendmsg calls and the sender spent twice the CPU per
+    GiB (bench/wire_bench.py). Both ends of a loopback session pick cubic, else reno. (On a
+    host whose default is cubic or reno already, the old code passed this too.)"""
+    seen: list[bytes] = []
+
+    async def handler(stream: trio.SocketStream) -> None:
+        async with await accept(stream, TOKEN, {}, timeout=5) as ch:
+            seen.append(_congestion(ch))
+
+    async with serving(handler) as port:
+        async with await connect(f"127.0.0.1:{port}", TOKEN) as ch:
+            assert _congestion(ch) in (b"cubic", b"reno")
+        with trio.fail_after(5):
+            while not seen:
+                await trio.sleep(0.01)
+    assert seen[0] in (b"cubic", b"reno")

@@ -13,7 +13,7 @@ from typing import Any
 
 import trio
 
-from .addresses import encrypts, format_addr, parse_addr
+from .addresses import encrypts, format_addr, is_loopback, parse_addr
 from .calls import Call, Calls
 from .connection import CLOSED, NEED_DATA, Connection, Role, State
 from .protocol import (
@@ -97,6 +97,27 @@ def _nodelay(stream: trio.SocketStream) -> None:
         stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     except OSError:
         pass  # not TCP (tests may hand us a socketpair)
+
+
+# Congestion control on loopback only. A host's default may be BBR (it is on the machine these
+# figures come from), whose model of a path with a round trip of microseconds keeps the window
+# at a few dozen segments: a 4 MiB frame then left in ~20 sendmsg calls of ~200 KiB, each a
+# pass through trio and the TCP stack, and the sender spent 0.51-0.52 CPU-s per GiB (0.23-0.28
+# with cubic or reno; bench/wire_bench.py). Reno is one any user may choose (the kernel's
+# default tcp_allowed_congestion_control); links that leave the host keep the host's choice.
+_LOOPBACK_CONGESTION = (b"cubic", b"reno")
+
+
+def _loopback_congestion(stream: trio.SocketStream, host: str) -> None:
+    option = getattr(socket, "TCP_CONGESTION", None)
+    if option is None or not is_loopback(host):
+        return
+    for name in _LOOPBACK_CONGESTION:
+        try:
+            stream.setsockopt(socket.IPPROTO_TCP, option, name)
+            return
+        except OSError:  # not allowed to this user, or not built: the next, else the default
+            continue
 
 
 _IOV_MAX = 1024  # buffers one sendmsg takes (Linux's IOV_MAX)
@@ -299,6 +320,7 @@ async def connect(addr: str, token: bytes, *, timeout: float = CONNECT_TIMEOUT,
             stream = await trio.open_tcp_stream(host, port)
             try:
                 _nodelay(stream)
+                _loopback_congestion(stream, host)
                 conn = Connection(Role.CLIENT, token, encrypt=encrypts(encrypt, host))
                 channel = Channel(stream, conn, peer)
                 await channel.receive()  # Hello: the protocol accepts nothing else first
@@ -339,6 +361,7 @@ async def accept(
     except (OSError, AttributeError, IndexError, TypeError):
         peer, host = "?", "?"
     _nodelay(stream)
+    _loopback_congestion(stream, host)
     conn = Connection(Role.SERVER, token, encrypt=encrypts(encrypt, host))
     channel = Channel(stream, conn, peer)
     try:
