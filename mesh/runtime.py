@@ -6,7 +6,8 @@ and processes it starts inherit neither the token nor the pipe), says hello with
 pid, and then serves: constructs actors, runs their endpoints, and answers. Each actor handles
 its messages one at a time, in order: async endpoints on the proc's asyncio loop
 (asyncio_loop.py), sync ones on the actor's own thread (so they may block, keep per-thread
-state such as the CUDA device between calls, and use the synchronous mesh API themselves).
+state such as the CUDA device between calls, and use the synchronous mesh API themselves; a
+short one's answer comes back without a trip through trio's wakeup socket: actor_thread.py).
 
 An actor may spawn meshes of its own through `self.hosts`. The owner holds the daemon
 connections, so the launch requests and the procs' events travel through it (see
@@ -36,13 +37,13 @@ from typing import Any
 
 import trio
 
-from ..daemon.node.dedicated_thread import DedicatedThread
 from ..daemon.node.procs import read_secrets
 from ..daemon.wire import protocol as p
 from ..daemon.wire.calls import Call, Calls
 from ..daemon.wire.transport import Channel, ConnectError, ConnectionLost, connect
 from . import wire
 from .actor_mesh import is_endpoint
+from .actor_thread import ActorThread
 from .asyncio_loop import AsyncioLoop
 from .calls import error_message
 from .context import actor_scope, enter_proc
@@ -110,7 +111,7 @@ class _Slot:
         self.runtime = runtime
         self.name = name
         self.instance: Any = None
-        self.thread = DedicatedThread(f"actor {name}")
+        self.thread = ActorThread(f"actor {name}")
         # Unbounded on purpose: the runtime's one reader feeds every mailbox and also delivers
         # the owner's replies, which an actor may be waiting on (a mesh it spawns launches
         # through the owner). A reader blocked on a full mailbox would never deliver the reply
