@@ -127,7 +127,7 @@ def body(msg: Data) -> Any:
     return pickle.loads(msg.parts[1], buffers=msg.parts[3::2])
 
 
-def _pieces(msg: Data, size: int) -> Iterator[Data]:
+def _pieces(msg: Data) -> Iterator[Data]:
     """The bytes of `msg`'s parts, as DATA frames of at most PIECE bytes each (views: no copy),
     after one frame that announces them."""
     lengths = [len(memoryview(part).cast("B")) for part in msg.parts]
@@ -148,14 +148,18 @@ def _pieces(msg: Data, size: int) -> Iterator[Data]:
         yield Data(chunk)
 
 
+def one_frame(msg: Data) -> bool:
+    """Whether send() sends `msg` as one frame."""
+    return sum(len(memoryview(part).cast("B")) for part in msg.parts) <= PIECE
+
+
 async def send(chan: Channel, msg: Data) -> None:
     """Send one mesh message; one larger than PIECE goes as pieces, so a message has no size
     cap (a frame's length field has 32 bits, and each frame is buffered whole on receipt)."""
-    size = sum(len(memoryview(part).cast("B")) for part in msg.parts)
-    if size <= PIECE:
+    if one_frame(msg):
         await chan.send(msg)
         return
-    for piece in _pieces(msg, size):
+    for piece in _pieces(msg):
         await chan.send(piece)
 
 
