@@ -73,6 +73,7 @@ class ActorThread:
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
             job.run()
+            del job  # its arguments and result (tensors on a message's buffer) are not held
 
     async def run(self, fn: Callable[[], T]) -> T:
         """`fn()` on the thread. Cancelling stops the wait, not the call."""

@@ -135,6 +135,7 @@ class _Slot:
                     await self._answer(h, reply, "__cleanup__", self._cleanup)
                     self.runtime.actors.pop(self.name, None)
                     break
+                del payload  # its buffer may take the next large message (message_buffers.py)
         finally:
             self.finished.set()
 
@@ -385,6 +386,7 @@ class Runtime:
                                             has_body=True))
             elif op in ("spawn", "call", "stop_actor"):
                 await self.deliver(h, msg, self.post)
+            del msg  # not held while the next message is received (message_buffers.py)
 
     async def deliver(self, h: dict, msg: p.Data, reply_to: Reply) -> None:
         """A message for an actor, from the owner or a peer, into that actor's mailbox."""
