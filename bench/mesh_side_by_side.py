@@ -7,7 +7,8 @@ the same file runs with `monarch.actor` imported or with `monarch_fs.mesh` (issu
 Monarch goes in a venv of its own (`python3 -m venv /tmp/monarch-venv &&
 /tmp/monarch-venv/bin/pip install torchmonarch==0.7.* torch==2.13.0`), never in the project's.
 Runs alternate (monarch_fs, Monarch, monarch_fs, ...) on 1 host x 4 procs, and a raw loopback
-TCP stream is measured in the same run (bench/limits.py). Figures: to the first call (spawn 4
+TCP stream is measured in each round, next to its runs (bench/limits.py): the tensor round trip
+is reported as a share of it, round by round. Figures: to the first call (spawn 4
 procs, spawn an actor on each, one call), call_one round trip (median), call() on all 4
 (median), a 64 MiB float32 tensor there and back (MiB/s of payload, both ways counted).
 monarch_fs starts its one-node local cluster in this_host() first; that is not counted.
@@ -97,7 +98,9 @@ def main() -> int:
     from bench.limits import loopback_stream
 
     results: dict[str, list[dict]] = {"monarch_fs": [], "monarch": []}
+    loopbacks: list[float] = []  # one per round, next to that round's runs
     for _ in range(args.rounds):
+        loopbacks.append(max(loopback_stream(256 << 20) for _ in range(2)) / (1024 * 1024))
         for name, python in (("monarch_fs", sys.executable), ("monarch", args.monarch_python)):
             out = subprocess.run([python, str(Path(__file__).resolve()), "--impl", name,
                                   "--calls", str(args.calls)], capture_output=True, text=True,
@@ -107,7 +110,6 @@ def main() -> int:
                 print(f"{name} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
                 return 1
             results[name].append(json.loads(lines[-1]))
-    loopback = max(loopback_stream(256 << 20) for _ in range(2)) / (1024 * 1024)
     print(f"{'':24} {'monarch_fs':>22} {'Monarch 0.7':>22}")
     for key in ("first_call_s", "call_one_ms", "call_all_4_ms", "tensor_64MiB_MiB_per_s"):
         cells = []
@@ -115,8 +117,12 @@ def main() -> int:
             xs = [r[key] for r in results[name]]
             cells.append(f"{min(xs):.3g}-{max(xs):.3g}")
         print(f"{key:24} {cells[0]:>22} {cells[1]:>22}")
-    print(f"raw loopback stream, same run: {loopback:.0f} MiB/s")
-    print(json.dumps({"results": results, "loopback_MiB_per_s": loopback}))
+    ratios = {name: [r["tensor_64MiB_MiB_per_s"] / lb for r, lb in zip(results[name], loopbacks)]
+              for name in results}
+    print(f"{'tensor / raw loopback':24} " + " ".join(
+        f"{min(ratios[n]):.2f}-{max(ratios[n]):.2f}".rjust(22) for n in ("monarch_fs", "monarch")))
+    print(f"raw loopback stream, each round: {min(loopbacks):.0f}-{max(loopbacks):.0f} MiB/s")
+    print(json.dumps({"results": results, "loopback_MiB_per_s": loopbacks}))
     return 0
 
 

@@ -99,6 +99,7 @@ class OwnerService:
     async def _reader(self, proc: Proc, chan: Channel) -> None:
         async for h, msg in wire.messages(chan):
             self._message(proc, h, msg)
+            del msg  # not held while the next message is received (message_buffers.py)
 
     def _message(self, proc: Proc, h: dict, msg: p.Data) -> None:
         state = self.state

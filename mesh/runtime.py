@@ -6,7 +6,8 @@ and processes it starts inherit neither the token nor the pipe), says hello with
 pid, and then serves: constructs actors, runs their endpoints, and answers. Each actor handles
 its messages one at a time, in order: async endpoints on the proc's asyncio loop
 (asyncio_loop.py), sync ones on the actor's own thread (so they may block, keep per-thread
-state such as the CUDA device between calls, and use the synchronous mesh API themselves).
+state such as the CUDA device between calls, and use the synchronous mesh API themselves; a
+short one's answer comes back without a trip through trio's wakeup socket: actor_thread.py).
 
 An actor may spawn meshes of its own through `self.hosts`. The owner holds the daemon
 connections, so the launch requests and the procs' events travel through it (see
@@ -36,13 +37,13 @@ from typing import Any
 
 import trio
 
-from ..daemon.node.dedicated_thread import DedicatedThread
 from ..daemon.node.procs import read_secrets
 from ..daemon.wire import protocol as p
 from ..daemon.wire.calls import Call, Calls
-from ..daemon.wire.transport import Channel, ConnectError, ConnectionLost, connect
+from ..daemon.wire.transport import Channel, ConnectError, connect
 from . import wire
 from .actor_mesh import is_endpoint
+from .actor_thread import ActorThread
 from .asyncio_loop import AsyncioLoop
 from .calls import error_message
 from .context import actor_scope, enter_proc
@@ -50,6 +51,7 @@ from .errors import Failure, MeshError, SpawnError
 from .hosts import HostInfo, Launcher, OnEvent
 from .mesh_ref import use_loop
 from .mesh_state import print_output
+from .outbox import Outbox
 from .owner import MESH_MAX_FRAME
 from .peer_service import serve_peers
 from .shape import Shaped
@@ -58,7 +60,6 @@ from .tensor_buffer import serve_here
 Reply = Callable[[p.Data], Awaitable[None]]  # where an actor's answer goes
 EXIT_OWNER_GONE = 3
 CLEANUP_GRACE = 3.0  # seconds the actors' __cleanup__ get when their proc is stopped
-OUTBOX_SIZE = 16  # messages queued for the owner before those who answer wait for the link
 
 _INTERNAL = tuple(str(Path(f).parent) for f in (trio.__file__, asyncio.__file__) if f) + (
     __file__, str(Path(__file__).parent / "asyncio_loop.py"))
@@ -110,7 +111,7 @@ class _Slot:
         self.runtime = runtime
         self.name = name
         self.instance: Any = None
-        self.thread = DedicatedThread(f"actor {name}")
+        self.thread = ActorThread(f"actor {name}")
         # Unbounded on purpose: the runtime's one reader feeds every mailbox and also delivers
         # the owner's replies, which an actor may be waiting on (a mesh it spawns launches
         # through the owner). A reader blocked on a full mailbox would never deliver the reply
@@ -134,6 +135,7 @@ class _Slot:
                     await self._answer(h, reply, "__cleanup__", self._cleanup)
                     self.runtime.actors.pop(self.name, None)
                     break
+                del payload  # its buffer may take the next large message (message_buffers.py)
         finally:
             self.finished.set()
 
@@ -302,18 +304,14 @@ class Runtime:
         # Bounded: whoever answers waits while the owner's connection is busy. The writer
         # drains it on its own (the owner's reader never waits on us), so the reader may wait
         # here too without a deadlock.
-        self.outbox, self._outbox_recv = trio.open_memory_channel[p.Data](OUTBOX_SIZE)
-        self._flushed = trio.Event()
+        self.outbox = Outbox()
         self.nursery: trio.Nursery | None = None
         self.stopping = False
         self.exit_code = EXIT_OWNER_GONE
 
     async def post(self, msg: p.Data) -> None:
-        """Queue `msg` for the owner; dropped once the connection is going away."""
-        try:
-            await self.outbox.send(msg)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
+        """Send `msg` to the owner, in order; dropped once the connection is going away."""
+        await self.outbox.post(msg)
 
     async def send(self, header: dict) -> None:
         await self.post(wire.encode(header))
@@ -348,7 +346,7 @@ class Runtime:
             serve_here(peer, self.peer_token, trio.lowlevel.current_trio_token())
             await chan.send(wire.encode({"op": "hello", "rank": self.rank, "pid": os.getpid(),
                                          "peer": peer}))
-            nursery.start_soon(self._writer, chan)
+            nursery.start_soon(self.outbox.writer, chan)
             await self._serve(chan)  # until the owner goes away, or _stop() cancels it
             nursery.cancel_scope.cancel()
         await trio.aclose_forcefully(chan.stream)
@@ -368,20 +366,10 @@ class Runtime:
                 await slot.finished.wait()
         self.outbox.close()
         with trio.move_on_after(2):
-            await self._flushed.wait()
+            await self.outbox.flushed.wait()
         self.exit_code = 0
         assert self.nursery is not None
         self.nursery.cancel_scope.cancel()
-
-    async def _writer(self, chan: Channel) -> None:
-        try:
-            async for msg in self._outbox_recv:
-                await wire.send(chan, msg)
-        except (ConnectionLost, trio.ClosedResourceError, trio.BrokenResourceError):
-            pass
-        finally:
-            self._outbox_recv.close()  # whoever still posts is not left waiting for space
-            self._flushed.set()
 
     async def _serve(self, chan: Channel) -> None:
         assert self.nursery is not None
@@ -398,6 +386,7 @@ class Runtime:
                                             has_body=True))
             elif op in ("spawn", "call", "stop_actor"):
                 await self.deliver(h, msg, self.post)
+            del msg  # not held while the next message is received (message_buffers.py)
 
     async def deliver(self, h: dict, msg: p.Data, reply_to: Reply) -> None:
         """A message for an actor, from the owner or a peer, into that actor's mailbox."""

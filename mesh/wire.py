@@ -26,10 +26,15 @@ import trio
 
 from ..daemon.wire.protocol import Data, ProtocolError
 from ..daemon.wire.transport import Channel, ConnectionLost, RemoteError
+from .message_buffers import RECEIVED
 
 _ALIGN = 64
 _PAD = bytes(_ALIGN)
-PIECE = 256 << 20  # a message larger than this goes as pieces of this size (no size cap)
+# A message larger than this goes as pieces of this size (so it has no size cap), each received
+# into one of the connection's pooled frame buffers and gathered into a reused buffer
+# (message_buffers.py): no fresh memory is faulted in per message, the sender seals piece k+1
+# while the receiver opens piece k, and a piece is still in the cache when it is gathered.
+PIECE = 1 << 20
 MAX_MESSAGE = 1 << 40  # what a peer may announce: it passed the handshake, so only sanity
 
 
@@ -122,7 +127,7 @@ def body(msg: Data) -> Any:
     return pickle.loads(msg.parts[1], buffers=msg.parts[3::2])
 
 
-def _pieces(msg: Data, size: int) -> Iterator[Data]:
+def _pieces(msg: Data) -> Iterator[Data]:
     """The bytes of `msg`'s parts, as DATA frames of at most PIECE bytes each (views: no copy),
     after one frame that announces them."""
     lengths = [len(memoryview(part).cast("B")) for part in msg.parts]
@@ -143,28 +148,25 @@ def _pieces(msg: Data, size: int) -> Iterator[Data]:
         yield Data(chunk)
 
 
+def one_frame(msg: Data) -> bool:
+    """Whether send() sends `msg` as one frame."""
+    return sum(len(memoryview(part).cast("B")) for part in msg.parts) <= PIECE
+
+
 async def send(chan: Channel, msg: Data) -> None:
     """Send one mesh message; one larger than PIECE goes as pieces, so a message has no size
     cap (a frame's length field has 32 bits, and each frame is buffered whole on receipt)."""
-    size = sum(len(memoryview(part).cast("B")) for part in msg.parts)
-    if size <= PIECE:
+    if one_frame(msg):
         await chan.send(msg)
         return
-    for piece in _pieces(msg, size):
+    for piece in _pieces(msg):
         await chan.send(piece)
 
 
-def _aligned(size: int) -> memoryview:
-    """A writable buffer of `size` bytes whose start is 64-byte aligned."""
-    raw = bytearray(size + _ALIGN)
-    address = ctypes.addressof(ctypes.c_char.from_buffer(raw))
-    start = -address % _ALIGN
-    return memoryview(raw)[start:start + size]
-
-
 async def _gather(chan: Channel, lengths: list[int]) -> Data:
-    """Receive the pieces of a message of parts of `lengths`, into one aligned buffer (each
-    part 64-byte aligned in it, so tensors are rebuilt on it without another copy)."""
+    """Receive the pieces of a message of parts of `lengths`, into one buffer (each part
+    64-byte aligned in it, so tensors are rebuilt on it without another copy), reused from
+    an earlier message when it is free (message_buffers.py)."""
     starts, at = [], 0
     for n in lengths:
         at += -at % _ALIGN
@@ -172,7 +174,7 @@ async def _gather(chan: Channel, lengths: list[int]) -> Data:
         at += n
     if at > MAX_MESSAGE:
         raise ProtocolError(f"a mesh message of {at} bytes announced")
-    whole = _aligned(at)
+    whole = RECEIVED.take(at)
     part, filled = 0, 0  # the part being filled, and how much of it is
     remaining = sum(lengths)
     while remaining:

@@ -27,7 +27,10 @@ from monarch_fs.mesh import (
     ValueMesh,
     wire,
 )
+from monarch_fs.mesh.message_buffers import MessageBuffers
+from monarch_fs.mesh.owner import MESH_MAX_FRAME
 from procwatch import Started
+from rdma_helpers import channel_pair
 
 TESTS = str(Path(__file__).parent)
 
@@ -64,6 +67,61 @@ def test_wire_copy_snapshots_buffers_for_messages_sent_later():
     t += 1
     assert torch.equal(wire.body(queued), torch.zeros(4))
     assert torch.equal(wire.body(shared), torch.ones(4))
+
+
+def test_large_messages_land_in_memory_already_faulted_in_and_held_ones_stay_intact():
+    """Weight sync sends a same-size tensor every step: from the third on, a 64 MiB message
+    is received into the buffer of one the caller dropped (a fresh buffer paid a page fault
+    per 4 KiB, most of a round trip), never into one whose tensor the caller still holds."""
+    import resource
+
+    import torch
+
+    async def main() -> None:
+        tx, rx = await channel_pair()
+        tx.conn.max_frame = rx.conn.max_frame = MESH_MAX_FRAME
+        received = wire.messages(rx)
+
+        async def round_trip(value: object) -> object:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wire.send, tx, wire.encode({"op": "call"}, value,
+                                                              has_body=True))
+                _, msg = await received.__anext__()
+            return wire.body(msg)
+
+        values = [torch.full((16 << 20,), float(i)) for i in range(3)]  # 64 MiB each
+        mixed = {"odd": torch.arange(wire.PIECE // 4 + 3, dtype=torch.int32), "s": "x" * 999,
+                 "t": torch.ones(5, dtype=torch.float64)}  # parts across piece boundaries
+        got = await round_trip(mixed)
+        assert got["s"] == mixed["s"] and all(
+            torch.equal(got[k], mixed[k]) for k in ("odd", "t"))
+        first = await round_trip(values[0])
+        second = await round_trip(values[1])  # the first is held: another buffer
+        del first
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        third = await round_trip(values[2])
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        assert faults < 1000, f"{faults} page faults receiving 64 MiB (16384 in a new buffer)"
+        assert torch.equal(second, values[1]) and torch.equal(third, values[2])
+        assert third.data_ptr() % 64 == 0
+        await received.aclose()
+
+    trio.run(main)
+
+
+def test_message_buffers_are_reused_only_when_nothing_views_them():
+    pool = MessageBuffers(keep_bytes=64 << 20, keep=2)
+    a = pool.take(8 << 20)
+    b = pool.take(8 << 20)
+    assert id(a.obj) != id(b.obj)  # `a` is held
+    first = id(a.obj)
+    del a
+    c = pool.take(6 << 20)  # at least half the size: the free one
+    assert id(c.obj) == first
+    del c
+    assert id(pool.take(1 << 20).obj) != first  # a small message does not pin a big buffer
+    big = pool.take(100 << 20)  # over keep_bytes: made to measure, not kept
+    assert pool.kept < (64 << 20) and big.nbytes == 100 << 20
 
 
 def test_wire_refuses_headers_that_are_not_messages():
