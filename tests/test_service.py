@@ -230,7 +230,7 @@ async def test_a_corrupt_chunk_refuses_the_requests_after_it(tmp_path):
 def test_every_op_has_one_route_and_parses_its_arguments():
     assert set(ROUTES) == {"status", "prepare", "commit", "current", "remove", "relay", "fan",
                            "flush", "bulk", "spawn", "kill", "free_port", "probe", "first_reads",
-                           "query", "stats", "logs", "read_chunks"}
+                           "query", "stats", "logs", "read_chunks", "stacks"}
     version = "ab" * 16
     assert Prepare.parse({"name": "ws", "version": version}) == Prepare(
         "ws", bytes.fromhex(version))

@@ -114,8 +114,8 @@ async def find_launches(hosts: Sequence[str], token: bytes, job: str | None,
     if not rows or job is None:
         raise ReproError("no node recorded a start of " + (f"rank {rank}" if rank is not None
                                                            else "any rank") +
-                         (f" of job {job}" if job else "") + " (a node writes its events "
-                         "every 2 s: just after a job, try again)")
+                         (f" of job {job}" if job else "") + " that you may see (under "
+                         "--identity munge a user sees the starts of their own processes only)")
     ends = _one(await query(
         hosts, token, "SELECT host, rank, restart, ts, code, signal, detail FROM events WHERE "
         f"kind = 'proc.exited' AND json_extract(detail, '$.job') = {_quote(job)}{of_rank} "
