@@ -41,6 +41,9 @@ from typing import Any
 
 import trio
 
+from ...settings import EVENTS_INTERVAL as DEFAULT_INTERVAL
+from ...settings import EVENTS_MAX_AGE as DEFAULT_MAX_AGE
+from ...settings import EVENTS_MAX_BYTES as DEFAULT_MAX_BYTES
 from ..wire.identity import Identity
 from ..wire.requests import RequestError
 from . import events_query
@@ -97,9 +100,6 @@ CREATE TABLE IF NOT EXISTS reads (
 CREATE INDEX IF NOT EXISTS reads_ts ON reads (ts);
 """ + STACK_SCHEMA + LOGS_SCHEMA
 
-DEFAULT_INTERVAL = 2.0  # seconds between writes (and the length of a `reads` row)
-DEFAULT_MAX_BYTES = 256 << 20
-DEFAULT_MAX_AGE = 30 * 86400.0
 MAX_PENDING = 100_000  # rows held in memory for the next write; more are dropped (counted)
 TAIL_CHARS = 4096  # of a text column (an error, an argv, a stderr tail)
 # Of a detail's JSON: a value past a query's bound (events_query.MAX_VALUE_BYTES) would make

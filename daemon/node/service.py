@@ -21,7 +21,7 @@ from ...fs.fuse_ops import SnapshotFS
 from ...fs.manifest import DEFAULT_MAX_ENTRIES
 from ...fs.private_files import private_dir
 from ...fs.store import Store
-from ...settings import settings
+from ...settings import DURABLE_MODES, settings
 from ..wire import bulk, identity
 from ..wire.addresses import parse_addr
 from ..wire.auth import NO_TOKEN_HELP, default_token_file
@@ -31,7 +31,7 @@ from ..wire.transport import accept
 from .events import EventLog, EventLogHandler
 from .fetch import Fetcher
 from .first_reads import FirstReads
-from .flusher import MODES, Flusher
+from .flusher import Flusher
 from .procs import ROOT_PROCS_FLAG, ProcessTable, procs_user
 from .publisher import KEEP_VERSIONS, Publisher
 from .refs import Refs, describe_user
@@ -114,8 +114,8 @@ class NodeService:
         # A pack is deleted once nothing in it is used, so smaller packs
         # (MONARCH_FS_PACK_MIB) give space back sooner, for more files.
         # --durable: flush before each publish (sync), or after, in the background (flusher.py)
-        if durable not in MODES:
-            raise ValueError(f"--durable {durable!r}: expected one of {', '.join(MODES)}")
+        if durable not in DURABLE_MODES:
+            raise ValueError(f"--durable {durable!r}: expected one of {', '.join(DURABLE_MODES)}")
         self.durable = durable
         self.store = Store(self.state / "store", pack_limit=settings.pack_limit,
                            flush_later=durable == "background")
