@@ -18,6 +18,8 @@ import trio
 from helpers import staged
 from monarch_fs.daemon.client.push import push
 from monarch_fs.daemon.client.push_options import PushOptions
+from monarch_fs.daemon.node import recovery
+from monarch_fs.daemon.node.serve import serve
 from monarch_fs.daemon.node.service import NodeService, open_listeners
 from monarch_fs.daemon.node.session import ROUTES
 from monarch_fs.daemon.wire import protocol as p
@@ -73,9 +75,9 @@ async def serving(tmp_path: Path, n: int = 1, **service):
             node = NodeService(state=tmp_path / f"node-{i}" / "state",
                                mount=tmp_path / f"node-{i}" / "mnt", token=TOKEN,
                                node_name=f"node-{i}", **service)
-            await node.publisher.load()
+            await recovery.load(node.publisher)
             listeners, _ = await open_listeners("127.0.0.1:0")
-            await nursery.start(node.serve, listeners)
+            await nursery.start(serve, node, listeners)
             nodes.append(node)
         yield nodes
 

@@ -36,7 +36,7 @@ from ...fs.store import Store
 from ...fs.version_switch import Staged
 from ..wire.replies import CommitReply, PrepareReply, RemoveReply
 from ..wire.requests import RequestError
-from . import recovery, source_path
+from . import source_path
 from .events import EventLog
 from .fetch import Fetcher
 from .flusher import Flusher
@@ -196,10 +196,6 @@ class Publisher:
         self._manifests = {v: m for v, m in self._manifests.items()
                            if v in self._pinned.values()
                            or any(v in vs for vs in self.refs.workspaces.values())}
-
-    async def load(self) -> None:
-        """Serve the saved workspaces, each version that is whole (recovery.py)."""
-        await recovery.load(self)
 
     async def lacking(self, early: dict[str, list[bytes]]) -> dict[bytes, int]:
         """How many chunks each of the `early` versions (by workspace) lacks, for those whose
