@@ -29,7 +29,6 @@ from .daemon.client.push import push
 from .daemon.client.push_options import PushOptions, workspace_name
 from .daemon.client.push_result import PushError, PushResult
 from .daemon.client.status import remove, status
-from .daemon.node.procs import ROOT_PROCS_FLAG
 from .daemon.wire import identity
 from .daemon.wire.auth import (
     TokenError,
@@ -39,6 +38,7 @@ from .daemon.wire.auth import (
     write_new_token,
 )
 from .daemon.wire.bulk import resolve_local
+from .daemon.wire.identity import ROOT_PROCS_FLAG
 from .daemon.wire.limits import Limits
 from .daemon.wire.replies import StatusReply
 from .fs.scan_cache import ScanCache

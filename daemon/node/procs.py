@@ -65,7 +65,7 @@ from typing import Any
 
 import trio
 
-from ..wire.identity import Identity
+from ..wire.identity import ROOT_PROCS_FLAG, Identity
 from ..wire.jobs import job_of
 from ..wire.replies import SpawnReply
 from . import spawn_args
@@ -87,7 +87,6 @@ Emit = Callable[[str, dict], Awaitable[None]]  # (event kind, data) to the owner
 BASE_ENV = ("PATH", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR")  # and LC_*, from the daemon
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SECRETS_FD_ENV = "MONARCH_FS_SECRETS_FD"
-ROOT_PROCS_FLAG = "--allow-root-procs"
 ROOT_REFUSED = (f"this daemon runs as root and starts no process as root unless started with "
                 f"{ROOT_PROCS_FLAG} (a single-user cluster); or run the daemon as a normal user")
 MAX_SECRETS = 4096  # bytes of JSON: PIPE_BUF, which any pipe takes in one write without waiting

@@ -25,13 +25,14 @@ from ...settings import DURABLE_MODES, settings
 from ..wire import bulk, identity
 from ..wire.addresses import parse_addr
 from ..wire.auth import NO_TOKEN_HELP, default_token_file
+from ..wire.identity import ROOT_PROCS_FLAG
 from ..wire.limits import Limits, LogOnce
 from ..wire.replies import COUNTERS, StatsReply, StatusReply
 from .events import EventLog
 from .fetch import Fetcher
 from .first_reads import FirstReads
 from .flusher import Flusher
-from .procs import ROOT_PROCS_FLAG, ProcessTable, procs_user
+from .procs import ProcessTable, procs_user
 from .publisher import KEEP_VERSIONS, Publisher
 from .refs import Refs, describe_user
 from .source_links import SourceLinks
