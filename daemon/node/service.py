@@ -178,7 +178,7 @@ class NodeService:
             backing_bytes=backing[1],
             backing_writing=self.backing.writing,
             backing_waits=self.backing.waits,
-            backing_error=self.publisher.backing_error,
+            backing_error=self.publisher.backing_upkeep.error,
             counters=dict(self.counters),
             workspaces={n: [v.hex() for v in vs] for n, vs in self.refs.workspaces.items()},
             problems=self.publisher.all_problems(),

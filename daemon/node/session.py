@@ -152,7 +152,7 @@ class Session:
         if self.upstream is not None:
             self.service.fetcher.remove(self.upstream)  # its readers' wants fail now
         if self.claimed:
-            self.publisher.release_claim()
+            self.publisher.collection.release_claim()
             self.events.record("push.aborted", version=_hex(self.rx.version),
                                peer=self.chan.peer, text="the pusher went away before its "
                                "commit (it failed elsewhere, or was stopped)")
@@ -208,7 +208,7 @@ class Session:
         self.rx.lacking += len(own)
         if not self.claimed:
             self.claimed = True
-            self.publisher.claim()
+            self.publisher.collection.claim()
         self.own_missing = set(own)
         below = await self.relay.query(ids) if self.relay is not None else set()
         await self.chan.send(p.MissingIds([i for i in ids if i in self.own_missing
@@ -219,7 +219,7 @@ class Session:
         Publisher.cut_back); once per failure."""
         if self.writes.store_failed:
             self.writes.store_failed = False
-            await self.publisher.cut_back()
+            await self.publisher.collection.cut_back()
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -296,9 +296,9 @@ class Session:
         self.service.first_reads.published(req.name, req.version)
         if self.claimed:  # what it has is now retained
             self.claimed = False
-            self.publisher.release_claim(committed=True)
+            self.publisher.collection.release_claim(committed=True)
         else:
-            self.publisher.start_collect(committed=True)
+            self.publisher.collection.start(committed=True)
         return value
 
     def _published(self, req: Commit, before: list[bytes], seconds: float) -> None:
