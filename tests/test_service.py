@@ -25,20 +25,25 @@ from monarch_fs.daemon.node.session import ROUTES
 from monarch_fs.daemon.wire import protocol as p
 from monarch_fs.daemon.wire.chunk_read import ChunksReply, ReadChunks
 from monarch_fs.daemon.wire.logs import Logs, LogsReply
+from monarch_fs.daemon.wire.process_calls import (
+    FreePort,
+    FreePortReply,
+    Kill,
+    KillReply,
+    Probe,
+    Spawn,
+    SpawnReply,
+)
 from monarch_fs.daemon.wire.replies import (
     BulkReply,
     CommitReply,
     CurrentReply,
     FanReply,
     FlushReply,
-    FreePortReply,
-    KillReply,
     MalformedReply,
     PrepareReply,
-    QueryReply,
     RelayReply,
     RemoveReply,
-    SpawnReply,
     StatusReply,
 )
 from monarch_fs.daemon.wire.requests import (
@@ -46,17 +51,13 @@ from monarch_fs.daemon.wire.requests import (
     Commit,
     Fan,
     Flush,
-    FreePort,
-    Kill,
     OpenRelay,
     Prepare,
-    Probe,
-    Query,
     Remove,
     RequestError,
-    Spawn,
     Status,
 )
+from monarch_fs.daemon.wire.telemetry_calls import Query, QueryReply
 from monarch_fs.daemon.wire.transport import RemoteError, connect
 from monarch_fs.fs import chunk
 from monarch_fs.fs.manifest import Entry, Kind, Manifest

@@ -67,7 +67,7 @@ import trio
 
 from ..wire.identity import ROOT_PROCS_FLAG, Identity
 from ..wire.jobs import job_of
-from ..wire.replies import SpawnReply
+from ..wire.process_calls import SpawnReply
 from . import spawn_args
 from .dedicated_thread import DedicatedThread
 from .events import EventLog

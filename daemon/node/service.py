@@ -27,7 +27,8 @@ from ..wire.addresses import parse_addr
 from ..wire.auth import NO_TOKEN_HELP, default_token_file
 from ..wire.identity import ROOT_PROCS_FLAG
 from ..wire.limits import Limits, LogOnce
-from ..wire.replies import COUNTERS, StatsReply, StatusReply
+from ..wire.replies import COUNTERS, StatusReply
+from ..wire.telemetry_calls import StatsReply
 from .events import EventLog
 from .fetch import Fetcher
 from .first_reads import FirstReads

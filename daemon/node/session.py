@@ -27,6 +27,16 @@ from ..wire import protocol as p
 from ..wire.chunk_read import ChunksReply, ReadChunks
 from ..wire.identity import Identity, IdentityError
 from ..wire.logs import Logs, LogsReply
+from ..wire.process_calls import (
+    FreePort,
+    FreePortReply,
+    Kill,
+    KillReply,
+    Probe,
+    ProbeReply,
+    Spawn,
+    SpawnReply,
+)
 from ..wire.read_lists import encode_reads
 from ..wire.replies import (
     BulkReply,
@@ -35,16 +45,9 @@ from ..wire.replies import (
     FanReply,
     FirstReadsReply,
     FlushReply,
-    FreePortReply,
-    KillReply,
-    NodeReply,
     PrepareReply,
-    ProbeReply,
-    QueryReply,
     RelayReply,
     RemoveReply,
-    SpawnReply,
-    StatsReply,
     StatusReply,
 )
 from ..wire.requests import (
@@ -54,19 +57,13 @@ from ..wire.requests import (
     Fan,
     FirstReads,
     Flush,
-    FreePort,
-    Kill,
-    NodeRequest,
     OpenRelay,
     Prepare,
-    Probe,
-    Query,
     Remove,
     RequestError,
-    Spawn,
-    Stats,
     Status,
 )
+from ..wire.telemetry_calls import Query, QueryReply, Stats, StatsReply
 from ..wire.transport import Channel, ConnectionLost
 from . import chunk_read
 from .events import EventLog
@@ -500,8 +497,13 @@ def _below(kids: list[dict]) -> int:
 
 
 # A handler takes its own request class (the route's), so the table types it loosely.
-Handler = Callable[[Session, Any], Awaitable[NodeReply | LogsReply | ChunksReply]]
-Routed = type[NodeRequest | Logs | ReadChunks]
+NodeRequest = (Status | Prepare | Commit | Current | Remove | OpenRelay | Fan | Flush | Bulk
+               | Spawn | Kill | FreePort | Probe | FirstReads | Query | Stats | Logs | ReadChunks)
+NodeReply = (StatusReply | PrepareReply | CommitReply | CurrentReply | RemoveReply | RelayReply
+             | FanReply | FlushReply | BulkReply | SpawnReply | KillReply | FreePortReply
+             | ProbeReply | FirstReadsReply | QueryReply | StatsReply | LogsReply | ChunksReply)
+Handler = Callable[[Session, Any], Awaitable[NodeReply]]
+Routed = type[NodeRequest]
 
 _HANDLERS: list[tuple[Routed, Handler]] = [
     (Status, Session._status),
