@@ -11,7 +11,8 @@ they are now, a chunk taken only when its id matches), or the node that ran it (
 `read_chunks` request: wire/chunk_read.py). The command then runs there with `{workspace}` and
 `{mount}` pointing at the copy, the rank's environment on top of this machine's PATH, HOME
 and locale (what a node gives every process, process_start.base_env), and MASTER_ADDR
-and MASTER_PORT pointing here. repro says what differs from the cluster run and exits as the process does.
+and MASTER_PORT pointing here. repro says what differs from the cluster run and exits as the
+process does.
 """
 
 from __future__ import annotations
