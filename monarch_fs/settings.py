@@ -51,6 +51,18 @@ class Settings:
         except ValueError:
             raise ValueError(f"${name}={raw!r}: expected an integer") from None
 
+    def _seconds(self, name: str, default: float, low: float, high: float) -> float:
+        raw = self._str(name)
+        if raw is None:
+            return default
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"${name}={raw!r}: expected seconds") from None
+        if not low <= value <= high:
+            raise ValueError(f"${name}={raw!r}: expected {low:g} to {high:g} s")
+        return value
+
     def _switch(self, name: str) -> bool:
         """On unless set to "0": the switches exist to turn a default off, to compare or debug."""
         return self._str(name) != "0"
@@ -121,14 +133,7 @@ class Settings:
         """MONARCH_FS_FLUSH_SECONDS (1), seconds: with `daemon --durable background`, how long
         after the last publish a daemon flushes its store to disk (what a power cut before
         then takes is found at the next start, and the last whole version served)."""
-        raw = self._str("MONARCH_FS_FLUSH_SECONDS")
-        try:
-            value = FLUSH_DELAY if raw is None else float(raw)
-        except ValueError:
-            raise ValueError(f"$MONARCH_FS_FLUSH_SECONDS={raw!r}: expected seconds") from None
-        if not 0 <= value <= 86400:
-            raise ValueError(f"$MONARCH_FS_FLUSH_SECONDS={raw!r}: expected 0 to 86400 s")
-        return value
+        return self._seconds("MONARCH_FS_FLUSH_SECONDS", FLUSH_DELAY, 0, 86400)
 
     @property
     def pack_limit(self) -> int:
@@ -172,16 +177,7 @@ class Settings:
     def events_interval(self) -> float:
         """MONARCH_FS_EVENTS_INTERVAL (2), seconds: how often a daemon writes its events and
         one `reads` row of its read counters."""
-        raw = self._str("MONARCH_FS_EVENTS_INTERVAL")
-        if raw is None:
-            return EVENTS_INTERVAL
-        try:
-            value = float(raw)
-        except ValueError:
-            raise ValueError(f"$MONARCH_FS_EVENTS_INTERVAL={raw!r}: expected seconds") from None
-        if not 0.05 <= value <= 3600:
-            raise ValueError(f"$MONARCH_FS_EVENTS_INTERVAL={raw!r}: expected 0.05 to 3600 s")
-        return value
+        return self._seconds("MONARCH_FS_EVENTS_INTERVAL", EVENTS_INTERVAL, 0.05, 3600)
 
     # ---- RDMA (daemons and push) --------------------------------------------------------------
 
