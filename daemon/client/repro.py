@@ -384,10 +384,7 @@ def run(launch: Launch, *, token: bytes, store_dir: Path, source: str | None, ke
         err.write(f"monarch-fs repro: {line}\n")
         return status
     finally:
-        if keep:
-            err.write(f"monarch-fs repro: kept {here}\n")
-        else:
-            shutil.rmtree(here, ignore_errors=True)
+        leave(here, keep, err)
 
 
 def _signal_name(sig: int) -> str:
@@ -395,3 +392,12 @@ def _signal_name(sig: int) -> str:
         return signal.Signals(sig).name
     except ValueError:
         return f"signal {sig}"
+
+
+def leave(here: Path, keep: bool, err: TextIO) -> None:
+    """Done with the temporary folder a version was written to: keep it (--keep, and say
+    where) or remove it."""
+    if keep:
+        err.write(f"monarch-fs repro: kept {here}\n")
+    else:
+        shutil.rmtree(here, ignore_errors=True)

@@ -211,30 +211,32 @@ def _workspace(op: str, args: dict) -> str:
 
 
 @dataclass(frozen=True)
-class Remove:
-    """Delete workspace `name` and every version of it (`monarch-fs rm`)."""
+class WorkspaceArgument:
+    """A request whose one argument is workspace `name`."""
 
-    op: ClassVar[str] = "remove"
-    after_chunks: ClassVar[bool] = True
+    op: ClassVar[str]
     name: str
 
     @classmethod
-    def parse(cls, args: dict) -> Remove:
+    def parse(cls, args: dict) -> Self:
         return cls(_workspace(cls.op, args))
 
 
 @dataclass(frozen=True)
-class FirstReads:
+class Remove(WorkspaceArgument):
+    """Delete workspace `name` and every version of it (`monarch-fs rm`)."""
+
+    op: ClassVar[str] = "remove"
+    after_chunks: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class FirstReads(WorkspaceArgument):
     """The files this node read first after workspace `name`'s latest publishes, in order
     (daemon/node/first_reads.py): what push --early sends first."""
 
     op: ClassVar[str] = "first_reads"
     after_chunks: ClassVar[bool] = False
-    name: str
-
-    @classmethod
-    def parse(cls, args: dict) -> FirstReads:
-        return cls(_workspace(cls.op, args))
 
 
 @dataclass(frozen=True)
