@@ -1,7 +1,7 @@
 """A rescan (push --watch): the tree again after a file watcher named the paths that changed.
 
 Only the folders that hold those paths are listed, only what changed is hashed, and the manifest
-is the last one's with those folders replaced (Manifest.edited), so an edit costs the same in a
+is the last one's with those folders replaced (manifest_edit.edited), so an edit costs the same in a
 tree of 100k files as in one of 100. What a watcher missed is missed here too: a whole scan
 (fs/scan.py) is the check.
 """
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import trio
 
+from . import manifest_edit
 from .chunk import CHUNK_SIZE
 from .layered import derived
 from .manifest import Entry, Kind, Manifest, sort_key
@@ -116,8 +117,8 @@ def _edited(prev: Snapshot, found: _Rewalk, entries: list[Entry],
     for e in entries:
         if e.path:
             kids.setdefault(e.parent, []).append(e)
-    manifest = prev.manifest.edited(
-        {path: (folder, kids.get(path, [])) for path, folder in found.listed.items()})
+    listed = {path: (folder, kids.get(path, [])) for path, folder in found.listed.items()}
+    manifest = manifest_edit.edited(prev.manifest, listed)
     refs = derived(prev.chunk_refs())
     for e in found.replaced:
         for cid in e.chunks:

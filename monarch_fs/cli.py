@@ -7,72 +7,40 @@ code."""
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
 import socket
 import sys
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from . import debug_commands
-from .daemon.client import cluster, handoff, slurm
+from . import debug_commands, push_command
+from .daemon.client import cluster, slurm
 from .daemon.client.controller_store import Summary, read_summary
-from .daemon.client.hosts import HostsError, resolve_target
-from .daemon.client.links import Sessions
-from .daemon.client.progress import Progress, fmt_bytes
-from .daemon.client.push import push
-from .daemon.client.push_options import PushOptions, workspace_name
-from .daemon.client.push_result import PushError, PushResult
+from .daemon.client.hosts import HostsError, target
+from .daemon.client.progress import fmt_bytes
+from .daemon.client.push_result import PushError
 from .daemon.client.status import remove, status
-from .daemon.node.procs import ROOT_PROCS_FLAG
 from .daemon.wire import identity
 from .daemon.wire.auth import (
     TokenError,
     default_token_file,
-    home_dir,
     resolve_token,
     write_new_token,
 )
 from .daemon.wire.bulk import resolve_local
+from .daemon.wire.identity import ROOT_PROCS_FLAG
 from .daemon.wire.limits import Limits
 from .daemon.wire.replies import StatusReply
-from .fs.scan_cache import ScanCache
-from .fs.snapshot import Snapshot, SourceChanged
-from .options import KEEP_WARM_IDLE, build_parser
+from .options import build_parser
 from .settings import settings
 
 log = logging.getLogger("monarch_fs")
 
-
-
-class BarProgress(Progress):
-    """A tqdm bar per phase on stderr, only when stderr is a terminal."""
-
-    def __init__(self) -> None:
-        self.bar = None
-
-    def phase(self, name: str, total: int, unit: str = "B") -> None:
-        from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type hints
-
-        if self.bar is not None:
-            self.bar.close()
-        self.bar = tqdm(total=total or None, desc=f"{name:>10}", unit=unit,
-                        unit_scale=unit == "B", unit_divisor=1024, leave=False,
-                        dynamic_ncols=True)
-
-    def update(self, done: int) -> None:
-        if self.bar is not None:
-            self.bar.update(done - self.bar.n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
 
 
 def cmd_daemon(args: argparse.Namespace, serve: Callable[[Any], Awaitable[Any]] | None = None
@@ -121,174 +89,12 @@ def cmd_daemon(args: argparse.Namespace, serve: Callable[[Any], Awaitable[Any]] 
     return 0
 
 
-def scan_cache_dir() -> Path:
-    """Where push keeps its scan caches: $MONARCH_FS_HOME/scan-cache (~/.monarch-fs/...)."""
-    return home_dir() / "scan-cache"
-
-
-def cmd_push(args: argparse.Namespace) -> int:
-    hosts, token = target(args)
-    cache_dir = None if args.no_cache else scan_cache_dir()
-    transport = resolve_local(args.transport)  # --transport rdma without a device: exit 1
-
-    async def run(progress: Progress | None = None, snapshot: Snapshot | None = None,
-                  held: Snapshot | None = None,
-                  sessions: Sessions | None = None) -> PushResult:
-        if args.compile:
-            await compile_first(args.src)
-        return await push(args.src, hosts, token, PushOptions(
-            name=args.name, excludes=args.exclude, topology=args.topology, fanout=args.fanout,
-            allow_partial=args.allow_partial, timeout=args.timeout, cache_dir=cache_dir,
-            transport=transport, encrypt=args.encrypt, at_source=args.at_source,
-            # push --watch: after a push every node took, the next go without the dev box
-            # store, whose open and fill cost grows with the tree, not the change (a later push
-            # to fresh nodes reads the few edited files again).
-            store_dir=None if args.no_store or held is not None else settings.store_dir,
-            store_bound=settings.store_bound, compress=args.compress, early=args.early,
-            first_reads_dir=home_dir() / "first-reads", bwlimit=args.bwlimit * (1 << 20),
-            control=args.control, control_fanout=args.control_fanout, freeze_scan=True),
-            progress=progress, on_usable=usable, snapshot=snapshot, held=held, sessions=sessions)
-
-    def usable(seconds: float, nodes: int) -> None:
-        """push --early: the version is served everywhere (the rest still streams)."""
-        if args.json:
-            print(json.dumps({"event": "usable", "seconds": seconds, "nodes": nodes}),
-                  flush=True)
-        else:
-            print(f"usable on {nodes} nodes after {seconds:.2f} s", flush=True)
-
-    if (args.on_demand or args.idle) and not args.watch and not args.keep_warm:
-        raise ValueError("--on-demand and --idle are for push --watch (a one-shot push leaves "
-                         "such a watch behind with --keep-warm)")
-    if args.watch:
-        from .daemon.client.watch import watch
-
-        workspace_name(args.src, args.name)  # a name no node takes: say so once, not per change
-
-        cache = ScanCache.for_folder(cache_dir, args.src) if cache_dir else None
-        mine = handoff_key(args, os.getcwd(), os.environ)
-
-        def judge(request: dict) -> Callable[[PushResult | BaseException], dict] | None:
-            """How to answer a one-shot push handed to this watch, if it is this push."""
-            try:
-                theirs = build_parser().parse_args(request["argv"])
-                key = handoff_key(theirs, request["cwd"], request["env"])
-            except (SystemExit, KeyError, TypeError, ValueError, OSError, HostsError,
-                    TokenError):
-                return None
-            if key != mine:
-                return None
-            return lambda outcome: dict(zip(("stdout", "stderr", "code"),
-                                            push_report(outcome, theirs.json, os.getpid())))
-
-        async def watching() -> int:
-            async with Sessions() as sessions:  # open from one push to the next
-                return await watch(args.src, lambda snap, held: run(None, snap, held, sessions),
-                                   cache=cache, excludes=args.exclude,
-                                   ignore=[cache_dir] if cache_dir else [],
-                                   json_lines=args.json, judge=judge, on_demand=args.on_demand,
-                                   idle_s=args.idle * 60 if args.idle else None)
-
-        return trio.run(watching)
-    bar = BarProgress() if sys.stderr.isatty() and not args.json else None
-    try:
-        outcome: PushResult | BaseException = trio.run(run, bar)
-    except (SourceChanged, PushError) as e:
-        outcome = e
-    finally:
-        if bar:
-            bar.close()
-    out, err, code = push_report(outcome, args.json)
-    if args.keep_warm and code == 0:  # (a push handed to a warm watch never gets here)
-        idle = args.idle or KEEP_WARM_IDLE
-        pid = handoff.start_warm(args.argv, idle)
-        err += (f"keeping {args.src} warm for the next push: push --watch --on-demand, pid "
-                f"{pid}, stops after {idle:g} min without a push\n")
-    sys.stderr.write(err)
-    sys.stdout.write(out)
-    return code
-
-
-def handoff_key(args: argparse.Namespace, cwd: str, env: Mapping[str, str]) -> tuple:
-    """What a push must share with a running `push --watch` to be handed to it
-    (daemon/client/handoff.py): the folder, hosts, token, workspace name and every option
-    that changes what a push does, with paths made absolute, and the MONARCH_FS_* settings."""
-    def absolute(path: str) -> str:
-        return os.path.realpath(os.path.join(cwd, os.path.expanduser(path)))
-
-    options = {k: v for k, v in vars(args).items()
-               if k not in ("watch", "json", "verbose", "src", "hosts", "token_file", "name",
-                            "daemon_args", "argv", "keep_warm", "on_demand", "idle")}
-    src = absolute(args.src)
-    spec = args.hosts
-    if spec and spec.startswith("@"):  # a host file
-        spec = "@" + absolute(spec[1:])
-    # What the files say now: a host file or token rewritten since the watch started (a new
-    # allocation at the same path) is another push.
-    hosts, token_file = resolve_target(spec, absolute(args.token_file) if args.token_file
-                                       else None)
-    token = hashlib.sha256(resolve_token(token_file)).hexdigest()
-    return (src, hosts, token, workspace_name(src, args.name),
-            json.dumps(options, sort_keys=True, default=str),
-            sorted((k, v) for k, v in env.items() if handoff.shared_setting(k)))
-
-
-def push_report(outcome: PushResult | BaseException, as_json: bool,
-                watch: int | None = None) -> tuple[str, str, int]:
-    """(stdout, stderr, exit code) of a one-shot push: its result, or why it failed. `watch`:
-    the pid of the `push --watch` that pushed it (a hand-off), said in the output."""
-    if isinstance(outcome, BaseException):
-        return "", f"monarch-fs: error: {outcome}\n", 1
-    result = outcome
-    err = [f"warning: {w}" for w in result.warnings] + result.left_behind()
-    if as_json:
-        obj = result.to_json()
-        obj.pop("warnings")
-        out = [json.dumps(obj if watch is None else {**obj, "watch": watch})]
-    else:
-        by = "" if watch is None else f" (by the running push --watch, pid {watch})"
-        out = [f"pushed {result.name} {result.version[:12]} to {result.nodes} nodes in "
-               f"{result.seconds:.2f}s{by}: {result.files} files, {fmt_bytes(result.bytes)}; "
-               f"sent {fmt_bytes(result.bytes_sent)} ({result.chunks_sent} chunks; the "
-               f"snapshot has {result.chunks_total}), {result.topology}, {result.transport}",
-               *link_lines(result)]
-        if result.usable_seconds is not None and result.complete_seconds is not None:
-            out.append(f"usable after {result.usable_seconds:.2f}s, complete after "
-                       f"{result.complete_seconds:.2f}s")
-    return "".join(f"{ln}\n" for ln in out), "".join(f"{ln}\n" for ln in err), 0
-
-
-async def compile_first(src: str) -> None:
-    """push --compile: byte-compile SRC in a worker thread (it can take a minute for a big venv)
-    and say which files would not compile."""
-    from .daemon.client.bytecode import compile_tree
-
-    done = await trio.to_thread.run_sync(compile_tree, src)
-    if done.failures:
-        print(f"warning: --compile: {done.failures} files under {src} did not compile with "
-              f"{done.python} (they are pushed as they are)", file=sys.stderr)
-
-
-def link_lines(result: PushResult) -> list[str]:
-    """The compression of each link, when it is not what the link's kind makes obvious (zstd
-    off loopback, none on it)."""
-    return [f"  {c['host']}: compression {c['compression']} ({c['why']})" for c in result.links
-            if not c["why"].startswith("loopback")]
-
-
-def target(args: argparse.Namespace) -> tuple[list[str], bytes]:
-    """The hosts and token a client command talks to: --hosts and --token-file, else the
-    environment's, else this SLURM job's (`slurm up`), else the local cluster's."""
-    hosts, token_file = resolve_target(args.hosts, args.token_file)
-    return hosts, resolve_token(token_file)
-
-
 def cmd_status(args: argparse.Namespace) -> int:
     held = read_summary(settings.store_dir, settings.store_bound)
     if args.store:
         print(json.dumps(held.to_json()) if args.json else store_line(held))
         return 0
-    hosts, token = target(args)
+    hosts, token = target(args.hosts, args.token_file)
     nodes = trio.run(status, hosts, token)
     if args.json:
         print(json.dumps([n.to_json() for n in nodes]))
@@ -349,7 +155,7 @@ def _procs_line(s: StatusReply) -> str:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    hosts, token = target(args)
+    hosts, token = target(args.hosts, args.token_file)
     nodes = trio.run(remove, hosts, token, args.name)
     if args.json:
         print(json.dumps([n.to_json() for n in nodes]))
@@ -379,7 +185,7 @@ def cmd_query(args: argparse.Namespace) -> int:
             print(f"on every node, into {table}: {sql}")
         print(f"here: {p.final}\n({p.how})")
         return 0
-    hosts, token = target(args)
+    hosts, token = target(args.hosts, args.token_file)
     result = trio.run(query.query, hosts, token, args.sql, args.timeout)
     if args.json:
         print(query.json_text(result))
@@ -395,7 +201,7 @@ def cmd_query(args: argparse.Namespace) -> int:
 def cmd_top(args: argparse.Namespace) -> int:
     from .daemon.client.top import top
 
-    hosts, token = target(args)
+    hosts, token = target(args.hosts, args.token_file)
     try:
         return trio.run(lambda: top(hosts, token, interval=args.interval, once=args.once,
                                     as_json=args.json))
@@ -406,7 +212,7 @@ def cmd_top(args: argparse.Namespace) -> int:
 def cmd_stacks(args: argparse.Namespace) -> int:
     from .daemon.client.stacks import stacks
 
-    hosts, token = target(args)
+    hosts, token = target(args.hosts, args.token_file)
     return trio.run(lambda: stacks(hosts, token, args.job, native=args.native,
                                    as_json=args.json))
 
@@ -531,7 +337,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print("monarch-fs: error: --per-host must be >= 1 and --max-restarts >= 0",
               file=sys.stderr)
         return 2
-    hosts, token = target(args)
+    hosts, token = target(args.hosts, args.token_file)
     # --transport rdma without a device here: exit 1 before connecting; the hosts are checked
     # once connected (spmd.choose_transports), still before anything is launched.
     local = resolve_local(args.transport, where=f"the controller {socket.gethostname()}")
@@ -543,7 +349,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "daemon": cmd_daemon, "push": cmd_push, "status": cmd_status, "rm": cmd_rm,
+    "daemon": cmd_daemon, "push": push_command.cmd_push, "status": cmd_status, "rm": cmd_rm,
     "run": cmd_run, "cluster": cmd_cluster, "slurm": cmd_slurm, "token": cmd_token,
     "query": cmd_query, "top": cmd_top, "stacks": cmd_stacks,
     "logs": debug_commands.cmd_logs, "repro": debug_commands.cmd_repro,

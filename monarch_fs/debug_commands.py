@@ -8,20 +8,14 @@ import sys
 
 import trio
 
-from .daemon.client.hosts import resolve_target
-from .daemon.wire.auth import resolve_token
-
-
-def _target(args: argparse.Namespace) -> tuple[list[str], bytes]:
-    hosts, token_file = resolve_target(args.hosts, args.token_file)
-    return hosts, resolve_token(token_file)
+from .daemon.client.hosts import target
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
     from .daemon.client.logs import logs, parse_since
 
     since = parse_since(args.since) if args.since else None
-    hosts, token = _target(args)
+    hosts, token = target(args.hosts, args.token_file)
     try:
         return trio.run(lambda: logs(hosts, token, args.job, rank=args.rank, grep=args.grep,
                                      since=since, follow=args.follow, fold=not args.no_fold,
@@ -37,7 +31,7 @@ def cmd_repro(args: argparse.Namespace) -> int:
 
     if args.pdb and args.world:
         raise ReproError("--pdb runs one rank (--rank R) under pdb, not --world")
-    hosts, token = _target(args)
+    hosts, token = target(args.hosts, args.token_file)
     launches = trio.run(find_launches, hosts, token, args.job,
                         None if args.world else args.rank)
     if args.world:

@@ -9,10 +9,10 @@ from collections.abc import Callable
 
 from .daemon.client import slurm
 from .daemon.client.link_codec import POLICIES as COMPRESS_POLICIES
-from .daemon.node.procs import ROOT_PROCS_FLAG
 from .daemon.wire import identity, topology
 from .daemon.wire.addresses import ENCRYPT_POLICIES
 from .daemon.wire.bulk import TRANSPORTS
+from .daemon.wire.identity import ROOT_PROCS_FLAG
 from .daemon.wire.limits import Limits
 from .debug_options import add_debug_commands
 from .fs.manifest import DEFAULT_MAX_ENTRIES

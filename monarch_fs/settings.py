@@ -19,10 +19,22 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from .fs.entry import DEFAULT_MAX_ENTRIES
+
+# The defaults of the settings below, owned here so that the modules they configure import them
+# from this one leaf (settings imports no module that imports it back).
+DURABLE_MODES = ("background", "sync")  # the first is the default
+FLUSH_DELAY = 1.0  # seconds after the last publish before a background flush
+EVENTS_INTERVAL = 2.0  # seconds between event writes (and the length of a `reads` row)
+EVENTS_MAX_BYTES = 256 << 20
+EVENTS_MAX_AGE = 30 * 86400.0
+RDMA_SLOTS = 16
+RDMA_SLOT_SIZE = 1 << 20
+
 
 class Settings:
-    """The environment's settings, one typed property per variable; defaults live with the code
-    they configure and are imported from there when a field is read."""
+    """The environment's settings, one typed property per variable, with the defaults above (a
+    store's pack size is the store's own, read from fs/store.py when the field is used)."""
 
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
         self._environ = os.environ if environ is None else environ
@@ -38,6 +50,18 @@ class Settings:
             return int(raw)
         except ValueError:
             raise ValueError(f"${name}={raw!r}: expected an integer") from None
+
+    def _seconds(self, name: str, default: float, low: float, high: float) -> float:
+        raw = self._str(name)
+        if raw is None:
+            return default
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"${name}={raw!r}: expected seconds") from None
+        if not low <= value <= high:
+            raise ValueError(f"${name}={raw!r}: expected {low:g} to {high:g} s")
+        return value
 
     def _switch(self, name: str) -> bool:
         """On unless set to "0": the switches exist to turn a default off, to compare or debug."""
@@ -91,8 +115,6 @@ class Settings:
     def max_entries(self) -> int:
         """MONARCH_FS_MAX_ENTRIES (500,000): the largest snapshot, in entries, a daemon accepts
         when no --max-entries is given."""
-        from .fs.manifest import DEFAULT_MAX_ENTRIES
-
         return self._int("MONARCH_FS_MAX_ENTRIES", DEFAULT_MAX_ENTRIES)
 
     @property
@@ -100,11 +122,10 @@ class Settings:
         """MONARCH_FS_DURABLE (background): a daemon's --durable when none is given:
         `background` publishes a version once its chunks are written and flushes them after,
         `sync` flushes before every publish (docs: what is durable when)."""
-        from .daemon.node.flusher import MODES
-
-        raw = self._str("MONARCH_FS_DURABLE") or MODES[0]
-        if raw not in MODES:
-            raise ValueError(f"$MONARCH_FS_DURABLE={raw!r}: expected one of {', '.join(MODES)}")
+        raw = self._str("MONARCH_FS_DURABLE") or DURABLE_MODES[0]
+        if raw not in DURABLE_MODES:
+            expected = ", ".join(DURABLE_MODES)
+            raise ValueError(f"$MONARCH_FS_DURABLE={raw!r}: expected one of {expected}")
         return raw
 
     @property
@@ -112,16 +133,7 @@ class Settings:
         """MONARCH_FS_FLUSH_SECONDS (1), seconds: with `daemon --durable background`, how long
         after the last publish a daemon flushes its store to disk (what a power cut before
         then takes is found at the next start, and the last whole version served)."""
-        from .daemon.node.flusher import FLUSH_DELAY
-
-        raw = self._str("MONARCH_FS_FLUSH_SECONDS")
-        try:
-            value = FLUSH_DELAY if raw is None else float(raw)
-        except ValueError:
-            raise ValueError(f"$MONARCH_FS_FLUSH_SECONDS={raw!r}: expected seconds") from None
-        if not 0 <= value <= 86400:
-            raise ValueError(f"$MONARCH_FS_FLUSH_SECONDS={raw!r}: expected 0 to 86400 s")
-        return value
+        return self._seconds("MONARCH_FS_FLUSH_SECONDS", FLUSH_DELAY, 0, 86400)
 
     @property
     def pack_limit(self) -> int:
@@ -154,33 +166,18 @@ class Settings:
     def events_bound(self) -> int:
         """MONARCH_FS_EVENTS_MIB (256), in bytes (at least 1 MiB): the size a daemon's events
         database is kept under; past it, its oldest rows go."""
-        from .daemon.node.events import DEFAULT_MAX_BYTES
-
-        return max(1, self._int("MONARCH_FS_EVENTS_MIB", DEFAULT_MAX_BYTES >> 20)) << 20
+        return max(1, self._int("MONARCH_FS_EVENTS_MIB", EVENTS_MAX_BYTES >> 20)) << 20
 
     @property
     def events_max_age(self) -> float:
         """MONARCH_FS_EVENTS_DAYS (30), in seconds: events older than that are deleted."""
-        from .daemon.node.events import DEFAULT_MAX_AGE
-
-        return max(1, self._int("MONARCH_FS_EVENTS_DAYS", int(DEFAULT_MAX_AGE // 86400))) * 86400.0
+        return max(1, self._int("MONARCH_FS_EVENTS_DAYS", int(EVENTS_MAX_AGE // 86400))) * 86400.0
 
     @property
     def events_interval(self) -> float:
         """MONARCH_FS_EVENTS_INTERVAL (2), seconds: how often a daemon writes its events and
         one `reads` row of its read counters."""
-        from .daemon.node.events import DEFAULT_INTERVAL
-
-        raw = self._str("MONARCH_FS_EVENTS_INTERVAL")
-        if raw is None:
-            return DEFAULT_INTERVAL
-        try:
-            value = float(raw)
-        except ValueError:
-            raise ValueError(f"$MONARCH_FS_EVENTS_INTERVAL={raw!r}: expected seconds") from None
-        if not 0.05 <= value <= 3600:
-            raise ValueError(f"$MONARCH_FS_EVENTS_INTERVAL={raw!r}: expected 0.05 to 3600 s")
-        return value
+        return self._seconds("MONARCH_FS_EVENTS_INTERVAL", EVENTS_INTERVAL, 0.05, 3600)
 
     # ---- RDMA (daemons and push) --------------------------------------------------------------
 
@@ -199,16 +196,12 @@ class Settings:
     @property
     def rdma_slots(self) -> int:
         """MONARCH_FS_RDMA_SLOTS (16): buffers in the ring a sender proposes."""
-        from .daemon.wire.rdma_format import DEFAULT_SLOTS
-
-        return self._int("MONARCH_FS_RDMA_SLOTS", DEFAULT_SLOTS)
+        return self._int("MONARCH_FS_RDMA_SLOTS", RDMA_SLOTS)
 
     @property
     def rdma_slot_size(self) -> int:
         """MONARCH_FS_RDMA_SLOT_SIZE (1 MiB), in bytes: the size of each of those buffers."""
-        from .daemon.wire.rdma_format import DEFAULT_SLOT_SIZE
-
-        return self._int("MONARCH_FS_RDMA_SLOT_SIZE", DEFAULT_SLOT_SIZE)
+        return self._int("MONARCH_FS_RDMA_SLOT_SIZE", RDMA_SLOT_SIZE)
 
 
 settings = Settings()

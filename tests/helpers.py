@@ -73,6 +73,14 @@ def holds_for(cond, seconds: float, what: str, interval: float = 0.05) -> None:
 
 # ---- mounts -----------------------------------------------------------------------------------
 
+def job_files(folder: Path, script: str) -> tuple[Path, Path]:
+    """A job script (FOLDER/job.py) and an empty FOLDER/out beside it, for a test that runs it."""
+    (folder / "job.py").write_text(script)
+    out = folder / "out"
+    out.mkdir()
+    return folder / "job.py", out
+
+
 def mounted(path: Path) -> bool:
     target = os.fsencode(os.path.abspath(path))
     with open("/proc/self/mountinfo", "rb") as f:

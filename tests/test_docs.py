@@ -24,11 +24,11 @@ import pytest
 
 from doc_examples import REPO, Block, all_blocks, marked_blocks
 from helpers import mfs, start_cluster, stop_cluster
-from monarch_fs.cli import push_report
 from monarch_fs.daemon.client.push_result import PushResult
 from monarch_fs.daemon.client.query import schema_text
 from monarch_fs.daemon.wire.replies import COUNTERS, TRANSPORT_KEYS, StatusReply
 from monarch_fs.options import build_parser
+from monarch_fs.push_command import push_report
 
 BIN = Path(sys.executable).parent  # the venv's: monarch-fs, python
 

@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from helpers import FOLDER_HEAD, FOLDER_MAGIC, FUZZ, SMALL, folder_object
+from monarch_fs.fs import manifest_edit
 from monarch_fs.fs.chunk import CHUNK_SIZE, ID_SIZE, MAX_CHUNK_SIZE, chunk_id
 from monarch_fs.fs.manifest import (
     MAX_NAME,
@@ -258,7 +259,7 @@ def test_a_version_shares_its_unchanged_folders_objects():
 
 
 def test_an_edited_manifest_is_the_whole_build_and_refuses_a_bad_listing():
-    """Manifest.edited (a rescan's): the folders listed anew, the rest spliced, gives the
+    """manifest_edit.edited (a rescan's): the folders listed anew, the rest spliced, gives the
     manifest a whole build gives; a listing that names a child twice or one of another folder
     is refused."""
     entries = [Entry(b"", Kind.DIR, 0o755, 0, 0)]
@@ -279,15 +280,15 @@ def test_an_edited_manifest_is_the_whole_build_and_refuses_a_bad_listing():
     def listing(path: bytes) -> tuple[Entry, list[Entry]]:
         return by_path[path], [e for e in by_path.values() if e.path and e.parent == path]
 
-    edited = before.edited({p: listing(p) for p in (b"d2/s", b"d2/s/new", b"d3/s")})
+    edited = manifest_edit.edited(before, {p: listing(p) for p in (b"d2/s", b"d2/s/new", b"d3/s")})
     assert edited.id == after.id and edited.entries == after.entries
     assert edited.objects() == after.objects()
     assert edited.new_objects == set(after.objects()) - set(before.objects())
     folder, kids = listing(b"d2/s")
     with pytest.raises(ManifestError, match="twice"):
-        before.edited({b"d2/s": (folder, kids + kids[:1])})
+        manifest_edit.edited(before, {b"d2/s": (folder, kids + kids[:1])})
     with pytest.raises(ManifestError, match="listed in folder"):
-        before.edited({b"d2/s": (folder, kids + [by_path[b"d1/s/f0"]])})
+        manifest_edit.edited(before, {b"d2/s": (folder, kids + [by_path[b"d1/s/f0"]])})
 
 
 def _with_parents(path: bytes) -> list[tuple]:
@@ -731,7 +732,7 @@ def _children_first(m: Manifest) -> bool:
 
 
 def test_an_edit_drops_the_objects_of_what_it_replaced_and_keeps_a_shared_one():
-    """Manifest.edited's objects are the whole build's, children first: a folder the edit
+    """manifest_edit.edited's objects are the whole build's, children first: a folder the edit
     removed takes its object with it, unless another folder has the same object."""
     root = Entry(b"", Kind.DIR, 0o755, 0, 0)
 
@@ -742,11 +743,11 @@ def test_an_edit_drops_the_objects_of_what_it_replaced_and_keeps_a_shared_one():
     for b_mtime in (5, 6):  # b the same as a (one object for both), or not
         m = Manifest([root, *folder(b"a", 5), *folder(b"b", b_mtime), *folder(b"c", 7)])
         m.objects()
-        edited = m.edited({b"": (root, [m.get(b"b"), m.get(b"c")])})  # a removed
+        edited = manifest_edit.edited(m, {b"": (root, [m.get(b"b"), m.get(b"c")])})  # a removed
         whole = Manifest([root, *folder(b"b", b_mtime), *folder(b"c", 7)])
         assert dict(edited.objects()) == whole.objects() and edited.id == whole.id
         assert _children_first(edited)
-        again = edited.edited({b"c": (edited.get(b"c"), [
+        again = manifest_edit.edited(edited, {b"c": (edited.get(b"c"), [
             Entry(b"c/g", Kind.FILE, 0o644, 1, 0, chunks=(cid(2),))])})
         assert dict(again.objects()) == Manifest(
             [root, *folder(b"b", b_mtime), Entry(b"c", Kind.DIR, 0o755, 0, 7),

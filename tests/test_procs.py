@@ -14,7 +14,8 @@ import trio
 import trio._core._thread_cache as thread_cache
 
 from helpers import start_daemon, stop_daemon
-from monarch_fs.daemon.node.procs import MAX_SECRETS, ProcessTable, SpawnRefused
+from monarch_fs.daemon.node.process_start import MAX_SECRETS
+from monarch_fs.daemon.node.procs import ProcessTable, SpawnRefused
 from monarch_fs.daemon.wire.auth import load_token
 from monarch_fs.daemon.wire.transport import RemoteError, connect
 from procwatch import Started

@@ -12,8 +12,8 @@ import pytest
 
 from doc_examples import REPO, marked_blocks
 from monarch_fs.daemon.client import query as q
-from monarch_fs.daemon.node.events import EVENT_COLUMNS, SCHEMA, TABLES
-from monarch_fs.daemon.wire.replies import QueryReply
+from monarch_fs.daemon.wire.telemetry_calls import QueryReply
+from monarch_fs.daemon.wire.telemetry_tables import EVENT_COLUMNS, SCHEMA, TABLES
 
 HOSTS = ["10.0.0.1:7000", "10.0.0.2:7000", "10.0.0.3:7000"]
 

@@ -6,7 +6,7 @@ bytearrays, its queue pairs live in a dict), so every end of every queue pair mu
 one process; and one process can serve only one FUSE mount (pyfuse3's state is global), so three
 `NodeDaemon.run()`s cannot share it. The highest level that is possible is what runs here: three
 real `NodeService`s (the whole node but its mount: sessions, store, refs, publisher, process
-table, relay.py and bulk.py), each served by `NodeService.serve` on its own loopback TCP
+table, relay.py and bulk.py), each served by `serve` (daemon/node/serve.py) on its own loopback TCP
 listener, driven by the real push client (`push()`), with pyverbs replaced by the fake. Only
 `NodeDaemon` is left out (the FUSE mount, signal handling, the ready file). Control messages go
 over real TCP; chunk payloads go through the fake fabric on every hop, which the test checks
@@ -25,6 +25,7 @@ import trio
 from monarch_fs.daemon.client.push import push
 from monarch_fs.daemon.client.push_options import PushOptions
 from monarch_fs.daemon.client.push_result import PushError
+from monarch_fs.daemon.node.serve import serve
 from monarch_fs.daemon.node.service import NodeService, open_listeners
 from monarch_fs.daemon.wire import bulk, rdma
 from monarch_fs.daemon.wire.rdma_engines import SenderEngine
@@ -51,7 +52,7 @@ async def serving(tmp_path: Path, n: int, local: bulk.LocalTransport):
                             mount=tmp_path / f"node-{i}" / "mnt", token=TOKEN,
                             node_name=f"node-{i}", transport=local)
             listeners, _ = await open_listeners("127.0.0.1:0")
-            await nursery.start(d.serve, listeners)
+            await nursery.start(serve, d, listeners)
             nodes.append(d)
         yield nodes
 

@@ -19,8 +19,9 @@ import trio
 
 from helpers import mfs, wait_for
 from monarch_fs.daemon.client import cluster as cluster_mod
-from monarch_fs.daemon.node.procs import ROOT_PROCS_FLAG, ProcessTable, SpawnRefused
+from monarch_fs.daemon.node.procs import ProcessTable, SpawnRefused
 from monarch_fs.daemon.wire.auth import load_token
+from monarch_fs.daemon.wire.identity import ROOT_PROCS_FLAG
 from monarch_fs.daemon.wire.transport import RemoteError, connect
 from monarch_fs.mesh import HostMesh, SpawnError
 from procwatch import Started, descendants

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import CLI_MODULE, mfs
+from helpers import CLI_MODULE, job_files, mfs
 from procwatch import Started
 from rdma_helpers import host_has_rdma  # noqa: F401 (the skipif condition below names it)
 
@@ -77,10 +77,7 @@ JOB = textwrap.dedent("""
 
 @pytest.fixture
 def job(tmp_path):
-    (tmp_path / "job.py").write_text(JOB)
-    out = tmp_path / "out"
-    out.mkdir()
-    return tmp_path / "job.py", out
+    return job_files(tmp_path, JOB)
 
 
 def run(cluster, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:

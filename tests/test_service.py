@@ -18,25 +18,32 @@ import trio
 from helpers import staged
 from monarch_fs.daemon.client.push import push
 from monarch_fs.daemon.client.push_options import PushOptions
+from monarch_fs.daemon.node import recovery
+from monarch_fs.daemon.node.serve import serve
 from monarch_fs.daemon.node.service import NodeService, open_listeners
 from monarch_fs.daemon.node.session import ROUTES
 from monarch_fs.daemon.wire import protocol as p
 from monarch_fs.daemon.wire.chunk_read import ChunksReply, ReadChunks
 from monarch_fs.daemon.wire.logs import Logs, LogsReply
+from monarch_fs.daemon.wire.process_calls import (
+    FreePort,
+    FreePortReply,
+    Kill,
+    KillReply,
+    Probe,
+    Spawn,
+    SpawnReply,
+)
 from monarch_fs.daemon.wire.replies import (
     BulkReply,
     CommitReply,
     CurrentReply,
     FanReply,
     FlushReply,
-    FreePortReply,
-    KillReply,
     MalformedReply,
     PrepareReply,
-    QueryReply,
     RelayReply,
     RemoveReply,
-    SpawnReply,
     StatusReply,
 )
 from monarch_fs.daemon.wire.requests import (
@@ -44,17 +51,13 @@ from monarch_fs.daemon.wire.requests import (
     Commit,
     Fan,
     Flush,
-    FreePort,
-    Kill,
     OpenRelay,
     Prepare,
-    Probe,
-    Query,
     Remove,
     RequestError,
-    Spawn,
     Status,
 )
+from monarch_fs.daemon.wire.telemetry_calls import Query, QueryReply
 from monarch_fs.daemon.wire.transport import RemoteError, connect
 from monarch_fs.fs import chunk
 from monarch_fs.fs.manifest import Entry, Kind, Manifest
@@ -73,9 +76,9 @@ async def serving(tmp_path: Path, n: int = 1, **service):
             node = NodeService(state=tmp_path / f"node-{i}" / "state",
                                mount=tmp_path / f"node-{i}" / "mnt", token=TOKEN,
                                node_name=f"node-{i}", **service)
-            await node.publisher.load()
+            await recovery.load(node.publisher)
             listeners, _ = await open_listeners("127.0.0.1:0")
-            await nursery.start(node.serve, listeners)
+            await nursery.start(serve, node, listeners)
             nodes.append(node)
         yield nodes
 

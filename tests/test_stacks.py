@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from stack_actors import Loader
 
-from helpers import CLI_MODULE, mfs, wait_for
+from helpers import CLI_MODULE, job_files, mfs, wait_for
 from monarch_fs.mesh import HostMesh, SupervisionError
 from procwatch import Started, descendants
 
@@ -56,10 +56,7 @@ JOB = textwrap.dedent("""
 
 @pytest.fixture
 def job(tmp_path):
-    (tmp_path / "job.py").write_text(JOB)
-    out = tmp_path / "out"
-    out.mkdir()
-    return tmp_path / "job.py", out
+    return job_files(tmp_path, JOB)
 
 
 def target(cluster) -> list[str]:

@@ -18,9 +18,10 @@ import trio
 
 from helpers import mfs, stop_node, wait_for
 from monarch_fs.daemon.client import cluster as cluster_mod
-from monarch_fs.daemon.node.events import SCHEMA, EventLog
+from monarch_fs.daemon.node.events import EventLog
 from monarch_fs.daemon.wire.auth import resolve_token
 from monarch_fs.daemon.wire.identity import Identity
+from monarch_fs.daemon.wire.telemetry_tables import SCHEMA
 from monarch_fs.daemon.wire.transport import RemoteError, connect
 
 INTERVAL = "0.2"  # the daemons write their events every 0.2 s here (2 s by default)

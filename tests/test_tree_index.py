@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from monarch_fs.fs import manifest_edit
 from monarch_fs.fs.chunk import chunk_id
 from monarch_fs.fs.inodes import Tree, changes
 from monarch_fs.fs.manifest import Entry, Kind, Manifest
@@ -144,7 +145,7 @@ def test_a_tree_made_from_the_version_before_is_the_whole_build(seed):
             if id(f) not in read:
                 assert prev.manifest.folder(f.entry.path) is f
         # and so are those of the version before edited in the folders that load read
-        edited = chain = chain.edited({f.entry.path: (f.entry, f.kids)
+        edited = chain = manifest_edit.edited(chain, {f.entry.path: (f.entry, f.kids)
                                        for f in loaded.read_folders})
         assert shape(edited) == shape(m) and edited.objects() == m.objects()
         order = {oid: n for n, oid in enumerate(edited.objects())}  # children first
@@ -179,7 +180,8 @@ def test_an_edit_leaves_no_reference_cycle():
             assert new.prev_version == prev.version
             changes(prev, new)
             prev = new
-            edited = prev.manifest.edited({b"": (prev.entries[b""], prev.children[b""])})
+            root = {b"": (prev.entries[b""], prev.children[b""])}
+            edited = manifest_edit.edited(prev.manifest, root)
             assert edited.id == prev.manifest.id
         assert gc.collect() == 0
     finally:

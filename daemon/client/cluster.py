@@ -22,8 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from ..node.procs import ROOT_PROCS_FLAG
 from ..wire.auth import default_token_file, write_new_token
+from ..wire.identity import ROOT_PROCS_FLAG
 
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 10.0

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ...settings import settings
 from ..wire.addresses import parse_addr
+from ..wire.auth import resolve_token
 from .cluster import default_cluster_dir
 from .slurm import job_hosts_file
 
@@ -31,6 +32,13 @@ def resolve_target(spec: str | None, token_file: str | None) -> tuple[list[str],
                 token_file = str(job_hosts.with_name("token"))
             return parse_hosts(f"@{job_hosts}"), token_file
     return parse_hosts(spec), token_file
+
+
+def target(spec: str | None, token_file: str | None) -> tuple[list[str], bytes]:
+    """The hosts and token a client command talks to: --hosts and --token-file, else the
+    environment's, else this SLURM job's (`slurm up`), else the local cluster's."""
+    hosts, token_file = resolve_target(spec, token_file)
+    return hosts, resolve_token(token_file)
 
 
 def parse_hosts(spec: str | None) -> list[str]:

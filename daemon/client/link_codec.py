@@ -20,7 +20,7 @@ import trio
 
 from ...fs.chunk import chunk_id, decode, encode
 from ..wire.addresses import is_loopback, parse_addr
-from ..wire.replies import ProbeReply
+from ..wire.process_calls import ProbeReply
 from ..wire.transport import Channel
 
 POLICIES = ("auto", "on", "off")

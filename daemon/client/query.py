@@ -30,9 +30,9 @@ from typing import Any
 
 import trio
 
-from ..node.events import SCHEMA
 from ..wire import identity
-from ..wire.replies import QueryReply
+from ..wire.telemetry_calls import QueryReply
+from ..wire.telemetry_tables import SCHEMA
 from .query_plan import Plan, QueryError, check, create_table, plan
 from .status import ask_each
 

@@ -27,7 +27,7 @@ import sqlglot
 from sqlglot import exp
 from sqlglot.errors import ParseError
 
-from ..node.events import SCHEMA, TABLES
+from ..wire.telemetry_tables import SCHEMA, TABLES
 
 DIALECT = "sqlite"
 # Aggregates a node can compute in part: how the controller combines each node's partial.

@@ -10,8 +10,9 @@ has it: the dev box store (controller_store.py), the folder it was pushed from (
 they are now, a chunk taken only when its id matches), or the node that ran it (a
 `read_chunks` request: wire/chunk_read.py). The command then runs there with `{workspace}` and
 `{mount}` pointing at the copy, the rank's environment on top of this machine's PATH, HOME
-and locale (what a node gives every process, procs.base_env), and MASTER_ADDR and MASTER_PORT
-pointing here. repro says what differs from the cluster run and exits as the process does.
+and locale (what a node gives every process, process_start.base_env), and MASTER_ADDR
+and MASTER_PORT pointing here. repro says what differs from the cluster run and exits as the
+process does.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from ..wire.protocol import ProtocolError
 from ..wire.transport import Channel, ConnectError, ConnectionLost, RemoteError, connect
 from .query import query
 
-# What a node passes a process of its own environment (procs.BASE_ENV, and LC_*), and the
+# What a node passes a process of its own environment (process_start.BASE_ENV, and LC_*), and the
 # user's identity, taken here from this machine's.
 LOCAL_ENV = ("PATH", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR", "HOME", "USER", "LOGNAME",
              "SHELL")
@@ -383,10 +384,7 @@ def run(launch: Launch, *, token: bytes, store_dir: Path, source: str | None, ke
         err.write(f"monarch-fs repro: {line}\n")
         return status
     finally:
-        if keep:
-            err.write(f"monarch-fs repro: kept {here}\n")
-        else:
-            shutil.rmtree(here, ignore_errors=True)
+        leave(here, keep, err)
 
 
 def _signal_name(sig: int) -> str:
@@ -394,3 +392,12 @@ def _signal_name(sig: int) -> str:
         return signal.Signals(sig).name
     except ValueError:
         return f"signal {sig}"
+
+
+def leave(here: Path, keep: bool, err: TextIO) -> None:
+    """Done with the temporary folder a version was written to: keep it (--keep, and say
+    where) or remove it."""
+    if keep:
+        err.write(f"monarch-fs repro: kept {here}\n")
+    else:
+        shutil.rmtree(here, ignore_errors=True)

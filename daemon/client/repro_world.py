@@ -7,7 +7,6 @@ the command's."""
 
 from __future__ import annotations
 
-import shutil
 import signal
 import subprocess
 from collections.abc import Sequence
@@ -17,7 +16,16 @@ from typing import TextIO
 import trio
 
 from .fold import WINDOW, FoldedOutput
-from .repro import Launch, ReproError, free_port, materialize, outcome, prepare, scratch
+from .repro import (
+    Launch,
+    ReproError,
+    free_port,
+    leave,
+    materialize,
+    outcome,
+    prepare,
+    scratch,
+)
 
 STOP_GRACE = 5.0
 
@@ -66,10 +74,7 @@ async def run_world(launches: Sequence[Launch], *, token: bytes, store_dir: Path
             err.write(f"monarch-fs repro: rank {world.failed} failed first\n")
         return status
     finally:
-        if keep:
-            err.write(f"monarch-fs repro: kept {here}\n")
-        else:
-            shutil.rmtree(here, ignore_errors=True)
+        leave(here, keep, err)
 
 
 class _World:

@@ -19,7 +19,7 @@ from typing import Any, TextIO
 
 import trio
 
-from ..wire.replies import StatsReply
+from ..wire.telemetry_calls import StatsReply
 from .progress import fmt_bytes
 from .status import ask_all
 

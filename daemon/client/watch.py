@@ -39,7 +39,6 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
 from typing import TextIO
 
 import trio
@@ -51,6 +50,7 @@ from ...fs.scan import ScanStopped, is_excluded, scan
 from ...fs.scan_cache import ScanCache
 from ...fs.snapshot import Snapshot
 from . import handoff
+from .handoff_answer import Asked, Judge, serve_handoffs
 from .progress import fmt_bytes
 from .push_result import PushResult
 
@@ -95,11 +95,6 @@ class _Filter:
         return None if is_excluded(brel, self.excludes) else brel
 
 
-# judge(request): None if a handed-off push (handoff.py's request) is not this watch's, else
-# how to answer it: report(the push's PushResult, or the exception it failed with) -> the reply
-# (what the one-shot command would have printed, and its exit code).
-Report = Callable[[PushResult | BaseException], dict]
-Judge = Callable[[dict], Report | None]
 # A hand-off wakes the wait for changes by touching a file in a folder of its own that the
 # watcher also watches (HOME/watch/PID.wake, private): the watcher returns what it holds, the
 # wake's path among it, which counts for nothing. (Not through the watcher's stop event:
@@ -147,7 +142,7 @@ async def watch(
     interrupted = False
     last_warnings: list[str] = []
     outcome: PushResult | BaseException | None = None  # of the last push
-    waiting: list[_Asked] = []  # hand-offs that arrived since the last push started
+    waiting: list[Asked] = []  # hand-offs that arrived since the last push started
 
     def say(line: str, stream: TextIO) -> None:
         print(line, file=stream, flush=True)
@@ -260,7 +255,7 @@ async def watch(
         held: Snapshot | None = None  # what every node took last
         changed: set[bytes] = set()
         checking = False  # a whole scan after a quiet spell: did the watcher miss anything?
-        asked: list[_Asked] = []  # the hand-offs this push answers
+        asked: list[Asked] = []  # the hand-offs this push answers
         last_push = time.monotonic()
         while True:
             gc.disable()  # until the push is done (see the module docstring)
@@ -369,7 +364,7 @@ async def watch(
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(on_signal, signals, nursery.cancel_scope)
                     if judge is not None and wake is not None:
-                        await nursery.start(_serve_handoffs, judge, waiting, wake / WAKE)
+                        await nursery.start(serve_handoffs, judge, waiting, wake / WAKE)
                     say(f"watching {root} (Ctrl-C to stop)", err)
                     await loop(notify)
                     nursery.cancel_scope.cancel()
@@ -378,75 +373,3 @@ async def watch(
             shutil.rmtree(wake, ignore_errors=True)
     say("stopped watching" + (" (a push in progress was cancelled)" if interrupted else ""), err)
     return 130 if interrupted else 0
-
-
-class _Asked:
-    """A one-shot push handed to this watch, waiting for the next push to end."""
-
-    def __init__(self, report: Report):
-        self.report = report
-        self.reply: dict | None = None
-        self.done = trio.Event()
-
-    def answer(self, outcome: PushResult | BaseException | None) -> None:
-        if outcome is None:
-            outcome = RuntimeError("the watch has not pushed yet")
-        self.reply = self.report(outcome)
-        self.done.set()
-
-
-async def _serve_handoffs(judge: Judge, waiting: list[_Asked], wake: Path, *,
-                          task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-                          ) -> None:
-    """Take one-shot pushes on a socket in handoff.sockets() until cancelled (then remove it).
-    Each asks whether it is this watch's push (judge), wakes the watch (by writing `wake`,
-    which its watcher sees), then waits for the next push to end."""
-    path = handoff.own_sockets() / f"{os.getpid()}.sock"
-    path.unlink(missing_ok=True)
-    sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
-    try:
-        await sock.bind(str(path))
-        sock.listen(16)
-        listener = trio.SocketListener(sock)
-
-        async def one(stream: trio.SocketStream) -> None:
-            async with stream:
-                if handoff.peer_uid(stream.socket) != os.geteuid():
-                    return  # only this user's pushes are taken (and told anything)
-                try:
-                    with trio.fail_after(handoff.ASK_TIMEOUT):
-                        line = await _read_line(stream)
-                    report = judge(json.loads(line))
-                except (ValueError, trio.TooSlowError, OSError, trio.BrokenResourceError):
-                    return
-                try:
-                    await stream.send_all(json.dumps({"mine": report is not None}).encode()
-                                          + b"\n")
-                    if report is None:
-                        return
-                    asked = _Asked(report)
-                    waiting.append(asked)
-                    try:
-                        wake.write_bytes(b"")
-                    except OSError:
-                        pass  # seen at the wait's next look (POLL_MS)
-                    await asked.done.wait()
-                    await stream.send_all(json.dumps(asked.reply).encode() + b"\n")
-                except (OSError, trio.BrokenResourceError):
-                    return  # the one-shot command went away (Ctrl-C): the push still ran
-
-        task_status.started()
-        await trio.serve_listeners(one, [listener])
-    finally:
-        sock.close()
-        path.unlink(missing_ok=True)
-
-
-async def _read_line(stream: trio.SocketStream, limit: int = 1 << 20) -> bytes:
-    buf = b""
-    while not buf.endswith(b"\n"):
-        data = await stream.receive_some(65536)
-        if not data or len(buf) > limit:
-            raise ValueError("no request line")
-        buf += data
-    return buf

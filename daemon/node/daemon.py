@@ -24,7 +24,9 @@ from ...fs import passthrough
 from ...fs.mount_check import check_mount, mount
 from ...fs.mount_options import mount_mode, set_readahead
 from ..wire.addresses import parse_addr
+from . import recovery
 from .notify import notify
+from .serve import serve
 from .service import NodeService, open_listeners
 
 log = logging.getLogger("monarch_fs.daemon")
@@ -63,7 +65,7 @@ class NodeDaemon:
         service, fs = self.service, self.service.fs
         check_mount(service.mount, self.allow_other)
         mode = mount_mode(self.allow_other)
-        await service.publisher.load()
+        await recovery.load(service.publisher)
         for problem in service.publisher.all_problems():
             log.error("%s", problem)
         listeners, service.addr = await open_listeners(self.listen)
@@ -82,7 +84,7 @@ class NodeDaemon:
                 fs.nursery = nursery  # prefetches
                 nursery.start_soon(self._fuse_main, nursery.cancel_scope)
                 nursery.start_soon(self._stop_on_signal, nursery.cancel_scope)
-                await nursery.start(service.serve, listeners)
+                await nursery.start(serve, service, listeners)
                 # A stat from another thread returns once the kernel finished FUSE INIT (which
                 # resets the readahead window): then the mount is ready, and tunable.
                 await trio.to_thread.run_sync(os.stat, service.mount)

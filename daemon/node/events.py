@@ -6,8 +6,8 @@ Two tables (SCHEMA): `events`, one row per thing that happened (a push's phases,
 published or dropped, a collect, a process started or ended, an error...), and `reads`, one
 row per interval in which the mount served requests (by operation, cache hits and misses,
 bytes, time in the handlers and time loading chunks from disk).
-Other modules add their tables through `add` (the `stacks` table:
-stack_table.py).
+Other modules add their tables through `add`. Every table's columns and schema:
+wire/telemetry_tables.py.
 
 Recording never waits on the disk: `record` appends a row to a list in memory (any thread may
 call it: worker threads and the logging handler do), and `run` writes what gathered, with the
@@ -41,65 +41,20 @@ from typing import Any
 
 import trio
 
+from ...settings import EVENTS_INTERVAL as DEFAULT_INTERVAL
+from ...settings import EVENTS_MAX_AGE as DEFAULT_MAX_AGE
+from ...settings import EVENTS_MAX_BYTES as DEFAULT_MAX_BYTES
 from ..wire.identity import Identity
 from ..wire.requests import RequestError
+from ..wire.telemetry_tables import EVENT_COLUMNS, READ_COLUMNS, SCHEMA, TABLES
 from . import events_query
 from .events_query import MAX_ROWS, QUERY_TIMEOUT, Answer
 from .logs import INSERT as INSERT_LOGS
-from .logs import LOG_COLUMNS, LOGS_SCHEMA, LogLines
-from .stack_table import STACK_COLUMNS, STACK_SCHEMA
+from .logs import LogLines
 
 log = logging.getLogger("monarch_fs.daemon")
 
-# Columns of `events`, after id. Kinds and which columns each fills: docs/reference/events.md.
-EVENT_COLUMNS = ("ts", "node", "kind", "workspace", "version", "peer", "proc", "pid", "rank",
-                 "restart", "code", "signal", "count", "bytes", "seconds", "topology",
-                 "transport", "text", "detail", "uid")
-# Columns of `reads`, after id: one row per interval in which the mount served requests.
-READ_COLUMNS = ("ts", "node", "interval", "requests", "reads", "bytes", "hits", "misses",
-                "busy", "disk", "ops")
-# Every column a query may name, per table.
-TABLES: dict[str, tuple[str, ...]] = {"events": ("id", *EVENT_COLUMNS),
-                                      "reads": ("id", *READ_COLUMNS),
-                                      "stacks": ("id", *STACK_COLUMNS),
-                                      "logs": ("id", *LOG_COLUMNS)}  # processes' output: logs.py
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS events (
-    id INTEGER PRIMARY KEY,
-    ts REAL NOT NULL,       -- seconds since the epoch
-    node TEXT NOT NULL,     -- the daemon's --node-name
-    kind TEXT NOT NULL,     -- push.received, proc.exited, ... (docs: the kinds of event)
-    workspace TEXT, version TEXT, peer TEXT,
-    proc INTEGER, pid INTEGER, rank INTEGER, restart INTEGER, code INTEGER, signal TEXT,
-    count INTEGER, bytes INTEGER, seconds REAL,
-    topology TEXT, transport TEXT,
-    text TEXT,              -- an error's cause, a process's argv or its stderr tail
-    detail TEXT,            -- a JSON object: what else the kind carries
-    uid INTEGER             -- whose row: a process's user (NULL: the node's own event)
-);
-CREATE INDEX IF NOT EXISTS events_ts ON events (ts);
--- Covers the usual aggregates by kind (counts, sums of bytes, seconds): no row lookups.
-CREATE INDEX IF NOT EXISTS events_kind ON events (kind, ts, count, bytes, seconds);
-CREATE TABLE IF NOT EXISTS reads (
-    id INTEGER PRIMARY KEY,
-    ts REAL NOT NULL,       -- the end of the interval
-    node TEXT NOT NULL,
-    interval REAL,          -- seconds the row covers
-    requests INTEGER,       -- FUSE requests served, all operations
-    reads INTEGER,          -- of which reads
-    bytes INTEGER,          -- bytes the reads returned
-    hits INTEGER, misses INTEGER,  -- decoded-chunk cache
-    busy REAL,              -- seconds spent in request handlers (waits included)
-    disk REAL,              -- seconds spent loading chunks from the store (worker threads)
-    ops TEXT                -- a JSON object: requests by operation
-);
-CREATE INDEX IF NOT EXISTS reads_ts ON reads (ts);
-""" + STACK_SCHEMA + LOGS_SCHEMA
-
-DEFAULT_INTERVAL = 2.0  # seconds between writes (and the length of a `reads` row)
-DEFAULT_MAX_BYTES = 256 << 20
-DEFAULT_MAX_AGE = 30 * 86400.0
 MAX_PENDING = 100_000  # rows held in memory for the next write; more are dropped (counted)
 TAIL_CHARS = 4096  # of a text column (an error, an argv, a stderr tail)
 # Of a detail's JSON: a value past a query's bound (events_query.MAX_VALUE_BYTES) would make

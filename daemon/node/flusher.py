@@ -3,8 +3,8 @@
 A node's store is a cache of content whose truth is the dev box: every chunk is verified
 against its id when it arrives and when it is read. So a version is published once its chunks
 are written (in the page cache) and settled (Store.settle), and the flush to disk follows here,
-FLUSH_DELAY seconds after the last publish (an edit loop's publishes share one flush). Each
-flush records the open pack's durable point; after a crash the node verifies what lies past it
+$MONARCH_FS_FLUSH_SECONDS after the last publish (an edit loop's publishes share one flush).
+Each flush records the open pack's durable point; after a crash the node verifies what lies past it
 before serving (fs/durable.py) and serves the last whole version (recovery.py, lost.py).
 `--durable sync` flushes before every publish instead, as before (publisher.py).
 """
@@ -19,8 +19,6 @@ from ...fs.store import Store
 
 log = logging.getLogger("monarch_fs.daemon")
 
-MODES = ("background", "sync")
-FLUSH_DELAY = 1.0  # seconds after the last publish (MONARCH_FS_FLUSH_SECONDS)
 
 
 class Flusher:
@@ -38,7 +36,7 @@ class Flusher:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:
-        """Flush after each publish (FLUSH_DELAY later, once publishes pause), until cancelled;
+        """Flush after each publish (the delay later, once publishes pause), until cancelled;
         then once more, so that a clean stop leaves nothing to check at the next start."""
         task_status.started()
         try:

@@ -30,24 +30,7 @@ from typing import Any, Protocol
 from ..wire.identity import Identity
 from ..wire.logs import MAX_ROWS, Logs, LogsReply
 from ..wire.requests import RequestError
-
-LOG_COLUMNS = ("ts", "node", "job", "rank", "restart", "proc", "uid", "stream", "line")
-
-LOGS_SCHEMA = """
-CREATE TABLE IF NOT EXISTS logs (
-    id INTEGER PRIMARY KEY,
-    ts REAL NOT NULL,       -- when the daemon read the line
-    node TEXT NOT NULL,
-    job TEXT,               -- the `run` job (MONARCH_FS_JOB) or proc mesh (MONARCH_MESH_NAME)
-    rank INTEGER, restart INTEGER,
-    proc INTEGER,           -- the daemon's id of the process (as in events)
-    uid INTEGER,            -- the user it ran as
-    stream TEXT,            -- stdout or stderr
-    line TEXT               -- without its newline; a line over 16 KiB is cut
-);
-CREATE INDEX IF NOT EXISTS logs_ts ON logs (ts);
-CREATE INDEX IF NOT EXISTS logs_job ON logs (job, rank, id);
-"""
+from ..wire.telemetry_tables import LOG_COLUMNS
 
 INSERT = (f"INSERT INTO logs ({', '.join(LOG_COLUMNS)}) VALUES "
           f"({', '.join('?' * len(LOG_COLUMNS))})")

@@ -47,12 +47,9 @@ variable, first thing, so nothing it starts later inherits either.
 
 from __future__ import annotations
 
-import ctypes
 import itertools
-import json
 import logging
 import os
-import pwd
 import signal
 import socket
 import subprocess
@@ -67,124 +64,31 @@ import trio
 
 from ..wire.identity import Identity
 from ..wire.jobs import job_of
-from ..wire.replies import SpawnReply
+from ..wire.process_calls import SpawnReply
 from . import spawn_args
 from .dedicated_thread import DedicatedThread
 from .events import EventLog
 from .launches import launch_record
+from .process_start import (
+    ROOT_REFUSED,
+    SECRETS_FD_ENV,
+    RunAs,
+    SpawnRefused,
+    base_env,
+    die_with_parent,
+    procs_user,
+    secrets_pipe,
+)
+from .process_start import read_secrets as read_secrets  # mesh/runtime.py's import path
 
 log = logging.getLogger("monarch_fs.procs")
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_PR_SET_PDEATHSIG = 1
 STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL
 DRAIN_GRACE = 2.0  # seconds to read what is left in the pipes once the process has exited
 TAIL_LINES = 20
 _MAX_LINE = 64 * 1024
 
 Emit = Callable[[str, dict], Awaitable[None]]  # (event kind, data) to the owner
-
-BASE_ENV = ("PATH", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR")  # and LC_*, from the daemon
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-SECRETS_FD_ENV = "MONARCH_FS_SECRETS_FD"
-ROOT_PROCS_FLAG = "--allow-root-procs"
-ROOT_REFUSED = (f"this daemon runs as root and starts no process as root unless started with "
-                f"{ROOT_PROCS_FLAG} (a single-user cluster); or run the daemon as a normal user")
-MAX_SECRETS = 4096  # bytes of JSON: PIPE_BUF, which any pipe takes in one write without waiting
-
-
-def base_env(uid: int | None = None) -> dict[str, str]:
-    """The environment every process starts from (see the module docstring): a few settings of
-    the daemon's, and the identity of user `uid` (default: the daemon's)."""
-    env = {k: v for k, v in os.environ.items() if k in BASE_ENV or k.startswith("LC_")}
-    env.setdefault("PATH", DEFAULT_PATH)
-    try:
-        pw = pwd.getpwuid(os.getuid() if uid is None else uid)
-    except KeyError:  # no entry (a container's arbitrary uid): what the daemon was given
-        env.update({k: os.environ[k] for k in ("HOME", "USER", "LOGNAME", "SHELL")
-                    if k in os.environ})
-    else:
-        env.update(HOME=pw.pw_dir, USER=pw.pw_name, LOGNAME=pw.pw_name,
-                   SHELL=pw.pw_shell or "/bin/sh")
-    return env
-
-
-def _secrets_pipe(secrets: dict[str, str]) -> int:
-    """A pipe holding `secrets` as JSON, its write end closed: the read end, for the child."""
-    data = json.dumps(secrets).encode()
-    if len(data) > MAX_SECRETS:
-        raise SpawnRefused(f"spawn: secrets take {len(data)} bytes, more than {MAX_SECRETS}")
-    r, w = os.pipe()
-    try:
-        os.write(w, data)  # at most PIPE_BUF bytes: all of it, at once
-    except BaseException:
-        os.close(r)
-        raise
-    finally:
-        os.close(w)
-    return r
-
-
-def read_secrets() -> dict[str, str]:
-    """In a spawned process: the secrets its spawn request carried ({} if none). Reads them from
-    the inherited pipe, closes it and removes MONARCH_FS_SECRETS_FD from os.environ, so call it
-    first thing: until then, a process this one starts could inherit the descriptor."""
-    fd_text = os.environ.pop(SECRETS_FD_ENV, None)
-    if fd_text is None:
-        return {}
-    fd = int(fd_text)
-    chunks = []
-    try:
-        while chunk := os.read(fd, 65536):
-            chunks.append(chunk)
-    finally:
-        os.close(fd)
-    return json.loads(b"".join(chunks))
-
-
-def _die_with_parent(parent: int, enter: str | None = None) -> Callable[[], None]:
-    """What the child does between fork and exec, after Popen switched its user: ask for
-    SIGKILL when the daemon dies (after the switch, which clears that setting), and enter
-    `enter` as that user."""
-    def preexec() -> None:
-        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the daemon died before prctl took effect
-            os._exit(1)
-        if enter is not None:
-            os.chdir(enter)
-
-    return preexec
-
-
-@dataclass(frozen=True)
-class RunAs:
-    """The user a process runs as (--identity munge): who, and the groups it gets."""
-
-    uid: int
-    gid: int
-    name: str
-    home: str
-    groups: list[int]
-
-    @classmethod
-    def of(cls, who: Identity, allow_root: bool) -> RunAs:
-        """The user `who` names, or SpawnRefused saying why this daemon cannot run as it."""
-        if who.uid == 0 and not allow_root:
-            raise SpawnRefused(f"the MUNGE credential is root's (uid 0): this daemon starts no "
-                               f"process as root unless started with {ROOT_PROCS_FLAG}")
-        me = os.geteuid()
-        if me != 0 and who.uid != me:
-            raise SpawnRefused(f"this daemon runs as uid {me} and can start processes only as "
-                               f"itself, not as uid {who.uid}: run it as root to act for "
-                               "each user")
-        try:
-            pw = pwd.getpwuid(who.uid)
-        except KeyError:
-            raise SpawnRefused(f"uid {who.uid} (the MUNGE credential's) has no entry in this "
-                               "node's password database: add the user on every node") from None
-        return cls(who.uid, who.gid, pw.pw_name, pw.pw_dir,
-                   os.getgrouplist(pw.pw_name, who.gid))
-
 
 def describe_status(returncode: int) -> dict:
     if returncode < 0:
@@ -197,22 +101,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]
-
-
-class SpawnRefused(Exception):
-    pass
-
-
-def procs_user(allow_root: bool) -> str:
-    """The user this daemon's processes run as, or "" when it refuses them all (it runs as
-    root without ROOT_PROCS_FLAG)."""
-    uid = os.geteuid()
-    if uid == 0 and not allow_root:
-        return ""
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:  # a container's arbitrary uid
-        return str(uid)
 
 
 class _Child:
@@ -321,7 +209,7 @@ class ProcessTable:
             user = {"user": run_as.uid, "group": run_as.gid, "extra_groups": run_as.groups}
         if (bad := spawn_args.problem(argv, env, cwd or enter)) is not None:
             raise SpawnRefused(bad)  # before any descriptor is made for the child
-        secrets_r = _secrets_pipe(secrets) if secrets else None
+        secrets_r = secrets_pipe(secrets) if secrets else None
         if secrets_r is not None:
             env[SECRETS_FD_ENV] = str(secrets_r)
         try:
@@ -336,7 +224,7 @@ class ProcessTable:
                 popen = await self._forker.run(lambda: subprocess.Popen(
                     argv, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, env=env,
                     cwd=cwd, pass_fds=() if secrets_r is None else (secrets_r,),
-                    start_new_session=True, preexec_fn=_die_with_parent(os.getpid(), enter),
+                    start_new_session=True, preexec_fn=die_with_parent(os.getpid(), enter),
                     **user), shield=True)
             except (OSError, subprocess.SubprocessError) as e:
                 os.close(out_r)

@@ -1,5 +1,6 @@
-"""Everything that changes what a node serves: the two-phase publish, removal, the backing
-files and the store's garbage collection.
+"""Everything that changes what a node serves: the two-phase publish and removal. The phases
+are here; what they keep in step is apart: the decoded manifests (manifest_cache.py), the
+backing files (backing_upkeep.py) and the store's garbage collection (collection.py).
 
 A push is staged, then published in two phases: chunks land in the store as they arrive (never
 visible in the mount); `prepare` checks that the manifest and every chunk it names are present
@@ -19,51 +20,34 @@ from __future__ import annotations
 
 import logging
 import os
-import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import trio
 
 from ...fs.backing import BackingFiles
-from ...fs.backing import key as backing_key
 from ...fs.backing import wanted as backing_wanted
 from ...fs.chunk import CorruptChunk
-from ...fs.chunk import decode as decode_chunk
 from ...fs.fuse_ops import SnapshotFS
-from ...fs.manifest import Entry, Manifest, ManifestError, MissingObject, TooManyEntries
+from ...fs.manifest import Manifest, ManifestError, MissingObject, TooManyEntries
 from ...fs.store import Store
-from ...fs.version_switch import Staged
 from ..wire.replies import CommitReply, PrepareReply, RemoveReply
 from ..wire.requests import RequestError
-from . import recovery, source_path
+from . import source_path
+from .backing_upkeep import BackingUpkeep
+from .collection import UNLOADABLE, Collection
 from .events import EventLog
 from .fetch import Fetcher
 from .flusher import Flusher
 from .incomplete import Incomplete
 from .lost import Losses
+from .manifest_cache import ManifestCache
 from .refs import Refs
 from .source_links import SourceLinks
 
 log = logging.getLogger("monarch_fs.daemon")
 
 KEEP_VERSIONS = 3
-# A commit's collect waits until commits pause for COLLECT_DELAY seconds. A collect reads every
-# retained version's chunk ids and holds the store meanwhile (0.3 s of CPU with 100k files),
-# and an edit loop commits several times a second: a collect a second after each commit took
-# half of each second on 4 nodes sharing 2 cores. It waits no longer than COLLECT_MAX_WAIT,
-# nor once the pushes since the last collect brought COLLECT_BYTES (what they replaced may
-# be that much garbage). A removal, a push that went away or a forgotten file collects at once.
-# Pushes that brought less than COLLECT_SMALL since the last collect (an edit loop's: a few
-# files) mostly replaced as little: their collect waits COLLECT_MAX_WAIT, not COLLECT_DELAY, so
-# a person's edits seconds apart do not each cost a pass over every retained version (as
-# above: 0.3 s of CPU with 100k files). (A push that deletes a large file is the exception:
-# its space comes back that much later.)
-COLLECT_DELAY = 1.0
-COLLECT_MAX_WAIT = 30.0
-COLLECT_BYTES = 256 << 20
-COLLECT_SMALL = 1 << 20
-_UNLOADABLE = (KeyError, CorruptChunk, ManifestError)  # a manifest missing, damaged or refused
 
 
 class Publisher:
@@ -94,38 +78,35 @@ class Publisher:
         self.mount = Path(mount) if mount is not None else None
         self.links = links or SourceLinks(refs.path.parent, identity=False)
         self.refs = refs
-        self.backing = backing
         self.fs = fs
         self.keep = keep
-        self.max_entries = max_entries  # a larger manifest is refused at prepare
         self.counters = counters
         # What could not be loaded at start: logged, shown by `status`, and the rest served.
         # A workspace's own problems go once it is published again.
         self.problems: list[str] = [*store.problems, *refs.problems]
         self.workspace_problems: dict[str, list[str]] = {}
-        self.backing_error: str | None = None  # why a file of the latest version has none
-        # Background work (backing files, collects); set while the service runs.
-        self.nursery: trio.Nursery | None = None
-        self._manifests: dict[bytes, Manifest] = {}
-        # See _backed: a version's list goes with its manifest.
-        self._backed_files: weakref.WeakKeyDictionary[Manifest, list[Entry]] = (
-            weakref.WeakKeyDictionary())
+        self.manifests = ManifestCache(store, refs, max_entries)
+        self.backing_upkeep = BackingUpkeep(backing, store, fs, self.manifests,
+                                            versions=self._versions)
         self._prepared: set[tuple[str, bytes, bool]] = set()  # (name, version, early)
         # The version each workspace is being prepared for: its backing files are kept.
         self._pinned: dict[str, bytes] = {}
         self._removing: set[str] = set()  # no new process may pin these
         self._publish_lock = trio.Lock()
-        # A collect, the answers to "which chunks do you lack", a prepare's check that it has
-        # every chunk, durably, and a cut back of the open pack (which only drops what is not
-        # durable): none of them runs during another.
-        self._gc_lock = trio.Lock()
-        self._collect_due: float | None = None  # when the next collect starts (trio time)
-        self._deferred_since: float | None = None  # commits put the next collect off since
-        self._received_at_collect = 0  # counters["bytes_received"] at the last collect
-        self._negotiating = 0  # sessions told what this node has, and not committed since
+        self.collection = Collection(store, refs, fs, counters=counters, events=events,
+                                     manifest=self.manifest, pinned=self._pinned.values)
         # The kernel let go of a file no served version has (after `rm`, or a dropped version
         # a reader held): its chunks may go now.
-        fs.on_orphan_forgotten = self.start_collect
+        fs.on_orphan_forgotten = self.collection.start
+
+    @property
+    def nursery(self) -> trio.Nursery | None:
+        """Background work (backing files, collects); set while the service runs."""
+        return self.collection.nursery
+
+    @nursery.setter
+    def nursery(self, nursery: trio.Nursery | None) -> None:
+        self.collection.nursery = nursery
 
     def all_problems(self) -> list[str]:
         return [*self.problems, *self.losses.problems(),
@@ -135,71 +116,16 @@ class Publisher:
 
     async def manifest(self, version: bytes, root: bytes | memoryview | None = None
                        ) -> Manifest:
-        """A version's manifest, loaded once (on a worker thread) from its folder objects in
-        the store. One with more than max_entries entries is refused (TooManyEntries), unless
-        it was published before the limit was lowered: a prepare that refused it, and every
-        collect after, load nothing. Raises KeyError (MissingObject) if the store lacks an
-        object. `root`: the root object's bytes as they arrive in a push, before they are
-        stored (checked against `version`, CorruptChunk): the push's large files are placed
-        from it, and prepare finds it loaded here."""
-        m = self._manifests.get(version)
-        if m is not None:
-            return m
-        published = any(version in vs for vs in self.refs.workspaces.values())
-        last = next(reversed(self._manifests.values()), None)
+        """A version's manifest (ManifestCache.get)."""
+        return await self.manifests.get(version, root)
 
-        def get(oid: bytes) -> bytes | memoryview:
-            if oid == version and root is not None:
-                return decode_chunk(version, root)
-            try:
-                return self.store.get(oid)
-            except CorruptChunk:  # damaged on disk: the next push is told it lacks it
-                log.warning("folder object %s is damaged in the store: dropped",
-                            oid.hex()[:12])
-                self.store.forget(oid)
-                raise
-
-        def load() -> Manifest:
-            # The folders it shares with the version loaded last are taken from that one:
-            # loaded once, and held once in memory.
-            return Manifest.load(version, get, None if published else self.max_entries,
-                                 known=last)
-
-        m = await trio.to_thread.run_sync(load)
-        self._manifests[version] = m
-        return m
-
-    def _backed(self, manifest: Manifest, staged: Staged | None = None) -> list[Entry]:
-        """The files of `manifest` served from backing files in passthrough (fs/backing.py),
-        found once per version: every commit and prune asks, and most files are too small.
-        With `staged` (a commit's switch to it), from the version it replaces and what changed,
-        when the switch found that. Blocking: a worker thread."""
-        backed = self._backed_files.get(manifest)
-        if backed is not None:
-            return backed
-        before = self._backed_files.get(staged.old[0].manifest) if staged and staged.old else None
-        if staged is not None and before is not None:  # changed: what differs from it, exactly
-            by_path = {e.path: e for e in before}
-            for old, new in staged.changed:
-                if old is not None:
-                    by_path.pop(old.path, None)
-                if new is not None and backing_wanted(new):
-                    by_path[new.path] = new
-            backed = list(by_path.values())
-        else:
-            backed = [e for e in manifest if backing_wanted(e)]
-        self._backed_files[manifest] = backed
-        return backed
+    def _versions(self) -> set[bytes]:
+        """Every retained or in-flight version."""
+        return {*self._pinned.values(), *(v for vs in self.refs.workspaces.values() for v in vs)}
 
     def _drop_manifests(self) -> None:
         """Forget the decoded manifests no retained or in-flight version uses."""
-        self._manifests = {v: m for v, m in self._manifests.items()
-                           if v in self._pinned.values()
-                           or any(v in vs for vs in self.refs.workspaces.values())}
-
-    async def load(self) -> None:
-        """Serve the saved workspaces, each version that is whole (recovery.py)."""
-        await recovery.load(self)
+        self.manifests.keep_only(self._versions())
 
     async def lacking(self, early: dict[str, list[bytes]]) -> dict[bytes, int]:
         """How many chunks each of the `early` versions (by workspace) lacks, for those whose
@@ -208,7 +134,7 @@ class Publisher:
         for v in {v for vs in early.values() for v in vs}:
             try:
                 m = await self.manifest(v)
-            except (*_UNLOADABLE, OSError):
+            except (*UNLOADABLE, OSError):
                 continue
             out[v] = await trio.to_thread.run_sync(self.incomplete.lacking, self.store, m)
         return out
@@ -217,7 +143,7 @@ class Publisher:
 
     async def missing(self, ids: list[bytes]) -> list[bytes]:
         """Which of `ids` the store lacks; not while a collect drops chunks."""
-        async with self._gc_lock:
+        async with self.collection.lock:
             return await trio.to_thread.run_sync(self.store.missing, ids)
 
     async def _check_complete(self, version: bytes) -> None:
@@ -238,7 +164,7 @@ class Publisher:
         version = manifest.id
         return (any(version in vs for vs in self.refs.workspaces.values())
                 and not self.incomplete.has(version)
-                and self._manifests.get(version) is manifest)
+                and self.manifests.decoded.get(version) is manifest)
 
     async def _checked_manifest(self, version: bytes) -> Manifest:
         """The manifest of a version being prepared; RequestError saying why it cannot be."""
@@ -288,7 +214,7 @@ class Publisher:
         try:
             if early is not None and wait and self.fetcher is not None:
                 await self._wait_early(version, early, wait)
-            async with self._gc_lock:
+            async with self.collection.lock:
                 if early is None:
                     await self._check_complete(version)
                 else:
@@ -323,7 +249,7 @@ class Publisher:
                     return
                 except MissingObject as e:
                     await self.fetcher.wait([e.oid], wait)  # bounded by this scope
-                except _UNLOADABLE:
+                except UNLOADABLE:
                     return  # prepare says why
 
     def _check_source(self, source: str | None) -> None:
@@ -397,11 +323,12 @@ class Publisher:
                 # other nodes' prepares (4.5 s vs 4.2 s for 3 hosts on one 2-core machine) and
                 # would compete with the store's fsync on a real disk. Queued before the switch,
                 # so an open of a new file waits for its copy rather than missing passthrough.
-                entries = await trio.to_thread.run_sync(self._backed,
+                entries = await trio.to_thread.run_sync(self.manifests.backed,
                                                         await self.manifest(version), staged)
                 if early is not None:  # only the files that are whole: never a partial one
-                    entries = await trio.to_thread.run_sync(self._whole_files, entries)
-                await self.nursery.start(self._write_backing, entries)
+                    entries = await trio.to_thread.run_sync(self.backing_upkeep.whole_files,
+                                                            entries)
+                await self.nursery.start(self.backing_upkeep.write, entries)
             previous = self.refs.workspaces.get(name, [None])[0]
             old_source = self.refs.sources.get(name)
             early_versions = self.incomplete.after_commit(name, version, versions,
@@ -420,7 +347,7 @@ class Publisher:
             if self._pinned.get(name) == version:
                 del self._pinned[name]
             self._drop_manifests()
-            await self._prune_backing()
+            await self.backing_upkeep.prune()
             warnings = await self._relink(name, old_source, source, source_id, owner)
         log.info("published %s = %s", name, version.hex())
         return CommitReply(version, previous, warnings, replaced=staged)
@@ -482,41 +409,14 @@ class Publisher:
             await self._relink(name, source, None, None, pusher)
             await self.fs.remove_workspace(name.encode())
             self._drop_manifests()
-            await self._prune_backing()
+            await self.backing_upkeep.prune()
         try:
             await trio.to_thread.run_sync(self.store.seal)
         except OSError as e:  # a full disk: what the open pack holds waits for a later seal
             log.warning("sealing the open pack after removing %s: %s", name, e)
-        self.start_collect()
+        self.collection.start()
         log.info("removed workspace %s (%d versions)", name, len(versions))
         return RemoveReply(versions)
-
-    # ---- backing files --------------------------------------------------------------------
-
-    def _whole_files(self, entries: list[Entry]) -> list[Entry]:
-        """The backed files of an early version (push --early) whose chunks have all arrived
-        (their opens are passthrough at once). A file still arriving into its file object is
-        bound from the first open after it is complete (FileObjects.path); the others get
-        their backing copies at the commit that completes the version. Blocking: a worker
-        thread."""
-        return [e for e in entries if not self.store.missing(e.chunks)]
-
-    async def _write_backing(self, entries: list[Entry], *,
-                             task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-                             ) -> None:
-        """Write the backing files `entries` lack; a file that cannot be written is served
-        from the chunk store, and `status` says why. Started once the copies are queued."""
-        try:
-            failed = await self.backing.write_missing(entries, self.store,
-                                                      task_status=task_status)
-        except OSError as e:  # the folder itself (this runs in the background: never fatal)
-            failed = [f"backing files in {self.backing.root}: {e.strerror or e}"]
-        self.backing_error = None  # about the latest version's files only
-        if failed:
-            more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
-            self.backing_error = failed[0] + more
-            log.warning("backing files: %s; those files are read through the daemon",
-                        self.backing_error)
 
     async def recover(self) -> None:
         """At start, once the mount decided on passthrough: write the backing files the
@@ -524,143 +424,13 @@ class Publisher:
         the daemon), drop unused ones, and collect what a crash left behind. Of a version
         published early, only the files that are whole (the others once they are)."""
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._collect)
+            nursery.start_soon(self.collection.collect)
             if self.fs.passthrough:
                 for versions in list(self.refs.workspaces.values()):
                     entries = (await self.manifest(versions[0])).entries
                     if self.incomplete.has(versions[0]):
-                        entries = await trio.to_thread.run_sync(
-                            self._whole_files, [e for e in entries if backing_wanted(e)])
-                    await self._write_backing(entries)
-                await self._prune_backing()
-
-    async def _prune_backing(self) -> None:
-        """Delete the backing files that no retained or in-flight version uses (all of them
-        when the mount is not in passthrough mode)."""
-        if not self.fs.passthrough:
-            await trio.to_thread.run_sync(self.backing.prune, set())
-            return
-        manifests = []
-        for v in {v for vs in self.refs.workspaces.values() for v in vs} | {*self._pinned.values()}:
-            try:
-                manifests.append(await self.manifest(v))
-            except _UNLOADABLE:
-                continue  # a pinned version whose manifest never arrived
-
-        def keep() -> set[str]:
-            return {backing_key(e) for m in manifests for e in self._backed(m)}
-
-        try:
-            await trio.to_thread.run_sync(lambda: self.backing.prune(keep()))
-        except OSError as e:
-            log.warning("pruning backing files: %s", e)
-
-    # ---- claims and collection ------------------------------------------------------------
-
-    def claim(self) -> None:
-        """A session was told what this node has: nothing is collected until it commits."""
-        self._negotiating += 1
-
-    def release_claim(self, committed: bool = False) -> None:
-        """A session told what this node has committed (its collect waits for commits to
-        pause: COLLECT_DELAY) or went away (it collects at once)."""
-        self._negotiating -= 1
-        self.start_collect(committed)
-
-    def start_collect(self, committed: bool = False) -> None:
-        """After a commit, a released claim, a removal or a forgotten file: once no push is in
-        flight, the chunks the last ones left unused can go: at once, or after a commit once
-        commits pause (see COLLECT_DELAY). One collect waiting does for every request made
-        meanwhile that can wait as long (the kernel forgets files in many batches); one that
-        cannot starts a collect of its own."""
-        if self._negotiating or self.nursery is None:
-            return
-        now = trio.current_time()
-        brought = self.counters["bytes_received"] - self._received_at_collect
-        due = now
-        if committed:
-            due += COLLECT_DELAY if brought >= COLLECT_SMALL else COLLECT_MAX_WAIT
-            if self._deferred_since is not None:
-                due = min(due, self._deferred_since + COLLECT_MAX_WAIT)
-        if committed and self._deferred_since is not None and self._collect_due is not None:
-            if now - self._deferred_since < COLLECT_MAX_WAIT and brought < COLLECT_BYTES:
-                self._collect_due = due  # put off again: the waiting task sees it and leaves
-                self.nursery.start_soon(self._collect_at, due)
-                return
-        if committed and self._collect_due is None:
-            self._deferred_since = now
-        if self._collect_due is None or due < self._collect_due:
-            if not committed:
-                self._deferred_since = None  # due now: a commit may not put it off
-            self._collect_due = due
-            self.nursery.start_soon(self._collect_at, due)
-
-    async def _collect_at(self, due: float) -> None:
-        await trio.sleep_until(due)
-        if self._collect_due is not None and self._collect_due <= due:
-            await self._collect()
-
-    async def _collect(self) -> None:
-        """Delete the store's packs that hold only chunks nothing uses (no retained version, no
-        version being published, no file the kernel still holds), and compact those that hold
-        mostly such chunks (Store.collect). Skipped while another push has been told what this
-        node has (those chunks must stay): its commit collects."""
-        async with self._gc_lock:
-            self._collect_due = self._deferred_since = None
-            self._received_at_collect = self.counters["bytes_received"]
-            if self._negotiating:
-                return
-            if self.refs.held:  # what their versions use is unknown (`status` says why)
-                log.warning("not collecting: workspaces not loaded at start: %s",
-                            ", ".join(map(repr, self.refs.held)))
-                return
-            retained = {v for vs in self.refs.workspaces.values() for v in vs}
-            versions = retained | set(self._pinned.values())
-            manifests = []
-            for v in versions:
-                try:
-                    manifests.append(await self.manifest(v))
-                except _UNLOADABLE as e:
-                    if v in retained:  # what it uses is unknown: delete nothing
-                        log.warning("not collecting: version %s: %s", v.hex()[:12], e)
-                        return
-                    # else a version being published whose manifest has not arrived
-            held = self.fs.held_chunks()
-
-            def live() -> Iterator[Iterable[bytes]]:  # by version: few repeats in each
-                yield versions
-                yield held
-                for m in manifests:
-                    yield m.object_ids()
-                    yield (c for e in m for c in e.chunks)
-
-            start = trio.current_time()
-            try:
-                packs, freed = await trio.to_thread.run_sync(self.store.collect, live)
-                if self.events is not None:
-                    objects, size = await trio.to_thread.run_sync(self.store.usage)
-                    self.events.record("store.collected", count=packs, bytes=freed,
-                                       seconds=round(trio.current_time() - start, 6))
-                    self.events.record("store.size", count=objects, bytes=size)
-            except OSError as e:
-                log.warning("collecting the store: %s", e)
-                return
-        if packs:
-            self.counters["packs_collected"] += packs
-            self.counters["bytes_collected"] += freed
-            log.info("collected %d packs, freeing %d bytes no version uses", packs, freed)
-
-    async def cut_back(self) -> None:
-        """After a session failed to store a chunk: cut the open pack back to its last durable
-        record, so the chunks that failed push did store give their space back now
-        (Store.cut_back). A push that fails for another reason keeps them, for the next."""
-        async with self._gc_lock:
-            try:
-                freed = await trio.to_thread.run_sync(self.store.cut_back)
-            except OSError as e:
-                log.warning("cutting back the open pack after a failed write: %s", e)
-                return
-        if freed:
-            log.info("a write failed: gave back the %d bytes the push had stored since the "
-                     "last durable record", freed)
-
+                        wanted = [e for e in entries if backing_wanted(e)]
+                        entries = await trio.to_thread.run_sync(self.backing_upkeep.whole_files,
+                                                                wanted)
+                    await self.backing_upkeep.write(entries)
+                await self.backing_upkeep.prune()

@@ -21,21 +21,21 @@ from ...fs.fuse_ops import SnapshotFS
 from ...fs.manifest import DEFAULT_MAX_ENTRIES
 from ...fs.private_files import private_dir
 from ...fs.store import Store
-from ...settings import settings
+from ...settings import DURABLE_MODES, settings
 from ..wire import bulk, identity
 from ..wire.addresses import parse_addr
 from ..wire.auth import NO_TOKEN_HELP, default_token_file
-from ..wire.limits import Limits, LogOnce, peer_host, serve_listeners
-from ..wire.replies import COUNTERS, StatsReply, StatusReply
-from ..wire.transport import accept
-from .events import EventLog, EventLogHandler
+from ..wire.identity import ROOT_PROCS_FLAG
+from ..wire.limits import Limits, LogOnce
+from ..wire.replies import COUNTERS, StatusReply
+from ..wire.telemetry_calls import StatsReply
+from .events import EventLog
 from .fetch import Fetcher
 from .first_reads import FirstReads
-from .flusher import MODES, Flusher
-from .procs import ROOT_PROCS_FLAG, ProcessTable, procs_user
+from .flusher import Flusher
+from .procs import ProcessTable, procs_user
 from .publisher import KEEP_VERSIONS, Publisher
 from .refs import Refs, describe_user
-from .session import Session
 from .source_links import SourceLinks
 
 log = logging.getLogger("monarch_fs.daemon")
@@ -71,10 +71,10 @@ async def open_listeners(listen: str) -> tuple[list[trio.SocketListener], str]:
     address they are bound to, as clients dial it."""
     host, port = parse_addr(listen, listen=True)
     listeners = await trio.open_tcp_listeners(port, host=host)
-    return listeners, _dial_addr(host, listeners[0].socket.getsockname()[1])
+    return listeners, dial_addr(host, listeners[0].socket.getsockname()[1])
 
 
-def _dial_addr(host: str, port: int) -> str:
+def dial_addr(host: str, port: int) -> str:
     return f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
 
 
@@ -101,7 +101,7 @@ class NodeService:
         # Sessions are always authenticated; encrypted under this policy (addresses.encrypts).
         self.encrypt = encrypt
         self.limits = limits or Limits()
-        self._log_once = LogOnce(log)  # refused handshakes: a line per peer per minute
+        self.log_once = LogOnce(log)  # refused handshakes: a line per peer per minute
         # What this node offers for chunk payloads (--transport; RDMA only if a device works).
         self.transport = transport or bulk.LocalTransport("tcp", "tcp", "not probed")
         # Chunks are kept decompressed: reads then cost a hash, not a decompression (twice the
@@ -114,8 +114,8 @@ class NodeService:
         # A pack is deleted once nothing in it is used, so smaller packs
         # (MONARCH_FS_PACK_MIB) give space back sooner, for more files.
         # --durable: flush before each publish (sync), or after, in the background (flusher.py)
-        if durable not in MODES:
-            raise ValueError(f"--durable {durable!r}: expected one of {', '.join(MODES)}")
+        if durable not in DURABLE_MODES:
+            raise ValueError(f"--durable {durable!r}: expected one of {', '.join(DURABLE_MODES)}")
         self.durable = durable
         self.store = Store(self.state / "store", pack_limit=settings.pack_limit,
                            flush_later=durable == "background")
@@ -161,69 +161,6 @@ class NodeService:
         self.mount_mode = "not mounted"
         self.write_limiter = trio.CapacityLimiter(4)  # store write batches in flight, in all
 
-    async def serve(self, listeners: list[trio.SocketListener], *,
-                    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
-        """Answer connections on `listeners` until cancelled, then stop every process this
-        node started. Started (with the bound address) once connections are accepted."""
-        if not self.addr:
-            self.addr = _dial_addr(*listeners[0].socket.getsockname()[:2])
-        logs = logging.getLogger("monarch_fs")
-        handler = EventLogHandler(self.events)
-        try:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(self.events.run)
-                if self.flusher is not None:
-                    await nursery.start(self.flusher.run)
-                if self.events.enabled:
-                    logs.addHandler(handler)
-                self.procs = ProcessTable(self.mount, nursery,
-                                          allow_root=self.allow_root_procs, events=self.events)
-                self.publisher.nursery = self.first_reads.nursery = nursery
-                await nursery.start(serve_listeners, self._handle, listeners, self.limits, log)
-                log.info("%s", self.describe_procs())
-                self.events.record("daemon.started", pid=os.getpid(), peer=self.addr,
-                                   transport=self.transport.kind, text=str(self.mount),
-                                   detail={"workspaces": {n: vs[0].hex() for n, vs in
-                                                          self.refs.workspaces.items()}})
-                task_status.started(self.addr)
-        finally:
-            if self.procs is not None:
-                await self.procs.stop_all()  # no process outlives its daemon
-            self.publisher.nursery = self.first_reads.nursery = None
-            logs.removeHandler(handler)
-            self.events.record("daemon.stopped", pid=os.getpid(),
-                               seconds=round(time.time() - self.started, 3))
-            await self.events.close()
-
-    async def _handle(self, stream: trio.SocketStream) -> None:
-        """One connection: the handshake (with the connection limits' timeout), then a
-        Session. A broken client must never take the daemon down."""
-        try:
-            peer = "%s:%d" % stream.socket.getpeername()[:2]
-        except OSError:
-            peer = "?"
-        try:
-            chan = await accept(stream, self.token, {"node": self.node_name, "addr": self.addr,
-                                                     "max_entries": self.max_entries,
-                                                     "identity": self.identity,
-                                                     **self.transport.info()},
-                                timeout=self.limits.handshake_timeout, encrypt=self.encrypt)
-        except Exception as e:  # a line per peer address per minute, however many attempts
-            if isinstance(e, trio.TooSlowError):
-                why = f"no handshake within {self.limits.handshake_timeout:g}s"
-            else:
-                why = str(e) or type(e).__name__
-            self._log_once(("handshake", peer_host(stream)), logging.WARNING,
-                           "refused connection from %s: %s", peer, why)
-            await trio.aclose_forcefully(stream)
-            return
-        try:
-            await Session.serve(self, chan)
-        except Exception as e:
-            log.warning("connection from %s ended: %s", peer, e)
-        finally:
-            await chan.aclose()
-
     async def status(self) -> StatusReply:
         """What `monarch-fs status` shows for this node."""
         objects, size = await trio.to_thread.run_sync(self.store.usage)
@@ -242,7 +179,7 @@ class NodeService:
             backing_bytes=backing[1],
             backing_writing=self.backing.writing,
             backing_waits=self.backing.waits,
-            backing_error=self.publisher.backing_error,
+            backing_error=self.publisher.backing_upkeep.error,
             counters=dict(self.counters),
             workspaces={n: [v.hex() for v in vs] for n, vs in self.refs.workspaces.items()},
             problems=self.publisher.all_problems(),

@@ -35,16 +35,9 @@ from ..wire.replies import (
     FanReply,
     FirstReadsReply,
     FlushReply,
-    FreePortReply,
-    KillReply,
-    NodeReply,
     PrepareReply,
-    ProbeReply,
-    QueryReply,
     RelayReply,
     RemoveReply,
-    SpawnReply,
-    StatsReply,
     StatusReply,
 )
 from ..wire.requests import (
@@ -54,25 +47,20 @@ from ..wire.requests import (
     Fan,
     FirstReads,
     Flush,
-    FreePort,
-    Kill,
-    NodeRequest,
     OpenRelay,
     Prepare,
-    Probe,
-    Query,
     Remove,
     RequestError,
-    Spawn,
-    Stats,
     Status,
 )
+from ..wire.telemetry_calls import Query, QueryReply, Stats, StatsReply
 from ..wire.transport import Channel, ConnectionLost
 from . import chunk_read
-from .events import EventLog
 from .fetch import Upstream
 from .logs import read as read_logs
-from .procs import SpawnRefused, free_port
+from .process_routes import ROUTES as PROCESS_ROUTES
+from .procs import SpawnRefused
+from .push_received import PushReceived, hex_or_none
 from .relay import Relay
 from .stacks import ROUTES as STACK_ROUTES
 from .writes import ChunkWrites
@@ -152,8 +140,8 @@ class Session:
         if self.upstream is not None:
             self.service.fetcher.remove(self.upstream)  # its readers' wants fail now
         if self.claimed:
-            self.publisher.release_claim()
-            self.events.record("push.aborted", version=_hex(self.rx.version),
+            self.publisher.collection.release_claim()
+            self.events.record("push.aborted", version=hex_or_none(self.rx.version),
                                peer=self.chan.peer, text="the pusher went away before its "
                                "commit (it failed elsewhere, or was stopped)")
         if self.relay is not None:
@@ -208,7 +196,7 @@ class Session:
         self.rx.lacking += len(own)
         if not self.claimed:
             self.claimed = True
-            self.publisher.claim()
+            self.publisher.collection.claim()
         self.own_missing = set(own)
         below = await self.relay.query(ids) if self.relay is not None else set()
         await self.chan.send(p.MissingIds([i for i in ids if i in self.own_missing
@@ -219,7 +207,7 @@ class Session:
         Publisher.cut_back); once per failure."""
         if self.writes.store_failed:
             self.writes.store_failed = False
-            await self.publisher.cut_back()
+            await self.publisher.collection.cut_back()
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -296,9 +284,9 @@ class Session:
         self.service.first_reads.published(req.name, req.version)
         if self.claimed:  # what it has is now retained
             self.claimed = False
-            self.publisher.release_claim(committed=True)
+            self.publisher.collection.release_claim(committed=True)
         else:
-            self.publisher.start_collect(committed=True)
+            self.publisher.collection.start(committed=True)
         return value
 
     def _published(self, req: Commit, before: list[bytes], seconds: float) -> None:
@@ -402,33 +390,6 @@ class Session:
             raise RequestError(f"bulk: {e}") from None
         return BulkReply.from_wire(value)
 
-    async def _spawn(self, req: Spawn) -> SpawnReply:
-        pin = None
-        if req.workspace:
-            try:
-                version = self.publisher.served_version(req.workspace, req.version)
-            except LookupError as e:
-                raise SpawnRefused(str(e)) from None
-            pin = str(self.service.mount / ".versions" / req.workspace / version.hex())
-
-        async def emit(kind: str, data: dict) -> None:
-            await self.chan.send(p.Event(kind, data))
-
-        return await self.procs.spawn(self.chan, emit, req.spec, pin,
-                                      workspace=req.workspace if pin else "", who=self.asker,
-                                      source=self.service.refs.sources.get(req.workspace)
-                                      if pin else None)
-
-    async def _kill(self, req: Kill) -> KillReply:
-        self.procs.kill(self.chan, req.proc, req.signal)
-        return KillReply()
-
-    async def _free_port(self, req: FreePort) -> FreePortReply:
-        return FreePortReply(free_port())
-
-    async def _probe(self, req: Probe) -> ProbeReply:
-        return ProbeReply(req.size)
-
     async def _first_reads(self, req: FirstReads) -> FirstReadsReply:
         return FirstReadsReply(**encode_reads(await self.service.first_reads.reads(req.name)))
 
@@ -451,57 +412,14 @@ class Session:
         return await trio.to_thread.run_sync(chunk_read.read, self.service.store, req.ids)
 
 
-def _hex(version: bytes | None) -> str | None:
-    return version.hex() if version is not None else None
-
-
-class PushReceived:
-    """What one session received of a push between two flushes (chunks, bytes, from the
-    first chunk to the flush), what it was asked and lacked, and its place in the broadcast:
-    the `push.received` row a flush records."""
-
-    def __init__(self) -> None:
-        self.version: bytes | None = None  # the push's manifest, when the client said
-        self.topology = "leaf"
-        self._reset()
-
-    def _reset(self) -> None:
-        self.chunks = self.bytes = self.asked = self.lacking = 0
-        self.started: float | None = None
-
-    def chunk(self, size: int) -> None:
-        self.chunks += 1
-        self.bytes += size
-        if self.started is None:
-            self.started = time.monotonic()
-
-    def opened(self, version: bytes | None, children: list[dict]) -> None:
-        """A relay session: this node forwards to `children` (each with its own subtree)."""
-        self.version = version
-        self.topology = (f"relay to {len(children)} ({_below(children)} below)" if children
-                         else "leaf")
-
-    def flushed(self, events: EventLog, peer: str, failed: dict[str, str],
-                transport: str) -> None:
-        if self.chunks or self.asked:
-            seconds = time.monotonic() - self.started if self.started is not None else 0.0
-            events.record("push.received", version=_hex(self.version), peer=peer,
-                          count=self.chunks, bytes=self.bytes, seconds=round(seconds, 6),
-                          topology=self.topology, transport=transport,
-                          text="; ".join(f"{a or 'here'}: {w}" for a, w in failed.items())
-                          or None,
-                          detail={"asked": self.asked, "lacking": self.lacking})
-        self._reset()
-
-
-def _below(kids: list[dict]) -> int:
-    """The nodes in a relay plan's subtrees."""
-    return sum(1 + _below(k.get("children", [])) for k in kids)
-
-
 # A handler takes its own request class (the route's), so the table types it loosely.
-Handler = Callable[[Session, Any], Awaitable[NodeReply | LogsReply | ChunksReply]]
-Routed = type[NodeRequest | Logs | ReadChunks]
+NodeRequest = (Status | Prepare | Commit | Current | Remove | OpenRelay | Fan | Flush | Bulk
+               | FirstReads | Query | Stats | Logs | ReadChunks)
+NodeReply = (StatusReply | PrepareReply | CommitReply | CurrentReply | RemoveReply | RelayReply
+             | FanReply | FlushReply | BulkReply | FirstReadsReply | QueryReply | StatsReply
+             | LogsReply | ChunksReply)
+Handler = Callable[[Session, Any], Awaitable[NodeReply]]
+Routed = type[NodeRequest]
 
 _HANDLERS: list[tuple[Routed, Handler]] = [
     (Status, Session._status),
@@ -513,10 +431,7 @@ _HANDLERS: list[tuple[Routed, Handler]] = [
     (Fan, Session._fan),
     (Flush, Session._flush),
     (Bulk, Session._bulk),
-    (Spawn, Session._spawn),
-    (Kill, Session._kill),
-    (FreePort, Session._free_port),
-    (Probe, Session._probe),
+    *PROCESS_ROUTES,  # process_routes.py's ops
     (FirstReads, Session._first_reads),
     (Query, Session._query),
     (Stats, Session._stats),

@@ -5,7 +5,7 @@ py-spy reads a process's memory from outside (ptrace / process_vm_readv), so it 
 that is stuck in a C call, a lock or a collective, which no in-process handler could. Every
 rank of the job is dumped at once, each by its own `py-spy dump --json` (a tenth of a second
 each); a rank that cannot be dumped gets one line saying why, and the others still come back.
-Each dump is also a row of the `stacks` table (stack_table.py), and a hang's dumps a
+Each dump is also a row of the `stacks` table (wire/telemetry_tables.py), and a hang's dumps a
 `job.hang` event.
 
 Who may see what: under --identity munge a request carries the asker's credential, and only

@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 
 MODE = "munge"  # --identity munge; what a daemon advertises as `identity` in its Welcome
 ASKER = "the user who asks"  # status's procs_user under --identity munge
+# Without --identity, a daemon running as root runs processes as root only given this flag
+# (daemon/node/procs.py); the client starts daemons with it and names it (client/cluster.py).
+ROOT_PROCS_FLAG = "--allow-root-procs"
 FIELD = "cred"  # the request argument that carries the credential
 # The requests that act for a user (`current` answers for one: is that workspace theirs?;
 # `query` reads the rows of theirs and the node's own, `stats` and `stacks` their processes,

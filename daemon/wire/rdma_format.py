@@ -19,8 +19,6 @@ _HEADER = struct.Struct("<4sQ16sQQI")  # magic, fseq, chunk id, blob length, off
 _CREDIT = struct.Struct("<4sQ")  # magic, cumulative fragments released
 _CREDIT_MAGIC = b"MFSC"
 
-DEFAULT_SLOTS = 16
-DEFAULT_SLOT_SIZE = 1 << 20
 MAX_SLOTS = 1024
 MIN_SLOT_SIZE = 4096
 MAX_SLOT_SIZE = 64 << 20

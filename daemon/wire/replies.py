@@ -41,7 +41,7 @@ def _field(op: str, value: Mapping[str, Any], key: str) -> object:
     return value[key]
 
 
-def _get(op: str, value: Mapping[str, Any], key: str, kind: type[T]) -> T:
+def typed_field(op: str, value: Mapping[str, Any], key: str, kind: type[T]) -> T:
     """`value[key]`, checked to be a `kind` (a bool is not an int here)."""
     got = _field(op, value, key)
     if not isinstance(got, kind) or (isinstance(got, bool) and kind is not bool):
@@ -49,14 +49,14 @@ def _get(op: str, value: Mapping[str, Any], key: str, kind: type[T]) -> T:
     return got
 
 
-def _number(op: str, value: Mapping[str, Any], key: str) -> float:
+def number_field(op: str, value: Mapping[str, Any], key: str) -> float:
     got = _field(op, value, key)
     if not isinstance(got, (int, float)) or isinstance(got, bool):
         raise MalformedReply(f"malformed {op} reply: {key!r} is {got!r}")
     return got
 
 
-def _counts(value: object) -> dict[str, int]:
+def counts_field(value: object) -> dict[str, int]:
     """A {name: count} field of a newer reply; what is not one is left out (an older node
     sends none)."""
     if not isinstance(value, dict):
@@ -74,7 +74,7 @@ def _hex(op: str, key: str, text: object) -> bytes:
 
 
 def _failures(op: str, value: Mapping[str, Any]) -> dict[str, str]:
-    failed = _get(op, value, "failed", dict)
+    failed = typed_field(op, value, "failed", dict)
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in failed.items()):
         raise MalformedReply(f"malformed {op} reply: 'failed' is {failed!r}")
     return dict(failed)
@@ -135,11 +135,11 @@ class StatusReply:
     @classmethod
     def from_wire(cls, value: Mapping[str, Any]) -> StatusReply:
         op = cls.op
-        workspaces = _get(op, value, "workspaces", dict)
+        workspaces = typed_field(op, value, "workspaces", dict)
         if not all(isinstance(n, str) and isinstance(vs, list)
                    and all(isinstance(v, str) for v in vs) for n, vs in workspaces.items()):
             raise MalformedReply(f"malformed {op} reply: 'workspaces' is {workspaces!r}")
-        problems = _get(op, value, "problems", list)
+        problems = typed_field(op, value, "problems", list)
         if not all(isinstance(x, str) for x in problems):
             raise MalformedReply(f"malformed {op} reply: 'problems' is {problems!r}")
         error = value.get("backing_error")
@@ -155,23 +155,24 @@ class StatusReply:
             raise MalformedReply(f"malformed {op} reply: 'identity' or 'owners' is "
                                  f"{identity!r}, {owners!r}")
         return cls(
-            node=_get(op, value, "node", str), addr=_get(op, value, "addr", str),
-            mount=_get(op, value, "mount", str),
+            node=typed_field(op, value, "node", str), addr=typed_field(op, value, "addr", str),
+            mount=typed_field(op, value, "mount", str),
             transport={k: value[k] for k in TRANSPORT_KEYS if k in value},
-            pid=_get(op, value, "pid", int), uptime=_number(op, value, "uptime"),
-            store_objects=_get(op, value, "store_objects", int),
-            store_bytes=_get(op, value, "store_bytes", int), fuse=_get(op, value, "fuse", str),
-            backing_files=_get(op, value, "backing_files", int),
-            backing_bytes=_get(op, value, "backing_bytes", int),
-            backing_writing=_get(op, value, "backing_writing", int),
-            backing_waits=_get(op, value, "backing_waits", int), backing_error=error,
-            counters={k: _get(op, value, k, int) for k in COUNTERS if k in value},
+            pid=typed_field(op, value, "pid", int), uptime=number_field(op, value, "uptime"),
+            store_objects=typed_field(op, value, "store_objects", int),
+            store_bytes=typed_field(op, value, "store_bytes", int),
+            fuse=typed_field(op, value, "fuse", str),
+            backing_files=typed_field(op, value, "backing_files", int),
+            backing_bytes=typed_field(op, value, "backing_bytes", int),
+            backing_writing=typed_field(op, value, "backing_writing", int),
+            backing_waits=typed_field(op, value, "backing_waits", int), backing_error=error,
+            counters={k: typed_field(op, value, k, int) for k in COUNTERS if k in value},
             workspaces={n: list(vs) for n, vs in workspaces.items()}, problems=list(problems),
-            mode=mode, root_procs=_get(op, value, "root_procs", bool),
-            procs_user=_get(op, value, "procs_user", str), identity=identity,
+            mode=mode, root_procs=typed_field(op, value, "root_procs", bool),
+            procs_user=typed_field(op, value, "procs_user", str), identity=identity,
             owners=dict(owners), incomplete=[str(n) for n in value.get("incomplete", [])
                                              if isinstance(n, str)],
-            incomplete_chunks=_counts(value.get("incomplete_chunks", {})),
+            incomplete_chunks=counts_field(value.get("incomplete_chunks", {})),
             durable=durable if isinstance(durable := value.get("durable", ""), str) else "",
             lost={n: dict(v) for n, v in lost.items() if isinstance(n, str)
                   and isinstance(v, dict)} if isinstance(lost := value.get("lost"), dict) else {})
@@ -242,7 +243,7 @@ class CurrentReply:
 
     @classmethod
     def from_wire(cls, value: Mapping[str, Any]) -> CurrentReply:
-        current = _get(cls.op, value, "current", bool)
+        current = typed_field(cls.op, value, "current", bool)
         serving = value.get("serving")
         return cls(current, _hex(cls.op, "serving", serving) if serving is not None else None)
 
@@ -260,7 +261,7 @@ class RemoveReply:
     @classmethod
     def from_wire(cls, value: Mapping[str, Any]) -> RemoveReply:
         return cls([_hex(cls.op, "versions", v)
-                    for v in _get(cls.op, value, "versions", list)])
+                    for v in typed_field(cls.op, value, "versions", list)])
 
 
 @dataclass(frozen=True)
@@ -307,7 +308,7 @@ class FanReply(_FailuresReply):
 
     @classmethod
     def from_wire(cls, value: Mapping[str, Any]) -> Self:
-        replies = _get(cls.op, value, "replies", dict)
+        replies = typed_field(cls.op, value, "replies", dict)
         if not all(isinstance(k, str) and isinstance(v, dict) for k, v in replies.items()):
             raise MalformedReply(f"malformed {cls.op} reply: 'replies' is not {{addr: reply}}")
         return cls(_failures(cls.op, value), dict(replies))
@@ -326,70 +327,7 @@ class BulkReply:
 
     @classmethod
     def from_wire(cls, value: Mapping[str, Any]) -> BulkReply:
-        return cls(_get(cls.op, value, "qp", dict))
-
-
-@dataclass(frozen=True)
-class SpawnReply:
-    """The process started: its id on this connection (for `kill` and its events) and its pid."""
-
-    op: ClassVar[str] = "spawn"
-    proc: int
-    pid: int
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"proc": self.proc, "pid": self.pid}
-
-    @classmethod
-    def from_wire(cls, value: Mapping[str, Any]) -> SpawnReply:
-        return cls(_get(cls.op, value, "proc", int), _get(cls.op, value, "pid", int))
-
-
-@dataclass(frozen=True)
-class KillReply:
-    """The signal was sent. Carries nothing."""
-
-    op: ClassVar[str] = "kill"
-
-    def to_wire(self) -> dict[str, Any]:
-        return {}
-
-    @classmethod
-    def from_wire(cls, value: Mapping[str, Any]) -> KillReply:
-        if not isinstance(value, Mapping):
-            raise MalformedReply(f"malformed {cls.op} reply: expected an object, not {value!r}")
-        return cls()
-
-
-@dataclass(frozen=True)
-class FreePortReply:
-    """A TCP port nobody listened on when the node looked."""
-
-    op: ClassVar[str] = "free_port"
-    port: int
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"port": self.port}
-
-    @classmethod
-    def from_wire(cls, value: Mapping[str, Any]) -> FreePortReply:
-        return cls(_get(cls.op, value, "port", int))
-
-
-@dataclass(frozen=True)
-class ProbeReply:
-    """How many bytes of padding the probe carried."""
-
-    op: ClassVar[str] = "probe"
-    size: int
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"size": self.size}
-
-    @classmethod
-    def from_wire(cls, value: Mapping[str, Any]) -> ProbeReply:
-        return cls(_get(cls.op, value, "size", int))
-
+        return cls(typed_field(cls.op, value, "qp", dict))
 
 
 @dataclass(frozen=True)
@@ -407,7 +345,7 @@ class FirstReadsReply:
 
     @classmethod
     def from_wire(cls, value: Mapping[str, Any]) -> FirstReadsReply:
-        paths = _get(cls.op, value, "paths", list)
+        paths = typed_field(cls.op, value, "paths", list)
         if not all(isinstance(p, str) for p in paths):
             raise MalformedReply(f"malformed {cls.op} reply: 'paths' holds a non-string")
         reads = value.get("reads")
@@ -418,75 +356,3 @@ class FirstReadsReply:
             raise MalformedReply(f"malformed {cls.op} reply: 'reads' is not a list of "
                                  "[path index, chunk index]")
         return cls(list(paths), reads)
-
-
-
-@dataclass(frozen=True)
-class QueryReply:
-    """A query's result on one node: column names and rows (lists of JSON scalars; blobs as
-    hex)."""
-
-    op: ClassVar[str] = "query"
-    columns: list[str]
-    rows: list[list[Any]]
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"columns": self.columns, "rows": self.rows}
-
-    @classmethod
-    def from_wire(cls, value: Mapping[str, Any]) -> QueryReply:
-        columns = _get(cls.op, value, "columns", list)
-        rows = _get(cls.op, value, "rows", list)
-        if not all(isinstance(c, str) for c in columns):
-            raise MalformedReply(f"malformed {cls.op} reply: 'columns' holds a non-string")
-        scalar = (str, int, float, type(None))
-        if not all(isinstance(r, list) and len(r) == len(columns)
-                   and all(isinstance(v, scalar) for v in r) for r in rows):
-            raise MalformedReply(f"malformed {cls.op} reply: a row is not {len(columns)} "
-                                 "scalars")
-        return cls(list(columns), rows)
-
-
-@dataclass(frozen=True)
-class StatsReply:
-    """A node's live figures (`monarch-fs top`): `reads` is the mount's cumulative counters
-    (SnapshotFS.read_counters), `received` the bytes pushed to it so far, `procs` its running
-    processes (proc, pid, rank, argv, seconds), `workspaces` the current version of each."""
-
-    op: ClassVar[str] = "stats"
-    node: str
-    time: float  # the node's clock when it answered
-    uptime: float
-    workspaces: dict[str, str]
-    reads: dict[str, Any]
-    received: int
-    procs: list[dict[str, Any]]
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"node": self.node, "time": self.time, "uptime": self.uptime,
-                "workspaces": self.workspaces, "reads": self.reads, "received": self.received,
-                "procs": self.procs}
-
-    @classmethod
-    def from_wire(cls, value: Mapping[str, Any]) -> StatsReply:
-        op = cls.op
-        reads = _get(op, value, "reads", dict)
-        for key in ("bytes", "hits", "misses", "busy_ns", "disk_ns"):
-            _get(op, reads, key, int)
-        ops = _get(op, reads, "ops", dict)
-        if not all(isinstance(k, str) and isinstance(v, int) for k, v in ops.items()):
-            raise MalformedReply(f"malformed {op} reply: 'ops' is {ops!r}")
-        workspaces = _get(op, value, "workspaces", dict)
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in workspaces.items()):
-            raise MalformedReply(f"malformed {op} reply: 'workspaces' is {workspaces!r}")
-        procs = _get(op, value, "procs", list)
-        if not all(isinstance(p, dict) for p in procs):
-            raise MalformedReply(f"malformed {op} reply: 'procs' is {procs!r}")
-        return cls(_get(op, value, "node", str), _number(op, value, "time"),
-                   _number(op, value, "uptime"), dict(workspaces), dict(reads),
-                   _get(op, value, "received", int), list(procs))
-
-
-NodeReply = (StatusReply | PrepareReply | CommitReply | CurrentReply | RemoveReply | RelayReply
-             | FanReply | FlushReply | BulkReply | SpawnReply | KillReply | FreePortReply
-             | ProbeReply | FirstReadsReply | QueryReply | StatsReply)

@@ -14,7 +14,6 @@ chunk): the requests that read or change what the node serves must see the whole
 from __future__ import annotations
 
 import re
-import signal
 from dataclasses import dataclass, field
 from typing import ClassVar, Self
 
@@ -109,7 +108,7 @@ def _version(op: str, value: object) -> bytes:
     return version
 
 
-def _int(op: str, args: dict, key: str, default: int) -> int:
+def int_arg(op: str, args: dict, key: str, default: int) -> int:
     value = args.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise RequestError(f"{op}: {key} must be an integer, not {value!r}")
@@ -119,7 +118,7 @@ def _int(op: str, args: dict, key: str, default: int) -> int:
         raise RequestError(f"{op}: {key} must be an integer, not {value!r}") from None
 
 
-class _NoArguments:
+class NoArguments:
     """A request that takes no arguments (any it is sent are ignored)."""
 
     @classmethod
@@ -128,7 +127,7 @@ class _NoArguments:
 
 
 @dataclass(frozen=True)
-class Status(_NoArguments):
+class Status(NoArguments):
     """What this node serves and holds (`monarch-fs status`)."""
 
     op: ClassVar[str] = "status"
@@ -212,30 +211,32 @@ def _workspace(op: str, args: dict) -> str:
 
 
 @dataclass(frozen=True)
-class Remove:
-    """Delete workspace `name` and every version of it (`monarch-fs rm`)."""
+class WorkspaceArgument:
+    """A request whose one argument is workspace `name`."""
 
-    op: ClassVar[str] = "remove"
-    after_chunks: ClassVar[bool] = True
+    op: ClassVar[str]
     name: str
 
     @classmethod
-    def parse(cls, args: dict) -> Remove:
+    def parse(cls, args: dict) -> Self:
         return cls(_workspace(cls.op, args))
 
 
 @dataclass(frozen=True)
-class FirstReads:
+class Remove(WorkspaceArgument):
+    """Delete workspace `name` and every version of it (`monarch-fs rm`)."""
+
+    op: ClassVar[str] = "remove"
+    after_chunks: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class FirstReads(WorkspaceArgument):
     """The files this node read first after workspace `name`'s latest publishes, in order
     (daemon/node/first_reads.py): what push --early sends first."""
 
     op: ClassVar[str] = "first_reads"
     after_chunks: ClassVar[bool] = False
-    name: str
-
-    @classmethod
-    def parse(cls, args: dict) -> FirstReads:
-        return cls(_workspace(cls.op, args))
 
 
 @dataclass(frozen=True)
@@ -317,7 +318,7 @@ class Flush:
 
     @classmethod
     def parse(cls, args: dict) -> Flush:
-        return cls(_int(cls.op, args, "bulk_chunks", 0))
+        return cls(int_arg(cls.op, args, "bulk_chunks", 0))
 
 
 @dataclass(frozen=True)
@@ -337,116 +338,3 @@ class Bulk:
         if not isinstance(kind, str):
             raise RequestError(f"bulk: kind must be a string, not {kind!r}")
         return cls(kind, args)
-
-
-@dataclass(frozen=True)
-class Spawn:
-    """Start a process owned by this connection; its output and exit come back as Events.
-    `spec` holds argv, env, secrets and cwd, which the process table checks
-    (procs.ProcessTable.spawn); with `workspace`, the process runs from that workspace's
-    `version` (default: the current one), which stays served while it runs."""
-
-    op: ClassVar[str] = "spawn"
-    after_chunks: ClassVar[bool] = False
-    spec: dict
-    workspace: str = ""
-    version: bytes | None = None
-
-    @classmethod
-    def parse(cls, args: dict) -> Spawn:
-        workspace = args.get("workspace") or ""
-        version = args.get("version") or None
-        if not isinstance(workspace, str):
-            raise RequestError(f"spawn: workspace must be a string, not {workspace!r}")
-        if version is not None and not isinstance(version, str):
-            raise RequestError(f"spawn: version must be a string, not {version!r}")
-        return cls(args, workspace, bytes.fromhex(version) if version else None)
-
-
-@dataclass(frozen=True)
-class Kill:
-    """Send `signal` to the process group of process `proc`, which this connection started."""
-
-    op: ClassVar[str] = "kill"
-    after_chunks: ClassVar[bool] = False
-    proc: int
-    signal: int = signal.SIGTERM
-
-    @classmethod
-    def parse(cls, args: dict) -> Kill:
-        return cls(_int(cls.op, args, "proc", 0), _int(cls.op, args, "signal", signal.SIGTERM))
-
-
-@dataclass(frozen=True)
-class FreePort(_NoArguments):
-    """A TCP port free on this node now (MASTER_PORT for an SPMD job whose rank 0 runs here)."""
-
-    op: ClassVar[str] = "free_port"
-    after_chunks: ClassVar[bool] = False
-
-
-@dataclass(frozen=True)
-class Probe:
-    """Padding the node only counts: the push times two of them, small and large, to measure
-    the link's rate against the codec's (daemon/client/link_codec.py)."""
-
-    op: ClassVar[str] = "probe"
-    after_chunks: ClassVar[bool] = False
-    size: int
-
-    @classmethod
-    def parse(cls, args: dict) -> Probe:
-        pad = args.get("pad", "")
-        if not isinstance(pad, str):
-            raise RequestError(f"probe: pad must be a string, not {type(pad).__name__}")
-        return cls(len(pad))
-
-
-MAX_QUERY_CHARS = 64 * 1024
-MAX_QUERY_SECONDS = 60.0
-
-
-@dataclass(frozen=True)
-class Query:
-    """Run one read-only SQL statement over this node's events (daemon/node/events.py) and
-    answer its rows: what `monarch-fs query` sends each node, after taking out of the user's
-    query what every node can do alone (daemon/client/query.py). `params` binds named
-    parameters (`:host` is how the controller names the node); `timeout` bounds its run."""
-
-    op: ClassVar[str] = "query"
-    after_chunks: ClassVar[bool] = False
-    sql: str
-    params: dict = field(default_factory=dict)
-    timeout: float = 10.0
-
-    @classmethod
-    def parse(cls, args: dict) -> Query:
-        sql = args.get("sql")
-        if not isinstance(sql, str) or not sql.strip():
-            raise RequestError("query: sql must be a statement")
-        if len(sql) > MAX_QUERY_CHARS:
-            raise RequestError(f"query: sql is longer than {MAX_QUERY_CHARS} characters")
-        params = args.get("params", {})
-        if not isinstance(params, dict) or not all(
-                isinstance(k, str) and (v is None or isinstance(v, (str, int, float)))
-                for k, v in params.items()):
-            raise RequestError("query: params must map names to strings or numbers")
-        timeout = args.get("timeout", 10.0)
-        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                or not 0 < timeout <= MAX_QUERY_SECONDS):
-            raise RequestError(f"query: timeout must be 0 to {MAX_QUERY_SECONDS:g} seconds, "
-                               f"not {timeout!r}")
-        return cls(sql, dict(params), float(timeout))
-
-
-@dataclass(frozen=True)
-class Stats(_NoArguments):
-    """This node's live figures for `monarch-fs top`: what it serves, what the mount has
-    served so far, what it received, its running processes."""
-
-    op: ClassVar[str] = "stats"
-    after_chunks: ClassVar[bool] = False
-
-
-NodeRequest = (Status | Prepare | Commit | Current | Remove | OpenRelay | Fan | Flush | Bulk
-               | Spawn | Kill | FreePort | Probe | FirstReads | Query | Stats)
