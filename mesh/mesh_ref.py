@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import trio
 
 from ..daemon.wire import protocol as p
-from ..daemon.wire.transport import ConnectError, ConnectionLost, connect
+from ..daemon.wire.transport import ConnectError, connect
 from . import wire
 from .calls import CallTarget, MeshRef, settle_answer
 from .errors import Failure, MeshError, SupervisionError
@@ -139,15 +139,8 @@ class PeerMesh(CallTarget):
             return
         chan.conn.max_frame = MESH_MAX_FRAME
 
-        async def writer() -> None:
-            try:
-                async for msg in proc.inbox:
-                    await wire.send(chan, msg)
-            except (ConnectionLost, trio.ClosedResourceError, trio.BrokenResourceError):
-                pass
-
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(writer)
+            nursery.start_soon(wire.forward, chan, proc.inbox)
             async for h, msg in wire.messages(chan):
                 if h["op"] in ("result", "error"):
                     settle_answer(self.calls, proc.rank, proc.info, h, msg)

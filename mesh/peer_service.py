@@ -13,7 +13,7 @@ import trio
 from ..daemon.wire import protocol as p
 from ..daemon.wire.addresses import format_addr
 from ..daemon.wire.limits import Limits, serve_listeners
-from ..daemon.wire.transport import ConnectionLost, accept
+from ..daemon.wire.transport import accept
 from . import wire
 from .owner import HELLO_TIMEOUT, MESH_MAX_FRAME
 from .tensor_buffer import read_reply
@@ -42,15 +42,8 @@ async def serve_peers(token: bytes, host: str, info: dict, deliver: Deliver,
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
 
-        async def writer() -> None:
-            try:
-                async for msg in out_receive:
-                    await wire.send(chan, msg)
-            except (ConnectionLost, trio.ClosedResourceError, trio.BrokenResourceError):
-                pass
-
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(writer)
+            nursery.start_soon(wire.forward, chan, out_receive)
             async for h, msg in wire.messages(chan):
                 if h["op"] == "call":  # direct callers call; spawning and stopping are the owner's
                     await deliver(h, msg, reply)

@@ -194,6 +194,16 @@ async def _gather(chan: Channel, lengths: list[int]) -> Data:
     return Data([whole[s:s + n] for s, n in zip(starts, lengths)])
 
 
+async def forward(chan: Channel, outgoing: trio.abc.ReceiveChannel[Data]) -> None:
+    """Send every message `outgoing` yields, in order, until it closes or the link ends (a
+    connection's writer task: the reader notices the end and says why)."""
+    try:
+        async for msg in outgoing:
+            await send(chan, msg)
+    except (ConnectionLost, trio.ClosedResourceError, trio.BrokenResourceError):
+        pass
+
+
 async def messages(chan: Channel) -> AsyncIterator[tuple[dict, Data]]:
     """(header, message) for each mesh message `chan` receives, until the connection ends;
     frames that are not mesh messages are skipped."""
