@@ -7,7 +7,6 @@ conftest.py holds only fixtures (built from these); test modules import from her
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import queue
@@ -105,6 +104,19 @@ def mount_ops(root: Path | str) -> dict[str, int]:
     """The requests a mount has served, by operation (its root's `user.monarch.ops`)."""
     raw = os.getxattr(root, "user.monarch.ops").decode().split()
     return {k: int(v) for k, v in (kv.split("=") for kv in raw)}
+
+
+def write_files(folder: Path, files: dict[str, str | bytes]) -> Path:
+    """Make `folder` holding `files` ({relative path: text or bytes}); the folder."""
+    for rel, content in files.items():
+        path = folder / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, str):
+            path.write_text(content)
+        else:
+            path.write_bytes(content)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def tree(root: Path) -> dict[bytes, tuple]:
@@ -254,12 +266,16 @@ def terminate(proc: subprocess.Popen, timeout: float = 20) -> None:
             proc.wait()
 
 
+def stop_serving(proc: subprocess.Popen, mount: Path) -> None:
+    """SIGTERM a daemon this test started (by its pid), and check its mount is gone."""
+    terminate(proc)
+    if mounted(mount):
+        subprocess.run(["fusermount3", "-u", "-z", str(mount)], check=False)
+        raise AssertionError(f"{mount} was left mounted")
+
+
 def stop_daemon(daemon: Daemon) -> None:
-    """SIGTERM it (by its pid), and check its mount is gone."""
-    terminate(daemon.proc)
-    if mounted(daemon.mnt):
-        subprocess.run(["fusermount3", "-u", "-z", str(daemon.mnt)], check=False)
-        raise AssertionError(f"{daemon.mnt} was left mounted")
+    stop_serving(daemon.proc, daemon.mnt)
 
 
 # ---- push --watch ------------------------------------------------------------------------------
@@ -415,48 +431,3 @@ def staged(m: Manifest | list[bytes]) -> tuple[str, dict[bytes, bytes]]:
     blobs = list(m.objects().values()) if isinstance(m, Manifest) else m
     return (chunk.chunk_id(blobs[-1]).hex(),
             {chunk.chunk_id(b): chunk.encode(b) for b in blobs})
-
-
-# ---- what was opened: the kernel's inotify IN_OPEN events -------------------------------------
-
-IN_OPEN = 0x20
-IN_ISDIR = 0x40000000
-_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then len bytes of name
-
-
-class Opens:
-    """The files below `root` that anything opened since the last call, as inotify saw it."""
-
-    def __init__(self, root: Path):
-        self.libc = ctypes.CDLL(None, use_errno=True)
-        self.fd = self.libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
-        assert self.fd >= 0, os.strerror(ctypes.get_errno())
-        self.dirs: dict[int, bytes] = {}
-        self.root = os.fsencode(root)
-        self.rewatch()
-
-    def rewatch(self) -> None:
-        """Watch every folder of the tree (call after creating folders)."""
-        for dirpath, _, _ in os.walk(self.root):
-            wd = self.libc.inotify_add_watch(self.fd, dirpath, IN_OPEN)
-            assert wd >= 0, os.strerror(ctypes.get_errno())
-            self.dirs[wd] = dirpath
-
-    def files(self) -> list[str]:
-        opened = []
-        while True:
-            try:
-                buf = os.read(self.fd, 65536)
-            except BlockingIOError:
-                return sorted(opened)
-            pos = 0
-            while pos < len(buf):
-                wd, mask, _, n = _EVENT.unpack_from(buf, pos)
-                name = buf[pos + _EVENT.size:pos + _EVENT.size + n].rstrip(b"\0")
-                pos += _EVENT.size + n
-                if mask & IN_OPEN and not mask & IN_ISDIR and name:
-                    full = os.path.join(self.dirs[wd], name)
-                    opened.append(os.fsdecode(os.path.relpath(full, self.root)))
-
-    def close(self) -> None:
-        os.close(self.fd)

@@ -1,10 +1,13 @@
 """What the RDMA tests share (test_rdma_logic over fake verbs, test_rdma_hw on a real device,
 test_run's transport checks): an authenticated channel pair, the node side of a bulk transfer,
-and whether this host has a usable RDMA device.
+a sender talking to it, and whether this host has a usable RDMA device.
 
 A helper, not a test file: `from rdma_helpers import ...` (pytest puts tests/ on sys.path)."""
 
 from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import trio
 
@@ -67,3 +70,17 @@ async def serve_bulk(chan: Channel, local: bulk.LocalTransport, got: list, slow:
             if rx is not None:
                 await rx.aclose()
             nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def bulk_sending(mode: str, local: bulk.LocalTransport, slow: float = 0.0
+                       ) -> AsyncIterator[tuple[bulk.BulkSender, Channel, list]]:
+    """A bulk sender of `mode` over a fresh channel pair whose node end runs serve_bulk (with
+    `slow`): (the sender, its channel, the chunks the node got); the node end stops with the
+    block."""
+    tx_chan, rx_chan = await channel_pair()
+    got: list = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve_bulk, rx_chan, local, got, slow)
+        yield await bulk.open_sender(tx_chan, mode, local, local.info()), tx_chan, got
+        nursery.cancel_scope.cancel()

@@ -63,14 +63,22 @@ def require_passthrough(c) -> None:
     assert mode == "passthrough", mode
 
 
-def push_one_file(c, tmp_path, name: str, size: int) -> tuple[bytes, str]:
-    """Push a workspace `ws` holding one random file; (its content, its backing file's name)."""
+def push_file(c, tmp_path, name: str, size: int) -> bytes:
+    """Push a workspace `ws` holding one random file, and wait until its file objects are
+    written; its content."""
     src = tmp_path / "ws"
     src.mkdir()
     data = os.urandom(size)
     (src / name).write_bytes(data)
     c.push(src)
     written(c)
+    return data
+
+
+def push_one_file(c, tmp_path, name: str, size: int) -> tuple[bytes, str]:
+    """push_file, checked to be written once, into the store; (its content, its backing file's
+    name)."""
+    data = push_file(c, tmp_path, name, size)
     (backing,) = file_objects(c)
     assert os.listdir(copies_dir(c)) == []  # written once: no copy
     return data, backing
@@ -177,12 +185,7 @@ def test_a_full_copies_folder_does_not_matter_to_a_pushed_file(tmp_path):
         c = start_cluster(tmp_path / "cluster", 1)
         try:
             require_passthrough(c)
-            src = tmp_path / "ws"
-            src.mkdir()
-            big = os.urandom(3 * MiB)
-            (src / "big").write_bytes(big)
-            c.push(src)
-            written(c)
+            big = push_file(c, tmp_path, "big", 3 * MiB)
             assert c.status()[0]["backing_error"] is None
             assert os.listdir(backing) == []
             root = c.mnt(0)
@@ -248,12 +251,7 @@ def test_a_broken_copies_folder_is_not_fatal(one_node, tmp_path):
     shutil.rmtree(folder)
     folder.write_text("not a folder")
     try:
-        src = tmp_path / "ws"
-        src.mkdir()
-        data = os.urandom(2 * MiB)
-        (src / "lib.so").write_bytes(data)
-        c.push(src)
-        written(c)
+        data = push_file(c, tmp_path, "lib.so", 2 * MiB)
         opened = passthrough_opens(c.mnt(0))
         assert (c.mnt(0) / "ws" / "lib.so").read_bytes() == data
         assert passthrough_opens(c.mnt(0)) == opened + 1

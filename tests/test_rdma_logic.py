@@ -45,7 +45,7 @@ from monarch_fs.daemon.wire.rdma_format import (
 from monarch_fs.daemon.wire.rdma_ring import CreditWindow, Reassembler, ReorderBuffer, Ring
 from monarch_fs.daemon.wire.seal import ChunkSealer
 from monarch_fs.daemon.wire.transport import RemoteError
-from rdma_helpers import channel_pair, host_has_rdma, serve_bulk
+from rdma_helpers import bulk_sending, channel_pair, host_has_rdma, serve_bulk
 
 CID = bytes(range(16))
 
@@ -588,11 +588,7 @@ async def test_rdma_driver_over_fake_verbs(monkeypatch, mode, layout):
     assert bulk.choose_for_peer(local, "auto", local.info())[0] == mode
     rnd = random.Random(4)
     blobs = [rnd.randbytes(rnd.choice([0, 1, 8128, 8129, 30_000])) for _ in range(25)]
-    tx_chan, rx_chan = await channel_pair()
-    got: list = []
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(serve_bulk, rx_chan, local, got, 0.001)
-        sender = await bulk.open_sender(tx_chan, mode, local, local.info())
+    async with bulk_sending(mode, local, 0.001) as (sender, tx_chan, got):
         with trio.fail_after(30):
             for i, b in enumerate(blobs):
                 await sender.send_chunk(cid(i), b)
@@ -604,7 +600,6 @@ async def test_rdma_driver_over_fake_verbs(monkeypatch, mode, layout):
         await sender.aclose()
         with pytest.raises(bulk.BulkError, match="closed"):
             await sender.send_chunk(cid(99), b"after close")
-        nursery.cancel_scope.cancel()
     assert fabric.ops > 25  # fragments and credits really went through the verbs calls
 
 
@@ -616,11 +611,7 @@ async def test_rdma_chunks_that_fail_their_seal_are_refused(monkeypatch):
 
     fake_pyverbs.install(monkeypatch, FAKE_DEVICES[RC], seed=5)
     local = bulk.resolve_local("rdma")
-    tx_chan, rx_chan = await channel_pair()
-    got: list = []
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(serve_bulk, rx_chan, local, got, 0)
-        sender = await bulk.open_sender(tx_chan, RC, local, local.info())
+    async with bulk_sending(RC, local) as (sender, tx_chan, got):
         with trio.fail_after(30):
             await sender.send_chunk(cid(1), b"sealed with the session's key")
             sender._sealer = ChunkSealer(b"f" * 32)  # what a forger without the key can do
@@ -629,7 +620,6 @@ async def test_rdma_chunks_that_fail_their_seal_are_refused(monkeypatch):
         assert got == [(cid(1), b"sealed with the session's key")]
         assert "failed authentication" in reply["error"]
         await sender.aclose()
-        nursery.cancel_scope.cancel()
 
 
 async def test_rdma_refusals_over_fake_verbs(monkeypatch):

@@ -14,8 +14,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from opens import Opens
 
-from helpers import SMALL, Opens, mfs, tree, wait_for
+from helpers import SMALL, mfs, tree, wait_for
 from monarch_fs.fs.chunk import CHUNK_SIZE, chunk_id
 from monarch_fs.fs.manifest import Kind
 from monarch_fs.fs.rescan import rescan

@@ -23,6 +23,7 @@ from monarch_fs.daemon.node.serve import serve
 from monarch_fs.daemon.node.service import NodeService, open_listeners
 from monarch_fs.daemon.node.session import ROUTES
 from monarch_fs.daemon.wire import protocol as p
+from monarch_fs.daemon.wire import replies, requests
 from monarch_fs.daemon.wire.chunk_read import ChunksReply, ReadChunks
 from monarch_fs.daemon.wire.logs import Logs, LogsReply
 from monarch_fs.daemon.wire.process_calls import (
@@ -33,29 +34,6 @@ from monarch_fs.daemon.wire.process_calls import (
     Probe,
     Spawn,
     SpawnReply,
-)
-from monarch_fs.daemon.wire.replies import (
-    BulkReply,
-    CommitReply,
-    CurrentReply,
-    FanReply,
-    FlushReply,
-    MalformedReply,
-    PrepareReply,
-    RelayReply,
-    RemoveReply,
-    StatusReply,
-)
-from monarch_fs.daemon.wire.requests import (
-    Bulk,
-    Commit,
-    Fan,
-    Flush,
-    OpenRelay,
-    Prepare,
-    Remove,
-    RequestError,
-    Status,
 )
 from monarch_fs.daemon.wire.telemetry_calls import Query, QueryReply
 from monarch_fs.daemon.wire.transport import RemoteError, connect
@@ -235,21 +213,24 @@ def test_every_op_has_one_route_and_parses_its_arguments():
                            "flush", "bulk", "spawn", "kill", "free_port", "probe", "first_reads",
                            "query", "stats", "logs", "read_chunks", "stacks"}
     version = "ab" * 16
-    assert Prepare.parse({"name": "ws", "version": version}) == Prepare(
+    assert requests.Prepare.parse({"name": "ws", "version": version}) == requests.Prepare(
         "ws", bytes.fromhex(version))
-    assert Commit.parse({"name": "ws", "version": version}).op == "commit"
-    assert Remove.parse({"name": "ws"}) == Remove("ws")
-    assert Status.parse({}) == Status() and FreePort.parse({}) == FreePort()
-    assert OpenRelay.parse({}) == OpenRelay([], 60.0)
-    assert OpenRelay.parse({"wants": True}).wants
-    early = Prepare.parse({"name": "ws", "version": version, "early": ["cd" * 16], "wait": 2})
+    assert requests.Commit.parse({"name": "ws", "version": version}).op == "commit"
+    assert requests.Remove.parse({"name": "ws"}) == requests.Remove("ws")
+    assert requests.Status.parse({}) == requests.Status() and FreePort.parse({}) == FreePort()
+    assert requests.OpenRelay.parse({}) == requests.OpenRelay([], 60.0)
+    assert requests.OpenRelay.parse({"wants": True}).wants
+    early = requests.Prepare.parse({"name": "ws", "version": version, "early": ["cd" * 16],
+                                    "wait": 2})
     assert (early.early, early.wait) == ((bytes.fromhex("cd" * 16),), 2.0)
-    assert OpenRelay.parse({"children": [{"addr": "h:1"}], "timeout": 5}).timeout == 5.0
-    assert Flush.parse({}) == Flush(0) and Flush.parse({"bulk_chunks": 3}) == Flush(3)
+    assert requests.OpenRelay.parse({"children": [{"addr": "h:1"}],
+                                     "timeout": 5}).timeout == 5.0
+    assert requests.Flush.parse({}) == requests.Flush(0)
+    assert requests.Flush.parse({"bulk_chunks": 3}) == requests.Flush(3)
     fan = {"request": "commit", "args": {"name": "ws", "version": version}, "scope": "ab" * 16}
-    assert Fan.parse(fan) == Fan("commit", fan["args"], "ab" * 16)
+    assert requests.Fan.parse(fan) == requests.Fan("commit", fan["args"], "ab" * 16)
     assert Kill.parse({"proc": 2}) == Kill(2, 15)
-    assert Bulk.parse({"kind": "rc", "qp": {}}).setup == {"kind": "rc", "qp": {}}
+    assert requests.Bulk.parse({"kind": "rc", "qp": {}}).setup == {"kind": "rc", "qp": {}}
     assert Probe.parse({"pad": "xyz"}) == Probe(3) and Probe.parse({}) == Probe(0)
     spawn = Spawn.parse({"argv": ["x"], "workspace": "ws", "version": version})
     assert (spawn.workspace, spawn.version) == ("ws", bytes.fromhex(version))
@@ -259,18 +240,20 @@ def test_every_op_has_one_route_and_parses_its_arguments():
     assert Logs.parse({}) == Logs() and Logs.parse(Logs("j", 2, "x+", 1.5, 7).to_wire()) == Logs(
         "j", 2, "x+", 1.5, 7)
     assert ReadChunks.parse(ReadChunks("ws", bytes(16), [bytes(16)]).to_wire()).ids == [bytes(16)]
-    for kind, args in [(Prepare, {"name": 1, "version": version}), (OpenRelay, {"timeout": "x"}),
-                       (Prepare, {"name": "ws", "version": version, "early": ["zz"]}),
-                       (Bulk, {}), (Kill, {"proc": None}), (Spawn, {"workspace": 3}),
-                       (Fan, {**fan, "request": "spawn"}), (Fan, {**fan, "args": []}),
-                       (Fan, {**fan, "scope": "not hex"}),
+    for kind, args in [(requests.Prepare, {"name": 1, "version": version}),
+                       (requests.OpenRelay, {"timeout": "x"}),
+                       (requests.Prepare, {"name": "ws", "version": version, "early": ["zz"]}),
+                       (requests.Bulk, {}), (Kill, {"proc": None}), (Spawn, {"workspace": 3}),
+                       (requests.Fan, {**fan, "request": "spawn"}),
+                       (requests.Fan, {**fan, "args": []}),
+                       (requests.Fan, {**fan, "scope": "not hex"}),
                        (Query, {}), (Query, {"sql": "SELECT 1", "params": {"h": [1]}}),
                        (Query, {"sql": "SELECT 1", "timeout": 0}),
                        (Logs, {"job": ""}), (Logs, {"rank": -1}), (Logs, {"grep": "("}),
                        (Logs, {"since": "yesterday"}), (ReadChunks, {"workspace": "ws"}),
                        (ReadChunks, {"workspace": "ws", "version": version, "ids": ["zz"]}),
                        (ReadChunks, {"workspace": "../x", "version": version, "ids": []})]:
-        with pytest.raises((RequestError, ValueError)):
+        with pytest.raises((requests.RequestError, ValueError)):
             kind.parse(args)
 
 
@@ -280,19 +263,19 @@ def test_every_reply_round_trips_the_dict_nodes_send_and_refuses_a_malformed_one
     wrong type is a MalformedReply (a ProtocolError, which fails that node only)."""
     v1, v2 = "ab" * 16, "cd" * 16
     wire = [
-        (PrepareReply, {"prepared": v1}),
-        (CurrentReply, {"current": False, "serving": v1}),
-        (CurrentReply, {"current": False, "serving": None}),
-        (CommitReply, {"version": v2, "previous": v1}),
-        (CommitReply, {"version": v1, "previous": None}),
-        (RemoveReply, {"versions": [v2, v1]}),
-        (RelayReply, {"failed": {"h:1": "refused"}}),
-        (FlushReply, {"failed": {"": "disk full"}}),
-        (BulkReply, {"qp": {"qpn": 7}}),
+        (replies.PrepareReply, {"prepared": v1}),
+        (replies.CurrentReply, {"current": False, "serving": v1}),
+        (replies.CurrentReply, {"current": False, "serving": None}),
+        (replies.CommitReply, {"version": v2, "previous": v1}),
+        (replies.CommitReply, {"version": v1, "previous": None}),
+        (replies.RemoveReply, {"versions": [v2, v1]}),
+        (replies.RelayReply, {"failed": {"h:1": "refused"}}),
+        (replies.FlushReply, {"failed": {"": "disk full"}}),
+        (replies.BulkReply, {"qp": {"qpn": 7}}),
         (SpawnReply, {"proc": 1, "pid": 4242}),
         (KillReply, {}),
         (FreePortReply, {"port": 29500}),
-        (FanReply, {"failed": {"h:2": "refused"}, "replies": {"": {"current": True}}}),
+        (replies.FanReply, {"failed": {"h:2": "refused"}, "replies": {"": {"current": True}}}),
         (QueryReply, {"columns": ["kind", "n"], "rows": [["push.received", 2], [None, 1.5]]}),
         (LogsReply, {"jobs": [["1206-000000-beef", 1.5]], "rows": []}),
         (LogsReply, {"jobs": [], "rows": [[7, 1.5, 2, 0, "stderr", "died"], [8, 2, None, None,
@@ -304,25 +287,28 @@ def test_every_reply_round_trips_the_dict_nodes_send_and_refuses_a_malformed_one
         assert list(kind.from_wire(value).to_wire()) == list(value)  # and in the same order
     # What a commit replaced rides with its reply on the node (freed once sent), never on
     # the wire.
-    replaced = CommitReply(bytes.fromhex(v1), None, replaced=[object()])
+    replaced = replies.CommitReply(bytes.fromhex(v1), None, replaced=[object()])
     assert replaced.to_wire() == {"version": v1, "previous": None}
     # A node from before `serving` serves nothing a push may count on.
-    assert CurrentReply.from_wire({"current": True}) == CurrentReply(True, None)
-    for kind, value in [(PrepareReply, {}), (PrepareReply, {"prepared": "xyz"}),
-                        (CurrentReply, {"current": True, "serving": "xyz"}),
-                        (CommitReply, {"version": v1}), (RemoveReply, {"versions": [1]}),
-                        (FlushReply, {"failed": []}), (SpawnReply, {"proc": True, "pid": 1}),
+    assert replies.CurrentReply.from_wire({"current": True}) == replies.CurrentReply(True, None)
+    for kind, value in [(replies.PrepareReply, {}), (replies.PrepareReply, {"prepared": "xyz"}),
+                        (replies.CurrentReply, {"current": True, "serving": "xyz"}),
+                        (replies.CommitReply, {"version": v1}),
+                        (replies.RemoveReply, {"versions": [1]}),
+                        (replies.FlushReply, {"failed": []}),
+                        (SpawnReply, {"proc": True, "pid": 1}),
                         (FreePortReply, {"port": "80"}), (KillReply, []),
-                        (FanReply, {"failed": {}}), (FanReply, {"failed": {}, "replies": []}),
+                        (replies.FanReply, {"failed": {}}),
+                        (replies.FanReply, {"failed": {}, "replies": []}),
                         (QueryReply, {"columns": ["a"], "rows": [[1, 2]]}),
                         (QueryReply, {"columns": ["a"], "rows": [[[1]]]}),
                         (LogsReply, {"jobs": []}), (LogsReply, {"jobs": [["j"]], "rows": []}),
                         (LogsReply, {"jobs": [], "rows": [[1, 2, 3]]}), (LogsReply, []),
                         (ChunksReply, {}), (ChunksReply, {"blobs": ["!!"]}),
                         (ChunksReply, {"blobs": [1]})]:
-        with pytest.raises(MalformedReply, match=f"malformed {kind.op} reply"):
+        with pytest.raises(replies.MalformedReply, match=f"malformed {kind.op} reply"):
             kind.from_wire(value)
-    assert issubclass(MalformedReply, p.ProtocolError)
+    assert issubclass(replies.MalformedReply, p.ProtocolError)
 
 
 async def test_a_status_reply_decodes_to_the_same_dict(tmp_path):
@@ -330,8 +316,8 @@ async def test_a_status_reply_decodes_to_the_same_dict(tmp_path):
         chan = await connect(node.addr, TOKEN)
         async with chan:
             value = await chan.request("status")
-    decoded = StatusReply.from_wire(value)
+    decoded = replies.StatusReply.from_wire(value)
     assert decoded.node == "node-0" and decoded.workspaces == {}
     assert json.dumps(decoded.to_wire()) == json.dumps(value)  # same keys, same order
-    with pytest.raises(MalformedReply, match="'workspaces'"):
-        StatusReply.from_wire({**value, "workspaces": {"ws": "v"}})
+    with pytest.raises(replies.MalformedReply, match="'workspaces'"):
+        replies.StatusReply.from_wire({**value, "workspaces": {"ws": "v"}})

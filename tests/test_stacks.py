@@ -334,42 +334,32 @@ UNDUMPABLE = textwrap.dedent("""
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("useradd"),
                     reason="needs root (a test user's daemon) and useradd")
 def test_a_daemon_without_ptrace_rights_says_why_in_one_line(tmp_path, started):
-    from test_unprivileged import stop
-    from users import LocalUser, fuse_device_mode
+    from users import LocalUser
 
     user = LocalUser()
-    mnt, ready = user.home / "mnt", user.home / "ready"
     try:
-        with open(user.home / "log", "wb") as log, fuse_device_mode(0o666):
-            daemon = user.popen(user.daemon_argv(mnt, "--ready-file", str(ready)),
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        with user.daemon(user.home / "mnt") as addr:
+            where = ["--hosts", addr, "--token-file", str(user.home / "token")]
+            job = subprocess.Popen([sys.executable, "-m", CLI_MODULE, "run", *where,
+                                    "--per-host", "2", "--no-fold", "--",
+                                    "/usr/bin/python3", "-c", UNDUMPABLE],
+                                   stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+            started.add(job.pid)
             try:
-                wait_for(lambda: ready.exists() or daemon.poll() is not None, 30, "the daemon")
-                assert daemon.poll() is None, (user.home / "log").read_text()
-                where = ["--hosts", json.loads(ready.read_text())["addr"], "--token-file",
-                         str(user.home / "token")]
-                job = subprocess.Popen([sys.executable, "-m", CLI_MODULE, "run", *where,
-                                        "--per-host", "2", "--no-fold", "--",
-                                        "/usr/bin/python3", "-c", UNDUMPABLE],
-                                       stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, text=True)
-                started.add(job.pid)
-                try:
-                    assert [job.stdout.readline() for _ in range(2)] != ["", ""]
-                    time.sleep(0.2)  # both ranks printed (or one printed twice: checked below)
-                    r = mfs("stacks", *where, check=False)
-                    assert r.returncode == 1
-                    failed = [x for x in r.stdout.splitlines() if "cannot dump" in x]
-                    assert len(failed) == 1 and failed[0].startswith(
-                        "unpriv: cannot dump rank 0 (pid "), r.stdout
-                    assert failed[0].endswith(
-                        "py-spy may not read its memory: ptrace refused (another user's "
-                        "process, a non-dumpable one, or kernel.yama.ptrace_scope above 0): the "
-                        "daemon needs CAP_SYS_PTRACE, e.g. run it as root"), failed[0]
-                    assert "rank 1: open_book (<string>:" in r.stdout  # the other still came
-                finally:
-                    stop_job(job)
+                assert [job.stdout.readline() for _ in range(2)] != ["", ""]
+                time.sleep(0.2)  # both ranks printed (or one printed twice: checked below)
+                r = mfs("stacks", *where, check=False)
+                assert r.returncode == 1
+                failed = [x for x in r.stdout.splitlines() if "cannot dump" in x]
+                assert len(failed) == 1 and failed[0].startswith(
+                    "unpriv: cannot dump rank 0 (pid "), r.stdout
+                assert failed[0].endswith(
+                    "py-spy may not read its memory: ptrace refused (another user's "
+                    "process, a non-dumpable one, or kernel.yama.ptrace_scope above 0): the "
+                    "daemon needs CAP_SYS_PTRACE, e.g. run it as root"), failed[0]
+                assert "rank 1: open_book (<string>:" in r.stdout  # the other still came
             finally:
-                stop(daemon, mnt)
+                stop_job(job)
     finally:
         user.close()

@@ -16,7 +16,7 @@ import time
 import pytest
 import trio
 
-from helpers import mfs, stop_node, wait_for
+from helpers import mfs, stop_node, wait_for, write_files
 from monarch_fs.daemon.client import cluster as cluster_mod
 from monarch_fs.daemon.node.events import EventLog
 from monarch_fs.daemon.wire.auth import resolve_token
@@ -54,12 +54,10 @@ def rows_until(c, sql: str, enough, what: str) -> list[dict]:
 @pytest.mark.mount
 def test_queries_tell_a_push_a_failing_run_and_a_restart(fresh_cluster, fast_events, tmp_path):
     c = fresh_cluster(3)
-    src = tmp_path / "app"
-    src.mkdir()
-    (src / "train.py").write_text("print('step')\n")
-    (src / "weights.bin").write_bytes(os.urandom(3 << 20))
-    for i in range(8):  # small files are read through the daemon (large ones: passthrough)
-        (src / f"part{i}.bin").write_bytes(os.urandom(128 << 10))
+    # small files are read through the daemon (large ones: passthrough)
+    src = write_files(tmp_path / "app", {
+        "train.py": "print('step')\n", "weights.bin": os.urandom(3 << 20),
+        **{f"part{i}.bin": os.urandom(128 << 10) for i in range(8)}})
     version = c.push_json(src)["version"]
 
     # How long each push phase took on each node: received, prepared, committed, per host.
@@ -155,10 +153,7 @@ def test_queries_tell_a_push_a_failing_run_and_a_restart(fresh_cluster, fast_eve
 @pytest.mark.mount
 def test_a_killed_node_is_reported_and_the_others_answer(fresh_cluster, fast_events, tmp_path):
     c = fresh_cluster(3)
-    src = tmp_path / "env"
-    src.mkdir()
-    (src / "a.py").write_text("x = 1\n")
-    version = c.push_json(src)["version"]
+    version = c.push_json(write_files(tmp_path / "env", {"a.py": "x = 1\n"}))["version"]
     rows_until(c, "SELECT host FROM events WHERE kind = 'push.committed'",
                lambda rows: len(rows) == 3, "every node's commit")
     pid = c.pid(1)
@@ -190,11 +185,9 @@ def test_a_killed_node_is_reported_and_the_others_answer(fresh_cluster, fast_eve
 @pytest.mark.mount
 def test_top_shows_reads_and_running_processes(fresh_cluster, tmp_path):
     c = fresh_cluster(2)
-    src = tmp_path / "data"
-    src.mkdir()
-    for i in range(16):  # small: read through the daemon (large files are passthrough)
-        (src / f"f{i}").write_bytes(os.urandom(200 << 10))
-    c.push_json(src)
+    # small: read through the daemon (large files are passthrough)
+    c.push_json(write_files(tmp_path / "data",
+                            {f"f{i}": os.urandom(200 << 10) for i in range(16)}))
     run = cluster_run_sleeper(c)
     try:
         wait_for(lambda: all(n["procs"] for n in top_view(c)), 20, "both ranks running")

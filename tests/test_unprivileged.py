@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from users import LocalUser, fuse_device_mode, system_python_reason
 
-from helpers import CLI_MODULE, mfs, mounted, wait_for
+from helpers import CLI_MODULE, mfs, mounted, stop_serving
 from monarch_fs.daemon.node.notify import notify
 from monarch_fs.daemon.wire.auth import write_new_token
 from monarch_fs.fs.mount_check import FUSE_DEVICE, explain
@@ -88,20 +88,6 @@ def test_user():
         user.close()
 
 
-def stop(proc: subprocess.Popen, mount: Path) -> None:
-    """SIGTERM the daemon (by its pid); its mount must be gone."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    if mounted(mount):
-        subprocess.run(["fusermount3", "-u", "-z", str(mount)], check=False)
-        raise AssertionError(f"{mount} was left mounted")
-
-
 def fails_in_one_line(user: LocalUser, argv: list[str]) -> str:
     """The daemon `argv` runs as `user`, exits 1 and prints exactly one line (no traceback,
     nothing of libfuse's), naming this host; that line."""
@@ -120,47 +106,38 @@ def fails_in_one_line(user: LocalUser, argv: list[str]) -> str:
 def test_an_unprivileged_daemon_serves_a_push_to_its_user_only(test_user, tmp_path):
     user = test_user
     mnt = user.home / "mnt"
-    ready = user.home / "ready"
     src = tmp_path / "env"
     (src / "bin").mkdir(parents=True)
     (src / "bin" / "tool").write_text("#!/bin/sh\necho tool\n")
     (src / "bin" / "tool").chmod(0o755)
     (src / "data.bin").write_bytes(os.urandom(300_000))
     digest = hashlib.sha256((src / "data.bin").read_bytes()).hexdigest()
-    with open(user.home / "log", "wb") as log, fuse_device_mode(0o666):
-        proc = user.popen(user.daemon_argv(mnt, "--ready-file", str(ready)),
-                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_for(lambda: ready.exists() or proc.poll() is not None, 30, "the daemon")
-            assert proc.poll() is None, (user.home / "log").read_text()
-            addr = json.loads(ready.read_text())["addr"]
-            token = str(user.home / "token")
-            # pushed by root (another user) over the wire, as any client
-            pushed = mfs("push", str(src), "--hosts", addr, "--token-file", token, check=False)
-            assert pushed.returncode == 0, pushed.stderr + (user.home / "log").read_text()
-            seen = user.run(["sh", "-c", f"sha256sum < {mnt}/env/data.bin; {mnt}/env/bin/tool; "
-                                         f"stat -c %U {mnt}/env/data.bin"])
-            assert seen.returncode == 0, seen.stderr
-            assert seen.stdout.splitlines() == [f"{digest}  -", "tool", user.name]
-            # no allow_other (this machine's fuse.conf has no user_allow_other): not even root
-            # may look inside
-            with pytest.raises(PermissionError):
-                os.stat(mnt / "env")
-            st = json.loads(mfs("status", "--hosts", addr, "--token-file", token,
-                                "--json").stdout)[0]
-            assert st["mode"] == (f"unprivileged (user {user.name}; fusermount3; other users "
-                                  "cannot read: no user_allow_other in /etc/fuse.conf)")
-            assert "passthrough needs root" in st["fuse"]
-            text = mfs("status", "--hosts", addr, "--token-file", token).stdout
-            assert f"mode unprivileged (user {user.name};" in text
-            # a second daemon on the same mount point is refused; the first keeps serving
-            line = fails_in_one_line(user, user.daemon_argv(mnt, state="state2"))
-            assert line.endswith(f"{mnt}: it is already a mount point (fuse.monarch-fs): stop "
-                                 f"what serves it, or unmount it (fusermount3 -u {mnt}), or "
-                                 "pick another --mount"), line
-            assert user.run(["cat", f"{mnt}/env/bin/tool"]).returncode == 0
-        finally:
-            stop(proc, mnt)
+    with user.daemon(mnt) as addr:
+        token = str(user.home / "token")
+        # pushed by root (another user) over the wire, as any client
+        pushed = mfs("push", str(src), "--hosts", addr, "--token-file", token, check=False)
+        assert pushed.returncode == 0, pushed.stderr + (user.home / "log").read_text()
+        seen = user.run(["sh", "-c", f"sha256sum < {mnt}/env/data.bin; {mnt}/env/bin/tool; "
+                                     f"stat -c %U {mnt}/env/data.bin"])
+        assert seen.returncode == 0, seen.stderr
+        assert seen.stdout.splitlines() == [f"{digest}  -", "tool", user.name]
+        # no allow_other (this machine's fuse.conf has no user_allow_other): not even root
+        # may look inside
+        with pytest.raises(PermissionError):
+            os.stat(mnt / "env")
+        st = json.loads(mfs("status", "--hosts", addr, "--token-file", token,
+                            "--json").stdout)[0]
+        assert st["mode"] == (f"unprivileged (user {user.name}; fusermount3; other users "
+                              "cannot read: no user_allow_other in /etc/fuse.conf)")
+        assert "passthrough needs root" in st["fuse"]
+        text = mfs("status", "--hosts", addr, "--token-file", token).stdout
+        assert f"mode unprivileged (user {user.name};" in text
+        # a second daemon on the same mount point is refused; the first keeps serving
+        line = fails_in_one_line(user, user.daemon_argv(mnt, state="state2"))
+        assert line.endswith(f"{mnt}: it is already a mount point (fuse.monarch-fs): stop "
+                             f"what serves it, or unmount it (fusermount3 -u {mnt}), or "
+                             "pick another --mount"), line
+        assert user.run(["cat", f"{mnt}/env/bin/tool"]).returncode == 0
     log_text = (user.home / "log").read_text()
     assert "Traceback" not in log_text, log_text
 
@@ -254,7 +231,7 @@ def test_ready_once_mounted_and_stopping_at_sigterm(tmp_path):
             assert stopping == {"STOPPING": "1", "STATUS": "stopping: received SIGTERM"}
             assert proc.wait(timeout=20) == 0
         finally:
-            stop(proc, mnt)
+            stop_serving(proc, mnt)
 
 
 def test_the_unit_file_is_a_notify_service_with_rdma_limits(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import pwd
 import secrets
@@ -17,9 +18,10 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-from helpers import CLI_MODULE
+from helpers import CLI_MODULE, stop_serving, wait_for
 from monarch_fs.daemon.wire.auth import write_new_token
 from monarch_fs.fs.mount_check import FUSE_DEVICE
 
@@ -147,6 +149,22 @@ class LocalUser:
                 "--listen", "127.0.0.1:0",
                 "--mount", str(mount), "--state", str(self.home / state),
                 "--token-file", str(token), "--node-name", "unpriv", *flags]
+
+    @contextlib.contextmanager
+    def daemon(self, mount: Path) -> Iterator[str]:
+        """This user's daemon serving `mount` (/dev/fuse open to all meanwhile), its output in
+        HOME/log: its address, once it is mounted and listening; stopped, and its mount checked
+        gone, when the block ends."""
+        ready = self.home / "ready"
+        with open(self.home / "log", "wb") as log, fuse_device_mode(0o666):
+            proc = self.popen(self.daemon_argv(mount, "--ready-file", str(ready)),
+                              stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                wait_for(lambda: ready.exists() or proc.poll() is not None, 30, "the daemon")
+                assert proc.poll() is None, (self.home / "log").read_text()
+                yield json.loads(ready.read_text())["addr"]
+            finally:
+                stop_serving(proc, mount)
 
 
 FUSE_DEVICE_LOCK = Path(tempfile.gettempdir()) / "monarch-fs-tests-dev-fuse.lock"
