@@ -7,11 +7,10 @@ Apart from requests.py and replies.py, which hold what a push asks and the node'
 from __future__ import annotations
 
 import signal
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from .replies import MalformedReply, typed_field
+from .replies import PlainReply
 from .requests import NoArguments, RequestError, int_arg
 
 
@@ -82,62 +81,32 @@ class Probe:
 
 
 @dataclass(frozen=True)
-class SpawnReply:
+class SpawnReply(PlainReply):
     """The process started: its id on this connection (for `kill` and its events) and its pid."""
 
     op: ClassVar[str] = "spawn"
     proc: int
     pid: int
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"proc": self.proc, "pid": self.pid}
-
-    @classmethod
-    def from_wire(cls, value: Mapping[str, Any]) -> SpawnReply:
-        return cls(typed_field(cls.op, value, "proc", int), typed_field(cls.op, value, "pid", int))
-
 
 @dataclass(frozen=True)
-class KillReply:
+class KillReply(PlainReply):
     """The signal was sent. Carries nothing."""
 
     op: ClassVar[str] = "kill"
 
-    def to_wire(self) -> dict[str, Any]:
-        return {}
-
-    @classmethod
-    def from_wire(cls, value: Mapping[str, Any]) -> KillReply:
-        if not isinstance(value, Mapping):
-            raise MalformedReply(f"malformed {cls.op} reply: expected an object, not {value!r}")
-        return cls()
-
 
 @dataclass(frozen=True)
-class FreePortReply:
+class FreePortReply(PlainReply):
     """A TCP port nobody listened on when the node looked."""
 
     op: ClassVar[str] = "free_port"
     port: int
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"port": self.port}
-
-    @classmethod
-    def from_wire(cls, value: Mapping[str, Any]) -> FreePortReply:
-        return cls(typed_field(cls.op, value, "port", int))
-
 
 @dataclass(frozen=True)
-class ProbeReply:
+class ProbeReply(PlainReply):
     """How many bytes of padding the probe carried."""
 
     op: ClassVar[str] = "probe"
     size: int
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"size": self.size}
-
-    @classmethod
-    def from_wire(cls, value: Mapping[str, Any]) -> ProbeReply:
-        return cls(typed_field(cls.op, value, "size", int))

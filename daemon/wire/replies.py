@@ -13,8 +13,8 @@ Versions travel as hex strings and are bytes here, as in the requests.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Self, TypeVar
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Self, TypeVar, get_origin, get_type_hints
 
 from .protocol import ProtocolError
 from .requests import from_hex
@@ -47,6 +47,26 @@ def typed_field(op: str, value: Mapping[str, Any], key: str, kind: type[T]) -> T
     if not isinstance(got, kind) or (isinstance(got, bool) and kind is not bool):
         raise MalformedReply(f"malformed {op} reply: {key!r} is {got!r}")
     return got
+
+
+@dataclass(frozen=True)
+class PlainReply:
+    """A reply whose fields cross the wire as they are, by name, each checked on arrival to be
+    of the type it is declared with: one to_wire and from_wire for every reply of that shape."""
+
+    op: ClassVar[str]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_wire(cls, value: Mapping[str, Any]) -> Self:
+        if not isinstance(value, Mapping):
+            raise MalformedReply(f"malformed {cls.op} reply: expected an object, not {value!r}")
+        hints = get_type_hints(cls)  # the declared types (`dict[str, Any]` checks as a dict)
+        return cls(**{f.name: typed_field(cls.op, value, f.name,
+                                          get_origin(hints[f.name]) or hints[f.name])
+                      for f in fields(cls)})
 
 
 def number_field(op: str, value: Mapping[str, Any], key: str) -> float:
@@ -315,19 +335,12 @@ class FanReply(_FailuresReply):
 
 
 @dataclass(frozen=True)
-class BulkReply:
+class BulkReply(PlainReply):
     """The RDMA channel is open on the node; `qp` is its queue pair, for the sender to connect
     to (read by rdma.RdmaSender.connect)."""
 
     op: ClassVar[str] = "bulk"
     qp: dict[str, Any]
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"qp": self.qp}
-
-    @classmethod
-    def from_wire(cls, value: Mapping[str, Any]) -> BulkReply:
-        return cls(typed_field(cls.op, value, "qp", dict))
 
 
 @dataclass(frozen=True)
