@@ -196,45 +196,37 @@ def _split_ids(ftype: FrameType, payload: bytes) -> list[bytes]:
     return [payload[i : i + p.ID_SIZE] for i in range(0, len(payload), p.ID_SIZE)]
 
 
-def _split_batch(payload: memoryview) -> p.PutChunks:
+def _split_table(name: str, payload: memoryview, entry: struct.Struct, limit: int, item: str,
+                 length: str) -> list[tuple[tuple, memoryview]]:
+    """A PUT_CHUNKS or DATA payload: a count, a table of that many `entry` (each ending with a
+    blob's length), then the blobs back to back. Each entry with a view of its blob, once the
+    count is within `limit` and the lengths add up to the payload."""
     if len(payload) < _COUNT.size:
-        raise p.ProtocolError("PUT_CHUNKS frame too short")
+        raise p.ProtocolError(f"{name} frame too short")
     (count,) = _COUNT.unpack_from(payload)
-    if count > MAX_BATCH_CHUNKS:
-        raise p.ProtocolError(f"PUT_CHUNKS frame: {count} chunks exceed {MAX_BATCH_CHUNKS}")
-    offset = _COUNT.size + count * _BATCH_ENTRY.size
+    if count > limit:
+        raise p.ProtocolError(f"{name} frame: {count} {item}s exceed {limit}")
+    offset = _COUNT.size + count * entry.size
     if offset > len(payload):
-        raise p.ProtocolError("PUT_CHUNKS frame: chunk table is truncated")
-    entries = [_BATCH_ENTRY.unpack_from(payload, _COUNT.size + i * _BATCH_ENTRY.size)
-               for i in range(count)]
-    if offset + sum(n for _, n in entries) != len(payload):
-        raise p.ProtocolError("PUT_CHUNKS frame: blob lengths do not add up to the frame size")
-    chunks = []
-    for cid, n in entries:
-        chunks.append(p.PutChunk(cid, payload[offset : offset + n]))
-        offset += n
-    return p.PutChunks(tuple(chunks))
+        raise p.ProtocolError(f"{name} frame: {item} table is truncated")
+    entries = [entry.unpack_from(payload, _COUNT.size + i * entry.size) for i in range(count)]
+    if offset + sum(e[-1] for e in entries) != len(payload):
+        raise p.ProtocolError(f"{name} frame: {length} lengths do not add up to the frame size")
+    out = []
+    for e in entries:
+        out.append((e, payload[offset : offset + e[-1]]))
+        offset += e[-1]
+    return out
+
+
+def _split_batch(payload: memoryview) -> p.PutChunks:
+    table = _split_table("PUT_CHUNKS", payload, _BATCH_ENTRY, MAX_BATCH_CHUNKS, "chunk", "blob")
+    return p.PutChunks(tuple(p.PutChunk(cid, blob) for (cid, _), blob in table))
 
 
 def _split_data(payload: bytearray | memoryview) -> p.Data:
-    if len(payload) < _COUNT.size:
-        raise p.ProtocolError("DATA frame too short")
-    (count,) = _COUNT.unpack_from(payload)
-    if count > MAX_DATA_PARTS:
-        raise p.ProtocolError(f"DATA frame: {count} parts exceed {MAX_DATA_PARTS}")
-    offset = _COUNT.size + count * _LENGTH.size
-    if offset > len(payload):
-        raise p.ProtocolError("DATA frame: part table is truncated")
-    lengths = [_LENGTH.unpack_from(payload, _COUNT.size + i * _LENGTH.size)[0]
-               for i in range(count)]
-    if offset + sum(lengths) != len(payload):
-        raise p.ProtocolError("DATA frame: part lengths do not add up to the frame size")
-    view = memoryview(payload)
-    parts = []
-    for n in lengths:
-        parts.append(view[offset : offset + n])
-        offset += n
-    return p.Data(tuple(parts))
+    table = _split_table("DATA", memoryview(payload), _LENGTH, MAX_DATA_PARTS, "part", "part")
+    return p.Data(tuple(part for _, part in table))
 
 
 def _is_int(v: object) -> bool:
