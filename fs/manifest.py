@@ -11,7 +11,7 @@ In memory a version is a tree of Folder values, shared whole between the version
 folder unchanged, so an edit costs the folders on its path in memory too; the flat list of
 entries in tree order (parents first, each subtree contiguous) is what a scan makes, and is made
 from the tree only where a whole pass needs it. What an entry is, and the limits and checks
-each is held to, live in fs/entry.py (re-exported here, where most callers look for them); a
+each is held to, live in fs/entry.py (what the node and client use re-exported here); a
 version made from another by listing some folders anew, in fs/manifest_edit.py.
 """
 
@@ -26,17 +26,12 @@ from .chunk import CHUNK_SIZE, MAX_CHUNK_SIZE, chunk_id
 from .entry import (
     DEFAULT_MAX_ENTRIES,
     MAX_ENTRIES,
-    MAX_FILE_SIZE,
-    MAX_NAME,
     MAX_PATH,
-    MAX_TARGET,
-    MTIME_RANGE,
     Entry,
     Kind,
     ManifestError,
     MissingObject,
     TooManyEntries,
-    UnsafePath,
     by_name,
     check_entry,
     check_path,
@@ -44,9 +39,10 @@ from .entry import (
 )
 from .folder import _ENTRY, MAGIC, Folder, folder_blob, folder_record, read_tree, record
 
-__all__ = ["DEFAULT_MAX_ENTRIES", "MAGIC", "MAX_ENTRIES", "MAX_FILE_SIZE", "MAX_NAME",
-           "MAX_PATH", "MAX_TARGET", "MTIME_RANGE", "Entry", "Folder", "Kind", "Manifest",
-           "ManifestError", "MissingObject", "TooManyEntries", "UnsafePath", "check_path",
+# What the node and the client take from here; the entry's own limits and path checks are
+# fs/entry.py's.
+__all__ = ["DEFAULT_MAX_ENTRIES", "MAGIC", "MAX_ENTRIES", "MAX_PATH", "Entry", "Folder", "Kind",
+           "Manifest", "ManifestError", "MissingObject", "TooManyEntries", "check_path",
            "sort_key"]
 
 

@@ -17,17 +17,14 @@ from hypothesis import strategies as st
 from helpers import FOLDER_HEAD, FOLDER_MAGIC, FUZZ, SMALL, folder_object
 from monarch_fs.fs import manifest_edit
 from monarch_fs.fs.chunk import CHUNK_SIZE, ID_SIZE, MAX_CHUNK_SIZE, chunk_id
+from monarch_fs.fs.entry import MAX_NAME, MAX_PATH, UnsafePath, check_path
 from monarch_fs.fs.manifest import (
-    MAX_NAME,
-    MAX_PATH,
     Entry,
     Kind,
     Manifest,
     ManifestError,
     MissingObject,
     TooManyEntries,
-    UnsafePath,
-    check_path,
 )
 
 
