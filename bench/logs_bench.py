@@ -16,13 +16,12 @@ question of QUESTIONS then runs five times through the real command line (`monar
 
 from __future__ import annotations
 
-import json
-import os
 import sqlite3
 import sys
 from pathlib import Path
 
-from .common import BenchError, LocalCluster, log, run, summary, workload_main
+from .common import log, run, summary, workload_main
+from .query_timing import filled_cluster, target, time_query
 
 TARGET_S = 1.0
 JOB = "1206-000000-beef"
@@ -60,47 +59,23 @@ def fill(db_path: Path, node: int, lines: int) -> int:
 
 
 def measure(work: Path, nodes: int = 8, lines: int = 1_000_000, runs: int = 5) -> dict:
-    os.environ["MONARCH_FS_EVENTS_MIB"] = str(max(256, lines // 2000))  # room for them all
-    try:
-        with LocalCluster(work / "cl-logs", nodes) as cl:
-            sizes = []
-            for i in range(nodes):
-                log(f"\r  filling node {i + 1}/{nodes} with {lines:,} lines", end="")
-                sizes.append(fill(cl.state(i) / "events.db", i, lines))
-            log("")
-            target = ["--hosts", f"@{cl.dir / 'hosts'}", "--token-file", str(cl.dir / "token")]
-            out: dict = {"nodes": nodes, "lines_per_node": lines,
-                         "db_mib_per_node": round(sum(sizes) / nodes / (1 << 20), 1),
-                         "questions": {}}
-            for label, sql in QUERIES.items():
-                own, walls, rows = [], [], 0
-                for _ in range(runs):
-                    s, proc = run([cl.cli, "query", *target, "--json", sql])
-                    answer = json.loads(proc.stdout)
-                    if answer["unreachable"]:
-                        raise BenchError(f"{label}: {answer['unreachable']}")
-                    own.append(answer["seconds"])
-                    walls.append(s)
-                    rows = len(answer["rows"])
-                q = out["questions"][label] = {"sql": sql, "seconds": summary(own),
-                                               "cli_seconds": summary(walls), "rows": rows}
-                q["met"] = q["seconds"]["median"] < TARGET_S
-                log(f"  {label}: {q['seconds']['median']:.3f} s "
-                    f"({q['cli_seconds']['median']:.3f} s with the command's start; {rows} rows)")
-            for label, args in LOGS_ARGS.items():
-                walls, printed = [], 0
-                for _ in range(runs):
-                    s, proc = run([cl.cli, "logs", *args, *target])
-                    walls.append(s)
-                    printed = proc.stdout.count("\n")
-                q = out["questions"][label] = {"args": args, "cli_seconds": summary(walls),
-                                               "lines": printed}
-                q["met"] = q["cli_seconds"]["median"] < TARGET_S
-                log(f"  {label}: {q['cli_seconds']['median']:.3f} s with the command's start "
-                    f"({printed} lines)")
-            return out
-    finally:
-        os.environ.pop("MONARCH_FS_EVENTS_MIB", None)
+    with filled_cluster(work, "cl-logs", nodes, f"{lines:,} lines", max(256, lines // 2000),
+                        lambda db, i: fill(db, i, lines)) as (cl, mib):
+        out: dict = {"nodes": nodes, "lines_per_node": lines, "db_mib_per_node": mib,
+                     "questions": {label: time_query(cl, label, sql, runs, TARGET_S)
+                                   for label, sql in QUERIES.items()}}
+        for label, args in LOGS_ARGS.items():
+            walls, printed = [], 0
+            for _ in range(runs):
+                s, proc = run([cl.cli, "logs", *args, *target(cl)])
+                walls.append(s)
+                printed = proc.stdout.count("\n")
+            q = out["questions"][label] = {"args": args, "cli_seconds": summary(walls),
+                                           "lines": printed}
+            q["met"] = q["cli_seconds"]["median"] < TARGET_S
+            log(f"  {label}: {q['cli_seconds']['median']:.3f} s with the command's start "
+                f"({printed} lines)")
+        return out
 
 
 OPTIONS = [

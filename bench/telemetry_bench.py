@@ -25,26 +25,15 @@ and imports included, is reported beside it.
 
 from __future__ import annotations
 
-import json
 import os
 import sqlite3
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from .common import (
-    DEFAULT_CACHE,
-    BenchError,
-    LocalCluster,
-    PageCache,
-    log,
-    own_disk_kib,
-    rounds,
-    run,
-    summary,
-    workload_main,
-)
+from . import common
 from .import_bench import ensure_venv, import_once
+from .query_timing import filled_cluster, time_query
 from .tree_bench import ensure_files, find_seconds
 
 TARGET_QUERY_S = 1.0
@@ -99,43 +88,17 @@ def fill(db_path: Path, node: str, events: int) -> int:
 
 def measure_queries(work: Path, nodes: int, events: int, runs: int = 5) -> dict:
     """The QUERIES over `nodes` daemons holding `events` events each, as `monarch-fs query`."""
-    os.environ["MONARCH_FS_EVENTS_MIB"] = str(max(256, events // 1000))  # room for them all
-    try:
-        with LocalCluster(work / "cl-query", nodes) as cl:
-            sizes = []
-            for i in range(nodes):
-                log(f"\r  filling node {i + 1}/{nodes} with {events:,} events", end="")
-                sizes.append(fill(cl.state(i) / "events.db", f"node-{i}", events))
-            log("")
-            cmd = [cl.cli, "query", "--hosts", f"@{cl.dir / 'hosts'}", "--token-file",
-                   str(cl.dir / "token"), "--json"]
-            out: dict = {"nodes": nodes, "events_per_node": events,
-                         "db_mib_per_node": round(sum(sizes) / nodes / (1 << 20), 1),
-                         "queries": {}}
-            for label, sql in QUERIES.items():
-                walls, own, rows = [], [], 0
-                for _ in range(runs):
-                    s, proc = run([*cmd, sql])
-                    answer = json.loads(proc.stdout)
-                    if answer["unreachable"]:
-                        raise BenchError(f"{label}: {answer['unreachable']}")
-                    walls.append(s)
-                    own.append(answer["seconds"])
-                    rows = len(answer["rows"])
-                q = out["queries"][label] = {"sql": sql, "seconds": summary(own),
-                                             "cli_seconds": summary(walls), "rows": rows}
-                q["met"] = q["seconds"]["median"] < TARGET_QUERY_S
-                log(f"  {label}: {q['seconds']['median']:.3f} s, {q['cli_seconds']['median']:.3f}"
-                    f" s with the command's start ({rows} rows)")
-            return out
-    finally:
-        os.environ.pop("MONARCH_FS_EVENTS_MIB", None)
+    with filled_cluster(work, "cl-query", nodes, f"{events:,} events", max(256, events // 1000),
+                        lambda db, i: fill(db, f"node-{i}", events)) as (cl, mib):
+        return {"nodes": nodes, "events_per_node": events, "db_mib_per_node": mib,
+                "queries": {label: time_query(cl, label, sql, runs, TARGET_QUERY_S)
+                            for label, sql in QUERIES.items()}}
 
 
-def _cluster(work: Path, name: str, recording: bool) -> LocalCluster:
+def _cluster(work: Path, name: str, recording: bool) -> common.LocalCluster:
     """A 1-node cluster, started with or without recording (the daemon reads the switch from
     the environment it is started with)."""
-    cl = LocalCluster(work / name, 1)
+    cl = common.LocalCluster(work / name, 1)
     before = os.environ.get("MONARCH_FS_EVENTS")
     os.environ["MONARCH_FS_EVENTS"] = "1" if recording else "0"
     try:
@@ -150,10 +113,10 @@ def _cluster(work: Path, name: str, recording: bool) -> LocalCluster:
 
 def measure_reads(work: Path, cache: Path, module: str, files: int, runs: int,
                   cold_runs: int, excludes: tuple[str, ...] = (),
-                  page_cache: PageCache | None = None) -> dict:
+                  page_cache: common.PageCache | None = None) -> dict:
     """Warm `import MODULE` and `find` (warm and cold) on a recording node against one that
     records nothing, alternating."""
-    page_cache = page_cache or PageCache()
+    page_cache = page_cache or common.PageCache()
     venv, _ = ensure_venv(cache)
     tree = ensure_files(cache, files)
     sides = {"on": _cluster(work, "cl-on", True), "off": _cluster(work, "cl-off", False)}
@@ -164,24 +127,24 @@ def measure_reads(work: Path, cache: Path, module: str, files: int, runs: int,
             cl.push(tree, name="files")
             mounts[side] = cl.mount()
             if side == "on" and not (cl.state() / "events.db").exists():
-                raise BenchError("the recording node has no events.db")
+                raise common.BenchError("the recording node has no events.db")
             if side == "off" and (cl.state() / "events.db").exists():
-                raise BenchError("MONARCH_FS_EVENTS=0 did not turn recording off")
-        log(f"  pushed the venv and {files:,} files to both nodes")
+                raise common.BenchError("MONARCH_FS_EVENTS=0 did not turn recording off")
+        common.log(f"  pushed the venv and {files:,} files to both nodes")
         result: dict = {"module": module, "files": files}
 
         def compare(label: str, fn: Callable[[Path], float], n: int, cold: bool) -> None:
             for side in sides:  # warm-up (a cold run drops the cache itself)
                 fn(mounts[side])
-            probes = None if cold else {s: (lambda cl=cl: own_disk_kib()) for s, cl in
-                                        sides.items()}
-            out = rounds(n, {s: (lambda s=s: fn(mounts[s])) for s in sides},
-                         (lambda side: page_cache.drop()) if cold else None, probes)
-            res = {s: summary(v) for s, v in out.items()}
+            probes = None if cold else {s: (lambda cl=cl: common.own_disk_kib())
+                                        for s, cl in sides.items()}
+            out = common.rounds(n, {s: (lambda s=s: fn(mounts[s])) for s in sides},
+                                (lambda side: page_cache.drop()) if cold else None, probes)
+            res = {s: common.summary(v) for s, v in out.items()}
             res["ratio"] = round(res["on"]["median"] / res["off"]["median"], 3)
             result[label] = res
-            log(f"  {label}: recording {res['on']['median']:.3f} s, not "
-                f"{res['off']['median']:.3f} s: {res['ratio']:.3f}x")
+            common.log(f"  {label}: recording {res['on']['median']:.3f} s, not "
+                       f"{res['off']['median']:.3f} s: {res['ratio']:.3f}x")
 
         compare(f"import {module}, warm",
                 lambda m: import_once(m / "venv", module, []), runs, cold=False)
@@ -194,13 +157,13 @@ def measure_reads(work: Path, cache: Path, module: str, files: int, runs: int,
             cl.__exit__(None, None, None)
 
 
-def measure(work: Path, cache: Path = DEFAULT_CACHE, module: str = "torch",
+def measure(work: Path, cache: Path = common.DEFAULT_CACHE, module: str = "torch",
             files: int = 100_000, runs: int = 9, cold_runs: int = 3, nodes: int = 8,
             events: int = 1_000_000, excludes: tuple[str, ...] = (),
-            page_cache: PageCache | None = None) -> dict:
-    log("  read path, recording vs not:")
+            page_cache: common.PageCache | None = None) -> dict:
+    common.log("  read path, recording vs not:")
     reads = measure_reads(work, cache, module, files, runs, cold_runs, excludes, page_cache)
-    log(f"  a query over {nodes} nodes of {events:,} events each:")
+    common.log(f"  a query over {nodes} nodes of {events:,} events each:")
     return {"reads": reads, "query": measure_queries(work, nodes, events)}
 
 
@@ -216,7 +179,7 @@ OPTIONS = [
 
 
 def main(argv: list[str] | None = None) -> int:
-    return workload_main(argv, __doc__, OPTIONS, lambda work, a: measure(
+    return common.workload_main(argv, __doc__, OPTIONS, lambda work, a: measure(
         work, a.cache, a.module, a.files, a.runs, a.cold_runs, a.nodes, a.events,
         tuple(a.exclude)))
 

@@ -31,19 +31,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from .common import (
-    DEFAULT_CACHE,
-    BenchError,
-    LocalCluster,
-    Observed,
-    PageCache,
-    log,
-    own_disk_kib,
-    rounds,
-    run,
-    summary,
-    workload_main,
-)
+from . import common
 
 GENERATOR_VERSION = 1
 PER_DIR = 100
@@ -67,7 +55,7 @@ def ensure_files(cache: Path, count: int) -> Path:
     want = {"generator": GENERATOR_VERSION, "files": count}
     if tree.is_dir() and marker.exists() and json.loads(marker.read_text()) == want:
         return tree
-    log(f"generating {count} files in {tree} (once; later runs reuse it)")
+    common.log(f"generating {count} files in {tree} (once; later runs reuse it)")
     partial = cache / f"files-{count}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     shutil.rmtree(tree, ignore_errors=True)
@@ -84,38 +72,40 @@ def ensure_files(cache: Path, count: int) -> Path:
         (folder / f"f{k:03d}_{rng.randrange(1 << 20):05x}.py").write_bytes(
             pool_b[start:start + size])
         if (i + 1) % 10000 == 0:
-            log(f"\r  {i + 1}/{count}", end="")
-    log("")
+            common.log(f"\r  {i + 1}/{count}", end="")
+    common.log("")
     os.rename(partial, tree)
     marker.write_text(json.dumps(want))
     return tree
 
 
 def find_seconds(root: Path, expect: int) -> float:
-    seconds, proc = run(["bash", "-c", 'set -o pipefail; find "$1" -type f | wc -l', "find",
-                         str(root)])
+    seconds, proc = common.run(["bash", "-c", 'set -o pipefail; find "$1" -type f | wc -l',
+                                "find", str(root)])
     if int(proc.stdout.strip()) != expect:
-        raise BenchError(f"find found {proc.stdout.strip()} files under {root}, not {expect}")
+        raise common.BenchError(f"find found {proc.stdout.strip()} files under {root}, not "
+                                f"{expect}")
     return seconds
 
 
 def walk_seconds(root: Path, expect: int) -> float:
-    _, proc = run([sys.executable, "-c", WALK, str(root)])
+    _, proc = common.run([sys.executable, "-c", WALK, str(root)])
     out = json.loads(proc.stdout)
     if out["files"] != expect:
-        raise BenchError(f"os.walk found {out['files']} files under {root}, not {expect}")
+        raise common.BenchError(f"os.walk found {out['files']} files under {root}, not {expect}")
     return out["seconds"]
 
 
-def measure(work: Path, cache: Path = DEFAULT_CACHE, files: int = 100_000, cold_runs: int = 3,
-            warm_runs: int = 5, page_cache: PageCache | None = None) -> dict:
-    page_cache = page_cache or PageCache()
+def measure(work: Path, cache: Path = common.DEFAULT_CACHE, files: int = 100_000,
+            cold_runs: int = 3, warm_runs: int = 5,
+            page_cache: common.PageCache | None = None) -> dict:
+    page_cache = page_cache or common.PageCache()
     local = ensure_files(cache, files)
-    with LocalCluster(work / "cl-tree", 1) as cl:
+    with common.LocalCluster(work / "cl-tree", 1) as cl:
         push_s, pushed = cl.push(local, name=NAME)
         if pushed["files"] != files:
-            raise BenchError(f"pushed {pushed['files']} files, not {files}")
-        log(f"  pushed {files} files to 1 node in {push_s:.2f}s")
+            raise common.BenchError(f"pushed {pushed['files']} files, not {files}")
+        common.log(f"  pushed {files} files to 1 node in {push_s:.2f}s")
         after_push = cl.proc()
         cl.restart()  # a node serving the snapshot, not one that has just received it
         at_start = cl.proc()
@@ -129,17 +119,19 @@ def measure(work: Path, cache: Path = DEFAULT_CACHE, files: int = 100_000, cold_
                     tool(mounted, files)
                     tool(local, files)
             for tname, tool in tools.items():
-                mount = Observed(cl, lambda tool=tool: tool(mounted, files))
-                log(f"  {tname} {label}: ", end="")
-                out = rounds(n, {"mount": mount, "local": lambda tool=tool: tool(local, files)},
-                             (lambda side: page_cache.drop()) if cold else None,
-                             None if cold else {"mount": cl.disk_probe(), "local": own_disk_kib})
-                res = {side: {**summary(secs), "discarded": out.discarded[side]}
+                mount = common.Observed(cl, lambda tool=tool: tool(mounted, files))
+                common.log(f"  {tname} {label}: ", end="")
+                out = common.rounds(
+                    n, {"mount": mount, "local": lambda tool=tool: tool(local, files)},
+                    (lambda side: page_cache.drop()) if cold else None,
+                    None if cold else {"mount": cl.disk_probe(), "local": common.own_disk_kib})
+                res = {side: {**common.summary(secs), "discarded": out.discarded[side]}
                        for side, secs in out.items()}
                 res["ratio"] = round(res["mount"]["median"] / res["local"]["median"], 3)
                 results.setdefault(tname, {})[label] = res
                 counters[f"{tname} {label}"] = mount.report()
-                log(f"mount {res['mount']['median']:.2f}s  local {res['local']['median']:.2f}s")
+                common.log(f"mount {res['mount']['median']:.2f}s  "
+                           f"local {res['local']['median']:.2f}s")
         serving = cl.proc()
 
     return {
@@ -161,8 +153,9 @@ def measure(work: Path, cache: Path = DEFAULT_CACHE, files: int = 100_000, cold_
 
 
 def main(argv: list[str] | None = None) -> int:
-    return workload_main(argv, __doc__, [("--files", {"type": int, "default": 100_000})],
-                         lambda work, a: measure(work, a.cache, a.files, a.cold_runs, a.warm_runs))
+    return common.workload_main(
+        argv, __doc__, [("--files", {"type": int, "default": 100_000})],
+        lambda work, a: measure(work, a.cache, a.files, a.cold_runs, a.warm_runs))
 
 
 if __name__ == "__main__":
