@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 
+from .option_tables import add_switches, add_target
 
-def add_debug_commands(sub: argparse._SubParsersAction, hosts_help: str) -> None:
+
+def add_debug_commands(sub: argparse._SubParsersAction) -> None:
     lg = sub.add_parser(
         "logs", help="what every rank of a job printed, from every node",
         description="Print the output of every rank of job JOB (default: the newest job any "
@@ -26,10 +28,8 @@ def add_debug_commands(sub: argparse._SubParsersAction, hosts_help: str) -> None
                          "and time (2026-12-06T01:30)")
     lg.add_argument("--follow", "-f", action="store_true",
                     help="keep printing new lines as the nodes record them (Ctrl-C stops)")
-    lg.add_argument("--no-fold", action="store_true",
-                    help="print every line of every rank, `[rank R] ...`")
-    lg.add_argument("--hosts", metavar="SPEC", help=hosts_help)
-    lg.add_argument("--token-file", metavar="F")
+    add_switches(lg, {"--no-fold": "print every line of every rank, `[rank R] ...`"})
+    add_target(lg)
 
     rp = sub.add_parser(
         "repro", help="run a rank of a job (or all: --world) again, here, as on the cluster",
@@ -46,15 +46,12 @@ def add_debug_commands(sub: argparse._SubParsersAction, hosts_help: str) -> None
                        help="run every rank of the job here at once, MASTER_ADDR and "
                             "MASTER_PORT shared, output folded as `run` folds it; the first "
                             "rank that fails stops the others and gives the exit status")
-    rp.add_argument("--pdb", action="store_true",
-                    help="with --rank: run it under pdb (`python -m pdb`): it stops at the "
-                         "first line, and at an uncaught exception")
-    rp.add_argument("--no-fold", action="store_true",
-                    help="with --world: print every line of every rank")
     rp.add_argument("--source", metavar="DIR",
                     help="the workspace's source folder, for what the dev box store does not "
                          "hold (default: the folder the node was told it was pushed from)")
-    rp.add_argument("--keep", action="store_true",
-                    help="keep the temporary folder the version was written to")
-    rp.add_argument("--hosts", metavar="SPEC", help=hosts_help)
-    rp.add_argument("--token-file", metavar="F")
+    add_switches(rp, {
+        "--pdb": "with --rank: run it under pdb (`python -m pdb`): it stops at the first line, "
+                 "and at an uncaught exception",
+        "--no-fold": "with --world: print every line of every rank",
+        "--keep": "keep the temporary folder the version was written to"})
+    add_target(rp)

@@ -16,6 +16,7 @@ from .daemon.wire.identity import ROOT_PROCS_FLAG
 from .daemon.wire.limits import Limits
 from .debug_options import add_debug_commands
 from .fs.manifest import DEFAULT_MAX_ENTRIES
+from .option_tables import add_switches, add_target
 
 DESCRIPTION = ("Push code and Python environments to every node of a cluster, serve them "
                "read-only over FUSE, and run the processes that use them.")
@@ -112,11 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="munged's socket (default $MONARCH_FS_MUNGE_SOCKET, else "
                         f"{identity.DEFAULT_SOCKET})")
 
-    hosts_help = ("host:port,host:port or @hostfile (default $MONARCH_FS_HOSTS, then the local "
-                  "cluster)")
     p = sub.add_parser("push", help="push a folder to every node and publish it")
     p.add_argument("src", metavar="SRC")
-    p.add_argument("--hosts", metavar="SPEC", help=hosts_help)
+    add_target(p)
     p.add_argument("--name", help="workspace name (default: the folder's name)")
     p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
                    help="skip names or relative paths matching GLOB (repeatable)")
@@ -131,39 +130,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--control-fanout", type=int, default=topology.CONTROL_FANOUT, metavar="K",
                    help=f"children per node of the control tree (default "
                         f"{topology.CONTROL_FANOUT})")
-    p.add_argument("--allow-partial", action="store_true",
-                   help="route around failed nodes and publish on the healthy ones")
     p.add_argument("--timeout", type=float, default=60.0, metavar="S",
                    help="a node making no progress for S seconds has failed (default 60)")
-    p.add_argument("--early", action="store_true",
-                   help="publish as soon as every node holds the manifest and the files the "
-                        "nodes read first after earlier pushes (else the small files); the "
-                        "rest streams on, and a read of a chunk not there yet fetches it first. "
-                        "Prints when the version became usable and when complete")
-    p.add_argument("--token-file", metavar="F")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object (with --watch: one per push, one per line; "
-                        'with --early, first {"event": "usable", ...} when usable)')
-    p.add_argument("--watch", action="store_true",
-                   help="keep watching SRC and push again after every change (Ctrl-C stops)")
-    p.add_argument("--on-demand", action="store_true",
-                   help="with --watch: keep the tree and the sessions warm, but push only when "
-                        "a `monarch-fs push` of SRC with the same options is handed over")
-    p.add_argument("--keep-warm", action="store_true",
-                   help="after the push, leave a `push --watch --on-demand` of SRC in the "
-                        "background (unless one runs), so that the next push of SRC with the "
-                        "same options costs what changed, not a look at every file; it stops "
-                        "after --idle minutes without a push")
+    add_switches(p, {
+        "--allow-partial": "route around failed nodes and publish on the healthy ones",
+        "--early": "publish as soon as every node holds the manifest and the files the nodes "
+                   "read first after earlier pushes (else the small files); the rest streams "
+                   "on, and a read of a chunk not there yet fetches it first. Prints when the "
+                   "version became usable and when complete",
+        "--json": "print one JSON object (with --watch: one per push, one per line; with "
+                  '--early, first {"event": "usable", ...} when usable)',
+        "--watch": "keep watching SRC and push again after every change (Ctrl-C stops)",
+        "--on-demand": "with --watch: keep the tree and the sessions warm, but push only when a "
+                       "`monarch-fs push` of SRC with the same options is handed over",
+        "--keep-warm": "after the push, leave a `push --watch --on-demand` of SRC in the "
+                       "background (unless one runs), so that the next push of SRC with the "
+                       "same options costs what changed, not a look at every file; it stops "
+                       "after --idle minutes without a push",
+        "--no-cache": "hash every file: do not use or update the scan cache (default: "
+                      "$MONARCH_FS_HOME/scan-cache, so unchanged files are not read)",
+        "--no-store": "neither send from nor add to the dev box store ($MONARCH_FS_STORE, "
+                      "default $MONARCH_FS_HOME/store), which keeps what push sent so a later "
+                      "push of unchanged content reads nothing of SRC",
+        "--compile": "byte-compile SRC's Python modules before sending (compileall, as pip "
+                     "does; with the venv's own bin/python when SRC has pyvenv.cfg): writes "
+                     "__pycache__ into SRC. The mount is read-only, so modules pushed without "
+                     ".pyc are compiled again by every import on every node"})
     p.add_argument("--idle", type=positive_minutes, metavar="MIN",
                    help="with --watch: stop after MIN minutes without a push (default: never; "
                         f"with --keep-warm: {KEEP_WARM_IDLE:g})")
-    p.add_argument("--no-cache", action="store_true",
-                   help="hash every file: do not use or update the scan cache "
-                        "(default: $MONARCH_FS_HOME/scan-cache, so unchanged files are not read)")
-    p.add_argument("--no-store", action="store_true",
-                   help="neither send from nor add to the dev box store ($MONARCH_FS_STORE, "
-                        "default $MONARCH_FS_HOME/store), which keeps what push sent so a later "
-                        "push of unchanged content reads nothing of SRC")
     p.add_argument("--compress", choices=COMPRESS_POLICIES, default="auto",
                    help="zstd on each link from this machine: auto (measured per link: none on "
                         "loopback or where the link is faster than decompressing; reported in "
@@ -178,20 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "to MOUNT/NAME), so a venv's scripts and pyvenv.cfg resolve as on this "
                         "machine; never replaces what is there (default: on where the path "
                         "allows it, else a warning; --at-source makes that an error)")
-    p.add_argument("--compile", action="store_true",
-                   help="byte-compile SRC's Python modules before sending (compileall, as pip "
-                        "does; with the venv's own bin/python when SRC has pyvenv.cfg): writes "
-                        "__pycache__ into SRC. The mount is read-only, so modules pushed "
-                        "without .pyc are compiled again by every import on every node")
 
     s = sub.add_parser("status", help="what every node serves, and the dev box store")
-    s.add_argument("--hosts", metavar="SPEC", help=hosts_help)
-    s.add_argument("--token-file", metavar="F")
-    s.add_argument("--json", action="store_true",
-                   help="print one list, an object per node (with --store: one object)")
-    s.add_argument("--store", action="store_true",
-                   help="only the dev box store: objects, bytes, bound and the snapshots it "
-                        "holds (asks no node)")
+    add_target(s)
+    add_switches(s, {
+        "--json": "print one list, an object per node (with --store: one object)",
+        "--store": "only the dev box store: objects, bytes, bound and the snapshots it holds "
+                   "(asks no node)"})
 
     rm = sub.add_parser("rm", help="delete a workspace on every node",
                         description="Delete workspace NAME on every node: it leaves the mount at "
@@ -199,10 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "reading until closed). A node refuses while a process "
                                     "started with --workspace NAME runs there.")
     rm.add_argument("name", metavar="NAME")
-    rm.add_argument("--hosts", metavar="SPEC", help=hosts_help)
-    rm.add_argument("--token-file", metavar="F")
-    rm.add_argument("--json", action="store_true",
-                    help="print one list: per node host, removed, versions, error")
+    add_target(rm)
+    add_switches(rm, {"--json": "print one list: per node host, removed, versions, error"})
 
     r = sub.add_parser(
         "run", help="run a command on every proc of every host (SPMD, torchrun-style)",
@@ -213,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "Exit status: 0 if every rank exited 0, else the first failing rank's exit "
                     "code (128+N for signal N) in the last attempt, 1 if the job could not be "
                     "launched. {mount} and {workspace} in CMD, --cwd expand on each node.")
-    r.add_argument("--hosts", metavar="SPEC", help=hosts_help)
+    add_target(r)
     r.add_argument("--per-host", type=int, default=1, metavar="K", help="procs per host")
     r.add_argument("--max-restarts", type=int, default=0, metavar="R",
                    help="restart the whole group up to R times after a failure (default 0)")
@@ -225,7 +211,6 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="set NAME in every proc's environment (repeatable); procs start from "
                         "a small clean environment, not the daemon's (see the docs: Identity)")
-    r.add_argument("--token-file", metavar="F")
     r.add_argument("--transport", choices=TRANSPORTS, default="auto",
                    help="auto (RDMA when this host and a node both have a usable device, else "
                         "TCP, saying why), tcp, or rdma (an error naming the host without one). "
@@ -238,9 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--on-hang", choices=["kill", "wait"], default="kill",
                    help="after a hang's stacks: kill (default) fails the attempt, so "
                         "--max-restarts can restart the group; wait lets it run on")
-    r.add_argument("--no-fold", action="store_true",
-                   help="print every line of every rank; by default identical lines that "
-                        "ranks print within half a second print once, `[ranks 0-63] ...`")
+    add_switches(r, {"--no-fold": "print every line of every rank; by default identical lines "
+                                  "that ranks print within half a second print once, "
+                                  "`[ranks 0-63] ...`"})
     r.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS")
 
     q = sub.add_parser(
@@ -250,31 +235,26 @@ def build_parser() -> argparse.ArgumentParser:
                     "aggregates run on the nodes, the rest here. A node that does not answer "
                     "is reported and the others still answer (exit status 1 then).")
     q.add_argument("sql", nargs="?", metavar="SQL")
-    q.add_argument("--hosts", metavar="SPEC", help=hosts_help)
-    q.add_argument("--token-file", metavar="F")
-    fmt = q.add_mutually_exclusive_group()
-    fmt.add_argument("--json", action="store_true",
-                     help='print one object: {"columns", "rows" (an object each), '
-                          '"unreachable" (host, error)}')
-    fmt.add_argument("--csv", action="store_true",
-                     help="print CSV with a header line (unreachable nodes on stderr)")
+    add_target(q)
+    add_switches(q.add_mutually_exclusive_group(), {
+        "--json": 'print one object: {"columns", "rows" (an object each), "unreachable" '
+                  '(host, error)}',
+        "--csv": "print CSV with a header line (unreachable nodes on stderr)"})
     q.add_argument("--timeout", type=positive_seconds, default=10.0, metavar="S",
                    help="seconds a node may spend on its part (default 10)")
-    q.add_argument("--explain", action="store_true",
-                   help="print what each node runs and what runs here, and ask no node")
-    q.add_argument("--schema", action="store_true", help="print the tables and their columns")
+    add_switches(q, {
+        "--explain": "print what each node runs and what runs here, and ask no node",
+        "--schema": "print the tables and their columns"})
 
-    add_debug_commands(sub, hosts_help)
+    add_debug_commands(sub)
 
     tp = sub.add_parser("top", help="a live view of every node: version, throughput, cache "
                                     "hit rate, running processes")
-    tp.add_argument("--hosts", metavar="SPEC", help=hosts_help)
-    tp.add_argument("--token-file", metavar="F")
+    add_target(tp)
     tp.add_argument("--interval", type=positive_seconds, default=1.0, metavar="S",
                     help="seconds between refreshes (default 1)")
-    tp.add_argument("--once", action="store_true",
-                    help="print one view (rates over one interval) and exit")
-    tp.add_argument("--json", action="store_true", help="one JSON list per view, a line each")
+    add_switches(tp, {"--once": "print one view (rates over one interval) and exit",
+                      "--json": "one JSON list per view, a line each"})
 
     st = sub.add_parser(
         "stacks", help="what every rank of a job is doing: py-spy stacks from every node",
@@ -285,12 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("job", nargs="?", default="", metavar="JOB",
                     help="the job (run-XXXXXXXX, or a proc mesh's name; default: the newest "
                          "running one)")
-    st.add_argument("--hosts", metavar="SPEC", help=hosts_help)
-    st.add_argument("--token-file", metavar="F")
-    st.add_argument("--native", action="store_true",
-                    help="add native frames (C, C++, Cython) to the Python ones")
-    st.add_argument("--json", action="store_true",
-                    help="print one object: job, summary, groups, ranks, errors")
+    add_target(st)
+    add_switches(st, {"--native": "add native frames (C, C++, Cython) to the Python ones",
+                      "--json": "print one object: job, summary, groups, ranks, errors"})
 
     c = sub.add_parser("cluster", help="start or stop a local cluster on loopback")
     c.add_argument("action", choices=["up", "down"])
