@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import trio
-from opens import Opens
 
 from helpers import flip_bits, mfs, tree
 from monarch_fs.daemon.client import link_codec
@@ -20,6 +19,7 @@ from monarch_fs.daemon.wire.auth import resolve_token
 from monarch_fs.daemon.wire.transport import connect
 from monarch_fs.fs.store import Store
 from monarch_fs.settings import settings
+from opens import Opens
 
 pytestmark = pytest.mark.mount
 

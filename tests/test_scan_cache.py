@@ -14,7 +14,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from opens import Opens
 
 from helpers import SMALL, mfs, tree, wait_for
 from monarch_fs.fs.chunk import CHUNK_SIZE, chunk_id
@@ -30,6 +29,7 @@ from monarch_fs.fs.scan_cache import (
     stat_key,
 )
 from monarch_fs.fs.snapshot import SourceChanged
+from opens import Opens
 
 RACY = 50_000_000  # 50 ms: tests wait this long after writing instead of the default 2 s
 
