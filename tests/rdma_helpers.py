@@ -1,6 +1,7 @@
-"""What the RDMA tests share (test_rdma_logic over fake verbs, test_rdma_hw on a real device,
-test_run's transport checks): an authenticated channel pair, the node side of a bulk transfer,
-a sender talking to it, and whether this host has a usable RDMA device.
+"""What the RDMA tests share (test_rdma_logic's simulated fabric, test_bulk_transports over fake
+verbs, test_rdma_hw on a real device, test_run's transport checks): test chunk ids, an
+authenticated channel pair, the node side of a bulk transfer, a sender talking to it, and
+whether this host has a usable RDMA device.
 
 A helper, not a test file: `from rdma_helpers import ...` (pytest puts tests/ on sys.path)."""
 
@@ -15,6 +16,11 @@ from monarch_fs.daemon.wire import bulk, rdma_devices
 from monarch_fs.daemon.wire import protocol as p
 from monarch_fs.daemon.wire.connection import Connection, Role
 from monarch_fs.daemon.wire.transport import Channel
+
+
+def cid(i: int) -> bytes:
+    """A chunk id for test chunk `i`."""
+    return i.to_bytes(4, "little") * 4
 
 
 def host_has_rdma() -> bool:
