@@ -6,9 +6,12 @@ test modules import."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from helpers import Cluster, Daemon, start_cluster, start_daemon, stop_cluster, stop_daemon
+from opens import Opens
 from procwatch import Started
 
 # Fixtures that start daemons serving real FUSE mounts: a test using one must carry the `mount`
@@ -91,3 +94,18 @@ def started():
     s = Started()
     yield s
     s.assert_gone()
+
+
+@pytest.fixture
+def opens():
+    """opens(root): an Opens watching `root` (what anything opens below it), closed after the
+    test."""
+    made = []
+
+    def watch(root: Path) -> Opens:
+        made.append(Opens(root))
+        return made[-1]
+
+    yield watch
+    for o in made:
+        o.close()
