@@ -6,11 +6,7 @@ from __future__ import annotations
 
 from helpers import folder_object
 from monarch_fs.fs.chunk import CHUNK_SIZE, chunk_id
-from monarch_fs.fs.manifest import (
-    Entry,
-    Kind,
-    Manifest,
-)
+from monarch_fs.fs.manifest import Entry, Kind, Manifest
 
 
 def raw_tree(entries, chunk_size: int = CHUNK_SIZE) -> dict[bytes, bytes] | None:
