@@ -1,8 +1,7 @@
 """Scanning a source folder into a snapshot: a manifest plus where to read each chunk.
 
 The walk reads only metadata; file contents are hashed in worker threads (xxh3 releases the GIL),
-small files in batches so the per-thread-call cost does not dominate trees of many tiny files,
-large ones in pieces so that one large file keeps every core busy.
+small files in batches so the per-thread-call cost does not dominate trees of many tiny files.
 With a ScanCache (scan_cache.py), a file whose stat key is cached is not read at all: the walk
 takes its chunk ids from the cache, and only new or changed files are hashed, so a scan of an
 unchanged tree is one walk in one worker thread. Nothing is copied: the push reads each chunk
@@ -33,10 +32,6 @@ from .snapshot import TRUST_FROM, Snapshot, Source, Sources
 
 _BATCH_BYTES = 8 * 1024 * 1024
 _BATCH_FILES = 256
-# A file larger than this is hashed in pieces of about this size, in parallel: one large file
-# (a 1 GiB model, libtorch_cpu.so) was read and hashed by one thread while the other cores
-# waited, and the push sends nothing before the scan ends.
-PIECE_BYTES = 64 * 1024 * 1024
 
 
 class ScanStopped(Exception):
@@ -181,22 +176,17 @@ def walk_tree(root: bytes, excludes: Sequence[str], cache: ScanCache | None = No
 _Hashed = tuple[int, list[tuple[bytes, Source]], bool]
 
 
-def _hash_file(f: _File, buf: memoryview, start: int = 0, stop: int | None = None
-               ) -> _Hashed:
-    """(size actually read, [(chunk id, source)], unchanged) of the file from `start` (a
-    multiple of the chunk size) to `stop`, or to EOF, so a file that grew is whole; `unchanged`
-    when the file's stat key after reading is still the walk's and the piece is as long as
-    that size says, so what was read is what the key describes (a file written meanwhile is
-    not cached).
+def _hash_file(f: _File, buf: memoryview) -> _Hashed:
+    """(size actually read, [(chunk id, source)], unchanged): reads to EOF, so a file that grew
+    is whole; `unchanged` when the file's stat key after reading is still the walk's, so what
+    was read is what the key describes (a file written meanwhile is not cached).
 
     Reads go into `buf` (one chunk long, reused): a `read(chunk_size)` per small file would
     allocate, fault in and free a whole chunk each time."""
     out = []
-    offset = start
+    offset = 0
     with open(f.abspath, "rb", buffering=0) as fh:
-        if start:
-            fh.seek(start)
-        while stop is None or offset < stop:
+        while True:
             n = _fill(fh, buf)
             if not n:
                 break
@@ -204,13 +194,12 @@ def _hash_file(f: _File, buf: memoryview, start: int = 0, stop: int | None = Non
             offset += n
             if n < len(buf):
                 break
-        unchanged = (stat_key(os.fstat(fh.fileno())) == f.stat
-                     and offset == (f.size if stop is None else min(stop, f.size)))
+        unchanged = stat_key(os.fstat(fh.fileno())) == f.stat and offset == f.size
     if unchanged and max(f.mtime_ns, f.stat[4]) < time.time_ns() - RACY_NS:
         # Not racily clean: the push may trust this key instead of hashing again (Source.key)
         out = [(c, src._replace(key=f.stat) if src.length >= TRUST_FROM else src)
                for c, src in out]
-    return offset - start, out, unchanged
+    return offset, out, unchanged
 
 
 def _fill(fh, buf: memoryview) -> int:
@@ -224,45 +213,21 @@ def _fill(fh, buf: memoryview) -> int:
     return got
 
 
-_Piece = tuple[_File, int, int | None]  # a file, and the range of it to hash (None: to EOF)
-
-
 _buffers = threading.local()
 
 
 def _buffer(chunk_size: int) -> memoryview:
     """This worker thread's read buffer, kept for its next batch: a new 4 MiB one per batch
-    (each piece of a large file is one) cost its page faults each time."""
+    cost its page faults each time."""
     buf = getattr(_buffers, "buf", None)
     if buf is None or len(buf) != chunk_size:
         buf = _buffers.buf = memoryview(bytearray(chunk_size))
     return buf
 
 
-def _hash_batch(batch: list[_Piece], chunk_size: int) -> list[_Hashed]:
+def _hash_batch(batch: list[_File], chunk_size: int) -> list[_Hashed]:
     buf = _buffer(chunk_size)
-    return [_hash_file(f, buf, start, stop) for f, start, stop in batch]
-
-
-def _pieces(f: _File, chunk_size: int) -> list[_Piece]:
-    """The ranges a file is hashed in: whole, or pieces of about PIECE_BYTES, each a whole
-    number of chunks, the last to EOF."""
-    per = max(1, PIECE_BYTES // chunk_size) * chunk_size
-    if f.size <= per:
-        return [(f, 0, None)]
-    starts = range(0, f.size, per)
-    return [(f, a, a + per if a + per < f.size else None) for a in starts]
-
-
-def _joined(f: _File, pieces: list[_Piece], parts: list[_Hashed], chunk_size: int
-            ) -> _Hashed:
-    """A file's hash from its pieces' (in order); hashed again whole if it changed between
-    them so that they do not join (a piece short of its end: its chunks would not tile it)."""
-    if all(part[0] == stop - start for (_, start, stop), part in zip(pieces, parts)
-           if stop is not None):
-        chunks = [c for _, cs, _ in parts for c in cs]
-        return sum(p[0] for p in parts), chunks, all(p[2] for p in parts)
-    return _hash_file(f, _buffer(chunk_size))
+    return [_hash_file(f, buf) for f in batch]
 
 
 def _finish(entries: list[Entry], chunk_size: int, cache: ScanCache | None,
@@ -338,17 +303,11 @@ async def complete(broot: bytes, walk: Walk, chunk_size: int,
     unique: dict[tuple[int, int], _File] = {}
     for f in files:
         unique.setdefault(f.key, f)
-    batches: list[list[_Piece]] = []
-    cur: list[_Piece] = []
+    batches: list[list[_File]] = []
+    cur: list[_File] = []
     cur_bytes = 0
-    split: dict[tuple[int, int], list[_Piece]] = {}  # the large files, hashed in pieces
     for f in unique.values():
-        pieces = _pieces(f, chunk_size)
-        if len(pieces) > 1:
-            split[f.key] = pieces
-            batches += [[piece] for piece in pieces]
-            continue
-        cur.append(pieces[0])
+        cur.append(f)
         cur_bytes += f.size
         if cur_bytes >= _BATCH_BYTES or len(cur) >= _BATCH_FILES:
             batches.append(cur)
@@ -357,20 +316,16 @@ async def complete(broot: bytes, walk: Walk, chunk_size: int,
         batches.append(cur)
 
     hashed: dict[tuple[int, int], _Hashed] = {}
-    parts: dict[tuple[int, int, int], _Hashed] = {}  # (st_dev, st_ino, start): a piece's
     total = sum(f.size for f in unique.values())
     done = 0
     limiter = trio.CapacityLimiter(max(2, os.cpu_count() or 2))
 
-    async def run(batch: list[_Piece]) -> None:
+    async def run(batch: list[_File]) -> None:
         results = await trio.to_thread.run_sync(_hash_batch, batch, chunk_size, limiter=limiter)
         nonlocal done
-        for (f, start, stop), res in zip(batch, results):
-            if f.key in split:
-                parts[(*f.key, start)] = res
-            else:
-                hashed[f.key] = res
-            done += (f.size if stop is None else stop) - start
+        for f, res in zip(batch, results):
+            hashed[f.key] = res
+            done += f.size
         if progress:
             progress(done, total)
 
@@ -379,10 +334,6 @@ async def complete(broot: bytes, walk: Walk, chunk_size: int,
     async with trio.open_nursery() as nursery:
         for batch in batches:
             nursery.start_soon(run, batch)
-    for key, pieces in split.items():
-        got = [parts[(*key, start)] for _, start, _ in pieces]
-        hashed[key] = await trio.to_thread.run_sync(_joined, pieces[0][0], pieces, got,
-                                                    chunk_size, limiter=limiter)
 
     for f in files:
         size, chunks, unchanged = hashed[f.key]

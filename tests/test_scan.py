@@ -126,67 +126,6 @@ async def test_scan_splits_large_files_into_ceil_size_over_chunk_size_chunks(tmp
     assert snap.manifest.chunk_size == SMALL
 
 
-async def test_one_large_file_is_hashed_on_several_threads_and_read_back_whole(
-        tmp_path, monkeypatch):
-    """A push sends nothing before its scan ends: a large file (a model, libtorch_cpu.so) is
-    hashed in pieces on every core, not by one thread while the others wait; its chunks and
-    where each is read from are the same either way."""
-    import monarch_fs.fs.scan as scan_module
-
-    monkeypatch.setattr(scan_module, "PIECE_BYTES", 2 * SMALL)
-    data = os.urandom(9 * SMALL + 5)  # five pieces, the last one short
-    (tmp_path / "big.bin").write_bytes(data)
-    threads: list[int] = []
-    lock = threading.Lock()
-    another = threading.Event()
-
-    def recording(buf):
-        """The first thread's first chunk waits (a while) for another thread to hash one."""
-        me = threading.get_ident()
-        with lock:
-            first = not threads
-            if me not in threads:
-                threads.append(me)
-            if len(threads) > 1:
-                another.set()
-        if first:
-            another.wait(5)
-        return chunk_id(buf)
-
-    monkeypatch.setattr(scan_module, "chunk_id", recording)
-    snap = await scan(tmp_path, chunk_size=SMALL)
-    assert len(threads) >= 2
-    e = snap.manifest.get(b"big.bin")
-    assert e.size == len(data)
-    assert list(e.chunks) == [chunk_id(data[o:o + n]) for o, n in spans(len(data), SMALL)]
-    assert file_bytes(snap, e) == data
-
-
-async def test_a_large_file_cut_short_while_its_pieces_are_hashed_is_hashed_whole(
-        tmp_path, monkeypatch):
-    """Pieces of a file that shrank between them would not tile it: the file is hashed again
-    whole, so the snapshot holds what it holds now, in whole chunks, and is not cached."""
-    import monarch_fs.fs.scan as scan_module
-
-    monkeypatch.setattr(scan_module, "PIECE_BYTES", SMALL)
-    path = tmp_path / "big.bin"
-    path.write_bytes(os.urandom(6 * SMALL))
-    cut = [False]
-
-    def cutting(buf):
-        if not cut[0]:
-            cut[0] = True
-            os.truncate(path, 2 * SMALL + 7)
-        return chunk_id(buf)
-
-    monkeypatch.setattr(scan_module, "chunk_id", cutting)
-    snap = await scan(tmp_path, chunk_size=SMALL)
-    e = snap.manifest.get(b"big.bin")
-    data = path.read_bytes()
-    assert e.size == len(data) == 2 * SMALL + 7
-    assert list(e.chunks) == [chunk_id(data[o:o + n]) for o, n in spans(len(data), SMALL)]
-
-
 async def test_scan_is_deterministic_and_sensitive_to_changes(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
