@@ -5,7 +5,10 @@ Reports MB/s of content (wall time of the push), the daemons' CPU seconds per GB
 content each one ingested) and the node disk per content byte (store + backing files, once the
 backing copies are done), beside the raw loopback stream measured in the same run
 (bench/limits.py: one Python TCP stream, 4 MiB sendall/recv_into) and the push's rate over it.
-Also the push process's own CPU per GB (the dev box's half of the path).
+Also the push process's own CPU per GB (the dev box's half of the path), and a floor measured on
+the same file in the same run: a plain-Python push pipeline (limits.push_pipeline: read, hash
+and send each 4 MiB piece; the receiver hashes it and writes it into the page cache), its rate
+over the raw stream, the push's rate over it, and each side's CPU per GB.
 
 Relays: `--nodes 3 --topology chain` streams to node 0, which forwards to node 1, which
 forwards to node 2; `per_node_cpu_s_per_gb` is each daemon's CPU per GB it ingested, so the
@@ -30,7 +33,7 @@ import time
 from pathlib import Path
 
 from bench.common import LocalCluster, mfs_cli, run
-from bench.limits import loopback_stream
+from bench.limits import loopback_stream, push_pipeline
 
 
 def cpu_seconds(pid: int, which: tuple[int, ...] = (11, 12)) -> float:
@@ -84,6 +87,7 @@ def main() -> None:
                 f.write(os.urandom(1 << 20))
         content = args.mib << 20
         loopback = loopback_stream(content)  # bytes/s, this run
+        floor = push_pipeline(src / "big.bin", Path(tmp))
         with LocalCluster(Path(tmp) / "cluster", nodes=args.nodes) as c:
             pids = [c.pid(i) for i in range(args.nodes)]
             spy = None
@@ -124,6 +128,11 @@ def main() -> None:
                 "MB_per_s": round(content / 1e6 / seconds, 1),
                 "loopback_MB_per_s": round(loopback / 1e6, 1),
                 "of_loopback": round(content / seconds / loopback, 3),
+                "pipeline_MB_per_s": round(floor["bytes_per_s"] / 1e6, 1),
+                "pipeline_of_loopback": round(floor["bytes_per_s"] / loopback, 3),
+                "of_pipeline": round(content / seconds / floor["bytes_per_s"], 3),
+                "pipeline_cpu_s_per_gb": {k.removesuffix("_cpu_s_per_gb"): round(v, 2)
+                                          for k, v in floor.items() if k.endswith("_per_gb")},
                 "durable": args.durable or os.environ.get("MONARCH_FS_DURABLE", "background"),
                 "daemon_cpu_s_per_gb_push": round(cpu / gb, 2),
                 "of_which_user": round(user / gb, 2),

@@ -3,6 +3,10 @@ figures they bound (a ratio against last week's limit means nothing on a shared 
 
 - one TCP stream over loopback: 4 MiB `sendall` in one process, `recv_into` a preallocated
   buffer in another (the most one Python stream can move);
+- a plain-Python push pipeline (`push_pipeline`): a file read in 4 MiB pieces, each hashed
+  (xxh3_128) and sent with its id over loopback; the receiver hashes each piece again, checks
+  it against the id and writes it into a file in the page cache. What a push could do with the
+  same primitives and nothing else (no scan, framing, seal, store or publish);
 - O_DIRECT writes of 4 MiB and an fsync (a node writing content once, durably, at its best);
 - buffered writes of 4 MiB into the page cache (what a node's write costs without O_DIRECT);
 - AES-256-GCM, sealing only (GMAC) and encrypting 4 MiB buffers; xxh3_128 of 4 MiB.
@@ -67,6 +71,86 @@ def loopback_stream(size: int = 1 << 30) -> float:
     return size / seconds
 
 
+def _pipeline_receiver(port_out, directory: str) -> None:  # the node of push_pipeline
+    import xxhash
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port_out.send(srv.getsockname()[1])
+    conn, _ = srv.accept()
+    head = bytearray(8 + ID)
+    buf = bytearray(BLOCK)
+    view = memoryview(buf)
+    fd, path = tempfile.mkstemp(dir=directory, prefix="limits-pipeline.")
+    try:
+        while _recv_exactly(conn, memoryview(head)):
+            n = int.from_bytes(head[:8], "little")
+            if not n or not _recv_exactly(conn, view[:n]):
+                break
+            if xxhash.xxh3_128_digest(view[:n]) != head[8:]:
+                raise ValueError("push_pipeline: a piece does not match its id")
+            os.write(fd, view[:n])
+        port_out.send(time.process_time())  # before the answer: the sender waits for both
+        conn.sendall(b"k")
+    finally:
+        os.close(fd)
+        os.unlink(path)
+        conn.close()
+        srv.close()
+
+
+def _recv_exactly(conn: socket.socket, view: memoryview) -> bool:
+    got = 0
+    while got < len(view):
+        n = conn.recv_into(view[got:])
+        if not n:
+            return False
+        got += n
+    return True
+
+
+ID = 16  # an xxh3_128 digest
+
+
+def push_pipeline(source: Path, directory: Path) -> dict[str, float]:
+    """A plain-Python push of `source` (see the module docstring): one read and one hash per
+    byte on each side, one loopback stream, the receiver's writes buffered; the sender starts
+    with the file in the page cache, as a push of it does. Its bytes a second, and each side's
+    CPU seconds per GB (steadier than the rate on a shared machine)."""
+    import xxhash
+
+    ctx = get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_pipeline_receiver, args=(child, str(directory)))
+    proc.start()
+    try:
+        port = parent.recv()
+        s = socket.create_connection(("127.0.0.1", port))
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        buf = bytearray(BLOCK)
+        view = memoryview(buf)
+        size = 0
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        with open(source, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                piece = view[:n]
+                s.sendall(n.to_bytes(8, "little") + xxhash.xxh3_128_digest(piece))
+                s.sendall(piece)
+                size += n
+        s.sendall(bytes(8 + ID))  # the end
+        if s.recv(1) != b"k":
+            raise ConnectionError("push_pipeline: the receiver failed (see its traceback)")
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        receiver_cpu = parent.recv()
+        s.close()
+    finally:
+        proc.join(10)
+    gb = size / 1e9
+    return {"bytes_per_s": size / seconds, "sender_cpu_s_per_gb": cpu / gb,
+            "receiver_cpu_s_per_gb": receiver_cpu / gb}
+
+
 def direct_write(directory: Path, size: int = 1 << 30) -> float:
     """Bytes a second written with O_DIRECT (4 MiB writes) and made durable by an fsync."""
     buf = mmap.mmap(-1, BLOCK)
@@ -129,12 +213,19 @@ def measure(directory: Path | None = None, runs: int = 3, size: int = 1 << 30) -
     """Each limit's best of `runs` and its range, in bytes a second."""
     directory = Path(directory or tempfile.gettempdir())
     samples: dict[str, list[float]] = {}
+    source = directory / "limits-source.bin"
+    with open(source, "wb") as f:
+        for _ in range(size // BLOCK):
+            f.write(os.urandom(BLOCK))
     for _ in range(runs):
         samples.setdefault("loopback_stream", []).append(loopback_stream(size))
+        samples.setdefault("push_pipeline", []).append(
+            push_pipeline(source, directory)["bytes_per_s"])
         samples.setdefault("direct_write_fsync", []).append(direct_write(directory, size))
         samples.setdefault("page_cache_write", []).append(page_cache_write(directory, size))
         for k, v in crypto_rates().items():
             samples.setdefault(k, []).append(v)
+    source.unlink()
     return {k: {"best": max(v), "min": min(v), "runs": len(v)} for k, v in samples.items()}
 
 

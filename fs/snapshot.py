@@ -1,6 +1,7 @@
 """A scanned folder as a push sees it: its manifest, and where on the dev box to read each
 chunk again when a node lacks it (nothing is copied at scan time). A chunk is checked against its
-id when it is read, so a file edited during a push is caught, never sent as the wrong bytes.
+id when it is read, or its file's stat key against the one the scan read it under (Source.key),
+so a file edited during a push is caught, never sent as the wrong bytes.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ from typing import NamedTuple
 
 from .chunk import chunk_id, spans
 from .manifest import Manifest
-from .scan_cache import ScanCache
+from .scan_cache import Key, ScanCache, stat_key
+
+# Below this a chunk is hashed again rather than its file's stat taken (a syscall costs more).
+TRUST_FROM = 256 * 1024
 
 
 class SourceChanged(Exception):
@@ -28,6 +32,10 @@ class Source(NamedTuple):
     offset: int
     length: int
     unread: bool = False  # the scan did not read the file: its chunk ids came from the cache
+    # The file's stat key when the scan read it whole, unchanged and not racily clean
+    # (scan_cache.py), for a chunk of TRUST_FROM bytes or more: read again under the same key,
+    # its bytes are those the scan hashed, and are not hashed again.
+    key: Key | None = None
 
 
 class Sources(Mapping[bytes, Source]):
@@ -119,9 +127,14 @@ class Snapshot:
             raise SourceChanged(f"{os.fsdecode(src.path)} was deleted during the push") from None
         try:
             got = os.preadv(fd, [memoryview(buf)[lead:]], src.offset)
+            # Its stat after the read as the scan's: every write moves ctime first, and the
+            # key is not racily clean, so these are the bytes the scan hashed.
+            same = src.key is not None and stat_key(os.fstat(fd)) == src.key
         finally:
             os.close(fd)
         data = memoryview(buf)[lead:]
+        if got == src.length and same:
+            return buf
         if got != src.length or chunk_id(data) != cid:
             if src.unread and self.cache is not None and self.cache.vouches(src.path, cid):
                 # Not an edit during the push: the file changed without its size, mtime or

@@ -14,18 +14,14 @@ import socket
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from . import debug_commands, push_command
-from .daemon.client import cluster, slurm
-from .daemon.client.controller_store import Summary, read_summary
 from .daemon.client.hosts import HostsError, target
 from .daemon.client.progress import fmt_bytes
 from .daemon.client.push_result import PushError
-from .daemon.client.status import remove, status
-from .daemon.wire import identity
 from .daemon.wire.auth import (
     TokenError,
     default_token_file,
@@ -34,10 +30,15 @@ from .daemon.wire.auth import (
 )
 from .daemon.wire.bulk import resolve_local
 from .daemon.wire.identity import ROOT_PROCS_FLAG
-from .daemon.wire.limits import Limits
-from .daemon.wire.replies import StatusReply
 from .options import build_parser
 from .settings import settings
+
+if TYPE_CHECKING:
+    from .daemon.client.controller_store import Summary
+    from .daemon.wire.replies import StatusReply
+
+# What each command needs beyond a push's own modules is imported in that command: a push pays
+# only for what it uses (its start is part of every push's time).
 
 log = logging.getLogger("monarch_fs")
 
@@ -48,6 +49,8 @@ def cmd_daemon(args: argparse.Namespace, serve: Callable[[Any], Awaitable[Any]] 
     """Run a node daemon; `serve(daemon)`, when given, runs it instead of daemon.run (the
     SLURM task announces its address once the daemon is up)."""
     from .daemon.node.daemon import NodeDaemon, make_log_private
+    from .daemon.wire import identity
+    from .daemon.wire.limits import Limits
     from .fs.mount_check import MountError, check_mount
 
     make_log_private()
@@ -90,6 +93,9 @@ def cmd_daemon(args: argparse.Namespace, serve: Callable[[Any], Awaitable[Any]] 
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from .daemon.client.controller_store import read_summary
+    from .daemon.client.status import status
+
     held = read_summary(settings.store_dir, settings.store_bound)
     if args.store:
         print(json.dumps(held.to_json()) if args.json else store_line(held))
@@ -155,6 +161,8 @@ def _procs_line(s: StatusReply) -> str:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
+    from .daemon.client.status import remove
+
     hosts, token = target(args.hosts, args.token_file)
     nodes = trio.run(remove, hosts, token, args.name)
     if args.json:
@@ -218,6 +226,8 @@ def cmd_stacks(args: argparse.Namespace) -> int:
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
+    from .daemon.client import cluster
+
     if args.action == "up":
         addrs = cluster.up(args.nodes, args.dir, root_procs=not args.no_root_procs)
         d = args.dir or cluster.default_cluster_dir()
@@ -231,6 +241,8 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 
 
 def cmd_slurm(args: argparse.Namespace) -> int:
+    from .daemon.client import slurm
+
     extra = args.daemon_args
     if args.action == "node":
         return slurm_node(args, extra)
@@ -266,6 +278,8 @@ def cmd_slurm(args: argparse.Namespace) -> int:
 def slurm_node(args: argparse.Namespace, extra: list[str]) -> int:
     """One srun task: read the job's token on stdin, serve this node's mount on its address,
     print one ready (or failed) line on stdout, and remove the node's folders at the end."""
+    from .daemon.client import slurm
+
     try:
         task = slurm.NodeTask.from_env()
     except slurm.SlurmError as e:
@@ -356,6 +370,17 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+def reported() -> tuple[type[Exception], ...]:
+    """The errors a command reports in one line: a cluster's and a SLURM job's only when their
+    modules were imported (else the command cannot have raised them)."""
+    errors: tuple[type[Exception], ...] = (PushError, HostsError, TokenError, ValueError, OSError)
+    for module, name in (("monarch_fs.daemon.client.cluster", "ClusterError"),
+                         ("monarch_fs.daemon.client.slurm", "SlurmError")):
+        if module in sys.modules:
+            errors += (getattr(sys.modules[module], name),)
+    return errors
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # `slurm up|node ... -- DAEMON OPTIONS`: what follows -- is for the daemons, not for us
@@ -375,8 +400,9 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     try:
         return COMMANDS[args.command](args)
-    except (PushError, HostsError, TokenError, cluster.ClusterError, slurm.SlurmError,
-            ValueError, OSError) as e:
+    except Exception as e:
+        if not isinstance(e, reported()):
+            raise
         print(f"monarch-fs: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

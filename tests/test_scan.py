@@ -8,6 +8,7 @@ import os
 import socket
 import stat
 import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -244,6 +245,36 @@ async def test_read_chunk_detects_a_source_modified_after_the_scan(tmp_path):
     (src / "small").write_bytes(b"9876543210")  # rewritten, same length
     with pytest.raises(SourceChanged):
         snap.read_chunk(small.chunks[0])
+
+
+async def test_a_large_chunk_the_scan_read_is_sent_without_a_second_hash_unless_it_changed(
+        tmp_path, monkeypatch):
+    """One hash per byte on the dev box: a large chunk of a file the scan read whole, read
+    again under the same stat key, is not hashed again (its bytes are those the scan hashed);
+    once the file is written, the key moves and the read is checked against the id."""
+    import monarch_fs.fs.scan as scan_module
+    import monarch_fs.fs.snapshot as snapshot_module
+
+    monkeypatch.setattr(scan_module, "RACY_NS", 0)  # (the file was written a moment ago)
+    size = 4 * SMALL  # chunks of snapshot.TRUST_FROM bytes
+    data = os.urandom(3 * size)
+    (tmp_path / "big").write_bytes(data)
+    time.sleep(0.05)  # past the timestamp granularity: the write below moves the key
+    snap = await scan(tmp_path, chunk_size=size)
+    big = snap.manifest.get(b"big")
+    hashed: list[int] = []
+    monkeypatch.setattr(snapshot_module, "chunk_id",
+                        lambda b: hashed.append(len(b)) or chunk_id(b))
+    assert file_bytes(snap, big) == data
+    assert hashed == []
+
+    with open(tmp_path / "big", "r+b") as f:  # same size, one byte changed in the second chunk
+        f.seek(size + 100)
+        f.write(bytes([data[size + 100] ^ 1]))
+    assert snap.read_chunk(big.chunks[0]) == data[:size]
+    with pytest.raises(SourceChanged):
+        snap.read_chunk(big.chunks[1])
+    assert len(hashed) == 2
 
 
 async def test_scan_of_a_non_directory_raises(tmp_path):

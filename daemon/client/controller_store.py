@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -40,8 +41,11 @@ from ...fs.chunk import ID_SIZE, RAW, CorruptChunk, compressible, decode, encode
 from ...fs.manifest import Manifest
 from ...fs.private_files import replace_file
 from ...fs.snapshot import SourceChanged
-from ...fs.store import Store, StoreBusy, lock
+from ...fs.store_lock import StoreBusy, lock
 from ...settings import settings
+
+if TYPE_CHECKING:
+    from ...fs.store import Store
 
 # A node's answer to a chunk whose bytes are not its id's (daemon/node/writes.py).
 REJECTED = re.compile(r"rejected chunk ([0-9a-f]{32}): ")
@@ -106,6 +110,8 @@ class ControllerStore:
     async def open(cls, root: Path, bound: int,
                    wait: float = BUSY_WAIT) -> tuple[ControllerStore | None, str | None]:
         """The store, or (None, the one-line reason the push goes on without it)."""
+        from ...fs.store import Store  # (not for a push that sends little: mark_pushed)
+
         deadline = trio.current_time() + wait
         while True:
             try:

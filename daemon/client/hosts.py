@@ -9,8 +9,6 @@ from pathlib import Path
 from ...settings import settings
 from ..wire.addresses import parse_addr
 from ..wire.auth import resolve_token
-from .cluster import default_cluster_dir
-from .slurm import job_hosts_file
 
 
 class HostsError(ValueError):
@@ -18,6 +16,8 @@ class HostsError(ValueError):
 
 
 def default_hosts_file() -> Path:
+    from .cluster import default_cluster_dir  # (cluster and slurm: not a push's cost)
+
     return default_cluster_dir() / "hosts"
 
 
@@ -26,6 +26,8 @@ def resolve_target(spec: str | None, token_file: str | None) -> tuple[list[str],
     and --token-file `token_file`: a SLURM job's hosts come with that job's token, unless a
     token file is named (flag or $MONARCH_FS_TOKEN_FILE)."""
     if not spec and not settings.hosts:
+        from .slurm import job_hosts_file
+
         job_hosts = job_hosts_file()
         if job_hosts is not None:
             if not token_file and not settings.token_file:

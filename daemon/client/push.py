@@ -38,7 +38,7 @@ from ..wire.replies import (
     MalformedReply,
     PrepareReply,
 )
-from . import bytecode, first_reads, link_codec
+from . import bytecode, link_codec
 from .controller_store import ControllerStore
 from .link_codec import LinkChoice
 from .links import NodeLink, Sessions, each
@@ -300,6 +300,8 @@ async def push(
 
     async def learn_reads() -> list[Read]:
         """push --early: what the nodes read first, with what the dev box kept."""
+        from . import first_reads
+
         lists = await first_reads.learn(job.healthy, name, opts.timeout)
         return (first_reads.known(Path(opts.first_reads_dir), name, lists) if opts.first_reads_dir
                 else first_reads.merge(lists))
