@@ -133,6 +133,9 @@ system-deps:
 
 $(STAMP): pyproject.toml $(PYFUSE3_STAMP)
 	$(PY) -m pip install -q -e '.[test,docs]'
+	@# An editable install compiles nothing, and a shell with PYTHONDONTWRITEBYTECODE=1 never
+	@# writes the .pyc files: every command would compile the sources at start (~0.1 s).
+	$(PY) -m compileall -q monarch_fs fs daemon mesh
 	@touch $(STAMP)
 
 # pyfuse3 from its sdist, fetched by name with pip and checked against a pinned sha256, with
