@@ -22,11 +22,11 @@ import os
 from collections.abc import Callable
 
 from . import frames, handshake
+from .arriving import CHUNK_DATA, Arriving
 from .buffers import BufferPool
 from .frames import HEADER, MAX_FRAME, MAX_HANDSHAKE_FRAME, Buffer, FrameType
 from .handshake import NONCE_SIZE
 from .protocol import (
-    ID_SIZE,
     PROTOCOL_VERSION,
     Auth,
     AuthError,
@@ -46,12 +46,10 @@ IN_PLACE = 64 * 1024  # PUT_CHUNK and DATA frames this big are received into the
 # (17,000 faults per GiB; 2,100 with 64 KiB).
 _SCRATCH = IN_PLACE
 _EARLY_SCRATCH = 4096  # ... and before the peer has authenticated
-# A chunk's raw bytes in a PUT_CHUNK frame received in place start this far into the frame
-# (header, chunk id, codec byte): the buffer is placed so that they start on a page, which lets
-# the store write a large file's chunk with O_DIRECT, straight from this buffer (see
-# fs/file_objects.py: a buffered write's copy into the page cache was most of a node's CPU
-# per ingested byte).
-_CHUNK_DATA = HEADER.size + ID_SIZE + 1
+# A chunk's raw bytes in a PUT_CHUNK frame received in place (arriving.CHUNK_DATA into it) start
+# on a page, which lets the store write a large file's chunk with O_DIRECT, straight from this
+# buffer (see fs/file_objects.py: a buffered write's copy into the page cache was most of a
+# node's CPU per ingested byte).
 
 class Role(enum.Enum):
     CLIENT = "client"
@@ -109,9 +107,8 @@ class Connection:
         self._peer_nonce: bytes | None = None
         self._sent: set[FrameType] = set()  # handshake frames we have sent
         self._buf = bytearray()
-        self._frame: memoryview | None = None  # a large frame being received in place
+        self._frame: Arriving | None = None  # a large frame being received in place
         self._buffers = BufferPool()  # large frames' buffers, reused
-        self._got = 0  # bytes of self._frame received so far
         self._scratch: memoryview | None = None  # get_buffer() between large frames
         self._eof = False
         self._error: ProtocolError | None = None
@@ -218,10 +215,7 @@ class Connection:
             self._eof = True
             return
         if self._frame is not None:  # the rest of a large frame first
-            take = min(len(data), len(self._frame) - self._got)
-            self._frame[self._got : self._got + take] = memoryview(data)[:take]
-            self._got += take
-            data = memoryview(data)[take:]
+            data = self._frame.add(data)
         if data:
             self._buf += data
 
@@ -234,7 +228,7 @@ class Connection:
         """Where the next bytes from the peer may be written (by recv_into); then call
         buffer_updated(n). While a large frame arrives, this is the rest of its own buffer."""
         if self._frame is not None:
-            return memoryview(self._frame)[self._got :]
+            return self._frame.rest()
         if self._scratch is None or (len(self._scratch) < _SCRATCH
                                      and self.state is State.READY):
             # Small until the peer has authenticated: an idle connection costs little.
@@ -245,9 +239,7 @@ class Connection:
     def buffer_updated(self, n: int) -> None:
         """`n` bytes were written to the start of get_buffer()'s buffer; 0 means EOF."""
         if n and self._frame is not None and not self._eof:
-            if n > len(self._frame) - self._got:
-                raise ValueError("buffer_updated() past the end of get_buffer()")
-            self._got += n
+            self._frame.received(n)
         elif not n:
             self.receive_data(b"")
         elif self._scratch is None:
@@ -269,14 +261,18 @@ class Connection:
 
     def _next_event(self) -> Message | NeedData | Closed:
         if self._frame is not None:
-            if self._got < len(self._frame):
+            if not self._frame.whole:
                 if self._eof:
                     raise TruncatedFrame("connection closed mid-frame")
                 return NEED_DATA
             whole, self._frame = self._frame, None
-            _, raw_type = HEADER.unpack_from(whole)
-            ftype = FrameType(raw_type)
-            return frames.decode_large(ftype, self._payload(ftype, memoryview(whole)))
+            if not whole.checked:
+                return frames.decode_large(whole.ftype, self._payload(whole.ftype, whole.frame))
+            try:
+                payload, digest = whole.finish()
+            except SealError as e:
+                raise AuthError(str(e)) from None
+            return frames.decode_large(whole.ftype, payload, digest)
         buf = self._buf
         if len(buf) < HEADER.size:
             if not self._eof:
@@ -299,12 +295,7 @@ class Connection:
             if self._eof:
                 raise TruncatedFrame("connection closed mid-frame")
             if end >= IN_PLACE and ftype in frames.LARGE:
-                # Everything buffered is the start of this frame: move it to a buffer of the
-                # frame's size and receive the rest straight into it.
-                lead = _CHUNK_DATA if ftype is FrameType.PUT_CHUNK else 0
-                self._frame, self._got = self._buffers.take(end, lead), len(buf)
-                self._frame[: len(buf)] = buf
-                buf.clear()
+                self._receive_in_place(ftype, end)
             return NEED_DATA
         if ftype is FrameType.DATA:  # one copy out of the receive buffer, then views
             frame: memoryview = memoryview(buf[:end])
@@ -316,6 +307,19 @@ class Connection:
         if ftype in frames.LARGE:
             return frames.decode_large(ftype, payload)
         return self._parse(ftype, bytes(payload))
+
+    def _receive_in_place(self, ftype: FrameType, size: int) -> None:
+        """Everything buffered is the start of a large frame of `size` bytes: move it to a
+        buffer of the frame's own and receive the rest straight into it, checked as it
+        arrives in a session that authenticates without encrypting (arriving.py)."""
+        lead = CHUNK_DATA if ftype is FrameType.PUT_CHUNK else 0
+        frame = self._buffers.take(size, lead)
+        frame[: len(self._buf)] = self._buf
+        opener = self._opener
+        check = (opener.check_as_received() if opener is not None and not opener.encrypt
+                 and self.state is State.READY else None)
+        self._frame = Arriving(ftype, frame, len(self._buf), check)
+        self._buf.clear()
 
     def _payload(self, ftype: FrameType, frame: memoryview) -> memoryview:
         """A whole frame's payload, checked (and decrypted) when the session seals it."""

@@ -114,6 +114,30 @@ class Sealer:
         return [header, *parts, gcm.tag]
 
 
+class FrameCheck:
+    """The tag check of one authenticated (not encrypted) frame, fed its bytes as they arrive
+    (arriving.py) instead of read back once the frame is whole: a 4 MiB chunk does not fit in
+    a core's L2 cache here (2 MiB), and a piece checked right after its recv_into is."""
+
+    def __init__(self, key: bytes, nonce: bytes) -> None:
+        self._gcm = Cipher(algorithms.AES(key), modes.GCM(nonce)).decryptor()
+
+    def update(self, piece: Buffer) -> None:
+        """The next bytes of the frame, header first, the tag left out."""
+        self._gcm.authenticate_additional_data(piece)
+
+    def finish(self, tag: Buffer) -> None:
+        """Raises SealError if anything fed (or the tag) was changed."""
+        try:
+            self._gcm.finalize_with_tag(bytes(tag))
+        except InvalidTag:
+            raise SealError(_TAMPERED) from None
+
+
+_TAMPERED = ("frame failed authentication: the connection was tampered with or the peer does "
+             "not hold this session's keys")
+
+
 class Opener:
     """Checks (and decrypts) the frames one side receives, in order. A large frame received
     into a buffer of its own (connection.py) is decrypted in place: its payload stays where
@@ -141,9 +165,17 @@ class Opener:
                 return plain
             self._aead.decrypt(nonce, frame[-TAG_SIZE:], frame[:-TAG_SIZE])
         except InvalidTag:
-            raise SealError("frame failed authentication: the connection was tampered with "
-                            "or the peer does not hold this session's keys") from None
+            raise SealError(_TAMPERED) from None
         return frame[header_size:-TAG_SIZE]
+
+    def check_as_received(self) -> FrameCheck:
+        """The check of the next frame, to be fed as it arrives (in place of open()); only
+        for a session that authenticates without encrypting."""
+        if self.encrypt:
+            raise ValueError("an encrypted frame is opened whole")
+        nonce = _nonce(self._seq)
+        self._seq += 1
+        return FrameCheck(self._key, nonce)
 
     def _decrypt_in_place(self, nonce: bytes, body: memoryview, tag: memoryview,
                           aad: memoryview) -> None:
