@@ -40,19 +40,31 @@ def test_a_digest_is_never_taken_from_the_peer():
     assert got[0].digest == xxhash.xxh3_128_digest(sent) != chunk_id(real)
 
 
-def test_compressed_small_or_encrypted_chunks_carry_no_digest():
-    """Only a raw blob's bytes are its content; a small frame is not received in place and an
-    encrypted one is decrypted whole: the store hashes those itself."""
+def test_compressed_or_small_chunks_carry_no_digest():
+    """Only a raw blob's bytes are its content, and a small frame is not received in place:
+    the store hashes those itself."""
     w = ready_pair()
     text = b"compressible " * 100_000
     for blob in (chunk.encode(text), chunk.encode(b"small")):
         got, _ = recv_into_all(w.server, w.client.send(PutChunk(chunk_id(text), blob)), MiB)
         assert got[0].digest is None
+
+
+@pytest.mark.parametrize("step", [1000, 64 * 1024 + 7, 8 * MiB])
+def test_an_encrypted_chunk_is_decrypted_in_place_as_it_arrives(step):
+    """--encrypt on: decrypted piece by piece where it was received (on its page, for
+    O_DIRECT), and hashed as its plaintext appears; a changed ciphertext byte fails it."""
     e = encrypted_pair(True, True)
-    data = os.urandom(MiB)
-    got, _ = recv_into_all(e.server, e.client.send(PutChunk(chunk_id(data),
-                                                            bytes([RAW]) + data)), MiB)
-    assert bytes(got[0].blob[1:]) == data and got[0].digest is None
+    data = os.urandom(4 * MiB)
+    sent = e.client.send(PutChunk(chunk_id(data), bytes([RAW]) + data))
+    assert data[:4096] not in sent
+    got, buffers = recv_into_all(e.server, sent, step)
+    assert bytes(got[0].blob[1:]) == data and got[0].digest == chunk_id(data)
+    assert any(got[0].blob.obj is b.obj for b in buffers)  # where it was received
+    tampered = bytearray(e.client.send(PutChunk(chunk_id(data), bytes([RAW]) + data)))
+    tampered[3 * MiB] ^= 1
+    with pytest.raises(AuthError):
+        recv_into_all(e.server, bytes(tampered), step)
 
 
 def test_a_changed_byte_in_the_last_piece_still_fails_the_frame():

@@ -3,11 +3,10 @@
 A 4 MiB chunk does not fit in a core's L2 cache here (2 MiB): checked once whole, its tag (GMAC)
 and then its id (xxh3, on the worker thread that stores it) each read all of it back from L3
 or memory. Fed a piece at a time right after each recv_into, both read what the kernel has
-just written there. So in a session that authenticates without encrypting, the frame's tag is
-checked as it arrives, and a raw PUT_CHUNK's bytes are hashed on the way: its message carries
-that digest (PutChunk.digest), which the store compares with the chunk's id instead of
-hashing the chunk again. Nothing is trusted before the whole frame's tag has verified.
-An encrypted frame is decrypted whole, in place (seal.Opener.open).
+just written there. So a frame's tag is checked as it arrives (an encrypted frame decrypted
+in place on the way), and a raw PUT_CHUNK's bytes are hashed too: its message carries that
+digest (PutChunk.digest), which the store compares with the chunk's id instead of hashing
+the chunk again. Nothing is trusted before the whole frame's tag has verified.
 """
 
 from __future__ import annotations
@@ -21,7 +20,8 @@ from .seal import TAG_SIZE, FrameCheck
 
 # A chunk's raw bytes start this far into its PUT_CHUNK frame: header, chunk id, codec byte.
 CHUNK_DATA = HEADER.size + ID_SIZE + 1
-_PIECE = 256 * 1024  # fed to the tag and the hash in turn, so the hash reads it from cache
+# fed to the tag (or the decryption) and the hash in turn, so the hash reads it from cache
+_PIECE = 256 * 1024
 
 
 class Arriving:
@@ -35,7 +35,8 @@ class Arriving:
         self.got = got
         self._check = check
         self._covered = len(frame) - TAG_SIZE  # what a sealed frame's tag covers
-        self._fed = 0
+        # an encrypted frame's header was given to its check (the associated data)
+        self._fed = HEADER.size if check is not None and check.decrypts else 0
         self._hash: xxhash.xxh3_128 | None = None
         self._hash_decided = ftype is not FrameType.PUT_CHUNK or check is None
         self._feed()
@@ -67,15 +68,13 @@ class Arriving:
         if self._check is None:
             return
         end = min(self.got, self._covered)
-        if not self._hash_decided:
-            if end < CHUNK_DATA:
-                return  # the codec byte is not in yet
-            self._hash_decided = True
-            if self.frame[CHUNK_DATA - 1] == RAW:
-                self._hash = xxhash.xxh3_128()
         while self._fed < end:
             stop = min(end, self._fed + _PIECE)
-            self._check.update(self.frame[self._fed : stop])
+            self._check.update(self.frame[self._fed : stop])  # plaintext from here on
+            if not self._hash_decided and stop >= CHUNK_DATA:  # the codec byte is in
+                self._hash_decided = True
+                if self.frame[CHUNK_DATA - 1] == RAW:
+                    self._hash = xxhash.xxh3_128()
             if self._hash is not None and stop > CHUNK_DATA:
                 self._hash.update(self.frame[max(self._fed, CHUNK_DATA) : stop])
             self._fed = stop

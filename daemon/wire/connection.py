@@ -310,14 +310,14 @@ class Connection:
 
     def _receive_in_place(self, ftype: FrameType, size: int) -> None:
         """Everything buffered is the start of a large frame of `size` bytes: move it to a
-        buffer of the frame's own and receive the rest straight into it, checked as it
-        arrives in a session that authenticates without encrypting (arriving.py)."""
+        buffer of the frame's own and receive the rest straight into it, checked (and
+        decrypted) as it arrives (arriving.py)."""
         lead = CHUNK_DATA if ftype is FrameType.PUT_CHUNK else 0
         frame = self._buffers.take(size, lead)
         frame[: len(self._buf)] = self._buf
         opener = self._opener
-        check = (opener.check_as_received() if opener is not None and not opener.encrypt
-                 and self.state is State.READY else None)
+        check = (opener.check_as_received(frame[: HEADER.size])
+                 if opener is not None and self.state is State.READY else None)
         self._frame = Arriving(ftype, frame, len(self._buf), check)
         self._buf.clear()
 
