@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from test_protocol import encrypted_pair, ready_pair, recv_into_all
+from test_protocol import drain, encrypted_pair, ready_pair, recv_into_all
 
 from monarch_fs.daemon.wire.buffers import HUGE, BufferPool
-from monarch_fs.daemon.wire.protocol import AuthError, PutChunk
+from monarch_fs.daemon.wire.connection import NEED_DATA
+from monarch_fs.daemon.wire.protocol import AuthError, Data, PutChunk, Request
 from monarch_fs.fs import chunk
 from monarch_fs.fs.chunk import RAW, CorruptChunk, chunk_id
 from monarch_fs.fs.store import Store
@@ -127,3 +128,61 @@ def test_a_chunk_is_received_into_huge_pages(lead):
     assert start % HUGE == 0
     for address in (start, start + 4 * MiB - 1):
         assert "hg" in _vm_flags(address)  # MADV_HUGEPAGE
+
+
+def readv_all(conn, data: bytes, step: int) -> tuple[list, list]:
+    """What the socket reader does (transport.Channel): recvmsg_into get_buffers() at most
+    `step` bytes at a time, buffers_updated(), then take every event. Returns the events and
+    the buffers past a large frame that a read wrote the start of (the next frame's)."""
+    events, spares, pos = [], [], 0
+    while pos < len(data):
+        bufs, n = conn.get_buffers(), 0
+        for i, buf in enumerate(bufs):
+            take = min(len(buf), step - n, len(data) - pos - n)
+            buf[:take] = data[pos + n : pos + n + take]
+            n += take
+            if i and take:
+                spares.append(buf.obj)
+        conn.buffers_updated(n)
+        pos += n
+        events += [ev for ev in drain(conn) if ev is not NEED_DATA]
+    return events, spares
+
+
+@pytest.mark.parametrize("encrypt", [False, True])
+@pytest.mark.parametrize("step", [1000, 64 * 1024 + 7, MiB, 16 * MiB])
+def test_a_stream_of_chunks_is_received_where_it_lands(step, encrypt):
+    """The read that ends one large frame starts the next one in a buffer of its own, where it
+    stays: after the first, no chunk's bytes pass through the shared receive buffer."""
+    w = encrypted_pair(True, True) if encrypt else ready_pair()
+    datas = [os.urandom(4 * MiB) for _ in range(3)] + [os.urandom(MiB)]
+    msgs = [PutChunk(chunk_id(d), bytes([RAW]) + d) for d in datas[:2]]
+    msgs += [Request("a", {}, id=1), PutChunk(chunk_id(datas[2]), bytes([RAW]) + datas[2]),
+             Data([b"head", datas[3]]), PutChunk(chunk_id(b"small"), chunk.encode(b"small"))]
+    got, spares = readv_all(w.server, b"".join(w.client.send(m) for m in msgs), step)
+    assert len(got) == len(msgs)
+    for sent, received in zip(msgs, got):
+        assert type(received) is type(sent)
+        if isinstance(sent, PutChunk):
+            assert received.cid == sent.cid and bytes(received.blob) == bytes(sent.blob)
+            raw = len(sent.blob) > 64 * 1024
+            assert received.digest == (sent.cid if raw else None)
+    assert bytes(got[4].parts[1]) == datas[3]
+    # the chunks that follow a chunk are where the read that ended it put them
+    assert any(got[1].blob.obj is spare for spare in spares)
+    assert any(got[4].parts[1].obj is spare for spare in spares)
+
+
+def test_bytes_past_a_frame_that_are_not_a_large_frame_are_parsed_as_ever():
+    """A read past a chunk that holds a request and half a header: parsed from the receive
+    buffer, and a forged frame there is still refused."""
+    w = ready_pair()
+    data = os.urandom(MiB)
+    stream = (w.client.send(PutChunk(chunk_id(data), bytes([RAW]) + data))
+              + w.client.send(Request("b", {}, id=2)))
+    forged = bytearray(w.client.send(PutChunk(chunk_id(data), bytes([RAW]) + data)))
+    forged[100] ^= 1
+    got, _ = readv_all(w.server, stream + bytes(forged[:3]), 8 * MiB)
+    assert [type(m) for m in got] == [PutChunk, Request] and got[1].op == "b"
+    with pytest.raises(AuthError):
+        readv_all(w.server, bytes(forged[3:]), 8 * MiB)

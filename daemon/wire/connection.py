@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from . import frames, handshake
 from .arriving import CHUNK_DATA, Arriving
-from .buffers import BufferPool
+from .buffers import ALIGN, BufferPool
 from .frames import HEADER, MAX_FRAME, MAX_HANDSHAKE_FRAME, Buffer, FrameType
 from .handshake import NONCE_SIZE
 from .protocol import (
@@ -36,7 +36,7 @@ from .protocol import (
     TruncatedFrame,
     Welcome,
 )
-from .seal import TAG_SIZE, Opener, Sealer, SealError, derive_keys
+from .seal import TAG_SIZE, FrameCheck, Opener, Sealer, SealError, derive_keys
 
 IN_PLACE = 64 * 1024  # PUT_CHUNK and DATA frames this big are received into their own buffer
 # What get_buffer() offers between large frames. A read into it past a large frame's header
@@ -50,6 +50,7 @@ _EARLY_SCRATCH = 4096  # ... and before the peer has authenticated
 # on a page, which lets the store write a large file's chunk with O_DIRECT, straight from this
 # buffer (see fs/file_objects.py: a buffered write's copy into the page cache was most of a
 # node's CPU per ingested byte).
+_LARGE_TYPES = {ftype.value for ftype in frames.LARGE}
 
 class Role(enum.Enum):
     CLIENT = "client"
@@ -109,6 +110,8 @@ class Connection:
         self._buf = bytearray()
         self._frame: Arriving | None = None  # a large frame being received in place
         self._buffers = BufferPool()  # large frames' buffers, reused
+        self._spare: memoryview | None = None  # get_buffers() past a large frame: the next one
+        self._spare_got = 0  # bytes read into it
         self._scratch: memoryview | None = None  # get_buffer() between large frames
         self._eof = False
         self._error: ProtocolError | None = None
@@ -236,6 +239,28 @@ class Connection:
             self._scratch = memoryview(bytearray(size))
         return self._scratch
 
+    def get_buffers(self) -> list[memoryview]:
+        """get_buffer(), and while a large frame arrives, a buffer for what follows it: a
+        socket reads into both at once (recvmsg_into; then buffers_updated). In a stream of
+        chunks the read that ends one frame starts the next, which stays where it landed, on
+        its page (_adopt), instead of passing through the shared buffer."""
+        if self._frame is None:
+            return [self.get_buffer()]
+        if self._spare is None:
+            self._spare = self._buffers.take(BufferPool.POOLED - ALIGN, CHUNK_DATA)
+        return [self._frame.rest(), self._spare]
+
+    def buffers_updated(self, n: int) -> None:
+        """`n` bytes were written across get_buffers()' buffers, in order; 0 means EOF."""
+        if self._frame is None or not n or self._eof:
+            self.buffer_updated(n)
+            return
+        rest = len(self._frame.frame) - self._frame.got
+        if n > rest and (self._spare is None or n - rest > len(self._spare)):
+            raise ValueError("buffers_updated() past the end of get_buffers()")
+        self._frame.received(min(n, rest))
+        self._spare_got = max(n - rest, 0)
+
     def buffer_updated(self, n: int) -> None:
         """`n` bytes were written to the start of get_buffer()'s buffer; 0 means EOF."""
         if n and self._frame is not None and not self._eof:
@@ -273,6 +298,8 @@ class Connection:
             except SealError as e:
                 raise AuthError(str(e)) from None
             return frames.decode_large(whole.ftype, payload, digest)
+        if self._spare_got:
+            return self._adopt()
         buf = self._buf
         if len(buf) < HEADER.size:
             if not self._eof:
@@ -308,6 +335,31 @@ class Connection:
             return frames.decode_large(ftype, payload)
         return self._parse(ftype, bytes(payload))
 
+    def _adopt(self) -> Message | NeedData | Closed:
+        """What was read past a large frame into the spare buffer: the next large frame stays
+        there; anything else goes to the receive buffer, and is parsed (or refused) there."""
+        spare, got, self._spare_got = self._spare, self._spare_got, 0
+        assert spare is not None
+        size, raw_type = HEADER.unpack_from(spare) if got >= HEADER.size else (0, 0)
+        end = HEADER.size + size
+        if (raw_type in _LARGE_TYPES and IN_PLACE <= end <= len(spare) and not self._buf
+                and size <= self.max_frame and self.state is State.READY):
+            ftype = FrameType(raw_type)
+            self._check_receive(ftype)
+            self._spare = None
+            self._frame = Arriving(ftype, spare[:end], min(got, end), self._check(spare))
+            self._buf += spare[end:got]  # a read can end inside the frame after
+        else:
+            self._buf += spare[:got]
+        return self._next_event()
+
+    def _check(self, frame: memoryview) -> FrameCheck | None:
+        """The check of a large frame received in place, fed as it arrives (arriving.py)."""
+        opener = self._opener
+        if opener is None or self.state is not State.READY:
+            return None
+        return opener.check_as_received(frame[: HEADER.size])
+
     def _receive_in_place(self, ftype: FrameType, size: int) -> None:
         """Everything buffered is the start of a large frame of `size` bytes: move it to a
         buffer of the frame's own and receive the rest straight into it, checked (and
@@ -315,10 +367,7 @@ class Connection:
         lead = CHUNK_DATA if ftype is FrameType.PUT_CHUNK else 0
         frame = self._buffers.take(size, lead)
         frame[: len(self._buf)] = self._buf
-        opener = self._opener
-        check = (opener.check_as_received(frame[: HEADER.size])
-                 if opener is not None and self.state is State.READY else None)
-        self._frame = Arriving(ftype, frame, len(self._buf), check)
+        self._frame = Arriving(ftype, frame, len(self._buf), self._check(frame))
         self._buf.clear()
 
     def _payload(self, ftype: FrameType, frame: memoryview) -> memoryview:
