@@ -13,6 +13,8 @@ over the raw stream, the push's rate over it, and each side's CPU per GB.
 Relays: `--nodes 3 --topology chain` streams to node 0, which forwards to node 1, which
 forwards to node 2; `per_node_cpu_s_per_gb` is each daemon's CPU per GB it ingested, so the
 first two are a relay hop each (receive, verify, write, forward) and the last a plain ingest.
+Beside them, `relay_floor_cpu_s_per_gb` (bench/limits.py, same run): a plain Python relay of the
+same bytes (recv_into, sendall), what a hop costs before it checks or stores anything.
 On a machine whose cores the daemons share, CPU per GB per hop is the figure, not wall time.
 
     python -m bench.ingest_bench --mib 1024 --nodes 1 [--durable sync|background]
@@ -33,7 +35,7 @@ import time
 from pathlib import Path
 
 from bench.common import LocalCluster, mfs_cli, run
-from bench.limits import loopback_stream, push_pipeline
+from bench.limits import loopback_stream, push_pipeline, relay_floor
 
 
 def cpu_seconds(pid: int, which: tuple[int, ...] = (11, 12)) -> float:
@@ -88,6 +90,8 @@ def main() -> None:
         content = args.mib << 20
         loopback = loopback_stream(content)  # bytes/s, this run
         floor = push_pipeline(src / "big.bin", Path(tmp))
+        # a relay hop's floor, this run: plain recv_into + sendall of the same bytes
+        hop_floor = relay_floor(content) if args.nodes > 1 else None
         with LocalCluster(Path(tmp) / "cluster", nodes=args.nodes) as c:
             pids = [c.pid(i) for i in range(args.nodes)]
             spy = None
@@ -139,6 +143,7 @@ def main() -> None:
                 "daemon_cpu_s_per_gb_incl_backing": round(cpu_all / gb, 2),
                 "per_node_cpu_s_per_gb": [round((a - b) / (content / 1e9), 2)
                                           for a, b in zip(after, before)],
+                "relay_floor_cpu_s_per_gb": None if hop_floor is None else round(hop_floor, 2),
                 "push_cpu_s_per_gb": round(push_cpu / (content / 1e9), 2),
                 "phases": result.get("phases"),  # push --json's: scan, send, publish...
                 "topology": args.topology or "auto", "encrypt": args.encrypt or "auto",

@@ -235,6 +235,61 @@ def line(limits: dict) -> str:
                      for k, v in limits.items())
 
 
+def _relay(port_out, sink_port: int, total: int, cpu_out) -> None:  # relay_floor's middle
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port_out.send(srv.getsockname()[1])
+    conn, _ = srv.accept()
+    out = socket.create_connection(("127.0.0.1", sink_port))
+    out.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    view = memoryview(bytearray(BLOCK))
+    start = os.times()
+    got = 0
+    while got < total:
+        n = conn.recv_into(view)
+        if not n:
+            break
+        out.sendall(view[:n])
+        got += n
+    out.recv(1)
+    end = os.times()
+    cpu_out.send(end.user + end.system - start.user - start.system)
+    conn.sendall(b"k")
+    for s in (conn, out, srv):
+        s.close()
+
+
+def relay_floor(size: int = 1 << 30) -> float:
+    """CPU seconds per GB of a relay hop at its plainest: a process that receives a loopback
+    stream into one 4 MiB buffer (`recv_into`) and writes it on to the next (`sendall`), no
+    check, no store. Like a node's relay hop on one machine, it is charged the next process's
+    TCP receive work too (loopback delivers in the sender's context)."""
+    ctx = get_context("fork")
+    sink_parent, sink_child = ctx.Pipe()
+    relay_parent, relay_child = ctx.Pipe()
+    sink = ctx.Process(target=_receiver, args=(sink_child, size))
+    sink.start()
+    try:
+        relay = ctx.Process(target=_relay, args=(relay_child, sink_parent.recv(), size,
+                                                 relay_child))
+        relay.start()
+        try:
+            s = socket.create_connection(("127.0.0.1", relay_parent.recv()))
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            data = os.urandom(BLOCK)
+            for _ in range(size // BLOCK):
+                s.sendall(data)
+            cpu = relay_parent.recv()
+            s.recv(1)
+            s.close()
+        finally:
+            relay.join(10)
+    finally:
+        sink.join(10)
+    return cpu / (size // BLOCK * BLOCK / 1e9)
+
+
 if __name__ == "__main__":
     where = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/work")
     res = measure(where)

@@ -35,7 +35,16 @@ from pathlib import Path
 
 from . import collect as collection
 from . import durable, pack
-from .chunk import ID_SIZE, RAW, CorruptChunk, chunk_id, decode, encode, raw_size
+from .chunk import (
+    ID_SIZE,
+    MAX_CHUNK_SIZE,
+    RAW,
+    CorruptChunk,
+    chunk_id,
+    decode,
+    encode,
+    raw_size,
+)
 from .file_objects import FileObjects
 from .pack import PACK_SHIFT, loc, unloc
 from .private_files import PRIVATE_FILE, private_dir
@@ -203,15 +212,19 @@ class Store(StoreDurability):
         return done
 
     def put_blobs(self, blobs: Sequence[tuple[bytes, bytes | memoryview]], *, raw: bool = False,
-                  verified: bool = False) -> list[bool | CorruptChunk]:
+                  verified: bool = False, digests: Sequence[bytes | None] | None = None
+                  ) -> list[bool | CorruptChunk]:
         """put_blob of each (id, blob), their records appended in one write (a write and a lock
         per small chunk were most of a node's work per small file): what each did, or why it
-        was refused. OSError (a full disk): no record of them was appended."""
+        was refused. OSError (a full disk): no record of them was appended. `digests`: the
+        xxh3_128 of each raw blob's bytes where the receiver hashed them as they arrived
+        (daemon/wire/arriving.py), compared with the id instead of hashing them again."""
         out: list[bool | CorruptChunk] = []
         todo: dict[bytes, tuple[int, list[bytes | memoryview]]] = {}
-        for cid, blob in blobs:
+        for i, (cid, blob) in enumerate(blobs):
+            digest = digests[i] if digests is not None else None
             try:
-                parts = None if cid in todo else self._parts(cid, blob, raw, verified)
+                parts = None if cid in todo else self._parts(cid, blob, raw, verified, digest)
             except CorruptChunk as e:
                 out.append(e)
                 continue
@@ -225,8 +238,8 @@ class Store(StoreDurability):
                 self._append_all(new)
         return out
 
-    def _parts(self, cid: bytes, blob: bytes | memoryview, raw: bool, verified: bool
-               ) -> list[bytes | memoryview] | None:
+    def _parts(self, cid: bytes, blob: bytes | memoryview, raw: bool, verified: bool,
+               digest: bytes | None = None) -> list[bytes | memoryview] | None:
         """A verified blob's record parts; None if the object exists, [] once written raw at
         its offset in its file object (readable from then on)."""
         if len(cid) != ID_SIZE:
@@ -235,7 +248,7 @@ class Store(StoreDurability):
             return None
         if verified and not raw and not self.objects.wants(cid):
             return [blob]
-        data = decode(cid, blob)
+        data = decode(cid, blob) if digest is None else _hashed(cid, blob, digest)
         if self.objects.wants(cid) and self.objects.place(cid, data):
             return []
         return [RAW_CODEC, data] if raw and blob[0] != RAW else [blob]
@@ -390,3 +403,13 @@ class Store(StoreDurability):
 
 
 __all__ = ["Store", "StoreBusy", "CorruptChunk"]
+
+
+def _hashed(cid: bytes, blob: bytes | memoryview, digest: bytes) -> memoryview:
+    """A raw blob's bytes, checked against `cid` by the `digest` its receiver computed of
+    them. Raises CorruptChunk, never wrong bytes."""
+    if not len(blob) or blob[0] != RAW:
+        raise CorruptChunk(f"chunk {cid.hex()}: a digest is only taken of a raw blob")
+    if len(blob) - 1 > MAX_CHUNK_SIZE or digest != cid:
+        raise CorruptChunk(f"chunk {cid.hex()}: content does not match its id")
+    return memoryview(blob)[1:]

@@ -79,13 +79,16 @@ async def test_unsafe_path_refused(node, bad):
     assert serving_good(node)
 
 
-async def test_corrupt_chunk_refused(node):
-    real = b"the real content"
+@pytest.mark.parametrize("size", [16, 4 * MiB], ids=["small", "received-in-place"])
+async def test_corrupt_chunk_refused(node, size):
+    """A 4 MiB raw chunk is hashed as it arrives (daemon/wire/arriving.py), a small one by
+    the store: either way a chunk whose bytes are not its id's is refused, and not stored."""
+    real, tampered = os.urandom(size), os.urandom(size)
     cid = chunk.chunk_id(real)
     m = Manifest([Entry(b"", Kind.DIR, 0o755, 0, 0),
                   Entry(b"f", Kind.FILE, 0o644, len(real), 0, chunks=(cid,))])
     with pytest.raises(RemoteError, match="does not match its id"):
-        await send_manifest(node, m, {cid: chunk.encode(b"tampered content")})
+        await send_manifest(node, m, {cid: chunk.encode(tampered)})
     assert serving_good(node)
     chan = await connect(node.hosts[0], load_token(node.token_file))
     async with chan:  # the tampered chunk was not stored

@@ -127,7 +127,7 @@ class Session:
                 log.warning("session with %s ended: %s", self.chan.peer, e)
                 return
             if isinstance(msg, p.PutChunk):
-                await self.on_chunk(msg.cid, msg.blob)
+                await self.on_chunk(msg.cid, msg.blob, msg.digest)
             elif isinstance(msg, p.PutChunks):
                 for one in msg.chunks:
                     await self.on_chunk(one.cid, one.blob)
@@ -155,9 +155,10 @@ class Session:
 
     # ---- chunks ---------------------------------------------------------------------------
 
-    async def on_chunk(self, cid: bytes, blob: bytes | memoryview) -> None:
+    async def on_chunk(self, cid: bytes, blob: bytes | memoryview,
+                       digest: bytes | None = None) -> None:
         """A chunk arrived (a PutChunk frame or over RDMA): forward it to the children whose
-        subtrees lack it, and store it if this node lacks it."""
+        subtrees lack it, and store it if this node lacks it (`digest`: p.PutChunk's)."""
         self.counters["chunks_received"] += 1
         self.counters["bytes_received"] += len(blob)
         self.rx.chunk(len(blob))
@@ -167,7 +168,7 @@ class Session:
             self.version = None
             await self._place_files(cid, blob)
         if self.own_missing is None or cid in self.own_missing:
-            await self.writes.start(self.nursery, p.PutChunk(cid, blob))
+            await self.writes.start(self.nursery, p.PutChunk(cid, blob, digest))
             if self.service.fetcher.wanted(cid):  # a reader waits: no waiting for a batch
                 await self.writes.hurry(self.nursery)
 

@@ -63,7 +63,8 @@ class ChunkWrites:
         """Verify and store a batch (its records in one write: Store.put_blobs); (chunks
         stored, errors, whether the store failed)."""
         try:
-            done = self.store.put_blobs([(msg.cid, msg.blob) for msg in batch], raw=self.raw)
+            done = self.store.put_blobs([(msg.cid, msg.blob) for msg in batch], raw=self.raw,
+                                        digests=[msg.digest for msg in batch])
         except OSError as e:  # a full disk: none of the batch's records was kept
             more = f" (and {len(batch) - 1} more)" if len(batch) > 1 else ""
             return 0, [f"cannot store chunk {batch[0].cid.hex()}{more}: {e.strerror or e}"], True

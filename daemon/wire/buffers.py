@@ -7,24 +7,55 @@ whose encoders read every chunk into a buffer of its own. A payload travels on a
 queues, store writes, a DATA part the mesh rebuilds a tensor on, a batch queued for a root), so
 a buffer is taken again only when no view of it is left: every memoryview of a bytearray holds
 a reference to it, so its reference count says so.
+
+A pooled buffer is an anonymous mapping whose 4 MiB middle is asked for as transparent huge
+pages (this machine's THP setting is madvise): receiving a chunk into it and writing it with
+O_DIRECT (which pins each page of the buffer) then touch 2 pages instead of 1024. In plain
+Python, 1 GiB over loopback into a 4 MiB buffer and out with O_DIRECT, 4 alternating pairs:
+0.20-0.23 CPU-s with 4 KiB pages, 0.13-0.20 with huge pages.
 """
 
 from __future__ import annotations
 
 import ctypes
+import mmap
 import sys
 import threading
 
 ALIGN = 4096
+HUGE = 2 * 1024 * 1024  # a transparent huge page
 
 
-def aligned(size: int, lead: int = 0, raw: bytearray | None = None) -> memoryview:
+def aligned(size: int, lead: int = 0, raw: bytearray | mmap.mmap | None = None,
+            boundary: int = ALIGN) -> memoryview:
     """A writable buffer of `size` bytes whose byte `lead` starts on an ALIGN boundary: in
-    `raw` (at least size + ALIGN bytes), else in a new zeroed one."""
+    `raw` (at least size + `boundary` bytes), else in a new zeroed one. With `boundary`
+    (a multiple of ALIGN), byte `lead` goes on the first such boundary past raw's first page."""
     raw = bytearray(size + ALIGN) if raw is None else raw
     address = ctypes.addressof(ctypes.c_char.from_buffer(raw))
-    start = (-(address + lead)) % ALIGN
+    if boundary == ALIGN:
+        start = (-(address + lead)) % ALIGN
+    elif 0 <= lead <= ALIGN:
+        start = (-(address + ALIGN)) % boundary + ALIGN - lead
+    else:
+        raise ValueError(f"a lead of {lead} bytes does not fit before a {boundary} boundary")
     return memoryview(raw)[start : start + size]
+
+
+def _huge(size: int) -> mmap.mmap:
+    """An anonymous mapping of `size` + HUGE bytes whose HUGE-aligned middle (where aligned()
+    with boundary=HUGE puts a buffer's byte `lead`) is asked for as huge pages."""
+    # Private: an anonymous shared mapping is shmem, which this kernel gives no huge pages.
+    raw = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(raw))
+    middle = (-(address + ALIGN)) % HUGE + ALIGN
+    whole = (size - ALIGN) // HUGE * HUGE  # the huge pages inside the buffer, no more
+    if whole and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            raw.madvise(mmap.MADV_HUGEPAGE, middle, whole)
+        except OSError:  # a kernel without THP: 4 KiB pages, as before
+            pass
+    return raw
 
 
 class BufferPool:
@@ -39,7 +70,7 @@ class BufferPool:
 
     def __init__(self, keep: int = 16) -> None:
         self.keep = keep
-        self._pool: list[bytearray] = []
+        self._pool: list[mmap.mmap] = []
         self._lock = threading.Lock()
 
     def take(self, size: int, lead: int = 0) -> memoryview:
@@ -50,9 +81,9 @@ class BufferPool:
             for raw in self._pool:
                 # Three references: the pool's, `raw`'s and getrefcount's own argument.
                 if sys.getrefcount(raw) == 3:
-                    return aligned(size, lead, raw)
+                    return aligned(size, lead, raw, HUGE)
             if len(self._pool) >= self.keep:  # every pooled one is held: one to measure
                 return aligned(size, lead)
-            raw = bytearray(self.POOLED)
+            raw = _huge(self.POOLED)
             self._pool.append(raw)
-        return aligned(size, lead, raw)
+        return aligned(size, lead, raw, HUGE)

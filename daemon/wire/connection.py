@@ -22,11 +22,11 @@ import os
 from collections.abc import Callable
 
 from . import frames, handshake
-from .buffers import BufferPool
+from .arriving import CHUNK_DATA, Arriving
+from .buffers import ALIGN, BufferPool
 from .frames import HEADER, MAX_FRAME, MAX_HANDSHAKE_FRAME, Buffer, FrameType
 from .handshake import NONCE_SIZE
 from .protocol import (
-    ID_SIZE,
     PROTOCOL_VERSION,
     Auth,
     AuthError,
@@ -36,7 +36,7 @@ from .protocol import (
     TruncatedFrame,
     Welcome,
 )
-from .seal import TAG_SIZE, Opener, Sealer, SealError, derive_keys
+from .seal import TAG_SIZE, FrameCheck, Opener, Sealer, SealError, derive_keys
 
 IN_PLACE = 64 * 1024  # PUT_CHUNK and DATA frames this big are received into their own buffer
 # What get_buffer() offers between large frames. A read into it past a large frame's header
@@ -46,12 +46,11 @@ IN_PLACE = 64 * 1024  # PUT_CHUNK and DATA frames this big are received into the
 # (17,000 faults per GiB; 2,100 with 64 KiB).
 _SCRATCH = IN_PLACE
 _EARLY_SCRATCH = 4096  # ... and before the peer has authenticated
-# A chunk's raw bytes in a PUT_CHUNK frame received in place start this far into the frame
-# (header, chunk id, codec byte): the buffer is placed so that they start on a page, which lets
-# the store write a large file's chunk with O_DIRECT, straight from this buffer (see
-# fs/file_objects.py: a buffered write's copy into the page cache was most of a node's CPU
-# per ingested byte).
-_CHUNK_DATA = HEADER.size + ID_SIZE + 1
+# A chunk's raw bytes in a PUT_CHUNK frame received in place (arriving.CHUNK_DATA into it) start
+# on a page, which lets the store write a large file's chunk with O_DIRECT, straight from this
+# buffer (see fs/file_objects.py: a buffered write's copy into the page cache was most of a
+# node's CPU per ingested byte).
+_LARGE_TYPES = {ftype.value for ftype in frames.LARGE}
 
 class Role(enum.Enum):
     CLIENT = "client"
@@ -109,9 +108,10 @@ class Connection:
         self._peer_nonce: bytes | None = None
         self._sent: set[FrameType] = set()  # handshake frames we have sent
         self._buf = bytearray()
-        self._frame: memoryview | None = None  # a large frame being received in place
+        self._frame: Arriving | None = None  # a large frame being received in place
         self._buffers = BufferPool()  # large frames' buffers, reused
-        self._got = 0  # bytes of self._frame received so far
+        self._spare: memoryview | None = None  # get_buffers() past a large frame: the next one
+        self._spare_got = 0  # bytes read into it
         self._scratch: memoryview | None = None  # get_buffer() between large frames
         self._eof = False
         self._error: ProtocolError | None = None
@@ -218,10 +218,7 @@ class Connection:
             self._eof = True
             return
         if self._frame is not None:  # the rest of a large frame first
-            take = min(len(data), len(self._frame) - self._got)
-            self._frame[self._got : self._got + take] = memoryview(data)[:take]
-            self._got += take
-            data = memoryview(data)[take:]
+            data = self._frame.add(data)
         if data:
             self._buf += data
 
@@ -234,7 +231,7 @@ class Connection:
         """Where the next bytes from the peer may be written (by recv_into); then call
         buffer_updated(n). While a large frame arrives, this is the rest of its own buffer."""
         if self._frame is not None:
-            return memoryview(self._frame)[self._got :]
+            return self._frame.rest()
         if self._scratch is None or (len(self._scratch) < _SCRATCH
                                      and self.state is State.READY):
             # Small until the peer has authenticated: an idle connection costs little.
@@ -242,12 +239,32 @@ class Connection:
             self._scratch = memoryview(bytearray(size))
         return self._scratch
 
+    def get_buffers(self) -> list[memoryview]:
+        """get_buffer(), and while a large frame arrives, a buffer for what follows it: a
+        socket reads into both at once (recvmsg_into; then buffers_updated). In a stream of
+        chunks the read that ends one frame starts the next, which stays where it landed, on
+        its page (_adopt), instead of passing through the shared buffer."""
+        if self._frame is None:
+            return [self.get_buffer()]
+        if self._spare is None:
+            self._spare = self._buffers.take(BufferPool.POOLED - ALIGN, CHUNK_DATA)
+        return [self._frame.rest(), self._spare]
+
+    def buffers_updated(self, n: int) -> None:
+        """`n` bytes were written across get_buffers()' buffers, in order; 0 means EOF."""
+        if self._frame is None or not n or self._eof:
+            self.buffer_updated(n)
+            return
+        rest = len(self._frame.frame) - self._frame.got
+        if n > rest and (self._spare is None or n - rest > len(self._spare)):
+            raise ValueError("buffers_updated() past the end of get_buffers()")
+        self._frame.received(min(n, rest))
+        self._spare_got = max(n - rest, 0)
+
     def buffer_updated(self, n: int) -> None:
         """`n` bytes were written to the start of get_buffer()'s buffer; 0 means EOF."""
         if n and self._frame is not None and not self._eof:
-            if n > len(self._frame) - self._got:
-                raise ValueError("buffer_updated() past the end of get_buffer()")
-            self._got += n
+            self._frame.received(n)
         elif not n:
             self.receive_data(b"")
         elif self._scratch is None:
@@ -269,14 +286,20 @@ class Connection:
 
     def _next_event(self) -> Message | NeedData | Closed:
         if self._frame is not None:
-            if self._got < len(self._frame):
+            if not self._frame.whole:
                 if self._eof:
                     raise TruncatedFrame("connection closed mid-frame")
                 return NEED_DATA
             whole, self._frame = self._frame, None
-            _, raw_type = HEADER.unpack_from(whole)
-            ftype = FrameType(raw_type)
-            return frames.decode_large(ftype, self._payload(ftype, memoryview(whole)))
+            if not whole.checked:
+                return frames.decode_large(whole.ftype, self._payload(whole.ftype, whole.frame))
+            try:
+                payload, digest = whole.finish()
+            except SealError as e:
+                raise AuthError(str(e)) from None
+            return frames.decode_large(whole.ftype, payload, digest)
+        if self._spare_got:
+            return self._adopt()
         buf = self._buf
         if len(buf) < HEADER.size:
             if not self._eof:
@@ -299,12 +322,7 @@ class Connection:
             if self._eof:
                 raise TruncatedFrame("connection closed mid-frame")
             if end >= IN_PLACE and ftype in frames.LARGE:
-                # Everything buffered is the start of this frame: move it to a buffer of the
-                # frame's size and receive the rest straight into it.
-                lead = _CHUNK_DATA if ftype is FrameType.PUT_CHUNK else 0
-                self._frame, self._got = self._buffers.take(end, lead), len(buf)
-                self._frame[: len(buf)] = buf
-                buf.clear()
+                self._receive_in_place(ftype, end)
             return NEED_DATA
         if ftype is FrameType.DATA:  # one copy out of the receive buffer, then views
             frame: memoryview = memoryview(buf[:end])
@@ -316,6 +334,41 @@ class Connection:
         if ftype in frames.LARGE:
             return frames.decode_large(ftype, payload)
         return self._parse(ftype, bytes(payload))
+
+    def _adopt(self) -> Message | NeedData | Closed:
+        """What was read past a large frame into the spare buffer: the next large frame stays
+        there; anything else goes to the receive buffer, and is parsed (or refused) there."""
+        spare, got, self._spare_got = self._spare, self._spare_got, 0
+        assert spare is not None
+        size, raw_type = HEADER.unpack_from(spare) if got >= HEADER.size else (0, 0)
+        end = HEADER.size + size
+        if (raw_type in _LARGE_TYPES and IN_PLACE <= end <= len(spare) and not self._buf
+                and size <= self.max_frame and self.state is State.READY):
+            ftype = FrameType(raw_type)
+            self._check_receive(ftype)
+            self._spare = None
+            self._frame = Arriving(ftype, spare[:end], min(got, end), self._check(spare))
+            self._buf += spare[end:got]  # a read can end inside the frame after
+        else:
+            self._buf += spare[:got]
+        return self._next_event()
+
+    def _check(self, frame: memoryview) -> FrameCheck | None:
+        """The check of a large frame received in place, fed as it arrives (arriving.py)."""
+        opener = self._opener
+        if opener is None or self.state is not State.READY:
+            return None
+        return opener.check_as_received(frame[: HEADER.size])
+
+    def _receive_in_place(self, ftype: FrameType, size: int) -> None:
+        """Everything buffered is the start of a large frame of `size` bytes: move it to a
+        buffer of the frame's own and receive the rest straight into it, checked (and
+        decrypted) as it arrives (arriving.py)."""
+        lead = CHUNK_DATA if ftype is FrameType.PUT_CHUNK else 0
+        frame = self._buffers.take(size, lead)
+        frame[: len(self._buf)] = self._buf
+        self._frame = Arriving(ftype, frame, len(self._buf), self._check(frame))
+        self._buf.clear()
 
     def _payload(self, ftype: FrameType, frame: memoryview) -> memoryview:
         """A whole frame's payload, checked (and decrypted) when the session seals it."""

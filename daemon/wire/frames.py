@@ -177,8 +177,10 @@ def decode(ftype: FrameType, payload: bytes) -> p.Message:
     raise ValueError(f"{ftype.name} is not decoded here")
 
 
-def decode_large(ftype: FrameType, payload: memoryview) -> p.PutChunk | p.Data | p.PutChunks:
-    """A PUT_CHUNK, PUT_CHUNKS or DATA message on its payload, which it keeps as views."""
+def decode_large(ftype: FrameType, payload: memoryview, digest: bytes | None = None
+                 ) -> p.PutChunk | p.Data | p.PutChunks:
+    """A PUT_CHUNK, PUT_CHUNKS or DATA message on its payload, which it keeps as views;
+    `digest`: a PUT_CHUNK's, as it arrived (p.PutChunk.digest)."""
     if ftype is FrameType.PUT_CHUNKS:
         return _split_batch(payload)
     if ftype is FrameType.DATA:
@@ -187,7 +189,7 @@ def decode_large(ftype: FrameType, payload: memoryview) -> p.PutChunk | p.Data |
         return _split_data(payload if not payload.readonly else bytearray(payload))
     if len(payload) < p.ID_SIZE:
         raise p.ProtocolError("PUT_CHUNK frame too short")
-    return p.PutChunk(bytes(payload[:p.ID_SIZE]), payload[p.ID_SIZE:])
+    return p.PutChunk(bytes(payload[:p.ID_SIZE]), payload[p.ID_SIZE:], digest)
 
 
 def _split_ids(ftype: FrameType, payload: bytes) -> list[bytes]:

@@ -164,10 +164,13 @@ class PutChunk:
       cid: the chunk's id (ID_SIZE bytes).
       blob: the chunk as stored (compressed, if it was). Sent without being copied; received
         as a view into the frame's own buffer.
+      digest: on receipt only, never sent: the xxh3_128 of a raw blob's bytes, computed as they
+        arrived (arriving.py), for the store to compare with cid instead of hashing them again.
     """
 
     cid: bytes
     blob: bytes | memoryview
+    digest: bytes | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,52 @@ class Sealer:
         return [header, *parts, gcm.tag]
 
 
+class FrameCheck:
+    """The check of one frame (and, `scratch` given, its decryption in place), fed its bytes
+    as they arrive (arriving.py) instead of read back once the frame is whole: a 4 MiB chunk
+    does not fit in a core's L2 cache here (2 MiB), and a piece checked right after its
+    recv_into is. Authenticated only, the frame is fed whole but its tag; encrypted, its
+    header goes to the constructor and update() decrypts the rest where it lies, through
+    `scratch` (cryptography refuses an output that overlaps the input)."""
+
+    def __init__(self, key: bytes, nonce: bytes, header: Buffer = b"",
+                 scratch: memoryview | None = None) -> None:
+        self._gcm = Cipher(algorithms.AES(key), modes.GCM(nonce)).decryptor()
+        self._scratch = scratch
+        if scratch is not None:
+            self._gcm.authenticate_additional_data(header)
+
+    @property
+    def decrypts(self) -> bool:
+        return self._scratch is not None
+
+    def update(self, piece: memoryview) -> None:
+        """The next bytes of the frame, the tag left out; decrypted, the plaintext replaces
+        them (GCM's output keeps pace with its input)."""
+        scratch = self._scratch
+        if scratch is None:
+            self._gcm.authenticate_additional_data(piece)
+            return
+        window = len(scratch) - 16  # update_into asks for a block's slack
+        for at in range(0, len(piece), window):
+            part = piece[at : at + window]
+            n = self._gcm.update_into(part, scratch)
+            if n != len(part):
+                raise SealError("frame decryption fell behind its input")
+            part[:] = scratch[:n]
+
+    def finish(self, tag: Buffer) -> None:
+        """Raises SealError if anything fed (or the tag) was changed."""
+        try:
+            self._gcm.finalize_with_tag(bytes(tag))
+        except InvalidTag:
+            raise SealError(_TAMPERED) from None
+
+
+_TAMPERED = ("frame failed authentication: the connection was tampered with or the peer does "
+             "not hold this session's keys")
+
+
 class Opener:
     """Checks (and decrypts) the frames one side receives, in order. A large frame received
     into a buffer of its own (connection.py) is decrypted in place: its payload stays where
@@ -141,9 +187,19 @@ class Opener:
                 return plain
             self._aead.decrypt(nonce, frame[-TAG_SIZE:], frame[:-TAG_SIZE])
         except InvalidTag:
-            raise SealError("frame failed authentication: the connection was tampered with "
-                            "or the peer does not hold this session's keys") from None
+            raise SealError(_TAMPERED) from None
         return frame[header_size:-TAG_SIZE]
+
+    def check_as_received(self, header: Buffer) -> FrameCheck:
+        """The check of the next frame (whose header is `header`), to be fed as it arrives,
+        in place of open(): an encrypted one is decrypted in place."""
+        nonce = _nonce(self._seq)
+        self._seq += 1
+        if not self.encrypt:
+            return FrameCheck(self._key, nonce)
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(_WINDOW + 16))
+        return FrameCheck(self._key, nonce, header, self._scratch)
 
     def _decrypt_in_place(self, nonce: bytes, body: memoryview, tag: memoryview,
                           aad: memoryview) -> None:

@@ -208,18 +208,22 @@ class Channel:
         if self._sock is None:
             self.conn.receive_data(await self.stream.receive_some(RECEIVE_SIZE))
             return
-        buf = self.conn.get_buffer()
+        bufs = self.conn.get_buffers()
         # Inside a large frame, wake up only once a good part of the rest has arrived: fewer,
-        # larger reads (never more than the frame needs, so a reply can never be held back).
-        lowat = min(len(buf), _LOWAT) if self.conn.in_frame else 1
+        # larger reads (never more than the frame needs, so a reply can never be held back;
+        # what else has arrived is read too, into the second buffer).
+        lowat = min(len(bufs[0]), _LOWAT) if self.conn.in_frame else 1
         try:
             if lowat != self._lowat:
                 self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
                 self._lowat = lowat
-            n = await self._sock.recv_into(buf)
+            if len(bufs) == 1:
+                n = await self._sock.recv_into(bufs[0])
+            else:
+                n = (await self._sock.recvmsg_into(bufs))[0]
         except OSError as e:
             raise trio.BrokenResourceError(_describe(e)) from e
-        self.conn.buffer_updated(n)
+        self.conn.buffers_updated(n)
 
     async def _next(self) -> Message:
         """The next message of any kind, Error frames included."""
