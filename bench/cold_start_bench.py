@@ -396,8 +396,12 @@ def measure(work: Path, cache: Path = DEFAULT_CACHE, module: str = "torch",
         f"{res['sides']['local']['median']:.2f}s, rsync {res['sides']['rsync']['median']:.2f}s"
         + (f", early {res['sides']['early']['median']:.2f}s" if has_early else ""))
 
-    src = incompressible(cache, ingest_mb)
     res["ingest"] = []
+    if not ingest_nodes and not hosts:  # --cold-only
+        res["hosts"] = {"skipped": "--cold-only"}
+        res["machine_load"] = {"loadavg": [load0, loadavg()], "cpu_busy_pct": busy.busy()}
+        return res
+    src = incompressible(cache, ingest_mb)
     for n in ingest_nodes:
         res["ingest"].append(ingest(work, src, n))
         r = res["ingest"][-1]
@@ -504,6 +508,8 @@ def table(res: dict) -> list[str]:
 OPTIONS = [
     ("--quick", {"action": "store_true", "help": "sympy without torch, 256 MiB, 2 nodes"}),
     ("--rate", {"default": "1gbit", "help": "the netns links (tc units)"}),
+    ("--cold-only", {"action": "store_true",
+                     "help": "the cold starts and the local import only (no ingest, no netns)"}),
 ]
 
 
@@ -513,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
         res = measure(work, a.cache, "sympy" if q else "torch",
                       ("torch", "torchgen", "functorch") if q else (),
                       runs=1 if q else a.cold_runs, ingest_mb=256 if q else 1024,
-                      ingest_nodes=(1, 2) if q else (1, 8), hosts=(1, 2) if q else (1, 8),
+                      ingest_nodes=() if a.cold_only else (1, 2) if q else (1, 8),
+                      hosts=() if a.cold_only else (1, 2) if q else (1, 8),
                       rate=a.rate)
         print("\n".join(table(res)), file=sys.stderr)
         return res
