@@ -126,6 +126,18 @@ def settled(cl: LocalCluster, timeout: float = SETTLE_TIMEOUT) -> None:
         time.sleep(0.2)
 
 
+def flushed(state: Path, timeout: float = 300) -> None:
+    """Wait until the node has flushed and renamed its file objects (--durable background
+    does it after the publish): no `.part`, `.settled` or `.tmp` left in its store."""
+    files = state / "store" / "files"
+    deadline = time.monotonic() + timeout
+    busy = (".part", ".settled", ".tmp")
+    while files.is_dir() and any(n.endswith(busy) for n in os.listdir(files)):
+        if time.monotonic() > deadline:
+            raise BenchError(f"file objects in {files} still not flushed after {timeout:g}s")
+        time.sleep(0.2)
+
+
 # ---- cold start on a local cluster --------------------------------------------------------
 
 class ColdStart:
@@ -176,6 +188,7 @@ class ColdStart:
                 rec["daemon_cpu_s"] = round(cpu_seconds([cl.pid()]) - cpu0, 2)
                 rec["push_and_import_cpu_s"] = round(children_cpu_s() - kids0, 2)
                 settled(cl)
+                flushed(cl.state())
                 rec["node_disk_bytes"] = disk_bytes(cl.state())
         finally:
             remove_work(d)

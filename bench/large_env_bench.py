@@ -30,14 +30,12 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 from . import import_bench
-from .cold_start_bench import settled
+from .cold_start_bench import flushed, settled
 from .common import (
     DEFAULT_CACHE,
-    BenchError,
     LocalCluster,
     MiB,
     cpu_seconds,
@@ -115,17 +113,6 @@ def status_kb(pid: int) -> dict[str, int]:
         if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
             out[key] = int(value.split()[0])
     return out
-
-
-def flushed(state: Path, timeout: float = 300) -> None:
-    """Wait until the node has flushed and renamed its file objects (--durable background
-    does it after the publish): no `.part` or `.settled` left in its store."""
-    files = state / "store" / "files"
-    deadline = time.monotonic() + timeout
-    while files.is_dir() and any(n.endswith((".part", ".settled")) for n in os.listdir(files)):
-        if time.monotonic() > deadline:
-            raise BenchError(f"file objects in {files} still not flushed after {timeout:g}s")
-        time.sleep(0.2)
 
 
 def push_fresh(work: Path, label: str, src: Path) -> dict:
