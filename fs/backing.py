@@ -47,7 +47,6 @@ import xxhash
 from .chunk import CorruptChunk
 from .manifest import Entry, Kind, Manifest
 from .private_files import PRIVATE_FILE, fsync_dir, private_dir
-from .readahead import Readahead
 from .store import Store
 
 MIN_SIZE = 256 * 1024
@@ -101,7 +100,6 @@ class BackingFiles:
         self._unflushed: set[str] = set()
         self._copies: dict[str, _Copy] = {}  # queued or running, by key
         self.waits = 0  # opens that waited for their file's copy
-        self.readahead = Readahead()  # the whole files, into the page cache (readahead.py)
 
     @property
     def writing(self) -> int:
@@ -113,9 +111,7 @@ class BackingFiles:
         """Write the backing files `entries` lack, `parallel` at a time, and return what failed
         (a line a file). A file already queued or being written is waited for, not written
         twice. Started (nursery.start) once every copy is queued: an open from then on waits
-        for its file's copy. The files that are whole already (file objects, written past the
-        page cache) are read ahead into it meanwhile (readahead.py)."""
-        entries = list(entries)
+        for its file's copy."""
         try:
             todo = await trio.to_thread.run_sync(self.missing, entries)
         except OSError:
@@ -141,21 +137,11 @@ class BackingFiles:
                     copy.done.set()
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._read_ahead, entries, {id(e) for e in todo})
             for k, copy in new:
                 nursery.start_soon(queued, k, copy)
         for copy in copies:
             await copy.done.wait()
         return [c.error for c in copies if c.error]
-
-    async def _read_ahead(self, entries: Iterable[Entry], copying: set[int]) -> None:
-        """Read the whole files among `entries` (not those `copying`: a copy is written
-        through the page cache) into the page cache, in their order, in the background."""
-        def whole() -> list[Path]:
-            paths = (self.ready(e) for e in entries if wanted(e) and id(e) not in copying)
-            return [p for p in paths if p is not None]
-
-        await trio.to_thread.run_sync(lambda: self.readahead.files(whole()))
 
     async def wait(self, entry: Entry) -> None:
         """Return once `entry`'s backing file is written, if it is queued or being written
