@@ -1,7 +1,7 @@
 """A large env to a fresh node (issue 34): does the push keep its 1 GiB rate at 8 GiB, with
 the daemon's memory bounded?
 
-    .venv/bin/python -m bench.large_env_bench             # 8 GiB (~2-4 min, ~25 GB of disk)
+    .venv/bin/python -m bench.large_env_bench             # 8 GiB (2-6 min, ~17 GB of disk)
     .venv/bin/python -m bench.large_env_bench --gib 2     # small, while iterating
 
 The env is the staged torch venv (import_bench.ensure_venv, as cold_start_bench pushes it,
