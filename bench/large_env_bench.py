@@ -33,7 +33,6 @@ import threading
 from pathlib import Path
 
 from . import import_bench
-from .cold_start_bench import flushed, settled
 from .common import (
     DEFAULT_CACHE,
     LocalCluster,
@@ -44,6 +43,7 @@ from .common import (
     log,
     remove_work,
 )
+from .node_settled import flushed, settled
 
 GiB = 1024 * MiB
 TARGETS = {"rate_ratio": 0.9, "peak_rss_mb": 250, "disk_ratio": 1.05}
