@@ -42,6 +42,14 @@ def test_a_proc_imports_the_controllers_side_only_when_an_actor_uses_it(procs):
 
 
 @pytest.mark.mount
+def test_a_procs_link_to_an_owner_on_this_host_is_authenticated_not_encrypted(procs):
+    """The push's policy (addresses.encrypts "auto"): a link that stays on loopback is sealed
+    with a tag per frame but not encrypted, which cost a pass over every byte of a tensor."""
+    links = [proc.chan.conn for proc in procs._state.procs]
+    assert [(c.encrypted, c.bulk_key is not None) for c in links] == [(False, True)] * 4
+
+
+@pytest.mark.mount
 def test_async_endpoints_run_on_asyncio(procs):
     users = procs.slice(hosts=0).spawn("user", "mesh_actors:AsyncUser")
     assert users.pipeline.call(5).get(timeout=30) == [

@@ -113,6 +113,7 @@ class Connection:
         self._buffers = BufferPool()  # large frames' buffers, reused
         self._got = 0  # bytes of self._frame received so far
         self._scratch: memoryview | None = None  # get_buffer() between large frames
+        self._into: memoryview | None = None  # where the next large frame goes (receive_into)
         self._eof = False
         self._error: ProtocolError | None = None
 
@@ -225,6 +226,14 @@ class Connection:
         if data:
             self._buf += data
 
+    def receive_into(self, buffer: memoryview | None) -> None:
+        """Receive the next frame, header to tag, into `buffer` if it is a large DATA frame of
+        exactly that size (else as usual): a caller that knows where a frame's
+        payload belongs (a piece of a larger message, mesh/wire.py) saves copying it there.
+        The frame is opened in place; the bytes under its header and tag are the caller's
+        to put back."""
+        self._into = buffer
+
     @property
     def in_frame(self) -> bool:
         """Whether a large frame is being received in place (get_buffer() is its rest)."""
@@ -302,10 +311,14 @@ class Connection:
                 # Everything buffered is the start of this frame: move it to a buffer of the
                 # frame's size and receive the rest straight into it.
                 lead = _CHUNK_DATA if ftype is FrameType.PUT_CHUNK else 0
-                self._frame, self._got = self._buffers.take(end, lead), len(buf)
+                into, self._into = self._into, None
+                if into is None or len(into) != end or ftype is not FrameType.DATA:
+                    into = self._buffers.take(end, lead)
+                self._frame, self._got = into, len(buf)
                 self._frame[: len(buf)] = buf
                 buf.clear()
             return NEED_DATA
+        self._into = None  # it was for this frame, which is not received in place
         if ftype is FrameType.DATA:  # one copy out of the receive buffer, then views
             frame: memoryview = memoryview(buf[:end])
         else:  # one copy of the frame: a chunk's blob is a view of it
