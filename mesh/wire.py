@@ -37,7 +37,7 @@ _PAD = bytes(_ALIGN)
 # A message larger than this goes as pieces of this size (so it has no size cap), received into
 # a reused buffer (message_buffers.py: no fresh memory is faulted in per message); the sender
 # seals piece k+1 while the receiver opens piece k.
-PIECE = 1 << 20
+PIECE = 4 << 20
 MAX_MESSAGE = 1 << 40  # what a peer may announce: it passed the handshake, so only sanity
 _LEAD = HEADER.size + 4 + 8  # a one-part DATA frame's bytes before its part (count, length)
 _HEAD = _ALIGN  # room for the first piece's lead before a received message's buffer
