@@ -350,8 +350,7 @@ class Runtime:
 
     async def run(self) -> int:
         try:
-            # The push's policy (addresses.encrypts): encrypted when the owner is on another
-            # host; on loopback, authenticated only (only root could read it there anyway).
+            # Encrypted when the owner is on another host, else authenticated only (as push).
             chan = await connect(self.addr, self.token, encrypt="auto")
         except ConnectError as e:
             print(f"monarch-fs runtime: cannot reach the controller: {e}", file=sys.stderr)
