@@ -8,7 +8,8 @@ endpoint pays nothing. In guest mode every trio wakeup would go through the othe
 and every I/O wait through a helper thread. The cost here is two thread hops per async call
 (tens of microseconds), only for async endpoints.
 
-One loop per proc, started (through trio) when the first async endpoint runs; an actor's async
+One loop per proc, started (through trio) when the first async endpoint runs (and asyncio is
+imported then too: a proc's start does not pay for it); an actor's async
 messages still run one at a time, in order, because the runtime awaits each before the next.
 Inside such an endpoint, `await future` of a mesh call works: future.py waits in the mesh's
 loop and resolves an asyncio future.
@@ -16,12 +17,15 @@ loop and resolves an asyncio future.
 
 from __future__ import annotations
 
-import asyncio
+import sys
 import threading
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
+
+if TYPE_CHECKING:
+    import asyncio
 
 
 class AsyncioLoop:
@@ -34,6 +38,8 @@ class AsyncioLoop:
     def _started(self) -> asyncio.AbstractEventLoop:
         with self._lock:
             if self._loop is None:
+                import asyncio
+
                 loop = asyncio.new_event_loop()
 
                 def run() -> None:
@@ -47,6 +53,8 @@ class AsyncioLoop:
     async def run(self, fn: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
         """`await fn()` on the asyncio loop; its result here, or what it raised. Cancelling
         this cancels the asyncio task."""
+        import asyncio
+
         loop = self._started()
         token = trio.lowlevel.current_trio_token()
         done = trio.Event()
@@ -72,7 +80,10 @@ class AsyncioLoop:
 
 
 def in_asyncio() -> bool:
-    """True in a task of a running asyncio loop."""
+    """True in a task of a running asyncio loop (never before asyncio is imported)."""
+    asyncio = sys.modules.get("asyncio")
+    if asyncio is None:
+        return False
     try:
         asyncio.get_running_loop()
     except RuntimeError:

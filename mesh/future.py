@@ -16,7 +16,6 @@ hop once it has arrived.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import threading
 from collections.abc import Callable, Generator
@@ -133,6 +132,8 @@ class Future(Generic[T]):
     async def _await_on_asyncio(self) -> T:
         """Awaited in an asyncio task (an async endpoint): wait in the mesh's loop, and hand
         the outcome to an asyncio future."""
+        import asyncio  # an asyncio task is running: it is imported
+
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[T] = loop.create_future()
 

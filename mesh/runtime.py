@@ -20,7 +20,6 @@ outlives the controller that started it (and the daemon kills it in that case an
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import importlib
 import importlib.util
@@ -37,7 +36,7 @@ from typing import Any
 
 import trio
 
-from ..daemon.node.procs import read_secrets
+from ..daemon.node.process_start import read_secrets
 from ..daemon.wire import protocol as p
 from ..daemon.wire.calls import Call, Calls
 from ..daemon.wire.transport import Channel, ConnectError, connect
@@ -61,8 +60,8 @@ Reply = Callable[[p.Data], Awaitable[None]]  # where an actor's answer goes
 EXIT_OWNER_GONE = 3
 CLEANUP_GRACE = 3.0  # seconds the actors' __cleanup__ get when their proc is stopped
 
-_INTERNAL = tuple(str(Path(f).parent) for f in (trio.__file__, asyncio.__file__) if f) + (
-    __file__, str(Path(__file__).parent / "asyncio_loop.py"))
+_INTERNAL = (str(Path(trio.__file__).parent), str(Path(inspect.__file__).parent / "asyncio"),
+             __file__, str(Path(__file__).parent / "asyncio_loop.py"))
 
 
 def _user_traceback(e: BaseException) -> str:
@@ -173,10 +172,9 @@ class _Slot:
         rt = self.runtime
         obj = object.__new__(cls) if cls.__new__ is object.__new__ else cls.__new__(
             cls, *args, **kwargs)
-        hosts = rt.host_mesh_for(self)
         for attr, value in (("rank", rt.rank), ("world_size", rt.world_size),
                             ("local_rank", rt.local_rank), ("host", rt.hosts[rt.host]),
-                            ("name", self.name), ("_mesh_hosts", lambda: hosts)):
+                            ("name", self.name), ("_mesh_hosts", rt.host_mesh_for(self))):
             setattr(obj, attr, value)
         self.instance = obj  # context() names it while its __init__ runs
         try:
@@ -316,23 +314,44 @@ class Runtime:
     async def send(self, header: dict) -> None:
         await self.post(wire.encode(header))
 
+    def host_mesh_for(self, slot: _Slot) -> Callable[[], Any]:
+        """A getter of the hosts as one actor sees them (meshes it spawns report failures to
+        it), made on first use, from any thread: most actors spawn nothing, and host_mesh.py's
+        imports cost ~20 ms of CPU."""
+        token = trio.lowlevel.current_trio_token()
+        made: list[Any] = []
 
-    def host_mesh_for(self, slot: _Slot) -> Any:
-        """The hosts, as seen by one actor: meshes it spawns report failures to it."""
-        from .host_mesh import HostMesh
+        def make() -> None:  # on the runtime's loop
+            if made:
+                return
+            from .host_mesh import HostMesh
 
-        def supervise(failure: Failure) -> None:
-            slot.mailbox.send_nowait(({"op": "supervise"}, failure, self.post))
+            def supervise(failure: Failure) -> None:
+                slot.mailbox.send_nowait(({"op": "supervise"}, failure, self.post))
 
-        assert self.nursery is not None
-        hosts = HostMesh(self.launcher, self.nursery, supervisor=supervise, output=print_output)
-        hosts._defaults = self.defaults
-        self.host_meshes.append(hosts)
-        return hosts
+            assert self.nursery is not None
+            hosts = HostMesh(self.launcher, self.nursery, supervisor=supervise,
+                             output=print_output)
+            hosts._defaults = self.defaults
+            self.host_meshes.append(hosts)
+            made.append(hosts)
+
+        def get() -> Any:
+            if not made:
+                try:
+                    trio.lowlevel.current_trio_token()
+                except RuntimeError:  # an actor's thread, or its asyncio loop
+                    trio.from_thread.run_sync(make, trio_token=token)
+                else:
+                    make()
+            return made[0]
+
+        return get
 
     async def run(self) -> int:
         try:
-            chan = await connect(self.addr, self.token, encrypt="on")  # nested spawns carry secrets
+            # Encrypted when the owner is on another host, else authenticated only (as push).
+            chan = await connect(self.addr, self.token, encrypt="auto")
         except ConnectError as e:
             print(f"monarch-fs runtime: cannot reach the controller: {e}", file=sys.stderr)
             return 2

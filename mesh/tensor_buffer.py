@@ -24,7 +24,6 @@ reads.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 from collections.abc import Generator
 from typing import Any
@@ -155,6 +154,8 @@ class Read:
             return await _fetch(self.handle, self.dst)
         if not in_asyncio():
             raise RuntimeError("await read_into(...) in an async endpoint, or use get()")
+        import asyncio  # an asyncio task is running: it is imported
+
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[Any] = loop.create_future()
 

@@ -8,8 +8,10 @@ call and not the connection. Only peers that passed the HMAC handshake get here 
 Bodies are pickle protocol 5. CPU torch tensors (and anything else that hands pickle a
 PickleBuffer) go out-of-band: their bytes are framed directly, without being copied into the
 pickle, padded so each starts 64-byte aligned within the frame, and rebuilt on the receiving side
-as views of the received frame, without another copy. The user-space copies are: one into the
-outgoing frame, and on receipt the transport's copy into its buffer plus one out of it.
+as views of the received frame, without another copy. A message over PIECE bytes goes as
+pieces, each received straight into the buffer the message is rebuilt on (_gather), so the
+bytes are copied only by the kernel's send and receive (plus an encrypted link's in-place
+decryption).
 """
 
 from __future__ import annotations
@@ -24,18 +26,21 @@ from typing import Any
 
 import trio
 
+from ..daemon.wire.frames import HEADER
 from ..daemon.wire.protocol import Data, ProtocolError
+from ..daemon.wire.seal import TAG_SIZE
 from ..daemon.wire.transport import Channel, ConnectionLost, RemoteError
 from .message_buffers import RECEIVED
 
 _ALIGN = 64
 _PAD = bytes(_ALIGN)
-# A message larger than this goes as pieces of this size (so it has no size cap), each received
-# into one of the connection's pooled frame buffers and gathered into a reused buffer
-# (message_buffers.py): no fresh memory is faulted in per message, the sender seals piece k+1
-# while the receiver opens piece k, and a piece is still in the cache when it is gathered.
-PIECE = 1 << 20
+# A message larger than this goes as pieces of this size (so it has no size cap), received into
+# a reused buffer (message_buffers.py: no fresh memory is faulted in per message); the sender
+# seals piece k+1 while the receiver opens piece k.
+PIECE = 4 << 20
 MAX_MESSAGE = 1 << 40  # what a peer may announce: it passed the handshake, so only sanity
+_LEAD = HEADER.size + 4 + 8  # a one-part DATA frame's bytes before its part (count, length)
+_HEAD = _ALIGN  # room for the first piece's lead before a received message's buffer
 
 
 class WireError(ValueError):
@@ -127,25 +132,43 @@ def body(msg: Data) -> Any:
     return pickle.loads(msg.parts[1], buffers=msg.parts[3::2])
 
 
+def _layout(lengths: list[int]) -> tuple[list[int], int]:
+    """Where each part of a message in pieces starts in the receiver's buffer (64-byte
+    aligned, so tensors are rebuilt on it without another copy), and the buffer's size."""
+    starts, at = [], 0
+    for n in lengths:
+        at += -at % _ALIGN
+        starts.append(at)
+        at += n
+    return starts, at
+
+
 def _pieces(msg: Data) -> Iterator[Data]:
-    """The bytes of `msg`'s parts, as DATA frames of at most PIECE bytes each (views: no copy),
-    after one frame that announces them."""
-    lengths = [len(memoryview(part).cast("B")) for part in msg.parts]
-    yield Data([compact_json({"op": "_pieces", "lengths": lengths}).encode()])
+    """One frame that announces the parts' lengths, then the message's bytes as they will lie
+    in the receiver's buffer (_layout: zeros between parts), as one-part DATA frames of at
+    most PIECE bytes. A piece is a view of its part's memory, or, where it spans parts, their
+    bytes joined (a copy of at most PIECE bytes per part boundary)."""
+    views = [memoryview(part).cast("B") for part in msg.parts]
+    yield Data([compact_json({"op": "_pieces", "lengths": [v.nbytes for v in views]}).encode()])
+    segments, at = [], 0
+    for view in views:
+        if pad := -at % _ALIGN:
+            segments.append(memoryview(_PAD[:pad]))
+        segments.append(view)
+        at += pad + view.nbytes
     chunk: list[memoryview] = []
     room = PIECE
-    for part in msg.parts:
-        view = memoryview(part).cast("B")
+    for view in segments:
         while view.nbytes:
             take = view[:room]
             chunk.append(take)
             view = view[take.nbytes:]
             room -= take.nbytes
             if not room:
-                yield Data(chunk)
+                yield Data([chunk[0] if len(chunk) == 1 else b"".join(chunk)])
                 chunk, room = [], PIECE
     if chunk:
-        yield Data(chunk)
+        yield Data([chunk[0] if len(chunk) == 1 else b"".join(chunk)])
 
 
 def one_frame(msg: Data) -> bool:
@@ -163,34 +186,43 @@ async def send(chan: Channel, msg: Data) -> None:
         await chan.send(piece)
 
 
+def _address(view: memoryview) -> int:
+    """Where a writable view's bytes are (-1 for a read-only one)."""
+    if view.readonly or not view.nbytes:
+        return -1
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
 async def _gather(chan: Channel, lengths: list[int]) -> Data:
-    """Receive the pieces of a message of parts of `lengths`, into one buffer (each part
-    64-byte aligned in it, so tensors are rebuilt on it without another copy), reused from
-    an earlier message when it is free (message_buffers.py)."""
-    starts, at = [], 0
-    for n in lengths:
-        at += -at % _ALIGN
-        starts.append(at)
-        at += n
-    if at > MAX_MESSAGE:
-        raise ProtocolError(f"a mesh message of {at} bytes announced")
-    whole = RECEIVED.take(at)
-    part, filled = 0, 0  # the part being filled, and how much of it is
-    remaining = sum(lengths)
-    while remaining:
-        msg = await chan.receive()
-        if not isinstance(msg, Data):
-            raise ProtocolError("a mesh message's pieces were interrupted")
-        for piece in msg.parts:
-            view = memoryview(piece).cast("B")
-            while view.nbytes:
-                while lengths[part] == filled:
-                    part, filled = part + 1, 0
-                take = min(view.nbytes, lengths[part] - filled)
-                whole[starts[part] + filled:starts[part] + filled + take] = view[:take]
-                view = view[take:]
-                filled += take
-                remaining -= take
+    """Receive the pieces of a message of parts of `lengths` into one buffer, laid out as
+    _layout says, reused from an earlier message when one is free (message_buffers.py).
+
+    Each piece's frame is received straight into the buffer, around where its bytes go
+    (Connection.receive_into): its header and part table land on the 17 bytes before them,
+    which are put back once it is opened, and its tag on the next piece's first 16. So no
+    piece is copied out of a frame buffer: that copy was a pass over every byte received."""
+    starts, size = _layout(lengths)
+    if size > MAX_MESSAGE:
+        raise ProtocolError(f"a mesh message of {size} bytes announced")
+    raw = RECEIVED.take(_HEAD + size + TAG_SIZE)
+    whole = raw[_HEAD:_HEAD + size]
+    at = 0
+    try:
+        while at < size:
+            n = min(PIECE, size - at)
+            lead = raw[_HEAD + at - _LEAD:_HEAD + at]
+            under = bytes(lead)
+            chan.conn.receive_into(raw[_HEAD + at - _LEAD:_HEAD + at + n + TAG_SIZE])
+            msg = await chan.receive()
+            lead[:] = under
+            if not isinstance(msg, Data) or len(msg.parts) != 1 or len(msg.parts[0]) != n:
+                raise ProtocolError("a mesh message's pieces were interrupted")
+            piece = memoryview(msg.parts[0]).cast("B")
+            if _address(piece) != _address(whole[at:at + n]):  # not received in place
+                whole[at:at + n] = piece
+            at += n
+    finally:
+        chan.conn.receive_into(None)
     return Data([whole[s:s + n] for s, n in zip(starts, lengths)])
 
 

@@ -155,6 +155,18 @@ class EnvProbe(Actor):
                 "os_environ": dict(os.environ), "grandchild": json.loads(grandchild)}
 
 
+class Imports(Actor):
+    """Which of some modules its proc has imported; `self.hosts` from a sync endpoint."""
+
+    @endpoint
+    def loaded(self, names: list[str]) -> list[str]:
+        return [n for n in names if n in sys.modules]
+
+    @endpoint
+    def host_count(self) -> int:
+        return len(self.hosts.hosts)
+
+
 class Where(Actor):
     """Reports where it runs, by Monarch's functions."""
 

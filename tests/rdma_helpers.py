@@ -28,11 +28,11 @@ def host_has_rdma() -> bool:
     return any(bulk.device_mode(d)[0] for d in devices)
 
 
-async def channel_pair() -> tuple[Channel, Channel]:
+async def channel_pair(encrypt: bool = False) -> tuple[Channel, Channel]:
     """Two ends of a socket pair past the handshake: (client side, server side)."""
     s1, s2 = trio.socket.socketpair()
-    a = Channel(trio.SocketStream(s1), Connection(Role.CLIENT, b"t"), "node")
-    b = Channel(trio.SocketStream(s2), Connection(Role.SERVER, b"t"), "client")
+    a = Channel(trio.SocketStream(s1), Connection(Role.CLIENT, b"t", encrypt=encrypt), "node")
+    b = Channel(trio.SocketStream(s2), Connection(Role.SERVER, b"t", encrypt=encrypt), "client")
     await b.send(p.Hello())
     await a.receive()
     await a.send(p.Auth())

@@ -26,6 +26,29 @@ def test_torchrun_environment_and_gloo_all_reduce_inside_actors(procs):
     assert trainers.all_reduce.call().get(timeout=120) == [10.0] * 4  # 1 + 2 + 3 + 4
 
 
+# What only a controller, or an actor that spawns meshes, uses: a proc imports none of it to
+# start (four procs on two cores wait for each other's imports before the first call).
+CONTROLLER_SIDE = ["monarch_fs.mesh.host_mesh", "monarch_fs.mesh.proc_mesh",
+                   "monarch_fs.mesh.hang", "monarch_fs.daemon.client.stacks",
+                   "monarch_fs.daemon.node.procs", "sqlite3", "asyncio"]
+
+
+@pytest.mark.mount
+def test_a_proc_imports_the_controllers_side_only_when_an_actor_uses_it(procs):
+    one = procs.slice(hosts=0, procs=0).spawn("imports", "mesh_actors:Imports")
+    assert one.loaded.call_one(CONTROLLER_SIDE).get(timeout=30) == []
+    assert one.host_count.call_one().get(timeout=30) == 2  # self.hosts, made on first use
+    assert "monarch_fs.mesh.host_mesh" in one.loaded.call_one(CONTROLLER_SIDE).get(timeout=30)
+
+
+@pytest.mark.mount
+def test_a_procs_link_to_an_owner_on_this_host_is_authenticated_not_encrypted(procs):
+    """The push's policy (addresses.encrypts "auto"): a link that stays on loopback is sealed
+    with a tag per frame but not encrypted, which cost a pass over every byte of a tensor."""
+    links = [proc.chan.conn for proc in procs._state.procs]
+    assert [(c.encrypted, c.bulk_key is not None) for c in links] == [(False, True)] * 4
+
+
 @pytest.mark.mount
 def test_async_endpoints_run_on_asyncio(procs):
     users = procs.slice(hosts=0).spawn("user", "mesh_actors:AsyncUser")

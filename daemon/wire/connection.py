@@ -113,6 +113,7 @@ class Connection:
         self._spare: memoryview | None = None  # get_buffers() past a large frame: the next one
         self._spare_got = 0  # bytes read into it
         self._scratch: memoryview | None = None  # get_buffer() between large frames
+        self._into: memoryview | None = None  # where the next large frame goes (receive_into)
         self._eof = False
         self._error: ProtocolError | None = None
 
@@ -222,6 +223,14 @@ class Connection:
         if data:
             self._buf += data
 
+    def receive_into(self, buffer: memoryview | None) -> None:
+        """Receive the next frame, header to tag, into `buffer` if it is a large DATA frame of
+        exactly that size (else as usual): a caller that knows where a frame's
+        payload belongs (a piece of a larger message, mesh/wire.py) saves copying it there.
+        The frame is opened in place; the bytes under its header and tag are the caller's
+        to put back."""
+        self._into = buffer
+
     @property
     def in_frame(self) -> bool:
         """Whether a large frame is being received in place (get_buffer() is its rest)."""
@@ -243,9 +252,12 @@ class Connection:
         """get_buffer(), and while a large frame arrives, a buffer for what follows it: a
         socket reads into both at once (recvmsg_into; then buffers_updated). In a stream of
         chunks the read that ends one frame starts the next, which stays where it landed, on
-        its page (_adopt), instead of passing through the shared buffer."""
+        its page (_adopt), instead of passing through the shared buffer. Not after a DATA
+        frame: the next piece of a mesh message goes where its caller says (receive_into)."""
         if self._frame is None:
             return [self.get_buffer()]
+        if self._frame.ftype is FrameType.DATA:
+            return [self._frame.rest()]
         if self._spare is None:
             self._spare = self._buffers.take(BufferPool.POOLED - ALIGN, CHUNK_DATA)
         return [self._frame.rest(), self._spare]
@@ -324,6 +336,7 @@ class Connection:
             if end >= IN_PLACE and ftype in frames.LARGE:
                 self._receive_in_place(ftype, end)
             return NEED_DATA
+        self._into = None  # it was for this frame, which is not received in place
         if ftype is FrameType.DATA:  # one copy out of the receive buffer, then views
             frame: memoryview = memoryview(buf[:end])
         else:  # one copy of the frame: a chunk's blob is a view of it
@@ -347,6 +360,7 @@ class Connection:
             ftype = FrameType(raw_type)
             self._check_receive(ftype)
             self._spare = None
+            self._into = None  # this frame stays where it landed (a caller copies it)
             self._frame = Arriving(ftype, spare[:end], min(got, end), self._check(spare))
             self._buf += spare[end:got]  # a read can end inside the frame after
         else:
@@ -365,7 +379,9 @@ class Connection:
         buffer of the frame's own and receive the rest straight into it, checked (and
         decrypted) as it arrives (arriving.py)."""
         lead = CHUNK_DATA if ftype is FrameType.PUT_CHUNK else 0
-        frame = self._buffers.take(size, lead)
+        frame, self._into = self._into, None  # a caller's buffer for it (receive_into)
+        if frame is None or len(frame) != size or ftype is not FrameType.DATA:
+            frame = self._buffers.take(size, lead)
         frame[: len(self._buf)] = self._buf
         self._frame = Arriving(ftype, frame, len(self._buf), self._check(frame))
         self._buf.clear()
