@@ -40,11 +40,16 @@ Supervisor = Callable[[Failure], None]
 
 
 def print_output(mesh: str, rank: int, stream: str, lines: list[str]) -> None:
-    """The default: each line on our stdout/stderr, prefixed with its rank."""
+    """The default: each line on our stdout/stderr, prefixed with its rank. A stream the
+    script closed (or a reader that went away) loses the lines, not the mesh: this runs in
+    the mesh's loop, whose end would fail every call."""
     out = sys.stderr if stream == "stderr" else sys.stdout
     prefix = f"[rank {rank}]" if mesh == "procs" else f"[{mesh} rank {rank}]"
-    out.write("".join(f"{prefix} {line}\n" for line in lines))
-    out.flush()
+    try:
+        out.write("".join(f"{prefix} {line}\n" for line in lines))
+        out.flush()
+    except (ValueError, OSError) as e:  # closed file, broken pipe
+        log.debug("output of %s rank %d lost: %s", mesh, rank, e)
 
 
 def report_unhandled(failure: Failure) -> None:

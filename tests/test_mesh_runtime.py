@@ -79,6 +79,23 @@ def test_a_2_gib_tensor_round_trip(hosts, started):
 
 
 @pytest.mark.mount
+def test_a_closed_stdout_loses_output_not_the_mesh(procs, monkeypatch):
+    """The ranks' output is printed in the mesh's loop: a script whose stdout is closed (or
+    piped to a reader that left) loses those lines, and its mesh keeps answering."""
+    import io
+    import sys
+
+    closed = io.StringIO()
+    closed.close()
+    monkeypatch.setattr(sys, "stdout", closed)
+    chatter = procs.spawn("chatter", "mesh_actors:Chatter")
+    chatter.chatter.call("a").get(timeout=30)
+    time.sleep(1.5)  # the output reaches the controller and is printed (or not)
+    chatter.chatter.call("b").get(timeout=30)
+    assert len(procs.pids) == 4
+
+
+@pytest.mark.mount
 def test_log_control_forwards_folds_and_sets_the_level(procs, capfd):
     import logging
 
