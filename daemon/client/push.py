@@ -302,10 +302,10 @@ async def push(
             job.payload.store = store
 
     async def learn_reads() -> list[Read]:
-        """What the nodes read first, with what the dev box kept."""
+        """What the nodes the dev box talks to read first, with what the dev box kept."""
         from . import first_reads
 
-        lists = await first_reads.learn(job.healthy, name, opts.timeout)
+        lists = await first_reads.learn(job.reached, name, opts.timeout)
         return (first_reads.known(Path(opts.first_reads_dir), name, lists) if opts.first_reads_dir
                 else first_reads.merge(lists))
 
