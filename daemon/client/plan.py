@@ -130,13 +130,13 @@ class PushPlan(PushNodes):
             return None
         return cache.pushed_objects
 
-    def first_read_chunks(self, reads: Sequence[Read]) -> list[bytes]:
+    def first_read_chunks(self, reads: Sequence[Read], fallback: bool = True) -> list[bytes]:
         """The chunks push --early sends first and waits for: those the nodes read first
         after earlier publishes (first_reads.py), in that order: each chunk read, and all of a
         file of which nothing but its opening is known. Without such a list, the small files
         (under stream.LARGE_CHUNK): cheap in bytes, while each would cost a round trip if
         fetched on demand; a large file's chunks are few and are worth fetching on demand,
-        ahead of the stream."""
+        ahead of the stream (not without `fallback`: then none)."""
         files = {e.path: e for e in self.snap.manifest if e.kind == Kind.FILE}
         by_chunk = {p for p, k in reads if k is not None}
         head: list[bytes] = []
@@ -151,7 +151,7 @@ class PushPlan(PushNodes):
             elif k < len(e.chunks):
                 head.append(e.chunks[k])
             chosen.add(path)
-        if not chosen:  # no list, or none of its files is in this snapshot
+        if not chosen and fallback:  # no list, or none of its files is in this snapshot
             small = [e for e in files.values() if e.size < LARGE_CHUNK]
             chosen = {e.path for e in small}
             head = [c for e in small for c in e.chunks]

@@ -110,12 +110,15 @@ class _Push(PushPlan):
         self.payload.raw_roots = {a for a, c in self.links.items() if c.compression == "none"}
 
     async def publish(self, name: str, source: dict[str, str],
-                      early: list[bytes] | None = None) -> None:
+                      early: list[bytes] | None = None, ahead: Sequence[bytes] = ()) -> None:
         """Prepare on every node, then commit on every node; `source` (path, id) asks each to
         expose the workspace at that path too. What a node could not do but committed anyway
         comes back as warnings, "HOST: ..." (`self.warnings`). With `early` (push --early,
-        while the chunks stream), each node waits for the manifest and those chunks only."""
+        while the chunks stream), each node waits for the manifest and those chunks only.
+        `ahead`: the first reads' chunks, which each node reads into memory at its commit."""
         args: dict = {"name": name, "version": self.version.hex(), **source}
+        if ahead:
+            args["ahead"] = [c.hex() for c in ahead]
         if early is not None:  # the node waits for them, a little less long than we do
             args.update(early=[c.hex() for c in early], wait=self.timeout * 0.9)
         else:
@@ -299,10 +302,10 @@ async def push(
             job.payload.store = store
 
     async def learn_reads() -> list[Read]:
-        """push --early: what the nodes read first, with what the dev box kept."""
+        """What the nodes the dev box talks to read first, with what the dev box kept."""
         from . import first_reads
 
-        lists = await first_reads.learn(job.healthy, name, opts.timeout)
+        lists = await first_reads.learn(job.reached, name, opts.timeout)
         return (first_reads.known(Path(opts.first_reads_dir), name, lists) if opts.first_reads_dir
                 else first_reads.merge(lists))
 
@@ -311,13 +314,17 @@ async def push(
         await job.negotiate(held)
         job.check("negotiating")
         clock.mark("negotiate")
-        if not job.small_update():
+        small = job.small_update()  # an edit: no dev box store, no first reads read ahead
+        if not small:
             await open_store()
         if early:
             used = await job.push_early(name, source, opts.topology, opts.fanout,
                                         job.first_read_chunks(await learn_reads()), usable)
             clock.mark("send and publish")
             return used
+        # What the nodes read first, for their commits to read ahead (one request each,
+        # before the stream: a node's channel carries one request at a time).
+        reads = [] if small else await learn_reads()
         used = await job.broadcast(opts.topology, opts.fanout)
         job.check("sending chunks")
         if opts.allow_partial and job.tree is None:
@@ -328,7 +335,7 @@ async def push(
             await job.broadcast("star", opts.fanout)
             job.check("sending chunks")
         clock.mark("send")
-        await job.publish(name, source)
+        await job.publish(name, source, ahead=job.first_read_chunks(reads, fallback=False))
         clock.mark("publish")
         return used
 

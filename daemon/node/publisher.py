@@ -21,10 +21,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import trio
 
+from ...fs import readahead
 from ...fs.backing import BackingFiles
 from ...fs.backing import wanted as backing_wanted
 from ...fs.chunk import CorruptChunk
@@ -193,11 +195,11 @@ class Publisher:
             raise RequestError(f"version {version.hex()[:12]}: {len(missing)} of the "
                                f"{len(early)} chunks the first reads need did not arrive")
 
-    async def _will_need(self, ids: tuple[bytes, ...]) -> None:
-        """Ask the kernel to read the first reads' chunks into the page cache (O_DIRECT wrote
+    async def _will_need(self, read: Callable[[], int]) -> None:
+        """Ask the kernel to read chunks of file objects into the page cache (O_DIRECT wrote
         them past it), in the background: only advice, so a failure is only logged."""
         try:
-            await trio.to_thread.run_sync(self.store.will_need, ids)
+            await trio.to_thread.run_sync(read)
         except OSError as e:
             log.info("reading the first reads ahead: %s", e)
 
@@ -228,7 +230,7 @@ class Publisher:
                 else:
                     await trio.to_thread.run_sync(self.store.sync, early is None)
             if early is not None and self.nursery is not None:  # read right after publishing
-                self.nursery.start_soon(self._will_need, early)
+                self.nursery.start_soon(self._will_need, partial(self.store.will_need, early))
         except BaseException:
             if before is None:
                 self._pinned.pop(name, None)
@@ -299,12 +301,13 @@ class Publisher:
     async def commit(self, name: str, version: bytes, source: str | None = None,
                      source_id: str | None = None, owner: int | None = None,
                      early: tuple[bytes, ...] | None = None,
-                     wait: float = 0.0) -> CommitReply:
+                     wait: float = 0.0, ahead: tuple[bytes, ...] = ()) -> CommitReply:
         """Publish `version` of `name`; with `source`, expose it at that path too (a warning
         in the reply, not a failure, when this node cannot). With `owner` (who asks, under
         --identity munge) it belongs to that user from then on; another's is refused. With
         `early`, the version is served incomplete (see prepare) and gets no backing files
-        until a commit without it: passthrough must never bind a partial file."""
+        until a commit without it: passthrough must never bind a partial file. `ahead`: the
+        chunks read first last time, read into the page cache from here on (readahead.py)."""
         self._check_owner(name, owner, "replace")
         self._check_source(source)
         if (name, version, early is not None) not in self._prepared:
@@ -349,6 +352,9 @@ class Publisher:
             self._drop_manifests()
             await self.backing_upkeep.prune()
             warnings = await self._relink(name, old_source, source, source_id, owner)
+            if ahead and early is None and self.nursery is not None:
+                self.nursery.start_soon(self._will_need, partial(
+                    readahead.chunks, staged.trees[0].manifest, self.backing_upkeep.backing, ahead))
         log.info("published %s = %s", name, version.hex())
         return CommitReply(version, previous, warnings, replaced=staged)
 

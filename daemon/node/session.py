@@ -280,7 +280,7 @@ class Session:
         start = time.monotonic()
         before = list(self.service.refs.workspaces.get(req.name, []))
         value = await self.publisher.commit(req.name, req.version, req.source, req.source_id,
-                                            self._owner, req.early, req.wait)
+                                            self._owner, req.early, req.wait, req.ahead)
         self._published(req, before, time.monotonic() - start)
         self.service.first_reads.published(req.name, req.version)
         if self.claimed:  # what it has is now retained

@@ -155,6 +155,9 @@ class Prepare:
     # it (the push's end, or a normal push) find it complete.
     early: tuple[bytes, ...] | None = None
     wait: float = 0.0
+    # The chunks the nodes read first after earlier publishes (ids, in that order): a commit
+    # reads those of its large files into the page cache (fs/readahead.py).
+    ahead: tuple[bytes, ...] = ()
 
     @classmethod
     def parse(cls, args: dict) -> Self:
@@ -171,16 +174,20 @@ class Prepare:
         if source_id is not None and not (isinstance(source_id, str)
                                           and re.fullmatch(r"[0-9]+:[0-9]+", source_id)):
             raise RequestError(f"{cls.op}: source_id must be 'DEV:INO', not {source_id!r}")
-        early = args.get("early")
-        ids = None
-        if early is not None:
-            ids = tuple(from_hex(i) or b"" for i in early) if isinstance(early, list) else None
-            if ids is None or any(len(i) != 16 for i in ids):
-                raise RequestError(f"{cls.op}: early must be a list of chunk ids")
+        early, ahead = args.get("early"), _ids(cls.op, "ahead", args.get("ahead", []))
+        ids = None if early is None else _ids(cls.op, "early", early)
         wait = args.get("wait", 0.0)
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 3600:
             raise RequestError(f"{cls.op}: wait must be a number of seconds, not {wait!r}")
-        return cls(name, _version(cls.op, version), source, source_id, ids, float(wait))
+        return cls(name, _version(cls.op, version), source, source_id, ids, float(wait), ahead)
+
+
+def _ids(op: str, what: str, value: object) -> tuple[bytes, ...]:
+    """A list of chunk ids in hex, decoded; RequestError naming `what` if it is not one."""
+    ids = tuple(from_hex(i) or b"" for i in value) if isinstance(value, list) else None
+    if ids is None or any(len(i) != 16 for i in ids):
+        raise RequestError(f"{op}: {what} must be a list of chunk ids")
+    return ids
 
 
 @dataclass(frozen=True)
