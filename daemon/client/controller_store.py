@@ -15,6 +15,9 @@ less than SMALL_PUSH), does not open the store when it holds this snapshot, or o
 workspace: it only records that snapshot as pushed now (ControllerStore.mark_pushed), since an
 open reads every pack's index.
 
+What a push sent raw (a loopback link) is compressed into the store after the publish, with
+whatever else it lacks (ControllerStore.fill), not beside the send (keeper.py).
+
 A chunk that does not compress is not copied into the store: its wire form is the file it was
 read from, which a later push reads either way (encoding.py). The store only records its id,
 in `sourced.ids` (SOURCED), so that it is not tried again; a push that finds the file changed
@@ -102,8 +105,6 @@ class ControllerStore:
         self.added = 0  # chunks added after publishing (the nodes had them already)
         self.sourced = _read_ids(self.root / SOURCED)  # see the module docstring
         self._sourced_changed = False
-        # Chunks the keeper had no room for (keeper.py): left for a later push to keep.
-        self.skipped: set[bytes] = set()
         self._healed: set[bytes] = set()  # damaged copies replaced (heal): once each
 
     @classmethod
@@ -181,13 +182,14 @@ class ControllerStore:
     def fill(self, ids: Iterable[bytes],
              read: Callable[[bytes], bytes | bytearray | memoryview],
              objects: Iterable[bytes] = ()) -> int:
-        """Add the chunks of `ids` the store lacks (those the nodes already had) and has not
-        left to a later push (`skipped`); how many. `objects`: those of `ids` that are folder
-        objects (no file to read them from again: always kept)."""
+        """After the publish: add the chunks of `ids` the store lacks (those the nodes already
+        had, those that went raw and compress, those the keeper had no room for: keeper.py),
+        so that the next push to fresh nodes finds the store whole; how many. `objects`: those
+        of `ids` that are folder objects (no file to read them from again: always kept)."""
         added = 0
         folders = set(objects)
         for cid in self.store.missing(ids):
-            if cid in self.sourced or cid in self.skipped:
+            if cid in self.sourced:
                 continue
             data = read(cid)
             blob = encode(data) if compressible(data) else None
