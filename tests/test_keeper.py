@@ -37,7 +37,7 @@ def test_a_raw_link_gets_no_zstd_on_the_send_path_and_the_fill_keeps_it(tmp_path
             assert cs.store.missing(data) == list(data)  # nothing compressed or written yet
             assert cs.is_sourced(chunk.chunk_id(random[0]))
 
-            assert cs.fill(data, lambda cid: data[cid]) == 3
+            assert await cs.fill(data, lambda cid: data[cid]) == 3
             assert cs.store.missing(data) == [chunk.chunk_id(random[0])]  # its file is its form
             for d in texty:
                 blob = cs.store.get_blob(chunk.chunk_id(d))
