@@ -49,6 +49,28 @@ def test_a_raw_link_gets_no_zstd_on_the_send_path_and_the_fill_keeps_it(tmp_path
     trio.run(main)
 
 
+def test_a_fill_out_of_time_keeps_folder_objects_and_leaves_the_rest_to_the_next(tmp_path):
+    """A push's fill has a time bound (a first push of a large env need not wait for all of
+    it): past it, only folder objects (which no file can give again) are still kept; the next
+    fill keeps the rest."""
+    texty = [os.urandom(300_000).translate(HALF) for _ in range(4)]
+    data = {chunk.chunk_id(d): d for d in texty}
+    folder = chunk.chunk_id(texty[0])
+
+    async def main() -> None:
+        cs, why = await ControllerStore.open(tmp_path / "store", 1 << 30)
+        assert cs is not None, why
+        try:
+            assert await cs.fill(data, lambda cid: data[cid], [folder], seconds=0) == 1
+            assert sorted(cs.store.missing(data)) == sorted(set(data) - {folder})
+            assert await cs.fill(data, lambda cid: data[cid], [folder]) == 3
+            assert cs.store.missing(data) == []
+        finally:
+            cs.close()
+
+    trio.run(main)
+
+
 @pytest.mark.mount
 def test_one_loopback_push_leaves_the_store_whole(tmp_path, fresh_cluster):
     """A loopback push (raw) of more compressible bytes than the keeper holds at once: the

@@ -182,22 +182,28 @@ class ControllerStore:
 
     async def fill(self, ids: Iterable[bytes],
                    read: Callable[[bytes], bytes | bytearray | memoryview],
-                   objects: Iterable[bytes] = (), workers: int = FILL_WORKERS) -> int:
+                   objects: Iterable[bytes] = (), workers: int = FILL_WORKERS,
+                   seconds: float | None = None) -> int:
         """After the publish: add the chunks of `ids` the store lacks (those the nodes already
         had, those that went raw and compress, those the keeper had no room for: keeper.py),
         so that the next push to fresh nodes finds the store whole; how many. `objects`: those
         of `ids` that are folder objects (no file to read them from again: always kept). zstd
         releases the GIL: `workers` threads compress side by side (a first push of the torch
-        venv from a fresh dev box home compresses ~1 GB here)."""
+        venv from a fresh dev box home compresses ~1 GB here). After `seconds`, what is left
+        but folder objects is left to the next push's fill, so a push's command does not wait
+        for its store far longer than for its nodes."""
         todo = [cid for cid in await trio.to_thread.run_sync(self.store.missing, ids)
                 if cid not in self.sourced]
         folders = set(objects)
+        todo.sort(key=lambda cid: cid not in folders)  # what must be kept first
+        deadline = None if seconds is None else time.monotonic() + seconds
         counts: list[int] = []
         failed: list[SourceChanged | OSError] = []
 
         async def worker(part: list[bytes]) -> None:
             try:
-                counts.append(await trio.to_thread.run_sync(self._fill, part, read, folders))
+                counts.append(await trio.to_thread.run_sync(self._fill, part, read, folders,
+                                                             deadline))
             except (SourceChanged, OSError) as e:  # raised as itself, not in a group
                 failed.append(e)
                 nursery.cancel_scope.cancel()
@@ -210,9 +216,13 @@ class ControllerStore:
         return sum(counts)
 
     def _fill(self, ids: list[bytes], read: Callable[[bytes], bytes | bytearray | memoryview],
-              folders: set[bytes]) -> int:
-        """fill's part on one thread. Blocking."""
+              folders: set[bytes], deadline: float | None = None) -> int:
+        """fill's part on one thread; how many it kept. Blocking."""
+        done = 0
         for cid in ids:
+            if deadline is not None and cid not in folders and time.monotonic() > deadline:
+                break
+            done += 1
             data = read(cid)
             blob = encode(data) if compressible(data) else None
             if blob is not None and blob[0] != RAW:
@@ -221,7 +231,7 @@ class ControllerStore:
                 self.store.put_blob(cid, blob or bytes([RAW]) + data, verified=True)
             else:
                 self.add_sourced(cid)
-        return len(ids)
+        return done
 
     def heal(self, failures: dict[str, str],
              read: Callable[[bytes], bytes | bytearray | memoryview]) -> dict[str, str]:

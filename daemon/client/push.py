@@ -50,6 +50,9 @@ from .push_result import Clock, PushError, PushResult
 from .stream import Pacer, Stream
 
 Reply = TypeVar("Reply", PrepareReply, CommitReply)
+# What keep() may spend compressing into the dev box store after the publish, at least (and at
+# most as long as the push took before it): a first push of a large env does not wait for it all.
+KEEP_SECONDS = 2.0
 
 
 class _Push(PushPlan):
@@ -209,9 +212,11 @@ async def keep(store: ControllerStore, snap: Snapshot, job: _Push, name: str) ->
     fill), record the snapshot and apply the bound; the lines to report."""
     lines: list[str] = []
     try:
+        # At most as long again as the push took so far: the rest waits for the next push.
         store.added = await store.fill([*job.ids, *job.payload.objects],
                                        lambda cid: memoryview(job.payload.read(cid))[1:],
-                                       job.payload.objects)
+                                       job.payload.objects,
+                                       seconds=max(KEEP_SECONDS, time.monotonic() - job.started))
     except (SourceChanged, OSError) as e:  # published already: the next push reads it again
         lines.append(f"the dev box store misses some chunks of this push: {e}")
     return lines + await trio.to_thread.run_sync(store.finish, job.version, name,
