@@ -15,6 +15,9 @@ less than SMALL_PUSH), does not open the store when it holds this snapshot, or o
 workspace: it only records that snapshot as pushed now (ControllerStore.mark_pushed), since an
 open reads every pack's index.
 
+What a push sent raw (a loopback link) is compressed into the store after the publish, with
+whatever else it lacks (ControllerStore.fill), not beside the send (keeper.py).
+
 A chunk that does not compress is not copied into the store: its wire form is the file it was
 read from, which a later push reads either way (encoding.py). The store only records its id,
 in `sourced.ids` (SOURCED), so that it is not tried again; a push that finds the file changed
@@ -54,6 +57,7 @@ SOURCED = "sourced.ids"  # ids of chunks whose wire form is their source file, 1
 BUSY_WAIT = 2.0  # seconds a push waits for a store another push holds
 SEAL_RECORDS = 2048  # an open pack with this many records is sealed after a push (finish)
 SMALL_PUSH = 4 << 20  # a push that sends less goes without the store (mark_pushed)
+FILL_WORKERS = 2  # threads compressing what the store lacks after the publish
 
 
 @dataclass
@@ -102,8 +106,6 @@ class ControllerStore:
         self.added = 0  # chunks added after publishing (the nodes had them already)
         self.sourced = _read_ids(self.root / SOURCED)  # see the module docstring
         self._sourced_changed = False
-        # Chunks the keeper had no room for (keeper.py): left for a later push to keep.
-        self.skipped: set[bytes] = set()
         self._healed: set[bytes] = set()  # damaged copies replaced (heal): once each
 
     @classmethod
@@ -178,17 +180,49 @@ class ControllerStore:
             self.sourced.add(cid)
             self._sourced_changed = True
 
-    def fill(self, ids: Iterable[bytes],
-             read: Callable[[bytes], bytes | bytearray | memoryview],
-             objects: Iterable[bytes] = ()) -> int:
-        """Add the chunks of `ids` the store lacks (those the nodes already had) and has not
-        left to a later push (`skipped`); how many. `objects`: those of `ids` that are folder
-        objects (no file to read them from again: always kept)."""
-        added = 0
+    async def fill(self, ids: Iterable[bytes],
+                   read: Callable[[bytes], bytes | bytearray | memoryview],
+                   objects: Iterable[bytes] = (), workers: int = FILL_WORKERS,
+                   seconds: float | None = None) -> int:
+        """After the publish: add the chunks of `ids` the store lacks (those the nodes already
+        had, those that went raw and compress, those the keeper had no room for: keeper.py),
+        so that the next push to fresh nodes finds the store whole; how many. `objects`: those
+        of `ids` that are folder objects (no file to read them from again: always kept). zstd
+        releases the GIL: `workers` threads compress side by side (a first push of the torch
+        venv from a fresh dev box home compresses ~1 GB here). After `seconds`, what is left
+        but folder objects is left to the next push's fill, so a push's command does not wait
+        for its store far longer than for its nodes."""
+        todo = [cid for cid in await trio.to_thread.run_sync(self.store.missing, ids)
+                if cid not in self.sourced]
         folders = set(objects)
-        for cid in self.store.missing(ids):
-            if cid in self.sourced or cid in self.skipped:
-                continue
+        todo.sort(key=lambda cid: cid not in folders)  # what must be kept first
+        deadline = None if seconds is None else time.monotonic() + seconds
+        counts: list[int] = []
+        failed: list[SourceChanged | OSError] = []
+
+        async def worker(part: list[bytes]) -> None:
+            try:
+                counts.append(await trio.to_thread.run_sync(self._fill, part, read, folders,
+                                                             deadline))
+            except (SourceChanged, OSError) as e:  # raised as itself, not in a group
+                failed.append(e)
+                nursery.cancel_scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            for i in range(workers):
+                nursery.start_soon(worker, todo[i::workers])
+        if failed:
+            raise failed[0]
+        return sum(counts)
+
+    def _fill(self, ids: list[bytes], read: Callable[[bytes], bytes | bytearray | memoryview],
+              folders: set[bytes], deadline: float | None = None) -> int:
+        """fill's part on one thread; how many it kept. Blocking."""
+        done = 0
+        for cid in ids:
+            if deadline is not None and cid not in folders and time.monotonic() > deadline:
+                break
+            done += 1
             data = read(cid)
             blob = encode(data) if compressible(data) else None
             if blob is not None and blob[0] != RAW:
@@ -197,8 +231,7 @@ class ControllerStore:
                 self.store.put_blob(cid, blob or bytes([RAW]) + data, verified=True)
             else:
                 self.add_sourced(cid)
-            added += 1
-        return added
+        return done
 
     def heal(self, failures: dict[str, str],
              read: Callable[[bytes], bytes | bytearray | memoryview]) -> dict[str, str]:

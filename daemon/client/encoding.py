@@ -10,9 +10,11 @@ link that takes zstd. Everything else is kept off it:
   copy would be written for nothing, since a later push reads the same bytes from the file
   either way. Writing 1 GiB of such data into the store was 47% of the push process's samples
   (py-spy), and the whole chunk's zstd attempt 18%;
-- a chunk that does compress but went raw (a loopback link) is handed to the keeper
-  (keeper.py), which compresses it and keeps it in the store on threads of its own, beside the
-  send; a chunk that went zstd hands its blob over, only to be written.
+- a chunk that does compress but went raw (a loopback link) is left for after the publish
+  (ControllerStore.fill compresses what the store lacks then): zstd beside the send took a
+  quarter of a venv push's CPU (py-spy) on the cores the send and the nodes need, and the
+  keeper's budget left part of it to each of the next pushes; a chunk that went zstd hands its
+  blob to the keeper (keeper.py), only to be written.
 """
 
 from __future__ import annotations
@@ -24,9 +26,8 @@ from ...fs.snapshot import SourceChanged
 from .controller_store import ControllerStore, as_raw
 
 Batch = list[tuple[bytes, bytes | memoryview]]
-# What the keeper is handed (keeper.py): a chunk id, its blob or its bytes (raw, after one free
-# byte), and whether it is the blob already (only to be written).
-Later = list[tuple[bytes, bytes | bytearray | memoryview, bool]]
+# What the keeper is handed (keeper.py): chunk ids and their blobs, only to be written.
+Later = list[tuple[bytes, bytes | bytearray | memoryview]]
 
 
 def encoded(cids: list[bytes], *, zstd: bool, raw: bool, store: ControllerStore | None,
@@ -71,11 +72,11 @@ def encoded(cids: list[bytes], *, zstd: bool, raw: bool, store: ControllerStore 
         if store is None or sourced or store.store.has(cid) or cid in kept:
             continue
         if packed is not None:
-            later.append((cid, packed, True))
+            later.append((cid, packed))
         elif squeeze:
-            later.append((cid, buf, False))
+            continue  # compressed and kept after the publish (ControllerStore.fill)
         elif cid in objects:  # no file to read it from again: its few bytes are kept
-            later.append((cid, bytes(buf), True))
+            later.append((cid, bytes(buf)))
         else:  # raw on every link: its file is its wire form
             store.add_sourced(cid)
     return blobs, raws, later

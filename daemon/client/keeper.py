@@ -1,30 +1,28 @@
-"""The keeper: what a push keeps in the dev box store, compressed and written there beside the
+"""The keeper: the blobs a push sent zstd-compressed, written into the dev box store beside the
 send, never in front of it.
 
-A chunk that went to the nodes raw (a link faster than the codec: link_codec.py) but
-compresses is kept in the store zstd-compressed, for later pushes over slower links; a chunk
-that went zstd has its blob kept as it is. Either costs CPU the send does not need (zstd at
-~250 MiB/s a core here, a write into the page cache), so the encoders hand those chunks over
-(encoding.py) and go on reading. The keeper takes up to BUDGET bytes in hand; what finds no
-room is left out of the store for this push (`ControllerStore.skipped`, not filled after it
-either) and kept by a later one that reads it. A push waits for what the keeper has in hand
-before it records its snapshot.
+A chunk that went zstd to some link has its blob in hand; writing it (into the page cache) is
+all the store needs, and the encoders hand it over (encoding.py) and go on reading. A chunk
+that went raw everywhere and compresses is not compressed here: zstd beside the send took a
+quarter of a venv push's CPU on the cores the send and the nodes need. It is kept after the
+publish (ControllerStore.fill, with every chunk the store still lacks), once, so the next
+push to fresh nodes finds the store whole. The keeper takes up to BUDGET bytes in hand; what
+finds no room is left to that fill too. A push's send ends once the keeper has written what
+it holds.
 """
 
 from __future__ import annotations
 
 import trio
 
-from ...fs import chunk
 from .controller_store import ControllerStore
 from .encoding import Later
 
 BUDGET = 64 << 20  # bytes in hand, at most
-WORKERS = 1  # the encoders' threads and the send are busy too (2 cores here)
 
 
 class Keeper:
-    """Keeps chunks in the dev box store off the send path (see the module docstring)."""
+    """Writes blobs into the dev box store off the send path (see the module docstring)."""
 
     def __init__(self, store: ControllerStore, budget: int = BUDGET) -> None:
         self.store = store
@@ -35,36 +33,27 @@ class Keeper:
         self._send, self._receive = trio.open_memory_channel[Later](1 << 16)
 
     def offer(self, later: Later) -> None:
-        """Take what fits in the budget; the rest is left for a later push. Never waits."""
+        """Take what fits in the budget; the rest is left to the fill after the publish.
+        Never waits."""
         took: Later = []
         for item in later:
-            cid, data, _ = item
-            if cid in self.ids:
+            cid, blob = item
+            if cid in self.ids or self.in_hand + len(blob) > self.budget:
                 continue
-            if self.in_hand + len(data) > self.budget:
-                self.store.skipped.add(cid)
-                continue
-            self.in_hand += len(data)
+            self.in_hand += len(blob)
             self.ids.add(cid)
             took.append(item)
         if took:
             try:
                 self._send.send_nowait(took)
             except (trio.WouldBlock, trio.ClosedResourceError):
-                self.in_hand -= sum(len(d) for _, d, _ in took)
-                self.store.skipped.update(cid for cid, _, _ in took)
+                self.in_hand -= sum(len(b) for _, b in took)
+                self.ids.difference_update(cid for cid, _ in took)
 
     def _keep(self, items: Later) -> None:
-        """Compress (where asked) and write `items` into the store. Blocking."""
-        for cid, data, is_blob in items:
-            if is_blob:
-                self.store.add(cid, memoryview(data))
-                continue
-            blob = chunk.encode(memoryview(data)[1:])
-            if blob[0] == chunk.RAW:
-                self.store.add_sourced(cid)  # did not save enough, whole
-            else:
-                self.store.add(cid, blob)
+        """Write `items` into the store. Blocking."""
+        for cid, blob in items:
+            self.store.add(cid, memoryview(blob))
 
     async def run(self) -> None:
         """Keep what is offered until `close`; then the rest in hand."""
@@ -73,10 +62,10 @@ class Keeper:
                 try:
                     await trio.to_thread.run_sync(self._keep, items)
                     self.kept += len(items)
-                except OSError:  # a full disk on the dev box: the store misses them
-                    self.store.skipped.update(cid for cid, _, _ in items)
+                except OSError:  # a full disk on the dev box: the fill tries them again
+                    self.ids.difference_update(cid for cid, _ in items)
                 finally:
-                    self.in_hand -= sum(len(d) for _, d, _ in items)
+                    self.in_hand -= sum(len(b) for _, b in items)
 
     def close(self) -> None:
         """No more offers: `run` returns once it has kept what it holds."""

@@ -50,6 +50,9 @@ from .push_result import Clock, PushError, PushResult
 from .stream import Pacer, Stream
 
 Reply = TypeVar("Reply", PrepareReply, CommitReply)
+# What keep() may spend compressing into the dev box store after the publish, at least (and at
+# most as long as the push took before it): a first push of a large env does not wait for it all.
+KEEP_SECONDS = 2.0
 
 
 class _Push(PushPlan):
@@ -207,17 +210,20 @@ class _Push(PushPlan):
         self.complete_seconds = round(time.monotonic() - self.started, 3)
         return used
 
-def keep(store: ControllerStore, snap: Snapshot, job: _Push, name: str) -> list[str]:
-    """After publishing: add to the dev box store the chunks it lacks (those no node needed),
-    record the snapshot and apply the bound; the lines to report. Blocking."""
+async def keep(store: ControllerStore, snap: Snapshot, job: _Push, name: str) -> list[str]:
+    """After publishing: add to the dev box store the chunks it lacks (controller_store.py:
+    fill), record the snapshot and apply the bound; the lines to report."""
     lines: list[str] = []
     try:
-        store.added = store.fill([*job.ids, *job.payload.objects],
-                                 lambda cid: memoryview(job.payload.read(cid))[1:],
-                                 job.payload.objects)
+        # At most as long again as the push took so far: the rest waits for the next push.
+        store.added = await store.fill([*job.ids, *job.payload.objects],
+                                       lambda cid: memoryview(job.payload.read(cid))[1:],
+                                       job.payload.objects,
+                                       seconds=max(KEEP_SECONDS, time.monotonic() - job.started))
     except (SourceChanged, OSError) as e:  # published already: the next push reads it again
         lines.append(f"the dev box store misses some chunks of this push: {e}")
-    return lines + store.finish(job.version, name, snap.manifest.total_bytes)
+    return lines + await trio.to_thread.run_sync(store.finish, job.version, name,
+                                                 snap.manifest.total_bytes)
 
 
 async def push(
@@ -367,7 +373,7 @@ async def push(
         if not marked:
             await open_store()
         if store is not None:
-            unexposed += await trio.to_thread.run_sync(keep, store, snap, job, name)
+            unexposed += await keep(store, snap, job, name)
             clock.mark("keep")
     finally:
         await job.aclose()

@@ -101,10 +101,17 @@ class Sizes(Mapping[bytes, int]):
     def __init__(self, sources: Mapping[bytes, Source], objects: Mapping[bytes, bytes]):
         self.sources = sources
         self.objects = objects
+        # Each size once found: a push to a fresh node asks for every chunk's ~10 times (the
+        # plan, the order, the batches, the progress), through two Mappings each time.
+        self._found: dict[bytes, int] = {}
 
     def __getitem__(self, cid: bytes) -> int:
-        blob = self.objects.get(cid)
-        return len(blob) if blob is not None else self.sources[cid].length
+        size = self._found.get(cid)
+        if size is None:
+            blob = self.objects.get(cid)
+            size = self._found[cid] = (len(blob) if blob is not None
+                                       else self.sources[cid].length)
+        return size
 
     def __contains__(self, cid: object) -> bool:
         return cid in self.objects or cid in self.sources
