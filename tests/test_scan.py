@@ -217,6 +217,17 @@ async def test_excludes_match_names_and_relative_paths(tmp_path):
     assert {e.path for e in snap2.manifest if e.path.startswith(b"other")} == {b"other"}
 
 
+def change_second_chunk(snap, path, entry, data: bytes, size: int) -> None:
+    """One byte of `path`'s second chunk changed, same size: its first chunk still reads, the
+    second is refused as changed."""
+    with open(path, "r+b") as f:
+        f.seek(size + 100)
+        f.write(bytes([data[size + 100] ^ 1]))
+    assert snap.read_chunk(entry.chunks[0]) == data[:size]
+    with pytest.raises(SourceChanged):
+        snap.read_chunk(entry.chunks[1])
+
+
 async def test_read_chunk_detects_a_source_modified_after_the_scan(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
@@ -230,12 +241,7 @@ async def test_read_chunk_detects_a_source_modified_after_the_scan(tmp_path):
         assert chunk_id(snap.read_chunk(c)) == c
     assert file_bytes(snap, big) == data
 
-    with open(src / "big", "r+b") as f:  # same size, one byte changed in the second chunk
-        f.seek(SMALL + 100)
-        f.write(bytes([data[SMALL + 100] ^ 1]))
-    assert snap.read_chunk(big.chunks[0]) == data[:SMALL]
-    with pytest.raises(SourceChanged):
-        snap.read_chunk(big.chunks[1])
+    change_second_chunk(snap, src / "big", big, data, SMALL)
 
     (src / "small").write_bytes(b"01234")  # truncated
     with pytest.raises(SourceChanged):
@@ -268,12 +274,7 @@ async def test_a_large_chunk_the_scan_read_is_sent_without_a_second_hash_unless_
     assert file_bytes(snap, big) == data
     assert hashed == []
 
-    with open(tmp_path / "big", "r+b") as f:  # same size, one byte changed in the second chunk
-        f.seek(size + 100)
-        f.write(bytes([data[size + 100] ^ 1]))
-    assert snap.read_chunk(big.chunks[0]) == data[:size]
-    with pytest.raises(SourceChanged):
-        snap.read_chunk(big.chunks[1])
+    change_second_chunk(snap, tmp_path / "big", big, data, size)
     assert len(hashed) == 2
 
 
