@@ -247,18 +247,25 @@ class FileObjects:
         they are durable, and stays unrecorded (deleted at the next start). Without `spill`
         (an early prepare, which counts on nothing but the manifest: daemon/node/incomplete.py)
         those chunks stay where they are, not durable."""
-        provisional = list(self.provisional.values())  # no manifest claimed them (yet)
-        for obj in self._fill_all(fill) + provisional:
+        for obj in self._fill_all(fill) + list(self.provisional.values()):
             if spill is not None and (not obj.complete or obj.provisional):
-                for cid, off, length in obj.spans:
-                    if off in obj.written and self.index.get(cid, (None,))[0] is obj:
-                        spill(cid, os.pread(obj.fd, length, off))
+                self._spill(obj, spill)
         self.flush()
 
-    def settle(self, fill: Callable[[bytes], bytes | memoryview | None]) -> None:
+    def _spill(self, obj: FileObject, spill: Callable[[bytes, bytes], None]) -> None:
+        """Copy the chunks only `obj` holds elsewhere (`spill`): a provisional object no
+        manifest claimed (yet), or one that cannot be completed, which a publish may count on."""
+        for cid, off, length in obj.spans:
+            if off in obj.written and self.index.get(cid, (None,))[0] is obj:
+                spill(cid, os.pread(obj.fd, length, off))
+
+    def settle(self, fill: Callable[[bytes], bytes | memoryview | None],
+               spill: Callable[[bytes, bytes], None]) -> None:
         """Complete the unrecorded objects from the rest of the store (as `sync`) and write
         the `.settled` record of each complete one, unflushed: a publish counts on them before
-        `flush` makes them durable (--durable background)."""
+        `flush` makes them durable (--durable background). Provisional objects: as `sync`."""
+        for prov in list(self.provisional.values()):
+            self._spill(prov, spill)
         for obj in self._fill_all(fill):
             if obj.complete and not obj.settled:
                 tmp = self.root / (obj.key + SETTLED + _TMP)
