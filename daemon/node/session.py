@@ -194,6 +194,7 @@ class Session:
             log.debug("manifest %s: %d large files written in place", cid.hex()[:12], placed)
 
     async def _query_missing(self, ids: list[bytes]) -> None:
+        await self.writes.idle(self.nursery)  # those streamed before it are here (provisional)
         own = await self.publisher.missing(ids)
         self.rx.asked += len(ids)
         self.rx.lacking += len(own)
