@@ -276,9 +276,13 @@ async def push(
                 streaming = ScanStream(first, CHUNK_SIZE, opts.compress, opts.timeout)
 
             async def connect_and_stream() -> None:
-                await open_links(first, token, opts.encrypt, opts.timeout, local, requested)
-                if streaming is not None:
-                    await streaming.run()
+                try:
+                    await open_links(first, token, opts.encrypt, opts.timeout, local, requested)
+                    if streaming is not None:
+                        await streaming.run()
+                finally:
+                    if streaming is not None:
+                        streaming.stopped = True  # no hashing thread waits for it any more
 
             with collector_paused(freeze=opts.freeze_scan):
                 async with trio.open_nursery() as nursery:

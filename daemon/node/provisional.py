@@ -50,7 +50,8 @@ async def _stream_file(session: _Session, req: StreamFile) -> StreamFileReply:
         declare(objects, obj, req.first, req.ids, req.chunk_size)
     except ProvisionalError as e:
         raise RequestError(f"stream_file: {e}") from None
-    own = await session.publisher.missing(req.ids)
+    async with session.publisher.collection.lock:  # (publisher.missing, without its thread
+        own = service.store.missing(req.ids)        # hop: a few ids, one per chunk received)
     if not session.claimed:  # no collect between "what do you lack" and the commit
         session.claimed = True
         session.publisher.collection.claim()
