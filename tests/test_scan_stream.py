@@ -139,3 +139,25 @@ def test_a_provisional_file_never_claimed_leaves_nothing(fresh_cluster, tmp_path
     wait_for(lambda: not [n for n in files(c) if n.startswith("provisional-")], 20,
              "the unclaimed provisional file object to go")
     assert trio.run(ask) == ids
+
+
+def test_a_star_push_streams_to_every_node(fresh_cluster, tmp_path):
+    """--topology star: every node is a root, each gets the file's chunks as they are hashed
+    and writes them once; the dev box still reads the file once."""
+    c = fresh_cluster(2)
+    src = tmp_path / "ws"
+    src.mkdir()
+    big = os.urandom(32 * MiB + 5)
+    (src / "model.bin").write_bytes(big)
+    before = rchar()
+    result = push_here(c, src, topology="star")
+    read = rchar() - before
+    assert read < 1.4 * len(big), f"the push read {read} bytes for a {len(big)}-byte file"
+    assert result.bytes_sent >= 2 * len(big)
+    for i in range(2):
+        assert (c.mnt(i) / "ws" / "model.bin").read_bytes() == big
+        wait_for(lambda i=i: any(n.endswith(".ids") for n in files(c, i)), 20,
+                 f"node-{i}'s file object recorded")
+        assert not [n for n in files(c, i) if n.startswith("provisional-")]
+        used = disk(c.dir / f"node-{i}" / "state")
+        assert used <= 1.1 * len(big), f"node-{i}: {used} bytes on disk"
