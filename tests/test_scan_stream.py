@@ -161,3 +161,17 @@ def test_a_star_push_streams_to_every_node(fresh_cluster, tmp_path):
         assert not [n for n in files(c, i) if n.startswith("provisional-")]
         used = disk(c.dir / f"node-{i}" / "state")
         assert used <= 1.1 * len(big), f"node-{i}: {used} bytes on disk"
+
+
+def test_a_node_that_refuses_the_stream_gets_the_file_as_before(lone_daemon, tmp_path):
+    """--store-compressed keeps no file objects: the node refuses stream_file, and the push
+    sends the file after the manifest, as before."""
+    d = lone_daemon("--store-compressed")
+    src = tmp_path / "ws"
+    src.mkdir()
+    big = os.urandom(20 * MiB + 3)
+    (src / "model.bin").write_bytes(big)
+    result = trio.run(lambda: push(src, [d.addr], load_token(d.token_file), PushOptions()))
+    assert result.failed == {}
+    assert result.bytes_sent >= len(big)
+    assert (d.mnt / "ws" / "model.bin").read_bytes() == big
