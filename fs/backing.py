@@ -68,9 +68,11 @@ def place_files(store: Store, manifest: Manifest) -> int:
     """Tell the store where the chunks of `manifest`'s large files go, before they arrive, so
     that each is written once, into its file object; how many file objects will be written.
     (Only those of the folders it does not share with the version loaded before it: the others
-    were there.)"""
+    were there; all of them while a provisional file object waits for its manifest, which may
+    be one loaded before: fs/provisional.py.)"""
+    entries = list(manifest) if store.objects.provisional else manifest.added_entries()
     return sum(store.expect_file(key(e), e.size, e.chunks, manifest.chunk_size)
-               for e in manifest.added_entries() if wanted(e))
+               for e in entries if wanted(e))
 
 
 @dataclass

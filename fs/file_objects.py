@@ -62,6 +62,7 @@ class FileObject:
     recorded: bool = False  # complete, flushed, and its .ids record durable
     settled: bool = False  # complete, and a publish counts on it (its .settled record)
     renamed: bool = False  # complete and flushed, under its final name
+    provisional: bool = False  # no manifest names it yet (fs/provisional.py): never flushed
 
     @property
     def complete(self) -> bool:
@@ -81,6 +82,7 @@ class FileObjects:
         # Descriptors of dropped objects, closed at the next collect: a read that found the
         # object just before must not read another file that reused the number.
         self._retired: list[int] = []
+        self.provisional: dict[str, FileObject] = {}  # fs/provisional.py's, by their key
         self.problems: list[str] = []
         self.lost = 0  # chunks of settled objects a crash took (they did not verify at start)
         for p in root.glob("*" + SETTLED):
@@ -151,19 +153,29 @@ class FileObjects:
                 return False
             spans = [(cid, i * chunk_size, min(chunk_size, size - i * chunk_size))
                      for i, cid in enumerate(chunks)]
+            if self._claim(key, spans):  # its chunks arrived before the manifest
+                return True
             if all(have(cid) for cid, _, _ in spans):
                 return False
-            fd = os.open(self.root / (key + PART), os.O_RDWR | os.O_CREAT | os.O_TRUNC,
-                         PRIVATE_FILE)
-            os.fchmod(fd, 0o400)  # read-only (it is only ever written through these fds)
-            try:
-                direct = os.open(self.root / (key + PART), os.O_WRONLY | os.O_DIRECT)
-            except OSError:  # a filesystem without O_DIRECT (tmpfs): buffered writes
-                direct = -1
+            fd, direct = open_part(self.root / (key + PART))
             obj = self.objects[key] = FileObject(key, size, fd, direct, spans)
             for cid, off, length in spans:
                 self._pending.setdefault(cid, []).append((obj, off, length))
             return True
+
+    def _claim(self, key: str, spans: list[tuple[bytes, int, int]]) -> bool:
+        """A provisional object (fs/provisional.py) holding exactly `spans` becomes the file
+        object `key`: renamed, not written again. Holds self._lock."""
+        size = spans[-1][1] + spans[-1][2] if spans else -1
+        obj = next((o for o in self.provisional.values()
+                    if o.spans == spans and o.size == size), None)
+        if obj is None:
+            return False
+        os.rename(self.root / (obj.key + PART), self.root / (key + PART))
+        del self.provisional[obj.key], self.objects[obj.key]
+        obj.key, obj.provisional = key, False
+        self.objects[key] = obj
+        return True
 
     def wants(self, cid: bytes) -> bool:
         return cid in self._pending
@@ -235,17 +247,25 @@ class FileObjects:
         they are durable, and stays unrecorded (deleted at the next start). Without `spill`
         (an early prepare, which counts on nothing but the manifest: daemon/node/incomplete.py)
         those chunks stay where they are, not durable."""
-        for obj in self._fill_all(fill):
-            if not obj.complete and spill is not None:
-                for cid, off, length in obj.spans:
-                    if off in obj.written and self.index.get(cid, (None,))[0] is obj:
-                        spill(cid, os.pread(obj.fd, length, off))
+        for obj in self._fill_all(fill) + list(self.provisional.values()):
+            if spill is not None and (not obj.complete or obj.provisional):
+                self._spill(obj, spill)
         self.flush()
 
-    def settle(self, fill: Callable[[bytes], bytes | memoryview | None]) -> None:
+    def _spill(self, obj: FileObject, spill: Callable[[bytes, bytes], None]) -> None:
+        """Copy the chunks only `obj` holds elsewhere (`spill`): a provisional object no
+        manifest claimed (yet), or one that cannot be completed, which a publish may count on."""
+        for cid, off, length in obj.spans:
+            if off in obj.written and self.index.get(cid, (None,))[0] is obj:
+                spill(cid, os.pread(obj.fd, length, off))
+
+    def settle(self, fill: Callable[[bytes], bytes | memoryview | None],
+               spill: Callable[[bytes, bytes], None]) -> None:
         """Complete the unrecorded objects from the rest of the store (as `sync`) and write
         the `.settled` record of each complete one, unflushed: a publish counts on them before
-        `flush` makes them durable (--durable background)."""
+        `flush` makes them durable (--durable background). Provisional objects: as `sync`."""
+        for prov in list(self.provisional.values()):
+            self._spill(prov, spill)
         for obj in self._fill_all(fill):
             if obj.complete and not obj.settled:
                 tmp = self.root / (obj.key + SETTLED + _TMP)
@@ -255,7 +275,8 @@ class FileObjects:
 
     def flush(self) -> None:
         """Flush and record every complete, unrecorded object."""
-        done = [o for o in list(self.objects.values()) if o.complete and not o.recorded]
+        done = [o for o in list(self.objects.values())
+                if o.complete and not o.recorded and not o.provisional]
         for obj in done:
             self._flush(obj)
         self._record(done)
@@ -264,7 +285,7 @@ class FileObjects:
                   ) -> list[FileObject]:
         """Write into each unrecorded object the chunks it lacks that the store has (`fill`);
         the unrecorded objects."""
-        objs = [o for o in list(self.objects.values()) if not o.recorded]
+        objs = [o for o in list(self.objects.values()) if not o.recorded and not o.provisional]
         for obj in objs:
             for cid, off, length in obj.spans:
                 if off in obj.written:
@@ -323,6 +344,7 @@ class FileObjects:
         with self._lock:
             for obj in gone:
                 del self.objects[obj.key]
+                self.provisional.pop(obj.key, None)
                 for cid, _, _ in obj.spans:
                     places = [p for p in self._pending.get(cid, []) if p[0] is not obj]
                     if places:
@@ -370,6 +392,17 @@ class FileObjects:
         self._retired.clear()
         self.objects.clear()
         self.index.clear()
+
+
+def open_part(path: Path) -> tuple[int, int]:
+    """Create a file object's `.part` file: (descriptor, O_DIRECT descriptor or -1)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE)
+    os.fchmod(fd, 0o400)  # read-only (it is only ever written through these fds)
+    try:
+        direct = os.open(path, os.O_WRONLY | os.O_DIRECT)
+    except OSError:  # a filesystem without O_DIRECT (tmpfs): buffered writes
+        direct = -1
+    return fd, direct
 
 
 def _write(obj: FileObject, data: bytes | memoryview, off: int) -> None:

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
 
@@ -176,25 +177,55 @@ def walk_tree(root: bytes, excludes: Sequence[str], cache: ScanCache | None = No
 _Hashed = tuple[int, list[tuple[bytes, Source]], bool]
 
 
-def _hash_file(f: _File, buf: memoryview) -> _Hashed:
+class FileSink(Protocol):
+    """Where a tapped file's chunks go as they are hashed (`Tap`); called on the hashing
+    thread, and may block there (a bounded window)."""
+
+    def buffer(self, size: int) -> memoryview:
+        """A buffer of `size` bytes to read the next chunk into, handed over by `chunk`."""
+
+    def chunk(self, cid: bytes, buf: memoryview, length: int) -> None:
+        """The chunk just read into `buf` (its first `length` bytes) hashes to `cid`."""
+
+    def done(self, unchanged: bool) -> None:
+        """The file is read (`unchanged`: its stat key after the read is the walk's)."""
+
+
+# A scan's tap: given a file's path and size, a sink for its chunks, or None (not tapped).
+Tap = Callable[[bytes, int], FileSink | None]
+
+
+def _hash_file(f: _File, buf: memoryview, tap: Tap | None = None) -> _Hashed:
     """(size actually read, [(chunk id, source)], unchanged): reads to EOF, so a file that grew
     is whole; `unchanged` when the file's stat key after reading is still the walk's, so what
     was read is what the key describes (a file written meanwhile is not cached).
 
     Reads go into `buf` (one chunk long, reused): a `read(chunk_size)` per small file would
-    allocate, fault in and free a whole chunk each time."""
+    allocate, fault in and free a whole chunk each time. A file the `tap` takes is read into
+    its sink's buffers instead, each handed over once hashed (push: streaming while
+    scanning, daemon/client/scan_stream.py)."""
     out = []
     offset = 0
-    with open(f.abspath, "rb", buffering=0) as fh:
-        while True:
-            n = _fill(fh, buf)
-            if not n:
-                break
-            out.append((chunk_id(buf[:n]), Source(f.abspath, offset, n)))
-            offset += n
-            if n < len(buf):
-                break
-        unchanged = stat_key(os.fstat(fh.fileno())) == f.stat and offset == f.size
+    sink = tap(f.abspath, f.size) if tap is not None else None
+    unchanged = False
+    try:
+        with open(f.abspath, "rb", buffering=0) as fh:
+            while True:
+                into = buf if sink is None else sink.buffer(len(buf))
+                n = _fill(fh, into)
+                if not n:
+                    break
+                cid = chunk_id(into[:n])
+                out.append((cid, Source(f.abspath, offset, n)))
+                if sink is not None:
+                    sink.chunk(cid, into, n)
+                offset += n
+                if n < len(buf):
+                    break
+            unchanged = stat_key(os.fstat(fh.fileno())) == f.stat and offset == f.size
+    finally:
+        if sink is not None:
+            sink.done(unchanged)
     if unchanged and max(f.mtime_ns, f.stat[4]) < time.time_ns() - RACY_NS:
         # Not racily clean: the push may trust this key instead of hashing again (Source.key)
         out = [(c, src._replace(key=f.stat) if src.length >= TRUST_FROM else src)
@@ -225,9 +256,10 @@ def _buffer(chunk_size: int) -> memoryview:
     return buf
 
 
-def _hash_batch(batch: list[_File], chunk_size: int) -> list[_Hashed]:
+def _hash_batch(batch: list[_File], chunk_size: int, tap: Tap | None = None
+                ) -> list[_Hashed]:
     buf = _buffer(chunk_size)
-    return [_hash_file(f, buf) for f in batch]
+    return [_hash_file(f, buf, tap) for f in batch]
 
 
 def _finish(entries: list[Entry], chunk_size: int, cache: ScanCache | None,
@@ -252,13 +284,14 @@ async def scan(
     cache: ScanCache | None = None,
     validate: bool = True,
     stop: threading.Event | None = None,
+    tap: Tap | None = None,
 ) -> Snapshot:
     """Scan `root` into a Snapshot. `progress(done, total)` reports bytes hashed so far (with
     a cache: of the files it did not know). `cache` is loaded, used, and saved when it changed.
     Not `validate`: the caller validates the manifest before it pushes it (push --watch's
     check, which mostly finds the tree it has, skips that pass over every entry). `stop`: set
     from another thread, it ends the walk with ScanStopped (the watch's check gives way to an
-    edit)."""
+    edit). `tap`: files whose chunks go somewhere as they are hashed (see _hash_file)."""
     broot = os.fsencode(os.path.abspath(root))
     started = time.time_ns()  # before any stat: the reference for racily clean files
 
@@ -268,7 +301,7 @@ async def scan(
         return walk_tree(broot, tuple(excludes), cache, stop=stop)
 
     return await complete(broot, await trio.to_thread.run_sync(walk), chunk_size, progress,
-                           cache, validate=validate)
+                           cache, validate=validate, tap=tap)
 
 
 @contextmanager
@@ -293,7 +326,8 @@ async def complete(broot: bytes, walk: Walk, chunk_size: int,
                     progress: Callable[[int, int], None] | None, cache: ScanCache | None,
                     build: Callable[[list[Entry]], Manifest] | None = None,
                     validate: bool = True,
-                    read: MutableMapping[bytes, Source] | None = None) -> Snapshot:
+                    read: MutableMapping[bytes, Source] | None = None,
+                    tap: Tap | None = None) -> Snapshot:
     """Hash the files the walk could not take from the cache, and make the snapshot (`read`:
     the sources of files read before, a rescan's)."""
     entries, files = walk.entries, walk.files
@@ -321,7 +355,8 @@ async def complete(broot: bytes, walk: Walk, chunk_size: int,
     limiter = trio.CapacityLimiter(max(2, os.cpu_count() or 2))
 
     async def run(batch: list[_File]) -> None:
-        results = await trio.to_thread.run_sync(_hash_batch, batch, chunk_size, limiter=limiter)
+        results = await trio.to_thread.run_sync(_hash_batch, batch, chunk_size, tap,
+                                                limiter=limiter)
         nonlocal done
         for f, res in zip(batch, results):
             hashed[f.key] = res

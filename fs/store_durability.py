@@ -62,7 +62,7 @@ class StoreDurability:
         objects completed, they and the open pack's records kept by a cut back; `flush` makes
         them durable later, and a crash before that is found at start (fs/durable.py)."""
         with self._sync_lock:
-            self.objects.settle(self._fill)
+            self.objects.settle(self._fill, self._spill)
             with self._lock:
                 self._settled = self._size
 

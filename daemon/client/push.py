@@ -28,6 +28,7 @@ from typing import TypeVar
 
 import trio
 
+from ...fs.chunk import CHUNK_SIZE
 from ...fs.scan import collector_paused, scan
 from ...fs.scan_cache import ScanCache
 from ...fs.snapshot import Snapshot, SourceChanged
@@ -47,6 +48,7 @@ from .progress import Progress
 from .push_nodes import open_links
 from .push_options import PushOptions, source_args, workspace_name
 from .push_result import Clock, PushError, PushResult
+from .scan_stream import ScanStream
 from .stream import Pacer, Stream
 
 Reply = TypeVar("Reply", PrepareReply, CommitReply)
@@ -269,6 +271,7 @@ async def push(
     tree = topology.forest(list(hosts), opts.control_fanout) if control == "tree" else None
     links: list[NodeLink] | None = None
     store: ControllerStore | None = None
+    streaming: ScanStream | None = None  # a new large file's chunks sent as it is hashed
     try:
         if snapshot is None:
             progress.phase("scanning", 0, "entries")
@@ -277,14 +280,29 @@ async def push(
                 links = [NodeLink(h) for h in hosts]
                 roots = {r["addr"] for r in tree} if tree is not None else set(hosts)
                 first = [link for link in links if link.addr in roots]
+            if sessions is None and tree is None and not early and not opts.bwlimit and (
+                    opts.topology == "star" or len(hosts) == 1):  # every node is a root
+                streaming = ScanStream(first, CHUNK_SIZE, opts.compress, opts.timeout)
+
+            async def connect_and_stream() -> None:
+                try:
+                    await open_links(first, token, opts.encrypt, opts.timeout, local, requested)
+                    if streaming is not None:
+                        await streaming.run()
+                finally:
+                    if streaming is not None:
+                        streaming.stopped = True  # no hashing thread waits for it any more
+
             with collector_paused(freeze=opts.freeze_scan):
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(open_links, first, token, opts.encrypt, opts.timeout, local,
-                                       requested)
+                    nursery.start_soon(connect_and_stream)
                     snapshot = await scan(src, opts.excludes, progress=lambda done, total: (
                         progress.phase("hashing", total) if done == 0 else
                         progress.update(done)),
-                        cache=ScanCache.for_folder(opts.cache_dir, src) if opts.cache_dir else None)
+                        cache=ScanCache.for_folder(opts.cache_dir, src) if opts.cache_dir else None,
+                        tap=streaming)
+                    if streaming is not None:
+                        await streaming.finish()
     except BaseException:  # the push failed before it began: close what it connected
         with trio.CancelScope(shield=True):
             for link in links or ():
@@ -294,6 +312,9 @@ async def push(
     clock.mark("scan")
     job = _Push(snap, hosts, token, progress, opts, local, requested, sessions, tree, links)
     job.started = t0
+    if streaming is not None:
+        job.links.update(streaming.choices)
+        job.chunks_sent, job.bytes_sent = streaming.chunks_sent, streaming.bytes_sent
     usable = on_usable or (lambda seconds, nodes: None)
     store_root = Path(opts.store_dir) if opts.store_dir is not None else None
     store_opened = marked = False
@@ -373,6 +394,8 @@ async def push(
         if not marked:
             await open_store()
         if store is not None:
+            if streaming is not None:
+                streaming.keep(store)
             unexposed += await keep(store, snap, job, name)
             clock.mark("keep")
     finally:

@@ -55,7 +55,7 @@ from ..wire.requests import (
 )
 from ..wire.telemetry_calls import Query, QueryReply, Stats, StatsReply
 from ..wire.transport import Channel, ConnectionLost
-from . import chunk_read
+from . import chunk_read, provisional
 from .fetch import Upstream
 from .logs import read as read_logs
 from .process_routes import ROUTES as PROCESS_ROUTES
@@ -105,6 +105,7 @@ class Session:
         self.asker: Identity | None = None
         self.events = service.events
         self.rx = PushReceived()  # what this session received since its last flush
+        self.streamed: dict = {}  # provisional file objects it opened (provisional.py)
 
     @classmethod
     async def serve(cls, service: NodeService, chan: Channel) -> None:
@@ -149,6 +150,7 @@ class Session:
         if self.bulk_rx is not None:
             await self.bulk_rx.aclose()
         await self.procs.kill_owned_by(self.chan)  # the controller went away
+        await provisional.close(self)
         if self.writes.store_failed:  # and did not flush: its writes may still run
             await self.writes.idle(self.nursery)
             await self._cut_back_after_failure()
@@ -192,6 +194,7 @@ class Session:
             log.debug("manifest %s: %d large files written in place", cid.hex()[:12], placed)
 
     async def _query_missing(self, ids: list[bytes]) -> None:
+        await self.writes.idle(self.nursery)  # those streamed before it are here (provisional)
         own = await self.publisher.missing(ids)
         self.rx.asked += len(ids)
         self.rx.lacking += len(own)
@@ -439,6 +442,7 @@ _HANDLERS: list[tuple[Routed, Handler]] = [
     *STACK_ROUTES,  # stacks.py's ops
     (Logs, Session._logs),
     (ReadChunks, Session._read_chunks),
+    *provisional.ROUTES,  # provisional.py's stream_file
 ]
 # The one dispatch table: every op a node answers, its request class and its handler.
 ROUTES: dict[str, tuple[Routed, Handler]] = {

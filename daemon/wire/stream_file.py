@@ -1,0 +1,72 @@
+"""The `stream_file` request and its reply: a window of a new large file's chunk ids, sent by
+a push whose scan streams the file's chunks to the node as it hashes them (before the
+manifest: daemon/client/scan_stream.py). The node opens a provisional file object for `file`
+on its first window (fs/provisional.py), learns where each id goes, and answers which of them
+it lacks: the push sends those, and only those."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from .replies import MalformedReply
+from .requests import RequestError, from_hex
+
+MAX_IDS = 1024  # chunk ids one window declares
+
+
+def _int(args: dict, key: str) -> int:
+    value = args.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise RequestError(f"stream_file: {key} must be a count, not {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class StreamFile:
+    """Chunks `first`.. of the session's streamed file number `file` (of `size` bytes, in
+    chunks of `chunk_size`) are `ids`."""
+
+    op: ClassVar[str] = "stream_file"
+    after_chunks: ClassVar[bool] = False
+    file: int
+    size: int
+    chunk_size: int
+    first: int
+    ids: list[bytes]
+
+    @classmethod
+    def parse(cls, args: dict) -> StreamFile:
+        ids = args.get("ids")
+        if not isinstance(ids, list) or not 0 < len(ids) <= MAX_IDS:
+            raise RequestError(f"stream_file: ids must be a list of 1 to {MAX_IDS}")
+        parsed = [from_hex(i) for i in ids]
+        if not all(p is not None and len(p) == 16 for p in parsed):
+            raise RequestError("stream_file: every id must be 16 bytes of hex")
+        return cls(_int(args, "file"), _int(args, "size"), _int(args, "chunk_size"),
+                   _int(args, "first"), [p for p in parsed if p is not None])
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"file": self.file, "size": self.size, "chunk_size": self.chunk_size,
+                "first": self.first, "ids": [i.hex() for i in self.ids]}
+
+
+@dataclass(frozen=True)
+class StreamFileReply:
+    """The ids of the window the node lacks, in the window's order."""
+
+    op: ClassVar[str] = "stream_file"
+    missing: list[bytes]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"missing": [i.hex() for i in self.missing]}
+
+    @classmethod
+    def from_wire(cls, value: Mapping[str, Any]) -> StreamFileReply:
+        got = value.get("missing") if isinstance(value, Mapping) else None
+        parsed = [from_hex(i) for i in got] if isinstance(got, list) else [None]
+        if not all(p is not None and len(p) == 16 for p in parsed):
+            raise MalformedReply("malformed stream_file reply: 'missing' must be a list of "
+                                 "16-byte hex ids")
+        return cls([p for p in parsed if p is not None])

@@ -1,0 +1,177 @@
+"""Streaming while scanning (issue 34): a new large file's chunks go to the node as the scan
+hashes them, into a provisional file object the manifest claims (fs/provisional.py,
+daemon/client/scan_stream.py). Real daemons, real mounts, real sockets."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import trio
+
+from helpers import wait_for
+from monarch_fs.daemon.client.push import push
+from monarch_fs.daemon.client.push_options import PushOptions
+from monarch_fs.daemon.wire import bulk
+from monarch_fs.daemon.wire.auth import load_token
+from monarch_fs.daemon.wire.stream_file import StreamFile, StreamFileReply
+from monarch_fs.daemon.wire.transport import connect
+from monarch_fs.fs.chunk import CHUNK_SIZE, RAW, chunk_id
+
+pytestmark = [pytest.mark.mount]
+
+MiB = 1 << 20
+
+
+def files(c, i: int = 0) -> list[str]:
+    return sorted(os.listdir(c.dir / f"node-{i}" / "state" / "store" / "files"))
+
+
+def disk(folder: Path) -> int:
+    return sum(os.lstat(os.path.join(d, n)).st_blocks * 512
+               for d, _, names in os.walk(folder) for n in names)
+
+
+def rchar() -> int:
+    """Bytes this process has read through read-like calls (page cache included)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+def push_here(c, src: Path, **opts):
+    return trio.run(lambda: push(src, c.hosts, load_token(c.token_file), PushOptions(**opts)))
+
+
+def test_a_new_large_file_is_read_once_and_written_once(fresh_cluster, tmp_path):
+    """The dev box reads the file once (its chunks leave as the scan hashes them, before the
+    manifest), and the node writes it once, into the file object the manifest names."""
+    c = fresh_cluster(1)
+    src = tmp_path / "ws"
+    src.mkdir()
+    big = os.urandom(48 * MiB + 12345)
+    (src / "model.bin").write_bytes(big)
+    (src / "small.py").write_text("x = 1\n")
+    before = rchar()
+    result = push_here(c, src, store_dir=tmp_path / "store")
+    read = rchar() - before
+    assert read < 1.4 * len(big), f"the push read {read} bytes for a {len(big)}-byte file"
+    assert result.bytes_sent >= len(big)
+    assert (c.mnt(0) / "ws" / "model.bin").read_bytes() == big
+    state = c.dir / "node-0" / "state"
+    wait_for(lambda: any(n.endswith(".ids") for n in files(c)), 20, "the file object recorded")
+    assert not [n for n in files(c) if n.startswith("provisional-")]
+    assert disk(state) <= 1.1 * len(big), f"{disk(state)} bytes on the node's disk"
+
+
+def test_a_node_is_not_sent_the_chunks_it_has(fresh_cluster, tmp_path):
+    c = fresh_cluster(1)
+    src = tmp_path / "ws"
+    src.mkdir()
+    head = os.urandom(6 * CHUNK_SIZE)
+    (src / "a.bin").write_bytes(head)
+    push_here(c, src)
+    tail = os.urandom(2 * CHUNK_SIZE + 777)
+    (src / "b.bin").write_bytes(head + tail)  # a new file: its first 6 chunks are a.bin's
+    result = push_here(c, src)
+    assert result.bytes_sent < len(tail) + 1 * MiB, (
+        f"{result.bytes_sent} bytes sent for {len(tail)} new bytes")
+    assert (c.mnt(0) / "ws" / "b.bin").read_bytes() == head + tail
+
+
+def test_a_file_changed_during_the_scan_fails_the_push(fresh_cluster, tmp_path):
+    c = fresh_cluster(1)
+    src = tmp_path / "ws"
+    src.mkdir()
+    old = os.urandom(40 * MiB)
+    (src / "data.bin").write_bytes(old)
+    push_here(c, src)
+    (src / "data.bin").write_bytes(os.urandom(40 * MiB))
+    stop = threading.Event()
+
+    def scribble() -> None:
+        with open(src / "data.bin", "r+b") as f:
+            while not stop.is_set():
+                f.seek(20 * MiB)
+                f.write(os.urandom(4096))
+                f.flush()
+
+    writer = threading.Thread(target=scribble)
+    writer.start()
+    try:
+        out = c.push(src, check=False)
+    finally:
+        stop.set()
+        writer.join()
+    assert out.returncode != 0
+    assert "changed" in out.stderr, out.stderr
+    assert (c.mnt(0) / "ws" / "data.bin").read_bytes() == old
+    wait_for(lambda: not [n for n in files(c) if n.startswith("provisional-")], 20,
+             "the provisional file object to go")
+
+
+def test_a_provisional_file_never_claimed_leaves_nothing(fresh_cluster, tmp_path):
+    c = fresh_cluster(1)
+    data = [os.urandom(CHUNK_SIZE), os.urandom(CHUNK_SIZE // 2)]
+    ids = [chunk_id(d) for d in data]
+    token = load_token(c.token_file)
+
+    async def stream_and_go() -> None:
+        chan = await connect(c.hosts[0], token, encrypt="auto", timeout=10)
+        req = StreamFile(1, sum(map(len, data)), CHUNK_SIZE, 0, ids)
+        reply = StreamFileReply.from_wire(await chan.request(req.op, **req.to_wire()))
+        assert reply.missing == ids
+        await chan.send_many(bulk.frames_for([(i, bytes([RAW]) + d) for i, d in zip(ids, data)]))
+        await chan.request("flush")  # answered once they are written
+        assert await chan.query_missing(ids) == []  # written, in the provisional object
+        assert [n for n in files(c) if n.startswith("provisional-")]
+        await chan.aclose()
+
+    async def ask() -> list[bytes]:
+        chan = await connect(c.hosts[0], token, encrypt="auto", timeout=10)
+        try:
+            return await chan.query_missing(ids)
+        finally:
+            await chan.aclose()
+
+    trio.run(stream_and_go)
+    wait_for(lambda: not [n for n in files(c) if n.startswith("provisional-")], 20,
+             "the unclaimed provisional file object to go")
+    assert trio.run(ask) == ids
+
+
+def test_a_star_push_streams_to_every_node(fresh_cluster, tmp_path):
+    """--topology star: every node is a root, each gets the file's chunks as they are hashed
+    and writes them once; the dev box still reads the file once."""
+    c = fresh_cluster(2)
+    src = tmp_path / "ws"
+    src.mkdir()
+    big = os.urandom(32 * MiB + 5)
+    (src / "model.bin").write_bytes(big)
+    before = rchar()
+    result = push_here(c, src, topology="star")
+    read = rchar() - before
+    assert read < 1.4 * len(big), f"the push read {read} bytes for a {len(big)}-byte file"
+    assert result.bytes_sent >= 2 * len(big)
+    for i in range(2):
+        assert (c.mnt(i) / "ws" / "model.bin").read_bytes() == big
+        wait_for(lambda i=i: any(n.endswith(".ids") for n in files(c, i)), 20,
+                 f"node-{i}'s file object recorded")
+        assert not [n for n in files(c, i) if n.startswith("provisional-")]
+        used = disk(c.dir / f"node-{i}" / "state")
+        assert used <= 1.1 * len(big), f"node-{i}: {used} bytes on disk"
+
+
+def test_a_node_that_refuses_the_stream_gets_the_file_as_before(lone_daemon, tmp_path):
+    """--store-compressed keeps no file objects: the node refuses stream_file, and the push
+    sends the file after the manifest, as before."""
+    d = lone_daemon("--store-compressed")
+    src = tmp_path / "ws"
+    src.mkdir()
+    big = os.urandom(20 * MiB + 3)
+    (src / "model.bin").write_bytes(big)
+    result = trio.run(lambda: push(src, [d.addr], load_token(d.token_file), PushOptions()))
+    assert result.failed == {}
+    assert result.bytes_sent >= len(big)
+    assert (d.mnt / "ws" / "model.bin").read_bytes() == big
