@@ -145,9 +145,11 @@ class Runtime:
         await self.post(wire.encode(header))
 
     def post_from_thread(self, msg: p.Data, reply_to: Reply) -> None:
-        """An actor thread's answer: written on the owner's link from that thread when
-        nothing is queued ahead of it (outbox.py), else handed to the loop."""
-        if reply_to == self.post and self.outbox.send_now(msg):
+        """An actor thread's answer: written on its caller's link (the owner's, or a direct
+        caller's) from that thread when nothing is queued ahead of it, else via the loop."""
+        now = self.outbox.send_now if reply_to == self.post else getattr(
+            reply_to, "send_now", None)  # a direct caller's (peer_service.PeerReply)
+        if now is not None and now(msg):
             return
         try:
             trio.from_thread.run(reply_to, msg, trio_token=self.trio_token)
