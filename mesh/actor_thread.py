@@ -1,19 +1,20 @@
 """An actor's own thread for its sync endpoints, with a fast hand-back for short calls.
 
 Why: a sync endpoint runs on its actor's thread, so it may block, keep per-thread state (the
-CUDA device) and use the synchronous mesh API. Handing each call there and its answer back
-through trio's wakeup socket cost a proc a quarter of its CPU per call (py-spy on `call()` to
-4 actors: the wakeup write, the loop's epoll round and drain), which made `call()` on all
-slower than Monarch's. Most endpoints are short, so the runtime's loop first waits for the
-answer on a lock for up to GRACE seconds (one futex wake each way, no wakeup socket); only a
-call still running then is awaited as before, and the loop goes on meanwhile. Nothing the
-endpoint does can deadlock on that wait: the loop is back within GRACE whatever it does.
+CUDA device) and use the synchronous mesh API. A call's own path does not come back at all:
+it is `submit`ted, and the thread answers its caller itself (actor_slot.py). What the loop
+must wait for (a constructor, `__supervise__`, `__cleanup__`, the calls queued before an async
+endpoint) goes through `run`: the loop first waits for the answer on a lock for up to GRACE
+seconds (one futex wake each way, no trip through trio's wakeup socket); only a call still
+running then is awaited through trio, and the loop goes on meanwhile. Nothing the function
+does can deadlock on that wait: the loop is back within GRACE whatever it does.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import traceback
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -39,7 +40,7 @@ class _Job(Generic[T]):
         self.detached = False  # the loop stopped waiting on `ready`: wake it through trio
         self.done = trio.Event()
 
-    def run(self) -> None:
+    def __call__(self) -> None:
         self.result = outcome.capture(self.fn)
         with self.mutex:
             self.finished = True
@@ -67,19 +68,32 @@ class ActorThread:
     def __init__(self, name: str, grace: float = GRACE) -> None:
         self.name = name
         self.grace = grace
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._running = False
 
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
-            job.run()
+            try:
+                job()
+            except BaseException:  # a submitted job reports its own errors; this is a bug
+                traceback.print_exc()
             del job  # its arguments and result (tensors on a message's buffer) are not held
 
-    async def run(self, fn: Callable[[], T]) -> T:
-        """`fn()` on the thread. Cancelling stops the wait, not the call."""
+    def _start(self) -> None:
         if not self._running:
             trio.lowlevel.start_thread_soon(self._serve, lambda _: None, name=self.name)
             self._running = True
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        """Queue `fn()` after the calls already queued, without waiting for it: it answers
+        its caller itself (actor_slot.py)."""
+        self._start()
+        self._jobs.put(fn)
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """`fn()` on the thread, after the calls already queued. Cancelling stops the wait,
+        not the call."""
+        self._start()
         job: _Job[T] = _Job(fn, trio.lowlevel.current_trio_token())
         self._jobs.put(job)
         if not job.ready.acquire(timeout=self.grace) and job.detach():

@@ -28,6 +28,7 @@ from . import wire
 from .calls import CallTarget, MeshRef
 from .errors import Failure, MeshError, SpawnError, SupervisionError
 from .hosts import HostInfo, Launcher
+from .link_writer import LinkWriter
 from .log_output import LogControl
 from .shape import HOSTS
 
@@ -68,6 +69,7 @@ class Proc:
     proc_id: int | None = None
     pid: int | None = None
     chan: Channel | None = None
+    link: LinkWriter | None = None  # how messages go onto chan (link_writer.py)
     peer: str = ""  # where it listens for direct calls (mesh_ref.py)
     exit: dict | None = None  # the daemon's exit report
     failure: Failure | None = None
@@ -91,8 +93,12 @@ class Proc:
         return self.chan is not None
 
     def post(self, msg: p.Data) -> None:
+        """Send `msg` now if nothing is queued ahead of it, else queue it for the writer."""
         try:
-            self.outbox.send_nowait(msg)
+            if self.link is not None:
+                self.link.post(msg)
+            else:
+                self.outbox.send_nowait(msg)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the proc is gone; its failure is reported elsewhere
 

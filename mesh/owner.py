@@ -16,10 +16,11 @@ import trio
 
 from ..daemon.wire import protocol as p
 from ..daemon.wire.limits import Limits, serve_listeners
-from ..daemon.wire.transport import Channel, ConnectionLost, accept
+from ..daemon.wire.transport import Channel, accept
 from . import wire
 from .calls import settle_answer
 from .errors import Failure, MeshError
+from .link_writer import LinkWriter
 from .mesh_state import MeshState, Proc, log
 
 MESH_MAX_FRAME = 2 * wire.PIECE  # a larger message goes as pieces (wire.send)
@@ -85,16 +86,18 @@ class OwnerService:
         if h.get("op") != "hello" or proc.chan is not None or h.get("pid") != proc.pid:
             return None
         proc.chan = chan
+        proc.link = LinkWriter(chan, proc.outbox.send_nowait)
+        proc.link.pending = proc.outbox.statistics().current_buffer_used  # posted before
         proc.peer = str(h.get("peer") or "")
         self.state.wake()
         return proc
 
     async def _writer(self, proc: Proc, chan: Channel) -> None:
-        try:
-            async for msg in proc.outbox_receive:
-                await wire.send(chan, msg)
-        except (ConnectionLost, trio.ClosedResourceError, trio.BrokenResourceError):
-            pass
+        """Write what proc.post queued (it writes a small message itself when nothing is)."""
+        link = proc.link
+        assert link is not None
+        async for msg in proc.outbox_receive:
+            await link.write(msg)
 
     async def _reader(self, proc: Proc, chan: Channel) -> None:
         async for h, msg in wire.messages(chan):

@@ -1,6 +1,8 @@
 """A proc's listener for direct calls: actors elsewhere that hold a reference to an actor mesh
 (mesh_ref.py) connect here, authenticate with the mesh's peer token, and send calls, which go
-into the actors' mailboxes like the owner's; the answers go back on the same connection."""
+into the actors' mailboxes like the owner's; the answers go back on the same connection, written
+at once by whoever has them (an actor's thread, too) when nothing is queued ahead
+(link_writer.py)."""
 
 from __future__ import annotations
 
@@ -15,11 +17,29 @@ from ..daemon.wire.addresses import format_addr
 from ..daemon.wire.limits import Limits, serve_listeners
 from ..daemon.wire.transport import accept
 from . import wire
+from .link_writer import LinkWriter
 from .owner import HELLO_TIMEOUT, MESH_MAX_FRAME
 from .tensor_buffer import read_reply
 
 log = logging.getLogger("monarch_fs.mesh")
 Deliver = Callable[[dict, p.Data, Callable[[p.Data], Awaitable[None]]], Awaitable[None]]
+
+
+class PeerReply:
+    """Where an actor's answer to a direct caller goes: from the loop (`await reply(msg)`) or
+    from the actor's thread (`send_now`, False if something is queued ahead of it)."""
+
+    def __init__(self, link: LinkWriter) -> None:
+        self.link = link
+
+    async def __call__(self, msg: p.Data) -> None:
+        try:
+            self.link.post(msg)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    def send_now(self, msg: p.Data) -> bool:
+        return self.link.send_now(msg, wait=True)
 
 
 async def serve_peers(token: bytes, host: str, info: dict, deliver: Deliver,
@@ -34,16 +54,16 @@ async def serve_peers(token: bytes, host: str, info: dict, deliver: Deliver,
         except Exception:
             return  # not a holder of the peer token, or broken
         chan.conn.max_frame = MESH_MAX_FRAME
-        out, out_receive = trio.open_memory_channel[p.Data](math.inf)
+        out, out_receive = trio.open_memory_channel[p.Data | None](math.inf)
+        link = LinkWriter(chan, out.send_nowait)
+        reply = PeerReply(link)
 
-        async def reply(msg: p.Data) -> None:
-            try:
-                out.send_nowait(msg)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
+        async def writer() -> None:
+            async for msg in out_receive:
+                await link.write(msg)
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(wire.forward, chan, out_receive)
+            nursery.start_soon(writer)
             async for h, msg in wire.messages(chan):
                 if h["op"] == "call":  # direct callers call; spawning and stopping are the owner's
                     await deliver(h, msg, reply)

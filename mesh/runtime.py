@@ -6,8 +6,8 @@ and processes it starts inherit neither the token nor the pipe), says hello with
 pid, and then serves: constructs actors, runs their endpoints, and answers. Each actor handles
 its messages one at a time, in order: async endpoints on the proc's asyncio loop
 (asyncio_loop.py), sync ones on the actor's own thread (so they may block, keep per-thread
-state such as the CUDA device between calls, and use the synchronous mesh API themselves; a
-short one's answer comes back without a trip through trio's wakeup socket: actor_thread.py).
+state such as the CUDA device between calls, and use the synchronous mesh API themselves),
+which answers the caller itself (actor_slot.py).
 
 An actor may spawn meshes of its own through `self.hosts`. The owner holds the daemon
 connections, so the launch requests and the procs' events travel through it (see
@@ -21,17 +21,11 @@ outlives the controller that started it (and the daemon kills it in that case an
 from __future__ import annotations
 
 import base64
-import importlib
-import importlib.util
-import inspect
 import json
 import logging
-import math
 import os
 import sys
-import traceback
-from collections.abc import Awaitable, Callable
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -41,11 +35,10 @@ from ..daemon.wire import protocol as p
 from ..daemon.wire.calls import Call, Calls
 from ..daemon.wire.transport import Channel, ConnectError, connect
 from . import wire
-from .actor_mesh import is_endpoint
-from .actor_thread import ActorThread
+from .actor_slot import Reply, Slot
 from .asyncio_loop import AsyncioLoop
 from .calls import error_message
-from .context import actor_scope, enter_proc
+from .context import enter_proc
 from .errors import Failure, MeshError, SpawnError
 from .hosts import HostInfo, Launcher, OnEvent
 from .mesh_ref import use_loop
@@ -56,172 +49,8 @@ from .peer_service import serve_peers
 from .shape import Shaped
 from .tensor_buffer import serve_here
 
-Reply = Callable[[p.Data], Awaitable[None]]  # where an actor's answer goes
 EXIT_OWNER_GONE = 3
 CLEANUP_GRACE = 3.0  # seconds the actors' __cleanup__ get when their proc is stopped
-
-_INTERNAL = (str(Path(trio.__file__).parent), str(Path(inspect.__file__).parent / "asyncio"),
-             __file__, str(Path(__file__).parent / "asyncio_loop.py"))
-
-
-def _user_traceback(e: BaseException) -> str:
-    """The traceback of an endpoint's exception without the runtime's and trio's frames."""
-    te = traceback.TracebackException.from_exception(e)
-    te.stack = traceback.StackSummary.from_list(
-        [f for f in te.stack if not f.filename.startswith(_INTERNAL)
-         and "/outcome/" not in f.filename])
-    return "".join(te.format())
-
-
-def _import_main(path: str) -> Any:
-    """The controller's script as module __mp_main__ (its `if __name__ == "__main__":` block
-    does not run), also registered as __main__ so pickles that name __main__ find it."""
-    mod = sys.modules.get("__mp_main__")
-    if mod is None:
-        spec = importlib.util.spec_from_file_location("__mp_main__", path)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"cannot load the controller's script {path}")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["__mp_main__"] = mod
-        sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
-        try:
-            spec.loader.exec_module(mod)
-        except BaseException:
-            del sys.modules["__mp_main__"]
-            raise
-    sys.modules["__main__"] = mod
-    return mod
-
-
-def resolve_class(module: str, qualname: str, main: str | None) -> type:
-    mod = _import_main(main) if module == "__main__" and main else importlib.import_module(module)
-    obj: Any = mod
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    if not isinstance(obj, type):
-        raise TypeError(f"{module}:{qualname} is not a class")
-    return obj
-
-
-class _Slot:
-    """One actor in this proc and its mailbox."""
-
-    def __init__(self, runtime: Runtime, name: str) -> None:
-        self.runtime = runtime
-        self.name = name
-        self.instance: Any = None
-        self.thread = ActorThread(f"actor {name}")
-        # Unbounded on purpose: the runtime's one reader feeds every mailbox and also delivers
-        # the owner's replies, which an actor may be waiting on (a mesh it spawns launches
-        # through the owner). A reader blocked on a full mailbox would never deliver the reply
-        # that lets that mailbox drain. The failures of the actor's own meshes also arrive here,
-        # from a supervisor callback that cannot await. What bounds the queue is the caller:
-        # every call waits for its reply, except broadcasts, which are fire-and-forget by design.
-        self.mailbox, self._inbox = trio.open_memory_channel[tuple[dict, Any, Reply]](math.inf)
-        self.finished = trio.Event()
-
-    async def run(self) -> None:
-        try:
-            async for h, payload, reply in self._inbox:
-                op = h["op"]
-                if op == "spawn":
-                    await self._answer(h, reply, "__init__", self._construct, h, payload)
-                elif op == "call":
-                    await self._answer(h, reply, h.get("method", "?"), self._call, h, payload)
-                elif op == "supervise":
-                    await self._supervise(payload)
-                elif op == "stop_actor":  # after every message it already had
-                    await self._answer(h, reply, "__cleanup__", self._cleanup)
-                    self.runtime.actors.pop(self.name, None)
-                    break
-                del payload  # its buffer may take the next large message (message_buffers.py)
-        finally:
-            self.finished.set()
-
-    async def _cleanup(self) -> None:
-        """Run the actor's `__cleanup__`, if it has one (and was constructed)."""
-        cleanup = getattr(self.instance, "__cleanup__", None)
-        self.instance = None
-        if cleanup is not None:
-            await self._run(cleanup, (), {})
-
-    async def _answer(self, h: dict, reply_to: Reply, method: str, fn: Any,
-                      *args: Any) -> None:
-        """Run fn and answer the caller through `reply_to` (the owner's connection, or the
-        direct connection of the proc that called)."""
-        cid = h.get("call")
-        try:
-            value = await fn(*args)
-            reply = wire.encode({"op": "result", "call": cid}, value, has_body=True)
-        except Exception as e:
-            if cid is None:  # a broadcast has no caller to tell: the failure goes up instead
-                await self.runtime.send({"op": "failure", "actor": self.name, "description":
-                                   f"{self.name}.{method} (broadcast) raised on rank "
-                                   f"{self.runtime.rank}: {type(e).__qualname__}: {e}\n"
-                                   f"{_user_traceback(e)}"})
-                return
-            await reply_to(error_message(cid, self.name, method, type(e).__qualname__, str(e),
-                                         _user_traceback(e)))
-            return
-        if cid is not None:
-            await reply_to(reply)
-
-    async def _construct(self, h: dict, payload: p.Data) -> None:
-        cls = resolve_class(h["module"], h["qualname"], h.get("main"))
-        args, kwargs = wire.body(payload)
-        rt = self.runtime
-        obj = object.__new__(cls) if cls.__new__ is object.__new__ else cls.__new__(
-            cls, *args, **kwargs)
-        for attr, value in (("rank", rt.rank), ("world_size", rt.world_size),
-                            ("local_rank", rt.local_rank), ("host", rt.hosts[rt.host]),
-                            ("name", self.name), ("_mesh_hosts", rt.host_mesh_for(self))):
-            setattr(obj, attr, value)
-        self.instance = obj  # context() names it while its __init__ runs
-        try:
-            await self._run(obj.__init__, args, kwargs)
-        except BaseException:
-            self.instance = None
-            raise
-
-    async def _call(self, h: dict, payload: p.Data) -> Any:
-        method = h.get("method", "")
-        if self.instance is None:
-            raise MeshError(f"actor {self.name!r} was not constructed on this proc")
-        if not is_endpoint(getattr(type(self.instance), method, None)):
-            raise AttributeError(f"{type(self.instance).__qualname__}.{method} is not an "
-                                 "@endpoint")
-        args, kwargs = wire.body(payload)
-        return await self._run(getattr(self.instance, method), args, kwargs)
-
-    async def _supervise(self, failure: Failure) -> None:
-        handler = getattr(self.instance, "__supervise__", None)
-        note = ""
-        handled = False
-        if handler is not None:
-            try:
-                handled = bool(await self._run(handler, (failure,), {}))
-            except Exception as e:
-                note = f" (its __supervise__ raised {type(e).__qualname__}: {e})"
-        if not handled:
-            await self.runtime.send({"op": "failure", "actor": self.name,
-                               "description": failure.describe() + note})
-
-    async def _run(self, fn: Any, args: tuple, kwargs: dict) -> Any:
-        """Await an async callable here; run a sync one on the actor's own thread, where it
-        may block (and may use the synchronous mesh API)."""
-        actor = self.instance
-        if inspect.iscoroutinefunction(fn):
-            async def on_asyncio() -> Any:
-                with actor_scope(actor):
-                    return await fn(*args, **kwargs)
-
-            return await self.runtime.aio.run(on_asyncio)
-
-        def in_scope() -> Any:
-            with actor_scope(actor):
-                return fn(*args, **kwargs)
-
-        return await self.thread.run(in_scope)
 
 
 class OwnerLauncher(Launcher):
@@ -295,7 +124,7 @@ class Runtime:
         self.local_host = "127.0.0.1"
         defaults = env.get("MONARCH_MESH_DEFAULTS")
         self.defaults = json.loads(base64.b64decode(defaults)) if defaults else {}
-        self.actors: dict[str, _Slot] = {}
+        self.actors: dict[str, Slot] = {}
         self.aio = AsyncioLoop()  # where async endpoints run
         self.host_meshes: list[Any] = []
         self.launcher = OwnerLauncher(self, self.hosts)
@@ -304,6 +133,7 @@ class Runtime:
         # here too without a deadlock.
         self.outbox = Outbox()
         self.nursery: trio.Nursery | None = None
+        self.trio_token: trio.lowlevel.TrioToken | None = None  # the loop's, once it runs
         self.stopping = False
         self.exit_code = EXIT_OWNER_GONE
 
@@ -314,7 +144,19 @@ class Runtime:
     async def send(self, header: dict) -> None:
         await self.post(wire.encode(header))
 
-    def host_mesh_for(self, slot: _Slot) -> Callable[[], Any]:
+    def post_from_thread(self, msg: p.Data, reply_to: Reply) -> None:
+        """An actor thread's answer: written on its caller's link (the owner's, or a direct
+        caller's) from that thread when nothing is queued ahead of it, else via the loop."""
+        now = self.outbox.send_now if reply_to == self.post else getattr(
+            reply_to, "send_now", None)  # a direct caller's (peer_service.PeerReply)
+        if now is not None and now(msg):
+            return
+        try:
+            trio.from_thread.run(reply_to, msg, trio_token=self.trio_token)
+        except trio.RunFinishedError:
+            pass  # the proc is exiting: its owner is gone or told it to stop
+
+    def host_mesh_for(self, slot: Slot) -> Callable[[], Any]:
         """A getter of the hosts as one actor sees them (meshes it spawns report failures to
         it), made on first use, from any thread: most actors spawn nothing, and host_mesh.py's
         imports cost ~20 ms of CPU."""
@@ -357,6 +199,7 @@ class Runtime:
             return 2
         chan.conn.max_frame = MESH_MAX_FRAME
         self.local_host = chan.local_host
+        self.trio_token = trio.lowlevel.current_trio_token()
         async with trio.open_nursery() as nursery:
             self.nursery = nursery
             use_loop(nursery)  # actor meshes passed to our actors are called from here
@@ -415,7 +258,7 @@ class Runtime:
         name = str(h.get("actor"))
         slot = self.actors.get(name)
         if slot is None and h["op"] == "spawn":
-            slot = self.actors[name] = _Slot(self, name)
+            slot = self.actors[name] = Slot(self, name)
             self.nursery.start_soon(slot.run)
         if slot is None:
             if h.get("call") is not None:
