@@ -39,6 +39,7 @@ from pathlib import Path
 
 import trio
 
+from bench.mesh_side_by_side import call_times
 from monarch_fs.mesh import Actor, HostMesh, endpoint
 
 
@@ -86,20 +87,9 @@ def measure_sync(nodes: int, per_host: int, calls: int, repeats: int) -> dict:
         out["procs"] = len(procs)
 
         one = actors.slice(host=0, proc=0)
-        for _ in range(50):  # warm up
-            one.noop.call_one().get()
-        times = []
-        for _ in range(calls):
-            t = time.perf_counter()
-            one.noop.call_one().get()
-            times.append(time.perf_counter() - t)
-        out["call_one_sync"] = _ms(times)
-        times = []
-        for _ in range(calls // 4):
-            t = time.perf_counter()
-            actors.noop.call().get()
-            times.append(time.perf_counter() - t)
-        out[f"call_all_{len(procs)}_sync"] = _ms(times)
+        out["call_one_sync"] = _ms(call_times(lambda: one.noop.call_one().get(), calls, warm=50))
+        out[f"call_all_{len(procs)}_sync"] = _ms(call_times(lambda: actors.noop.call().get(),
+                                                             calls // 4))
 
         big = torch.ones(16 * 1024 * 1024)  # float32: 64 MiB
         mib = big.numel() * big.element_size() / (1024 * 1024)

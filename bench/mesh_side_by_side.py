@@ -61,20 +61,9 @@ def run(calls: int) -> dict:
     one = actors.slice(gpus=0)
     one.noop.call_one().get()
     first = time.perf_counter() - t
-    for _ in range(50):
-        one.noop.call_one().get()
-    times = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        one.noop.call_one().get()
-        times.append(time.perf_counter() - t)
-    call_one = statistics.median(times)
-    times = []
+    call_one = statistics.median(call_times(lambda: one.noop.call_one().get(), calls, warm=50))
     cpu = _tree_cpu()
-    for _ in range(calls // 4):
-        t = time.perf_counter()
-        actors.noop.call().get()
-        times.append(time.perf_counter() - t)
+    times = call_times(lambda: actors.noop.call().get(), calls // 4)
     call_all = statistics.median(times)
     after = _tree_cpu()
     call_all_cpu = sum(after[p] - cpu[p] for p in after.keys() & cpu.keys()) / len(times)
@@ -108,6 +97,14 @@ def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def call_times(call, n: int, warm: int = 0) -> list[float]:
+    """Seconds of each of `n` calls of `call`, after `warm` untimed ones (bench/mesh_bench.py
+    times its calls with it too: this module runs under either API, that one under ours)."""
+    for _ in range(warm):
+        call()
+    return [_timed(call) for _ in range(n)]
 
 
 def main() -> int:

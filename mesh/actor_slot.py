@@ -21,7 +21,7 @@ import sys
 import traceback
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import trio
 
@@ -29,14 +29,33 @@ from ..daemon.wire import protocol as p
 from . import wire
 from .actor_mesh import is_endpoint
 from .actor_thread import ActorThread
+from .asyncio_loop import AsyncioLoop
 from .calls import error_message
 from .context import actor_scope
 from .errors import Failure, MeshError
-
-if TYPE_CHECKING:
-    from .runtime import Runtime
+from .hosts import HostInfo
 
 Reply = Callable[[p.Data], Awaitable[None]]  # where an actor's answer goes
+
+
+class Host(Protocol):
+    """What a slot needs of its proc's runtime (runtime.py, which holds the slots)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    host: int
+    hosts: list[HostInfo]
+    actors: dict[str, Slot]
+    aio: AsyncioLoop
+
+    async def send(self, header: dict) -> None: ...
+
+    async def post(self, msg: p.Data) -> None: ...
+
+    def post_from_thread(self, msg: p.Data, reply_to: Reply) -> None: ...
+
+    def host_mesh_for(self, slot: Slot) -> Callable[[], Any]: ...
 
 _INTERNAL = (str(Path(trio.__file__).parent), str(Path(inspect.__file__).parent / "asyncio"),
              __file__, str(Path(__file__).parent / "asyncio_loop.py"))
@@ -84,7 +103,7 @@ def resolve_class(module: str, qualname: str, main: str | None) -> type:
 class Slot:
     """One actor in this proc and its mailbox."""
 
-    def __init__(self, runtime: Runtime, name: str) -> None:
+    def __init__(self, runtime: Host, name: str) -> None:
         self.runtime = runtime
         self.name = name
         self.instance: Any = None

@@ -44,14 +44,20 @@ def push_here(c, src: Path, **opts):
     return trio.run(lambda: push(src, c.hosts, load_token(c.token_file), PushOptions(**opts)))
 
 
+def one_file(tmp_path: Path, name: str, data: bytes) -> Path:
+    """A workspace folder holding one file."""
+    src = tmp_path / "ws"
+    src.mkdir()
+    (src / name).write_bytes(data)
+    return src
+
+
 def test_a_new_large_file_is_read_once_and_written_once(fresh_cluster, tmp_path):
     """The dev box reads the file once (its chunks leave as the scan hashes them, before the
     manifest), and the node writes it once, into the file object the manifest names."""
     c = fresh_cluster(1)
-    src = tmp_path / "ws"
-    src.mkdir()
     big = os.urandom(48 * MiB + 12345)
-    (src / "model.bin").write_bytes(big)
+    src = one_file(tmp_path, "model.bin", big)
     (src / "small.py").write_text("x = 1\n")
     before = rchar()
     result = push_here(c, src, store_dir=tmp_path / "store")
@@ -67,10 +73,8 @@ def test_a_new_large_file_is_read_once_and_written_once(fresh_cluster, tmp_path)
 
 def test_a_node_is_not_sent_the_chunks_it_has(fresh_cluster, tmp_path):
     c = fresh_cluster(1)
-    src = tmp_path / "ws"
-    src.mkdir()
     head = os.urandom(6 * CHUNK_SIZE)
-    (src / "a.bin").write_bytes(head)
+    src = one_file(tmp_path, "a.bin", head)
     push_here(c, src)
     tail = os.urandom(2 * CHUNK_SIZE + 777)
     (src / "b.bin").write_bytes(head + tail)  # a new file: its first 6 chunks are a.bin's
@@ -82,10 +86,8 @@ def test_a_node_is_not_sent_the_chunks_it_has(fresh_cluster, tmp_path):
 
 def test_a_file_changed_during_the_scan_fails_the_push(fresh_cluster, tmp_path):
     c = fresh_cluster(1)
-    src = tmp_path / "ws"
-    src.mkdir()
     old = os.urandom(40 * MiB)
-    (src / "data.bin").write_bytes(old)
+    src = one_file(tmp_path, "data.bin", old)
     push_here(c, src)
     (src / "data.bin").write_bytes(os.urandom(40 * MiB))
     stop = threading.Event()
