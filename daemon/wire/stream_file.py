@@ -23,6 +23,19 @@ def _int(args: dict, key: str) -> int:
     return value
 
 
+def _ids(values: object) -> list[bytes] | None:
+    """`values` as chunk ids, or None unless it is a list of 16-byte hex ids."""
+    if not isinstance(values, list):
+        return None
+    ids = []
+    for value in values:
+        cid = from_hex(value)
+        if cid is None or len(cid) != 16:
+            return None
+        ids.append(cid)
+    return ids
+
+
 @dataclass(frozen=True)
 class StreamFile:
     """Chunks `first`.. of the session's streamed file number `file` (of `size` bytes, in
@@ -41,11 +54,11 @@ class StreamFile:
         ids = args.get("ids")
         if not isinstance(ids, list) or not 0 < len(ids) <= MAX_IDS:
             raise RequestError(f"stream_file: ids must be a list of 1 to {MAX_IDS}")
-        parsed = [from_hex(i) for i in ids]
-        if not all(p is not None and len(p) == 16 for p in parsed):
+        parsed = _ids(ids)
+        if parsed is None:
             raise RequestError("stream_file: every id must be 16 bytes of hex")
         return cls(_int(args, "file"), _int(args, "size"), _int(args, "chunk_size"),
-                   _int(args, "first"), [p for p in parsed if p is not None])
+                   _int(args, "first"), parsed)
 
     def to_wire(self) -> dict[str, Any]:
         return {"file": self.file, "size": self.size, "chunk_size": self.chunk_size,
@@ -64,9 +77,8 @@ class StreamFileReply:
 
     @classmethod
     def from_wire(cls, value: Mapping[str, Any]) -> StreamFileReply:
-        got = value.get("missing") if isinstance(value, Mapping) else None
-        parsed = [from_hex(i) for i in got] if isinstance(got, list) else [None]
-        if not all(p is not None and len(p) == 16 for p in parsed):
+        parsed = _ids(value.get("missing")) if isinstance(value, Mapping) else None
+        if parsed is None:
             raise MalformedReply("malformed stream_file reply: 'missing' must be a list of "
                                  "16-byte hex ids")
-        return cls([p for p in parsed if p is not None])
+        return cls(parsed)
