@@ -35,9 +35,13 @@ def disk(folder: Path) -> int:
 
 
 def rchar() -> int:
-    """Bytes this process has read through read-like calls (page cache included)."""
+    """Bytes this process has read into its own memory (page cache included): what read-like
+    calls returned (rchar), less what sendfile(2) passed from a file to a socket without a
+    copy, which counts in both rchar and wchar (a chunk sent from its file, wire/file_range.py;
+    the pushes here write little else)."""
     with open("/proc/self/io") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+        counts = dict(line.split(":") for line in f)
+    return int(counts["rchar"]) - int(counts["wchar"])
 
 
 def push_here(c, src: Path, **opts):

@@ -24,10 +24,15 @@ from ...fs import passthrough
 from ...fs.mount_check import check_mount, mount
 from ...fs.mount_options import mount_mode, set_readahead
 from ..wire.addresses import parse_addr
+from ..wire.buffers import RECEIVING
 from . import recovery
 from .notify import notify
 from .serve import serve
 from .service import NodeService, open_listeners
+
+# Receive buffers made when the daemon starts (~50 MB, held for its life): a 1 GiB push to
+# one node held 6 at once (wire/buffers.py, RECEIVING).
+PREPARED_BUFFERS = 8
 
 log = logging.getLogger("monarch_fs.daemon")
 
@@ -94,6 +99,8 @@ class NodeDaemon:
                 # fs/backing.py) are written now; until then the chunk store serves those
                 # files. And what a crash left in the store is collected.
                 nursery.start_soon(service.publisher.recover)
+                # The receive buffers of the first push, made now rather than under it.
+                nursery.start_soon(trio.to_thread.run_sync, RECEIVING.prepare, PREPARED_BUFFERS)
                 log.info("serving %s on %s (state %s)", service.mount, service.addr,
                          service.state)
                 if ready_file:

@@ -23,7 +23,8 @@ from collections.abc import Callable
 
 from . import frames, handshake
 from .arriving import CHUNK_DATA, Arriving
-from .buffers import ALIGN, BufferPool
+from .buffers import ALIGN, RECEIVING, BufferPool
+from .file_range import from_file
 from .frames import HEADER, MAX_FRAME, MAX_HANDSHAKE_FRAME, Buffer, FrameType
 from .handshake import NONCE_SIZE
 from .protocol import (
@@ -33,6 +34,7 @@ from .protocol import (
     Hello,
     Message,
     ProtocolError,
+    PutChunk,
     TruncatedFrame,
     Welcome,
 )
@@ -109,7 +111,7 @@ class Connection:
         self._sent: set[FrameType] = set()  # handshake frames we have sent
         self._buf = bytearray()
         self._frame: Arriving | None = None  # a large frame being received in place
-        self._buffers = BufferPool()  # large frames' buffers, reused
+        self._buffers = RECEIVING  # large frames' buffers, reused by every connection
         self._spare: memoryview | None = None  # get_buffers() past a large frame: the next one
         self._spare_got = 0  # bytes read into it
         self._scratch: memoryview | None = None  # get_buffer() between large frames
@@ -121,6 +123,8 @@ class Connection:
 
     def send(self, msg: Message) -> bytes:
         """The bytes that carry `msg`. Raises ProtocolError if it may not be sent now."""
+        if isinstance(msg, PutChunk) and msg.source is not None:
+            msg = PutChunk(msg.cid, msg.blob)  # as bytes: its blob holds them too
         data = b"".join(self.send_parts(msg))
         self.sent()
         return data
@@ -153,6 +157,8 @@ class Connection:
             self._sent.add(ftype)
         if self._sealer is not None:
             data = self._sealer.seal(HEADER.pack(size, ftype), data[1:])
+        if isinstance(msg, PutChunk) and msg.source is not None:
+            data = from_file(data, msg.blob, msg.source)
         if ftype is FrameType.AUTH:  # the client's keys: every later frame is sealed
             self._start_session(self._nonce, self._their_nonce())
         elif ftype is FrameType.WELCOME:  # sealed as such; what follows in the agreed mode
@@ -437,3 +443,4 @@ class Connection:
             self.state = State.READY
             return Welcome(mac, info)
         return frames.decode(ftype, p)
+

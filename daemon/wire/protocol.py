@@ -21,6 +21,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .file_range import FileRange
 
 PROTOCOL_VERSION = 2
 ID_SIZE = 16  # chunk ids, as fs.chunk.ID_SIZE
@@ -166,11 +170,14 @@ class PutChunk:
         as a view into the frame's own buffer.
       digest: on receipt only, never sent: the xxh3_128 of a raw blob's bytes, computed as they
         arrived (arriving.py), for the store to compare with cid instead of hashing them again.
+      source: on sending only: the blob's last bytes as they lie in a file (file_range.py),
+        written from there (sendfile) where the link does not encrypt them.
     """
 
     cid: bytes
     blob: bytes | memoryview
     digest: bytes | None = field(default=None, compare=False, repr=False)
+    source: FileRange | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
