@@ -153,6 +153,7 @@ class ScanStream:
         self.changed: list[bytes] = []  # files whose stat key moved while they were read
         self.sourced: list[bytes] = []  # ids of chunks that do not compress
         self.opened: list[_File] = []  # closed once sent, or when run() ends
+        self.running, self.ran = False, trio.Event()
         self.files = self.chunks_sent = self.bytes_sent = 0
 
     def __call__(self, path: bytes, size: int) -> _File | None:
@@ -179,11 +180,13 @@ class ScanStream:
 
     async def run(self) -> None:
         """Send what the tap hands over until `finish`; the links are open (push_nodes)."""
+        self.running = True
         try:
             await self._run()
         finally:
             for f in self.opened:
                 f.close()
+            self.ran.set()
 
     async def _run(self) -> None:
         for node in self.links:
@@ -286,6 +289,8 @@ class ScanStream:
         """The scan is done: send what is left, then stop; SourceChanged if a file changed
         while it was read (nothing of this push is published then)."""
         await self.queue.aclose()
+        if self.running:  # a file is checked again once its chunks are sent (_File.close)
+            await self.ran.wait()
         if self.changed:
             raise SourceChanged(f"{os.fsdecode(self.changed[0])} changed while it was read "
                                 "(its stat key moved): push again once it is written")
