@@ -124,6 +124,7 @@ def _loopback_congestion(stream: trio.SocketStream, host: str) -> None:
 _IOV_MAX = 1024  # buffers one sendmsg takes (Linux's IOV_MAX)
 _SMALL = 16 * 1024
 _LOWAT = 512 * 1024
+_FLUSH = 4 << 20  # send_many writes what it framed every so many bytes
 
 
 def _coalesce(parts: list) -> list:
@@ -171,22 +172,36 @@ class Channel:
         async with self._send_lock:
             if self._send_broken:
                 raise ConnectionLost(self.peer, "an earlier send was interrupted mid-frame")
-            try:
-                parts = [part for msg in msgs for part in self.conn.send_parts(msg)]
-            except ProtocolError:
-                if self.conn.state is State.CLOSED:  # the peer hung up (receive() saw it)
-                    raise ConnectionLost(self.peer, "connection closed") from None
-                raise
-            try:
-                await self._write(parts)
-            except trio.BrokenResourceError as e:
-                self._send_broken = True
-                raise ConnectionLost(self.peer, "connection broken") from e
-            except BaseException:
-                self._send_broken = True
-                raise
-            finally:
-                self.conn.sent()
+            parts: list = []
+            size = 0
+            for i, msg in enumerate(msgs):
+                try:
+                    framed = self.conn.send_parts(msg)
+                except ProtocolError:
+                    if self.conn.state is State.CLOSED:  # the peer hung up (receive() saw it)
+                        raise ConnectionLost(self.peer, "connection closed") from None
+                    raise
+                parts += framed
+                size += sum(len(part) for part in framed)
+                # Written every _FLUSH bytes: an encrypted frame's ciphertext is in the
+                # sealer's arena until then, and a batch of 4 MiB chunks sealed at once made a
+                # new arena every two (a zero-fill and a page fault per 4 KiB of each).
+                if size >= _FLUSH or i == len(msgs) - 1:
+                    await self._write_sealed(parts)
+                    parts, size = [], 0
+
+    async def _write_sealed(self, parts: list) -> None:
+        """Write frames send_parts() made, then let the sealer reuse their space."""
+        try:
+            await self._write(parts)
+        except trio.BrokenResourceError as e:
+            self._send_broken = True
+            raise ConnectionLost(self.peer, "connection broken") from e
+        except BaseException:
+            self._send_broken = True
+            raise
+        finally:
+            self.conn.sent()
 
     async def _write(self, parts: list) -> None:
         if self._sock is None:  # a stream that is not a socket takes bytes only
