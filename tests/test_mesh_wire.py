@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import trio
 
+from monarch_fs.daemon.wire.buffers import BufferPool
 from monarch_fs.daemon.wire.protocol import Data
 from monarch_fs.mesh import wire
 from monarch_fs.mesh.owner import MESH_MAX_FRAME
@@ -25,6 +26,7 @@ def test_a_large_messages_pieces_are_received_in_place(encrypt):
     async def main() -> None:
         tx, rx = await channel_pair(encrypt)
         tx.conn.max_frame = rx.conn.max_frame = MESH_MAX_FRAME
+        rx.conn._buffers = BufferPool()  # its own: the process's pool is every connection's
         assert tx.conn.encrypted is encrypt
         received = wire.messages(rx)
         for _ in range(2):  # the second lands in the first's buffer
