@@ -39,7 +39,7 @@ log = logging.getLogger("monarch_fs.relay")
 # batch ends once it holds BATCH_BYTES, so with 4 MiB chunks (one per batch) that is 16 MiB.
 QUEUE_BATCHES = 4
 
-Batch = list[tuple[bytes, bytes | memoryview]]
+Batch = list[p.PutChunk]  # as received: a large chunk's seal goes on with it (chunk_seals.py)
 
 
 class _Child:
@@ -79,10 +79,10 @@ class _Child:
             raise ConnectError(f"{self.addr}: not connected")
         return self.chan, self.bulk
 
-    def add(self, cid: bytes, blob: bytes | memoryview) -> Batch | None:
+    def add(self, msg: p.PutChunk) -> Batch | None:
         """Add a chunk to the batch being filled; returns the batch once it should be queued."""
-        self.filling.append((cid, blob))
-        self.filling_bytes += len(blob)
+        self.filling.append(msg)
+        self.filling_bytes += len(msg.blob)
         full = (self.filling_bytes >= bulk.BATCH_BYTES
                 or len(self.filling) >= bulk.BATCH_CHUNKS)
         if full or self.send.statistics().current_buffer_used == 0:
@@ -241,13 +241,14 @@ class Relay:
                     self.nursery.start_soon(self._read_wants, child)
         return set().union(*(c.need for c in self.children if c.error is None))
 
-    async def forward(self, cid: bytes, blob: bytes | memoryview) -> None:
-        """Queue a chunk for the children whose subtrees lack it; waits while a child's queue
-        is full (until its sender makes room, or the child fails)."""
+    async def forward(self, msg: p.PutChunk) -> None:
+        """Queue a chunk for the children whose subtrees lack it (with its seal, if it came
+        with one: each child checks the seal the chunk left the dev box with); waits while a
+        child's queue is full (until its sender makes room, or the child fails)."""
         for child in self.children:
-            if cid not in child.need or child.error is not None:
+            if msg.cid not in child.need or child.error is not None:
                 continue  # not wanted there, or the child failed; _fail recorded why
-            batch = child.add(cid, blob)
+            batch = child.add(msg)
             if batch is not None:
                 await self._queue(child, batch)
 
@@ -262,7 +263,7 @@ class Relay:
         try:
             async for batch in receive:
                 with trio.fail_after(self.timeout * child.patience):
-                    await sender.send_chunks(batch)
+                    await sender.send_puts(batch)
                 self.counters["chunks_forwarded"] += len(batch)
         except Exception as e:
             self._fail(child, e)

@@ -128,7 +128,7 @@ class Session:
                 log.warning("session with %s ended: %s", self.chan.peer, e)
                 return
             if isinstance(msg, p.PutChunk):
-                await self.on_chunk(msg.cid, msg.blob, msg.digest)
+                await self.on_chunk(msg.cid, msg.blob, msg.digest, msg.seal)
             elif isinstance(msg, p.PutChunks):
                 for one in msg.chunks:
                     await self.on_chunk(one.cid, one.blob)
@@ -158,19 +158,20 @@ class Session:
     # ---- chunks ---------------------------------------------------------------------------
 
     async def on_chunk(self, cid: bytes, blob: bytes | memoryview,
-                       digest: bytes | None = None) -> None:
+                       digest: bytes | None = None, seal: bytes | None = None) -> None:
         """A chunk arrived (a PutChunk frame or over RDMA): forward it to the children whose
-        subtrees lack it, and store it if this node lacks it (`digest`: p.PutChunk's)."""
+        subtrees lack it, and store it if this node lacks it (`digest`, `seal`: p.PutChunk's)."""
         self.counters["chunks_received"] += 1
         self.counters["bytes_received"] += len(blob)
         self.rx.chunk(len(blob))
+        msg = p.PutChunk(cid, blob, digest, seal)
         if self.relay is not None:
-            await self.relay.forward(cid, blob)
+            await self.relay.forward(msg)
         if cid == self.version:
             self.version = None
             await self._place_files(cid, blob)
         if self.own_missing is None or cid in self.own_missing:
-            await self.writes.start(self.nursery, p.PutChunk(cid, blob, digest))
+            await self.writes.start(self.nursery, msg)
             if self.service.fetcher.wanted(cid):  # a reader waits: no waiting for a batch
                 await self.writes.hurry(self.nursery)
 

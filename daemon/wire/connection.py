@@ -21,8 +21,8 @@ import enum
 import os
 from collections.abc import Callable
 
-from . import frames, handshake
-from .arriving import CHUNK_DATA, Arriving
+from . import chunk_seals, frames, handshake
+from .arriving import CHUNK_DATA, CHUNKS, Arriving
 from .buffers import ALIGN, BufferPool
 from .frames import HEADER, MAX_FRAME, MAX_HANDSHAKE_FRAME, Buffer, FrameType
 from .handshake import NONCE_SIZE
@@ -77,7 +77,8 @@ CLOSED = Closed()
 # What may flow once both sides are authenticated; Event and Want only go server -> client
 # (a node asks the peer that streams to it for chunks: protocol.Want).
 _DATA = {FrameType.REQUEST, FrameType.REPLY, FrameType.QUERY_MISSING, FrameType.MISSING_IDS,
-         FrameType.PUT_CHUNK, FrameType.PUT_CHUNKS, FrameType.DATA}  # fmt: skip
+         FrameType.PUT_CHUNK, FrameType.PUT_CHUNKS, FrameType.DATA,
+         FrameType.SEALED_CHUNK}  # fmt: skip
 _READY_FROM = {Role.CLIENT: _DATA, Role.SERVER: _DATA | {FrameType.EVENT, FrameType.WANT}}
 
 
@@ -99,6 +100,7 @@ class Connection:
         self.want_encrypt = encrypt
         self.encrypted = False  # what both sides agreed, known once the Welcome has passed
         self.bulk_key: bytes | None = None  # for chunks sent outside frames (seal.ChunkSealer)
+        self.seal_chunks = False  # the server takes SEALED_CHUNK frames (chunk_seals.py)
         self._sealer: Sealer | None = None  # set once the session keys exist
         self._opener: Opener | None = None
         self.state = State.HANDSHAKE
@@ -133,6 +135,8 @@ class Connection:
         if ftype is None:
             raise TypeError(f"not a protocol message: {msg!r}")
         self._check_send(ftype)
+        if self.seal_chunks and chunk_seals.applies(msg, self.encrypted):
+            return chunk_seals.sealed_frame(self._keys()[0], self._token, msg, self.max_frame)
         if isinstance(msg, Hello):
             data = handshake.hello_frame(self._nonce)
         elif isinstance(msg, Auth):
@@ -140,7 +144,8 @@ class Connection:
                                         self.want_encrypt)
         elif isinstance(msg, Welcome):
             data = handshake.welcome_frame(self._token, self._their_nonce(), self._nonce,
-                                           self.encrypted, msg.info)
+                                           self.encrypted, {**msg.info,
+                                                            chunk_seals.CAPABILITY: True})
         else:
             data = frames.encode(msg, early=not self._peer_ready())
         limit = self.max_frame if self._peer_ready() else MAX_HANDSHAKE_FRAME
@@ -330,11 +335,12 @@ class Connection:
             raise ProtocolError(f"{ftype.name} frame of {size} bytes exceeds the limit of {limit}")
         self._check_receive(ftype)
         end = HEADER.size + size
-        if len(buf) < end:
-            if self._eof:
+        if len(buf) < end or ftype is FrameType.SEALED_CHUNK:  # whole: checked in place too
+            if self._eof and len(buf) < end:
                 raise TruncatedFrame("connection closed mid-frame")
-            if end >= IN_PLACE and ftype in frames.LARGE:
+            if (end >= IN_PLACE and ftype in frames.LARGE) or ftype is FrameType.SEALED_CHUNK:
                 self._receive_in_place(ftype, end)
+                return self._next_event()
             return NEED_DATA
         self._into = None  # it was for this frame, which is not received in place
         if ftype is FrameType.DATA:  # one copy out of the receive buffer, then views
@@ -361,30 +367,34 @@ class Connection:
             self._check_receive(ftype)
             self._spare = None
             self._into = None  # this frame stays where it landed (a caller copies it)
-            self._frame = Arriving(ftype, spare[:end], min(got, end), self._check(spare))
+            self._frame = Arriving(ftype, spare[:end], min(got, end), self._check(spare[:end]))
             self._buf += spare[end:got]  # a read can end inside the frame after
         else:
             self._buf += spare[:got]
         return self._next_event()
 
-    def _check(self, frame: memoryview) -> FrameCheck | None:
+    def _check(self, frame: memoryview) -> FrameCheck | chunk_seals.SealedCheck | None:
         """The check of a large frame received in place, fed as it arrives (arriving.py)."""
         opener = self._opener
         if opener is None or self.state is not State.READY:
             return None
-        return opener.check_as_received(frame[: HEADER.size])
+        check = opener.check_as_received(frame[: HEADER.size])
+        if frame[HEADER.size - 1] != FrameType.SEALED_CHUNK:
+            return check
+        return chunk_seals.SealedCheck(check, self._token, len(frame) - TAG_SIZE, opener.encrypt)
 
     def _receive_in_place(self, ftype: FrameType, size: int) -> None:
         """Everything buffered is the start of a large frame of `size` bytes: move it to a
         buffer of the frame's own and receive the rest straight into it, checked (and
         decrypted) as it arrives (arriving.py)."""
-        lead = CHUNK_DATA if ftype is FrameType.PUT_CHUNK else 0
+        lead = CHUNK_DATA if ftype in CHUNKS else 0
         frame, self._into = self._into, None  # a caller's buffer for it (receive_into)
         if frame is None or len(frame) != size or ftype is not FrameType.DATA:
             frame = self._buffers.take(size, lead)
-        frame[: len(self._buf)] = self._buf
-        self._frame = Arriving(ftype, frame, len(self._buf), self._check(frame))
-        self._buf.clear()
+        got = min(len(self._buf), size)
+        frame[:got] = memoryview(self._buf)[:got]
+        del self._buf[:got]
+        self._frame = Arriving(ftype, frame, got, self._check(frame))
 
     def _payload(self, ftype: FrameType, frame: memoryview) -> memoryview:
         """A whole frame's payload, checked (and decrypted) when the session seals it."""
@@ -432,6 +442,7 @@ class Connection:
         if ftype is FrameType.WELCOME:
             mac, self.encrypted, info = handshake.parse_welcome(
                 self._token, self._nonce, self._their_nonce(), p, self.want_encrypt)
+            self.seal_chunks = info.pop(chunk_seals.CAPABILITY, None) is True
             sealer, opener = self._keys()
             sealer.encrypt = opener.encrypt = self.encrypted
             self.state = State.READY

@@ -166,11 +166,14 @@ class PutChunk:
         as a view into the frame's own buffer.
       digest: on receipt only, never sent: the xxh3_128 of a raw blob's bytes, computed as they
         arrived (arriving.py), for the store to compare with cid instead of hashing them again.
+      seal: the chunk's seal (chunk_seals.py) as it arrived, checked, for a relay hop to forward
+        with the same bytes; None: a link that takes sealed chunks seals it when it sends it.
     """
 
     cid: bytes
     blob: bytes | memoryview
     digest: bytes | None = field(default=None, compare=False, repr=False)
+    seal: bytes | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
