@@ -266,9 +266,25 @@ class Relay:
                     await sender.send_puts(batch)
                 self.counters["chunks_forwarded"] += len(batch)
         except Exception as e:
-            self._fail(child, e)
+            self._fail(child, await self._why(child, e))
         finally:
             done.set()
+
+    async def _why(self, child: _Child, e: Exception) -> Exception | str:
+        """A child that hung up on its stream says why first (session.py sends an Error: a
+        chunk that failed its seal, a frame that failed its link's tag): its words, else `e`.
+        Read here unless its wants' reader reads the channel (push --early)."""
+        if self.fetcher is not None or child.chan is None \
+                or not isinstance(e, trio.BrokenResourceError):
+            return e
+        with trio.move_on_after(1):
+            try:
+                while not isinstance(msg := await child.chan.next_message(), p.Error):
+                    pass
+                return msg.message
+            except Exception:
+                pass
+        return e
 
     async def _read_wants(self, child: _Child) -> None:
         """Answer the child's wants until the flush (push --early); see the module docstring."""
