@@ -1,7 +1,9 @@
 """A node's side of a broadcast: store what it lacks, and forward each chunk to the children
 whose subtrees lack it while the next chunk arrives. Chunks go down in batches (up to
 bulk.BATCH_BYTES or BATCH_CHUNKS) through a bounded channel per child, so a slow child slows its
-parent instead of filling its memory.
+parent instead of filling its memory. A large chunk goes down with the seal it arrived with
+(wire/chunk_seals.py): this hop checked it on arrival and each child checks it again, so the
+hop does not seal the chunk's bytes again for each child's link.
 
 A relay session runs inside one connection: `relay` opens the children (recursively: each child
 opens its own), `QueryMissing` learns what each subtree lacks, `PutChunk`s flow down, and `flush`
