@@ -256,7 +256,10 @@ class Relay:
 
     async def _queue(self, child: _Child, batch: Batch) -> None:
         try:
-            await child.send.send(batch)
+            try:  # room in the queue: no pass through the scheduler for each chunk
+                child.send.send_nowait(batch)
+            except trio.WouldBlock:
+                await child.send.send(batch)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the child failed meanwhile, or the session is closing
 
@@ -264,6 +267,11 @@ class Relay:
                       receive: trio.MemoryReceiveChannel[Batch], done: trio.Event) -> None:
         try:
             async for batch in receive:
+                for _ in range(QUEUE_BATCHES):  # what else is queued goes in the same write
+                    try:
+                        batch = batch + receive.receive_nowait()
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
                 with trio.fail_after(self.timeout * child.patience):
                     await sender.send_puts(batch)
                 self.counters["chunks_forwarded"] += len(batch)
