@@ -160,6 +160,48 @@ def test_a_chunk_seal_is_new_each_time_it_is_made():
     assert len({s[: chunk_seals.SEAL_NONCE] for s in seals}) == 50
 
 
+def sealed_frames(streams: list[bytearray]) -> set[bytes]:
+    """r, chunk id and seal tag of every SEALED_CHUNK frame in what clients sent a proxy."""
+    out = set()
+    for sent in streams:
+        at = 0
+        while at + HEADER.size <= len(sent):
+            size, ftype = HEADER.unpack_from(sent, at)
+            end = at + HEADER.size + size
+            if end > len(sent):
+                break
+            if ftype == FrameType.SEALED_CHUNK:
+                out.add(bytes(sent[at + HEADER.size : at + chunk_seals.HEAD])
+                        + bytes(sent[end - 16 - chunk_seals.TAIL : end - 16]))
+            at = end
+    return out
+
+
+@pytest.mark.mount
+async def test_real_nodes_relay_the_seals_the_dev_box_made(fresh_cluster, tmp_path):
+    """A chain of 2 daemons, each behind a recording proxy: node 0 forwards each large chunk
+    to node 1 with the seal the dev box made for it (sealed once per push, not per link), and
+    both serve the file."""
+    c = fresh_cluster(2)
+    src = tmp_path / "ws"
+    src.mkdir()
+    data = os.urandom(9 * MiB)  # chunks of 4, 4 and 1 MiB
+    (src / "big.bin").write_bytes(data)
+    first, second = Proxy(c.hosts[0]), Proxy(c.hosts[1])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(first.serve)
+        await nursery.start(second.serve)
+        out = await run_cli("push", str(src), "--hosts", f"{first.addr},{second.addr}",
+                            "--token-file", c.token_file, "--topology", "chain", "--json")
+        nursery.cancel_scope.cancel()
+    assert out.returncode == 0, out.stderr
+    from_dev_box = sealed_frames(first.from_clients)
+    assert len(from_dev_box) == 3
+    assert sealed_frames(second.from_clients) == from_dev_box
+    for i in range(2):
+        assert (c.mnt(i) / "ws" / "big.bin").read_bytes() == data
+
+
 @pytest.mark.mount
 async def test_a_chunk_changed_between_two_real_nodes_is_refused_and_never_served(
         fresh_cluster, tmp_path):
