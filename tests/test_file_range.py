@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from monarch_fs.daemon.wire.file_range import FileRange, FileShrank
-from monarch_fs.daemon.wire.protocol import PutChunk
+from monarch_fs.daemon.wire.protocol import AuthError, PutChunk
 from monarch_fs.daemon.wire.transport import ConnectionLost, accept, connect
 
 TOKEN = b"test-token"
@@ -83,7 +83,8 @@ async def test_a_file_changed_after_it_was_read_is_refused_not_received(tmp_path
     path.write_bytes(bytes(b ^ 1 for b in read[:4096]) + read[4096:])  # written meanwhile
     received, failures, _ = await send_from_file(path, read)
     assert not received
-    assert failures and "authentic" in str(failures[0]).lower(), failures
+    assert failures and isinstance(failures[0], AuthError), failures
+    assert CID.hex() in str(failures[0]) and "seal" in str(failures[0]), failures
 
 
 async def test_a_file_cut_while_it_is_sent_fails_the_send_and_the_link(tmp_path):

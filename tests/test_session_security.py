@@ -22,13 +22,19 @@ WELCOME, REQUEST = 3, 5
 class Proxy:
     """Relays bytes between clients and one daemon, recording what passes. With `inject`, it
     writes that frame to the daemon as soon as the daemon's Welcome has gone by, as an
-    attacker who relayed the handshake would."""
+    attacker who relayed the handshake would. With `corrupt` (a frame type), it flips a byte
+    in the middle of the first such frame a client sends the daemon. `from_clients` keeps what
+    each client sent, as it reached the daemon."""
 
-    def __init__(self, target: str, inject: bytes | None = None) -> None:
+    def __init__(self, target: str, inject: bytes | None = None,
+                 corrupt: int | None = None) -> None:
         self.host, port = target.rsplit(":", 1)
         self.port = int(port)
         self.inject = inject
+        self.corrupt = corrupt
+        self.corrupted = False
         self.recorded = bytearray()
+        self.from_clients: list[bytearray] = []
         self.addr = ""
 
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -51,9 +57,26 @@ class Proxy:
     async def _pipe(self, src, dst, from_daemon: bool, scope: trio.CancelScope,
                     to_daemon: trio.Lock) -> None:
         seen = bytearray()  # the daemon's frames, to spot its Welcome
+        sent = bytearray()  # the client's bytes, as passed on (and to find the frame to corrupt)
+        if not from_daemon:
+            self.from_clients.append(sent)
+        next_frame, target = 0, -1  # in `sent`: where the next frame starts, the byte to flip
         try:
             while data := await src.receive_some(1 << 16):
                 self.recorded += data
+                if not from_daemon:
+                    data, start = bytearray(data), len(sent)
+                    sent += data
+                    while (self.corrupt is not None and target < 0
+                           and len(sent) >= next_frame + _HEADER.size):
+                        size, ftype = _HEADER.unpack_from(sent, next_frame)
+                        if ftype == self.corrupt:
+                            target = next_frame + _HEADER.size + size // 2
+                        next_frame += _HEADER.size + size
+                    if start <= target < len(sent) and not self.corrupted:
+                        data[target - start] ^= 1
+                        sent[target] ^= 1
+                        self.corrupted = True
                 if from_daemon:
                     await dst.send_all(data)
                 else:

@@ -1,7 +1,9 @@
 """A node's side of a broadcast: store what it lacks, and forward each chunk to the children
 whose subtrees lack it while the next chunk arrives. Chunks go down in batches (up to
 bulk.BATCH_BYTES or BATCH_CHUNKS) through a bounded channel per child, so a slow child slows its
-parent instead of filling its memory.
+parent instead of filling its memory. A large chunk goes down with the seal it arrived with
+(wire/chunk_seals.py): this hop checked it on arrival and each child checks it again, so the
+hop does not seal the chunk's bytes again for each child's link.
 
 A relay session runs inside one connection: `relay` opens the children (recursively: each child
 opens its own), `QueryMissing` learns what each subtree lacks, `PutChunk`s flow down, and `flush`
@@ -39,7 +41,7 @@ log = logging.getLogger("monarch_fs.relay")
 # batch ends once it holds BATCH_BYTES, so with 4 MiB chunks (one per batch) that is 16 MiB.
 QUEUE_BATCHES = 4
 
-Batch = list[tuple[bytes, bytes | memoryview]]
+Batch = list[p.PutChunk]  # as received: a large chunk's seal goes on with it (chunk_seals.py)
 
 
 class _Child:
@@ -79,10 +81,10 @@ class _Child:
             raise ConnectError(f"{self.addr}: not connected")
         return self.chan, self.bulk
 
-    def add(self, cid: bytes, blob: bytes | memoryview) -> Batch | None:
+    def add(self, msg: p.PutChunk) -> Batch | None:
         """Add a chunk to the batch being filled; returns the batch once it should be queued."""
-        self.filling.append((cid, blob))
-        self.filling_bytes += len(blob)
+        self.filling.append(msg)
+        self.filling_bytes += len(msg.blob)
         full = (self.filling_bytes >= bulk.BATCH_BYTES
                 or len(self.filling) >= bulk.BATCH_CHUNKS)
         if full or self.send.statistics().current_buffer_used == 0:
@@ -241,19 +243,23 @@ class Relay:
                     self.nursery.start_soon(self._read_wants, child)
         return set().union(*(c.need for c in self.children if c.error is None))
 
-    async def forward(self, cid: bytes, blob: bytes | memoryview) -> None:
-        """Queue a chunk for the children whose subtrees lack it; waits while a child's queue
-        is full (until its sender makes room, or the child fails)."""
+    async def forward(self, msg: p.PutChunk) -> None:
+        """Queue a chunk for the children whose subtrees lack it (with its seal, if it came
+        with one: each child checks the seal the chunk left the dev box with); waits while a
+        child's queue is full (until its sender makes room, or the child fails)."""
         for child in self.children:
-            if cid not in child.need or child.error is not None:
+            if msg.cid not in child.need or child.error is not None:
                 continue  # not wanted there, or the child failed; _fail recorded why
-            batch = child.add(cid, blob)
+            batch = child.add(msg)
             if batch is not None:
                 await self._queue(child, batch)
 
     async def _queue(self, child: _Child, batch: Batch) -> None:
         try:
-            await child.send.send(batch)
+            try:  # room in the queue: no pass through the scheduler for each chunk
+                child.send.send_nowait(batch)
+            except trio.WouldBlock:
+                await child.send.send(batch)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the child failed meanwhile, or the session is closing
 
@@ -261,13 +267,34 @@ class Relay:
                       receive: trio.MemoryReceiveChannel[Batch], done: trio.Event) -> None:
         try:
             async for batch in receive:
+                for _ in range(QUEUE_BATCHES):  # what else is queued goes in the same write
+                    try:
+                        batch = batch + receive.receive_nowait()
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
                 with trio.fail_after(self.timeout * child.patience):
-                    await sender.send_chunks(batch)
+                    await sender.send_puts(batch)
                 self.counters["chunks_forwarded"] += len(batch)
         except Exception as e:
-            self._fail(child, e)
+            self._fail(child, await self._why(child, e))
         finally:
             done.set()
+
+    async def _why(self, child: _Child, e: Exception) -> Exception | str:
+        """A child that hung up on its stream says why first (session.py sends an Error: a
+        chunk that failed its seal, a frame that failed its link's tag): its words, else `e`.
+        Read here unless its wants' reader reads the channel (push --early)."""
+        if self.fetcher is not None or child.chan is None \
+                or not isinstance(e, trio.BrokenResourceError):
+            return e
+        with trio.move_on_after(1):
+            try:
+                while not isinstance(msg := await child.chan.next_message(), p.Error):
+                    pass
+                return msg.message
+            except Exception:
+                pass
+        return e
 
     async def _read_wants(self, child: _Child) -> None:
         """Answer the child's wants until the flush (push --early); see the module docstring."""

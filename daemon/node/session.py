@@ -12,6 +12,7 @@ daemon down.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -19,8 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ...fs.backing import place_files
-from ...fs.chunk import CorruptChunk
 from ...fs.manifest import ManifestError
 from ..wire import bulk, identity
 from ..wire import protocol as p
@@ -55,7 +54,7 @@ from ..wire.requests import (
 )
 from ..wire.telemetry_calls import Query, QueryReply, Stats, StatsReply
 from ..wire.transport import Channel, ConnectionLost
-from . import chunk_read, provisional
+from . import chunk_read, manifest_first, provisional
 from .fetch import Upstream
 from .logs import read as read_logs
 from .process_routes import ROUTES as PROCESS_ROUTES
@@ -126,9 +125,11 @@ class Session:
                 return  # the peer went away: the normal end of a session
             except Exception as e:  # a broken or forged frame ends this session only
                 log.warning("session with %s ended: %s", self.chan.peer, e)
+                with trio.move_on_after(1), contextlib.suppress(Exception):
+                    await self.chan.send(p.Error(str(e), code="protocol"))  # why, for a relay
                 return
             if isinstance(msg, p.PutChunk):
-                await self.on_chunk(msg.cid, msg.blob, msg.digest)
+                await self.on_chunk(msg.cid, msg.blob, msg.digest, msg.seal)
             elif isinstance(msg, p.PutChunks):
                 for one in msg.chunks:
                     await self.on_chunk(one.cid, one.blob)
@@ -158,40 +159,23 @@ class Session:
     # ---- chunks ---------------------------------------------------------------------------
 
     async def on_chunk(self, cid: bytes, blob: bytes | memoryview,
-                       digest: bytes | None = None) -> None:
+                       digest: bytes | None = None, seal: bytes | None = None) -> None:
         """A chunk arrived (a PutChunk frame or over RDMA): forward it to the children whose
-        subtrees lack it, and store it if this node lacks it (`digest`: p.PutChunk's)."""
+        subtrees lack it, and store it if this node lacks it (`digest`, `seal`: p.PutChunk's)."""
         self.counters["chunks_received"] += 1
         self.counters["bytes_received"] += len(blob)
         self.rx.chunk(len(blob))
+        msg = p.PutChunk(cid, blob, digest, seal)
         if self.relay is not None:
-            await self.relay.forward(cid, blob)
+            await self.relay.forward(msg)
         if cid == self.version:
             self.version = None
-            await self._place_files(cid, blob)
+            if self.service.store_raw:  # --store-compressed: every chunk to a pack
+                await manifest_first.place(self.publisher, self.writes, self.nursery, cid, blob)
         if self.own_missing is None or cid in self.own_missing:
-            await self.writes.start(self.nursery, p.PutChunk(cid, blob, digest))
+            await self.writes.start(self.nursery, msg)
             if self.service.fetcher.wanted(cid):  # a reader waits: no waiting for a batch
                 await self.writes.hurry(self.nursery)
-
-    async def _place_files(self, cid: bytes, blob: bytes | memoryview) -> None:
-        """The manifest arrived ahead of the files (its folder objects, the root last): tell
-        the store where each large file's chunks go, before any of them is written. Loaded on
-        a worker thread once the objects before the root are stored; one that does not load
-        places nothing (over RDMA the root may come before other objects), and prepare says
-        why if it still does not."""
-        service = self.service
-        if not service.store_raw:  # --store-compressed: every chunk to a pack, compressed
-            return
-        try:
-            await self.writes.idle(self.nursery)  # the objects that came before the root
-            manifest = await self.publisher.manifest(cid, blob)  # prepare's, loaded once
-            placed = await trio.to_thread.run_sync(place_files, service.store, manifest)
-        except (KeyError, CorruptChunk, ManifestError, OSError) as e:
-            log.info("manifest %s: large files go to packs: %s", cid.hex()[:12], e)
-            return
-        if placed:
-            log.debug("manifest %s: %d large files written in place", cid.hex()[:12], placed)
 
     async def _query_missing(self, ids: list[bytes]) -> None:
         await self.writes.idle(self.nursery)  # those streamed before it are here (provisional)

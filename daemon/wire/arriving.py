@@ -14,12 +14,15 @@ from __future__ import annotations
 import xxhash
 
 from ...fs.chunk import RAW
+from .chunk_seals import TAIL, SealedCheck
 from .frames import HEADER, Buffer, FrameType
 from .protocol import ID_SIZE
 from .seal import TAG_SIZE, FrameCheck
 
-# A chunk's raw bytes start this far into its PUT_CHUNK frame: header, chunk id, codec byte.
+# A chunk's raw bytes start this far into its PUT_CHUNK frame: header, chunk id, codec byte
+# (and into a SEALED_CHUNK: header, seal nonce, codec byte).
 CHUNK_DATA = HEADER.size + ID_SIZE + 1
+CHUNKS = (FrameType.PUT_CHUNK, FrameType.SEALED_CHUNK)
 # fed to the tag (or the decryption) and the hash in turn, so the hash reads it from cache
 _PIECE = 256 * 1024
 
@@ -29,16 +32,18 @@ class Arriving:
     tag's and chunk's checks so far."""
 
     def __init__(self, ftype: FrameType, frame: memoryview, got: int,
-                 check: FrameCheck | None) -> None:
+                 check: FrameCheck | SealedCheck | None) -> None:
         self.ftype = ftype
         self.frame = frame
         self.got = got
         self._check = check
         self._covered = len(frame) - TAG_SIZE  # what a sealed frame's tag covers
+        # where a raw chunk's bytes end (a SEALED_CHUNK's chunk id and seal tag follow them)
+        self._data_end = self._covered - (TAIL if ftype is FrameType.SEALED_CHUNK else 0)
         # an encrypted frame's header was given to its check (the associated data)
         self._fed = HEADER.size if check is not None and check.decrypts else 0
         self._hash: xxhash.xxh3_128 | None = None
-        self._hash_decided = ftype is not FrameType.PUT_CHUNK or check is None
+        self._hash_decided = ftype not in CHUNKS or check is None
         self._feed()
 
     @property
@@ -75,8 +80,9 @@ class Arriving:
                 self._hash_decided = True
                 if self.frame[CHUNK_DATA - 1] == RAW:
                     self._hash = xxhash.xxh3_128()
-            if self._hash is not None and stop > CHUNK_DATA:
-                self._hash.update(self.frame[max(self._fed, CHUNK_DATA) : stop])
+            if self._hash is not None and min(stop, self._data_end) > CHUNK_DATA:
+                self._hash.update(self.frame[max(self._fed, CHUNK_DATA) :
+                                             min(stop, self._data_end)])
             self._fed = stop
 
     @property

@@ -48,7 +48,7 @@ __all__ = ["BATCH_BYTES", "BATCH_CHUNKS", "BulkError", "BulkReceiver", "BulkRefu
            "Deliver", "LocalTransport", "SMALL_CHUNK", "TRANSPORTS", "TcpBulkReceiver",
            "TcpBulkSender", "TransportUnavailable", "accept_receiver", "choose_for_peer",
            "choose_transport", "close_peer", "device_mode", "fallback_line", "frames_for",
-           "log_choices", "match_devices", "open_sender", "resolve_local"]
+           "grouped", "log_choices", "match_devices", "open_sender", "resolve_local"]
 
 log = logging.getLogger("monarch_fs.transport")
 
@@ -71,17 +71,24 @@ _GROUP_BYTES = 1 << 20
 
 def frames_for(batch: Sequence[tuple[bytes, bytes | memoryview]]) -> list[p.Message]:
     """The messages that carry `batch`, in its order: runs of small chunks grouped."""
+    return grouped([p.PutChunk(cid, blob) for cid, blob in batch])
+
+
+def grouped(chunks: Sequence[p.PutChunk]) -> list[p.Message]:
+    """frames_for() of PutChunk messages: a large one goes as it is (with its seal, if it
+    came with one: chunk_seals.py), runs of small ones grouped."""
     out: list[p.Message] = []
     group: list[p.PutChunk] = []
     size = 0
-    for cid, blob in batch:
+    for msg in chunks:
+        blob = msg.blob
         if len(blob) >= SMALL_CHUNK:
             if group:
                 out.append(p.PutChunks(tuple(group)))
                 group, size = [], 0
-            out.append(p.PutChunk(cid, blob))
+            out.append(msg)
             continue
-        group.append(p.PutChunk(cid, blob))
+        group.append(msg)
         size += len(blob)
         if size >= _GROUP_BYTES or len(group) >= MAX_BATCH_CHUNKS:
             out.append(p.PutChunks(tuple(group)))
@@ -107,9 +114,12 @@ class TcpBulkSender(BulkSender):
         await self.send_chunks([(cid, blob)])
 
     async def send_chunks(self, batch: Sequence[tuple[bytes, bytes | memoryview]]) -> None:
-        await self.chan.send_many(frames_for(batch))
+        await self.send_puts([p.PutChunk(cid, blob) for cid, blob in batch])
+
+    async def send_puts(self, batch: Sequence[p.PutChunk]) -> None:
+        await self.chan.send_many(grouped(batch))
         self.chunks_sent += len(batch)
-        self.bytes_sent += sum(len(blob) for _, blob in batch)
+        self.bytes_sent += sum(len(msg.blob) for msg in batch)
 
     async def flush(self) -> dict:
         return {}

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import trio
 
+from .protocol import PutChunk
 from .rdma_format import TCP
 
 log = logging.getLogger("monarch_fs.transport")
@@ -51,6 +52,11 @@ class BulkSender(abc.ABC):
         calls, so a transport can move them in fewer operations."""
         for cid, blob in batch:
             await self.send_chunk(cid, blob)
+
+    async def send_puts(self, batch: Sequence[PutChunk]) -> None:
+        """send_chunks() of received messages: a transport that carries a chunk's seal
+        (chunk_seals.py: TCP) forwards it, the others seal the chunk their own way."""
+        await self.send_chunks([(msg.cid, msg.blob) for msg in batch])
 
     @abc.abstractmethod
     async def flush(self) -> dict:

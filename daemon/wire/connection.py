@@ -17,14 +17,14 @@ recv_into (the asyncio BufferedProtocol pattern); its payload arrives as a view 
 
 from __future__ import annotations
 
-import enum
 import os
 from collections.abc import Callable
 
-from . import frames, handshake
-from .arriving import CHUNK_DATA, Arriving
+from . import chunk_seals, frames, handshake
+from .arriving import CHUNK_DATA, CHUNKS, Arriving
 from .buffers import ALIGN, RECEIVING, BufferPool
 from .file_range import from_file
+from .frame_rules import Role, State, may_receive, may_send
 from .frames import HEADER, MAX_FRAME, MAX_HANDSHAKE_FRAME, Buffer, FrameType
 from .handshake import NONCE_SIZE
 from .protocol import (
@@ -54,17 +54,6 @@ _EARLY_SCRATCH = 4096  # ... and before the peer has authenticated
 # node's CPU per ingested byte).
 _LARGE_TYPES = {ftype.value for ftype in frames.LARGE}
 
-class Role(enum.Enum):
-    CLIENT = "client"
-    SERVER = "server"
-
-
-class State(enum.Enum):
-    HANDSHAKE = "handshake"
-    READY = "ready"
-    CLOSED = "closed"  # the receive side is finished: EOF or a protocol error
-
-
 class NeedData:
     """Sentinel type: more bytes are needed before the next event."""
 
@@ -75,12 +64,6 @@ class Closed:
 
 NEED_DATA = NeedData()
 CLOSED = Closed()
-
-# What may flow once both sides are authenticated; Event and Want only go server -> client
-# (a node asks the peer that streams to it for chunks: protocol.Want).
-_DATA = {FrameType.REQUEST, FrameType.REPLY, FrameType.QUERY_MISSING, FrameType.MISSING_IDS,
-         FrameType.PUT_CHUNK, FrameType.PUT_CHUNKS, FrameType.DATA}  # fmt: skip
-_READY_FROM = {Role.CLIENT: _DATA, Role.SERVER: _DATA | {FrameType.EVENT, FrameType.WANT}}
 
 
 class Connection:
@@ -101,6 +84,7 @@ class Connection:
         self.want_encrypt = encrypt
         self.encrypted = False  # what both sides agreed, known once the Welcome has passed
         self.bulk_key: bytes | None = None  # for chunks sent outside frames (seal.ChunkSealer)
+        self.seal_chunks = False  # the server takes SEALED_CHUNK frames (chunk_seals.py)
         self._sealer: Sealer | None = None  # set once the session keys exist
         self._opener: Opener | None = None
         self.state = State.HANDSHAKE
@@ -123,9 +107,7 @@ class Connection:
 
     def send(self, msg: Message) -> bytes:
         """The bytes that carry `msg`. Raises ProtocolError if it may not be sent now."""
-        if isinstance(msg, PutChunk) and msg.source is not None:
-            msg = PutChunk(msg.cid, msg.blob)  # as bytes: its blob holds them too
-        data = b"".join(self.send_parts(msg))
+        data = b"".join(self._frame_parts(msg))  # a chunk's bytes from its blob, not its file
         self.sent()
         return data
 
@@ -133,10 +115,18 @@ class Connection:
         """send(), as a list of buffers to write in order: a chunk's blob or a DATA part is one
         of them, not copied. They stay valid until `sent()` (an encrypted frame's ciphertext
         is in space the sealer reuses). Raises ProtocolError if `msg` may not be sent now."""
+        data = self._frame_parts(msg)
+        if isinstance(msg, PutChunk) and msg.source is not None:  # its bytes from its file
+            return from_file(data, msg.blob, msg.source)
+        return data
+
+    def _frame_parts(self, msg: Message) -> list[Buffer]:
         ftype = frames.FRAME_TYPES.get(type(msg))
         if ftype is None:
             raise TypeError(f"not a protocol message: {msg!r}")
         self._check_send(ftype)
+        if self.seal_chunks and chunk_seals.applies(msg, self.encrypted):
+            return chunk_seals.sealed_frame(self._keys()[0], self._token, msg, self.max_frame)
         if isinstance(msg, Hello):
             data = handshake.hello_frame(self._nonce)
         elif isinstance(msg, Auth):
@@ -144,7 +134,8 @@ class Connection:
                                         self.want_encrypt)
         elif isinstance(msg, Welcome):
             data = handshake.welcome_frame(self._token, self._their_nonce(), self._nonce,
-                                           self.encrypted, msg.info)
+                                           self.encrypted, {**msg.info,
+                                                            chunk_seals.CAPABILITY: True})
         else:
             data = frames.encode(msg, early=not self._peer_ready())
         limit = self.max_frame if self._peer_ready() else MAX_HANDSHAKE_FRAME
@@ -157,8 +148,6 @@ class Connection:
             self._sent.add(ftype)
         if self._sealer is not None:
             data = self._sealer.seal(HEADER.pack(size, ftype), data[1:])
-        if isinstance(msg, PutChunk) and msg.source is not None:
-            data = from_file(data, msg.blob, msg.source)
         if ftype is FrameType.AUTH:  # the client's keys: every later frame is sealed
             self._start_session(self._nonce, self._their_nonce())
         elif ftype is FrameType.WELCOME:  # sealed as such; what follows in the agreed mode
@@ -197,19 +186,7 @@ class Connection:
             return  # always allowed, also to explain why we are hanging up
         if self.state is State.CLOSED:
             raise ProtocolError(f"cannot send {ftype.name}: connection is closed")
-        server = self.role is Role.SERVER
-        if ftype in self._sent:
-            ok = False
-        elif ftype is FrameType.HELLO:
-            ok = server and self.state is State.HANDSHAKE
-        elif ftype is FrameType.AUTH:
-            ok = not server and self._peer_nonce is not None
-        elif ftype is FrameType.WELCOME:
-            ok = server and self.state is State.READY
-        else:
-            welcomed = FrameType.WELCOME in self._sent if server else True
-            ok = self.state is State.READY and welcomed and ftype in _READY_FROM[self.role]
-        if not ok:
+        if not may_send(ftype, self.role, self.state, self._sent, self._peer_nonce is not None):
             who, now = self.role.value, self.state.value
             raise ProtocolError(f"{who} may not send {ftype.name} now ({now})")
 
@@ -336,11 +313,12 @@ class Connection:
             raise ProtocolError(f"{ftype.name} frame of {size} bytes exceeds the limit of {limit}")
         self._check_receive(ftype)
         end = HEADER.size + size
-        if len(buf) < end:
-            if self._eof:
+        if len(buf) < end or ftype is FrameType.SEALED_CHUNK:  # whole: checked in place too
+            if self._eof and len(buf) < end:
                 raise TruncatedFrame("connection closed mid-frame")
-            if end >= IN_PLACE and ftype in frames.LARGE:
+            if (end >= IN_PLACE and ftype in frames.LARGE) or ftype is FrameType.SEALED_CHUNK:
                 self._receive_in_place(ftype, end)
+                return self._next_event()
             return NEED_DATA
         self._into = None  # it was for this frame, which is not received in place
         if ftype is FrameType.DATA:  # one copy out of the receive buffer, then views
@@ -367,30 +345,34 @@ class Connection:
             self._check_receive(ftype)
             self._spare = None
             self._into = None  # this frame stays where it landed (a caller copies it)
-            self._frame = Arriving(ftype, spare[:end], min(got, end), self._check(spare))
+            self._frame = Arriving(ftype, spare[:end], min(got, end), self._check(spare[:end]))
             self._buf += spare[end:got]  # a read can end inside the frame after
         else:
             self._buf += spare[:got]
         return self._next_event()
 
-    def _check(self, frame: memoryview) -> FrameCheck | None:
+    def _check(self, frame: memoryview) -> FrameCheck | chunk_seals.SealedCheck | None:
         """The check of a large frame received in place, fed as it arrives (arriving.py)."""
         opener = self._opener
         if opener is None or self.state is not State.READY:
             return None
-        return opener.check_as_received(frame[: HEADER.size])
+        check = opener.check_as_received(frame[: HEADER.size])
+        if frame[HEADER.size - 1] != FrameType.SEALED_CHUNK:
+            return check
+        return chunk_seals.SealedCheck(check, self._token, len(frame) - TAG_SIZE, opener.encrypt)
 
     def _receive_in_place(self, ftype: FrameType, size: int) -> None:
         """Everything buffered is the start of a large frame of `size` bytes: move it to a
         buffer of the frame's own and receive the rest straight into it, checked (and
         decrypted) as it arrives (arriving.py)."""
-        lead = CHUNK_DATA if ftype is FrameType.PUT_CHUNK else 0
+        lead = CHUNK_DATA if ftype in CHUNKS else 0
         frame, self._into = self._into, None  # a caller's buffer for it (receive_into)
         if frame is None or len(frame) != size or ftype is not FrameType.DATA:
             frame = self._buffers.take(size, lead)
-        frame[: len(self._buf)] = self._buf
-        self._frame = Arriving(ftype, frame, len(self._buf), self._check(frame))
-        self._buf.clear()
+        got = min(len(self._buf), size)
+        frame[:got] = memoryview(self._buf)[:got]
+        del self._buf[:got]
+        self._frame = Arriving(ftype, frame, got, self._check(frame))
 
     def _payload(self, ftype: FrameType, frame: memoryview) -> memoryview:
         """A whole frame's payload, checked (and decrypted) when the session seals it."""
@@ -409,18 +391,8 @@ class Connection:
     def _check_receive(self, ftype: FrameType) -> None:
         if ftype is FrameType.ERROR:
             return
-        server = self.role is Role.SERVER
-        if self.state is State.READY:
-            ok = ftype in _READY_FROM[Role.CLIENT if server else Role.SERVER]
-        elif self.state is State.CLOSED:
-            ok = False
-        elif server:
-            ok = ftype is FrameType.AUTH and FrameType.HELLO in self._sent
-        elif ftype is FrameType.HELLO:
-            ok = self._peer_nonce is None
-        else:
-            ok = ftype is FrameType.WELCOME and FrameType.AUTH in self._sent
-        if not ok:
+        if not may_receive(ftype, self.role, self.state, self._sent,
+                           self._peer_nonce is not None):
             raise ProtocolError(f"unexpected {ftype.name} frame from the peer ({self.state.value})")
 
     def _parse(self, ftype: FrameType, p: bytes) -> Message:
@@ -438,6 +410,7 @@ class Connection:
         if ftype is FrameType.WELCOME:
             mac, self.encrypted, info = handshake.parse_welcome(
                 self._token, self._nonce, self._their_nonce(), p, self.want_encrypt)
+            self.seal_chunks = info.pop(chunk_seals.CAPABILITY, None) is True
             sealer, opener = self._keys()
             sealer.encrypt = opener.encrypt = self.encrypted
             self.state = State.READY

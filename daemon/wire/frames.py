@@ -8,6 +8,8 @@ from the header alone, before any payload is buffered (connection.py does). Payl
 * QueryMissing, MissingIds, Want: chunk ids back to back;
 * PutChunk: the chunk id, then the blob;
 * PutChunks: a count (u32), (chunk id, blob length u32) per chunk, then the blobs;
+* SealedChunk (a PutChunk that brings its own seal): the seal's nonce, the blob, the chunk id,
+  the seal's tag (chunk_seals.py);
 * Data: a part count (u32), one length (u64) per part, then the parts;
 * Hello, Auth, Welcome: handshake.py.
 
@@ -53,6 +55,7 @@ class FrameType(enum.IntEnum):
     DATA = 11
     WANT = 12
     PUT_CHUNKS = 13
+    SEALED_CHUNK = 14
 
 
 FRAME_TYPES: dict[type, FrameType] = {
@@ -64,7 +67,8 @@ FRAME_TYPES: dict[type, FrameType] = {
 }  # fmt: skip
 HANDSHAKE = (FrameType.HELLO, FrameType.AUTH, FrameType.WELCOME)
 # payloads kept as views, maybe received in place
-LARGE = (FrameType.PUT_CHUNK, FrameType.DATA, FrameType.PUT_CHUNKS)
+LARGE = (FrameType.PUT_CHUNK, FrameType.DATA, FrameType.PUT_CHUNKS, FrameType.SEALED_CHUNK)
+_SEAL_NONCE, _SEAL_TAG = 16, 16  # a SEALED_CHUNK's (chunk_seals.py)
 
 JsonShape = dict[str, Callable[[object], bool]]
 
@@ -179,14 +183,20 @@ def decode(ftype: FrameType, payload: bytes) -> p.Message:
 
 def decode_large(ftype: FrameType, payload: memoryview, digest: bytes | None = None
                  ) -> p.PutChunk | p.Data | p.PutChunks:
-    """A PUT_CHUNK, PUT_CHUNKS or DATA message on its payload, which it keeps as views;
-    `digest`: a PUT_CHUNK's, as it arrived (p.PutChunk.digest)."""
+    """A PUT_CHUNK (or SEALED_CHUNK), PUT_CHUNKS or DATA message on its payload, which it keeps
+    as views; `digest`: a PUT_CHUNK's, as it arrived (p.PutChunk.digest)."""
     if ftype is FrameType.PUT_CHUNKS:
         return _split_batch(payload)
     if ftype is FrameType.DATA:
         # Parts must be writable (the mesh rebuilds tensors on them): a decrypted payload
         # is not.
         return _split_data(payload if not payload.readonly else bytearray(payload))
+    if ftype is FrameType.SEALED_CHUNK:  # its seals were checked as it arrived
+        if len(payload) < _SEAL_NONCE + p.ID_SIZE + _SEAL_TAG:
+            raise p.ProtocolError("SEALED_CHUNK frame too short")
+        tail = len(payload) - p.ID_SIZE - _SEAL_TAG
+        return p.PutChunk(bytes(payload[tail : tail + p.ID_SIZE]), payload[_SEAL_NONCE:tail],
+                          digest, bytes(payload[:_SEAL_NONCE]) + bytes(payload[-_SEAL_TAG:]))
     if len(payload) < p.ID_SIZE:
         raise p.ProtocolError("PUT_CHUNK frame too short")
     return p.PutChunk(bytes(payload[:p.ID_SIZE]), payload[p.ID_SIZE:], digest)

@@ -170,6 +170,8 @@ class PutChunk:
         as a view into the frame's own buffer.
       digest: on receipt only, never sent: the xxh3_128 of a raw blob's bytes, computed as they
         arrived (arriving.py), for the store to compare with cid instead of hashing them again.
+      seal: the chunk's seal (chunk_seals.py) as it arrived, checked, for a relay hop to forward
+        with the same bytes; None: a link that takes sealed chunks seals it when it sends it.
       source: on sending only: the blob's last bytes as they lie in a file (file_range.py),
         written from there (sendfile) where the link does not encrypt them.
     """
@@ -177,6 +179,7 @@ class PutChunk:
     cid: bytes
     blob: bytes | memoryview
     digest: bytes | None = field(default=None, compare=False, repr=False)
+    seal: bytes | None = field(default=None, compare=False, repr=False)
     source: FileRange | None = field(default=None, compare=False, repr=False)
 
 

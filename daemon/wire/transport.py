@@ -15,8 +15,9 @@ import trio
 
 from .addresses import encrypts, format_addr, is_loopback, parse_addr
 from .calls import Call, Calls
-from .connection import CLOSED, NEED_DATA, Connection, Role, State
+from .connection import CLOSED, NEED_DATA, Connection
 from .file_range import FileRange, more_flag, read_range, send_range
+from .frame_rules import Role, State
 from .protocol import (
     Auth,
     AuthError,
