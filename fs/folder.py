@@ -73,7 +73,7 @@ def parse(oid: bytes, blob: bytes | memoryview, path: bytes, counted: int, limit
         raise TooManyEntries(counted + count, limit)
     if count * _ENTRY.size > size - _HEAD.size:
         raise ManifestError(f"folder {path!r}: claims {count} children, more than it holds")
-    records = []
+    records: list[tuple[int, int, int, int, bytes, bytes, tuple]] = []
     append = records.append
     unpack = _ENTRY.unpack_from
     head = _ENTRY.size
