@@ -16,8 +16,10 @@ from collections.abc import Callable, Iterator
 from .chunk import ID_SIZE, MAX_CHUNK_SIZE
 from .entry import (
     KINDS,
+    MAX_FILE_SIZE,
     MAX_NAME,
     MAX_PATH,
+    MTIME_RANGE,
     Entry,
     Kind,
     ManifestError,
@@ -221,14 +223,17 @@ def read_tree(version: bytes, get: Callable[[bytes], bytes | memoryview], limit:
             if isinstance(inner, list):
                 stack.append(inner)
             continue
-        if kind not in KINDS:
+        kind_ = KINDS.get(kind)
+        if kind_ is None:
             raise ManifestError(f"entry {child!r}: unknown kind {kind}")
-        e = _entry(Entry, (child, KINDS[kind], mode, size, mtime, target, chunks))
-        was = k_kids.get(name)
+        e = _entry(Entry, (child, kind_, mode, size, mtime, target, chunks))
+        was = k_kids.get(name) if k_kids else None
         if was is not None and was == e:
             e = was  # unchanged: checked when it was loaded
-        else:
-            check_entry(e, chunk_size)
+        elif not (kind_ is Kind.FILE and not target and 0 <= mode <= 0o7777
+                  and 0 <= size <= MAX_FILE_SIZE and mtime in MTIME_RANGE
+                  and len(chunks) == -(-size // chunk_size)):
+            check_entry(e, chunk_size)  # (a regular file's fields, checked just above)
         kids.append(e)
         count += 1
         if count > limit:
