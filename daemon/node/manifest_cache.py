@@ -12,12 +12,10 @@ import weakref
 
 import trio
 
-from ...fs.backing import place_files
 from ...fs.backing import wanted as backing_wanted
-from ...fs.chunk import RAW, CorruptChunk
+from ...fs.chunk import CorruptChunk
 from ...fs.chunk import decode as decode_chunk
-from ...fs.manifest import Entry, Manifest, ManifestError
-from ...fs.placement import large_files, place
+from ...fs.manifest import Entry, Manifest
 from ...fs.store import Store
 from ...fs.version_switch import Staged
 from .refs import Refs
@@ -50,7 +48,9 @@ class ManifestCache:
         m = self.decoded.get(version)
         if m is not None:
             return m
-        while (loading := self._loading.get(version)) is not None:  # one load at a time
+        # One load at a time: push --early's prepare comes on the control channel while the
+        # data connection's session loads the version it placed the large files from.
+        while (loading := self._loading.get(version)) is not None:
             await loading.wait()
             m = self.decoded.get(version)
             if m is not None:
@@ -83,34 +83,6 @@ class ManifestCache:
             del self._loading[version]
             done.set()
         return m
-
-    async def place(self, version: bytes, root: bytes | memoryview,
-                    nursery: trio.Nursery) -> int:
-        """Where the large files of the version whose root object `root` just arrived go
-        (before their chunks do); how many file objects will be written. With no version
-        loaded yet (a fresh node), from their records alone (fs/placement.py), and the version
-        is loaded meanwhile in `nursery`, for prepare; else loaded against the last one, as
-        cheap, and what it adds placed. Raises as `get`."""
-        if self.decoded or self.store.objects.provisional:
-            manifest = await self.get(version, root)
-            return await trio.to_thread.run_sync(place_files, self.store, manifest)
-        data = bytes(decode_chunk(version, root))  # (a view of a receive buffer)
-
-        def get(oid: bytes) -> bytes | memoryview:
-            return data if oid == version else self.store.get(oid)
-
-        chunk_size, files = await trio.to_thread.run_sync(large_files, version, get,
-                                                          self.max_entries)
-        placed = await trio.to_thread.run_sync(place, self.store, chunk_size, files)
-        nursery.start_soon(self._load_behind, version, data)  # (after: it holds the GIL)
-        return placed
-
-    async def _load_behind(self, version: bytes, root: bytes) -> None:
-        """Load a version ahead of its prepare; one that does not load is prepare's to report."""
-        try:
-            await self.get(version, b"%c%s" % (RAW, root))
-        except (KeyError, CorruptChunk, ManifestError, OSError) as e:
-            log.info("manifest %s does not load yet: %s", version.hex()[:12], e)
 
     def backed(self, manifest: Manifest, staged: Staged | None = None) -> list[Entry]:
         """The files of `manifest` served from backing files in passthrough (fs/backing.py),

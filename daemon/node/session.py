@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from ...fs.backing import place_files
 from ...fs.chunk import CorruptChunk
 from ...fs.manifest import ManifestError
 from ..wire import bulk, identity
@@ -184,7 +185,8 @@ class Session:
             return
         try:
             await self.writes.idle(self.nursery)  # the objects that came before the root
-            placed = await self.publisher.manifests.place(cid, blob, self.nursery)
+            manifest = await self.publisher.manifest(cid, blob)  # prepare's, loaded once
+            placed = await trio.to_thread.run_sync(place_files, service.store, manifest)
         except (KeyError, CorruptChunk, ManifestError, OSError) as e:
             log.info("manifest %s: large files go to packs: %s", cid.hex()[:12], e)
             return
