@@ -49,7 +49,7 @@ class ManifestCache:
         if m is not None:
             return m
         # One load at a time: push --early's prepare comes on the control channel while the
-        # data connection's session loads the version it placed the large files from.
+        # data connection's session is loading the version to place its large files.
         while (loading := self._loading.get(version)) is not None:
             await loading.wait()
             m = self.decoded.get(version)
