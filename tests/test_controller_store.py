@@ -300,3 +300,30 @@ def test_a_store_with_many_new_chunks_is_sealed_after_a_push(tmp_path):
         assert store.missing([*few, *many]) == [] and store.unsealed == 0
     finally:
         store.close()
+
+
+def test_a_push_that_adds_nothing_to_the_store_does_not_flush_it(tmp_path):
+    """A cold push from a whole dev box store appends nothing to it: its finish flushes
+    nothing either (it waited for the disk the nodes were flushing to), and records the
+    snapshot all the same. One that appends flushes, and moves the durable point."""
+    from monarch_fs.daemon.client.controller_store import ControllerStore, read_summary
+    from monarch_fs.fs.chunk import chunk_id, encode
+
+    point = tmp_path / "store" / "packs" / "00000001.durable"
+
+    async def push(data: list[bytes]) -> None:
+        store, busy = await ControllerStore.open(tmp_path / "store", 1 << 30)
+        assert store is not None and busy is None
+        for d in data:
+            store.add(chunk_id(d), encode(d))
+        store.finish(chunk_id(b"v%d" % len(data)), "w", 1)
+        store.close()
+
+    trio.run(push, [b"chunk-%d" % i for i in range(10)])
+    assert point.exists()
+    os.utime(point, ns=(10**9, 10**9))  # as a flush long ago left it
+    trio.run(push, [])
+    assert point.stat().st_mtime_ns == 10**9
+    assert len(read_summary(tmp_path / "store", 1 << 30).snapshots) == 2
+    trio.run(push, [b"more"])
+    assert point.stat().st_mtime_ns != 10**9

@@ -107,6 +107,7 @@ class ControllerStore:
         self.sourced = _read_ids(self.root / SOURCED)  # see the module docstring
         self._sourced_changed = False
         self._healed: set[bytes] = set()  # damaged copies replaced (heal): once each
+        self.wrote = False  # whether this push appended to the packs (finish flushes them)
 
     @classmethod
     async def open(cls, root: Path, bound: int,
@@ -164,6 +165,7 @@ class ControllerStore:
 
     def add(self, cid: bytes, blob: bytes | memoryview) -> None:
         """Keep a blob just encoded from bytes checked against `cid` (not decoded again)."""
+        self.wrote = True
         self.store.put_blob(cid, blob, verified=True)
 
     def holds(self, cid: bytes) -> bool:
@@ -225,6 +227,7 @@ class ControllerStore:
             done += 1
             data = read(cid)
             blob = encode(data) if compressible(data) else None
+            self.wrote = True
             if blob is not None and blob[0] != RAW:
                 self.store.put_blob(cid, blob, verified=True)
             elif cid in folders:
@@ -253,6 +256,7 @@ class ControllerStore:
                 pass
             self._healed.add(cid)
             self.store.forget(cid)
+            self.wrote = True
             try:
                 data = read(cid)
                 blob = encode(data)
@@ -272,8 +276,11 @@ class ControllerStore:
 
         The open pack is sealed once it holds SEAL_RECORDS records: an open pack has no index,
         so the next push's open would read every record's header (7 ms for 15k small files'
-        chunks, at every push)."""
-        self.store.sync()
+        chunks, at every push). A push that appended nothing flushes nothing: a cold push from
+        a whole store waited here for the disk the nodes were flushing to (0.01-0.14 s, more
+        under load), with nothing of its own to flush."""
+        if self.wrote:
+            self.store.sync()
         if self.store.unsealed >= SEAL_RECORDS:
             self.store.seal()
         summary = read_summary(self.root, self.bound)

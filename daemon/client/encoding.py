@@ -60,7 +60,10 @@ def encoded(cids: list[bytes], *, zstd: bool, raw: bool, store: ControllerStore 
             continue  # raw only: the file changed unseen; the store has the id's bytes
         data = memoryview(buf)[1:]
         sourced = store is not None and store.is_sourced(cid)
-        squeeze = not sourced and chunk.compressible(data)
+        # Whether the store is to keep it: a cold push from a whole store keeps nothing, so a
+        # raw link then takes no zstd sample of its chunks (they would only say how to keep).
+        keep = not (store is None or sourced or store.store.has(cid) or cid in kept)
+        squeeze = (zstd or keep) and not sourced and chunk.compressible(data)
         packed = chunk.encode(data) if zstd and squeeze else None
         if packed is not None and packed[0] == chunk.RAW:
             packed, squeeze = None, False  # the sample was wrong: it did not save enough
@@ -69,8 +72,9 @@ def encoded(cids: list[bytes], *, zstd: bool, raw: bool, store: ControllerStore 
             raws.append((cid, memoryview(buf)))
         if zstd:
             blobs.append((cid, packed if packed is not None else memoryview(buf)))
-        if store is None or sourced or store.store.has(cid) or cid in kept:
+        if not keep:
             continue
+        assert store is not None
         if packed is not None:
             later.append((cid, packed))
         elif squeeze:

@@ -31,6 +31,7 @@ class ManifestCache:
         self.refs = refs
         self.max_entries = max_entries  # a larger manifest is refused at prepare
         self.decoded: dict[bytes, Manifest] = {}
+        self._loading: dict[bytes, trio.Event] = {}  # versions being loaded: set once done
         # See backed: a version's list goes with its manifest.
         self._backed: weakref.WeakKeyDictionary[Manifest, list[Entry]] = (
             weakref.WeakKeyDictionary())
@@ -47,6 +48,13 @@ class ManifestCache:
         m = self.decoded.get(version)
         if m is not None:
             return m
+        # One load at a time: push --early's prepare comes on the control channel while the
+        # data connection's session is loading the version to place its large files.
+        while (loading := self._loading.get(version)) is not None:
+            await loading.wait()
+            m = self.decoded.get(version)
+            if m is not None:
+                return m
         published = any(version in vs for vs in self.refs.workspaces.values())
         last = next(reversed(self.decoded.values()), None)
 
@@ -67,8 +75,13 @@ class ManifestCache:
             return Manifest.load(version, get, None if published else self.max_entries,
                                  known=last)
 
-        m = await trio.to_thread.run_sync(load)
-        self.decoded[version] = m
+        done = self._loading[version] = trio.Event()
+        try:
+            m = await trio.to_thread.run_sync(load)
+            self.decoded[version] = m
+        finally:
+            del self._loading[version]
+            done.set()
         return m
 
     def backed(self, manifest: Manifest, staged: Staged | None = None) -> list[Entry]:
