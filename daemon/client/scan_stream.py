@@ -12,10 +12,7 @@ file object (fs/provisional.py), which the manifest claims when it arrives; the 
 rest of the chunks and the two-phase publish go as before, and the negotiation finds these
 chunks on the node. The scan's hash is the check: the bytes sent are the bytes hashed, and a
 file whose stat key moved while it was read fails the push (SourceChanged) before anything is
-published. Where a link does not encrypt, a chunk's bytes go from its file (sendfile: the
-socket takes them from the page cache the scan just read them into; wire/file_range.py), and
-a file whose stat key moved before its last chunk went fails the push the same way (the node
-refuses such a chunk: its bytes no longer match its seal).
+published.
 
 Only where every node is a root of the plan (star, or one node), not with push --early,
 --watch, --bwlimit or a control tree, and only to nodes whose link goes raw (link_codec.py:
@@ -34,12 +31,9 @@ from dataclasses import dataclass
 import trio
 
 from ...fs import chunk
-from ...fs.scan_cache import stat_key
 from ...fs.snapshot import SourceChanged
 from ..wire import bulk
-from ..wire import protocol as p
 from ..wire.buffers import BufferPool
-from ..wire.file_range import FileRange, FileShrank
 from ..wire.stream_file import StreamFile, StreamFileReply
 from ..wire.transport import RemoteError
 from . import link_codec
@@ -62,7 +56,6 @@ class _Chunk:
     index: int
     cid: bytes
     blob: memoryview  # the codec byte, then the chunk's bytes
-    source: FileRange  # the chunk's bytes in its file
 
 
 @dataclass
@@ -74,13 +67,10 @@ class _Run:
 class _File:
     """One streamed file: a FileSink (fs/scan.py) on the hashing thread."""
 
-    def __init__(self, owner: ScanStream, number: int, path: bytes, fd: int, size: int) -> None:
+    def __init__(self, owner: ScanStream, number: int, path: bytes, size: int) -> None:
         self.owner, self.number, self.path, self.size = owner, number, path, size
-        self.fd, self.key = fd, stat_key(os.fstat(fd))  # chunks are sent from it
-        self.index = self.offset = 0
+        self.index = 0
         self.held: memoryview | None = None  # the buffer being read into
-        self.pending = 0  # chunks handed over and not yet sent to every node (trio's thread)
-        self.read = False  # done() was called (trio's thread)
 
     def buffer(self, size: int) -> memoryview:
         # The window, on this thread: a hop to trio's per chunk waited for the loop while it
@@ -97,11 +87,8 @@ class _File:
         blob[0] = chunk.RAW
         if not chunk.compressible(blob[1:]):
             self.owner.sourced.append(cid)  # its file is its wire form (encoding.py)
-        source = FileRange(self.fd, self.offset, length)
-        self.owner.token.run_sync_soon(self.owner.put,
-                                       _Chunk(self, self.index, cid, blob, source))
+        self.owner.token.run_sync_soon(self.owner.put, _Chunk(self, self.index, cid, blob))
         self.index += 1
-        self.offset += length
 
     def done(self, unchanged: bool) -> None:
         if self.held is not None:  # read nothing into it (the file ended on a chunk)
@@ -109,31 +96,6 @@ class _File:
             self.owner.slots.release()
         if not unchanged:
             self.owner.changed.append(self.path)
-        try:
-            self.owner.token.run_sync_soon(self._read)
-        except trio.RunFinishedError:  # the push is over: nothing will send from it
-            self.close()
-
-    def _read(self) -> None:
-        self.read = True
-        self.sent(0)
-
-    def sent(self, chunks: int) -> None:
-        """`chunks` more of this file's chunks went to every node (on trio's thread)."""
-        self.pending -= chunks
-        if self.read and self.pending <= 0:
-            self.close()
-
-    def close(self) -> None:
-        """Done with the file: a change since it was opened fails the push (finish)."""
-        if self.fd < 0:
-            return
-        try:
-            if stat_key(os.fstat(self.fd)) != self.key:
-                self.owner.changed.append(self.path)
-        finally:
-            os.close(self.fd)
-            self.fd = -1
 
 
 class ScanStream:
@@ -152,22 +114,14 @@ class ScanStream:
         self.choices: dict[str, LinkChoice] = {}  # each link's codec, for the push to reuse
         self.changed: list[bytes] = []  # files whose stat key moved while they were read
         self.sourced: list[bytes] = []  # ids of chunks that do not compress
-        self.opened: list[_File] = []  # closed once sent, or when run() ends
-        self.running, self.ran = False, trio.Event()
         self.files = self.chunks_sent = self.bytes_sent = 0
 
     def __call__(self, path: bytes, size: int) -> _File | None:
         """fs/scan.py's Tap: a sink for a large file (on a hashing thread)."""
         if size < MIN_FILE or size < 2 * self.chunk_size:
             return None
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:  # the scan's own open says why
-            return None
         self.files += 1
-        sink = _File(self, self.files, path, fd, size)
-        self.opened.append(sink)
-        return sink
+        return _File(self, self.files, path, size)
 
     def put(self, c: _Chunk) -> None:
         """Queue a chunk the tap hands over (on trio's thread, in the order handed over)."""
@@ -175,20 +129,9 @@ class ScanStream:
             self.queue.send_nowait(c)
         except (trio.BrokenResourceError, trio.ClosedResourceError):  # the push stopped
             self.slots.release()
-            return
-        c.file.pending += 1
 
     async def run(self) -> None:
         """Send what the tap hands over until `finish`; the links are open (push_nodes)."""
-        self.running = True
-        try:
-            await self._run()
-        finally:
-            for f in self.opened:
-                f.close()
-            self.ran.set()
-
-    async def _run(self) -> None:
         for node in self.links:
             if node.error is None:
                 choice = await link_codec.choose(self.compress, node.addr, node.channel)
@@ -263,10 +206,6 @@ class ScanStream:
                     except NODE_ERRORS as e:
                         ok = False
                         node.fail(e, self.timeout)
-                    except FileShrank as e:  # the frame went out in part: the link is done
-                        ok = False
-                        self.changed.append(group[0].chunks[0].file.path)
-                        node.fail(ConnectionError(str(e)), self.timeout)
                     finally:
                         for run in group:
                             self._sent(run)
@@ -281,16 +220,12 @@ class ScanStream:
         if run.nodes <= 0:
             for _ in run.chunks:
                 self.slots.release()
-            if run.chunks:
-                run.chunks[0].file.sent(len(run.chunks))  # a run is of one file
             run.chunks.clear()
 
     async def finish(self) -> None:
         """The scan is done: send what is left, then stop; SourceChanged if a file changed
         while it was read (nothing of this push is published then)."""
         await self.queue.aclose()
-        if self.running:  # a file is checked again once its chunks are sent (_File.close)
-            await self.ran.wait()
         if self.changed:
             raise SourceChanged(f"{os.fsdecode(self.changed[0])} changed while it was read "
                                 "(its stat key moved): push again once it is written")
@@ -312,16 +247,12 @@ class ScanStream:
 
     async def _send_run(self, node: NodeLink, group: list[_Run], lacking: set[bytes]) -> None:
         out: list[tuple[bytes, bytes | memoryview]] = []
-        sources: dict[bytes, FileRange] = {}
         for c in (c for run in group for c in run.chunks):
             if c.cid in lacking:  # once, if the group holds it twice
                 lacking.remove(c.cid)
                 out.append((c.cid, c.blob))
-                sources[c.cid] = c.source
         if out:
-            await node.channel.send_many([
-                p.PutChunk(m.cid, m.blob, source=sources[m.cid])
-                if isinstance(m, p.PutChunk) else m for m in bulk.frames_for(out)])
+            await node.channel.send_many(bulk.frames_for(out))
             self.chunks_sent += len(out)
             self.bytes_sent += sum(len(blob) for _, blob in out)
 

@@ -23,7 +23,6 @@ from collections.abc import Callable
 from . import chunk_seals, frames, handshake
 from .arriving import CHUNK_DATA, CHUNKS, Arriving
 from .buffers import ALIGN, RECEIVING, BufferPool
-from .file_range import from_file
 from .frame_rules import Role, State, may_receive, may_send
 from .frames import HEADER, MAX_FRAME, MAX_HANDSHAKE_FRAME, Buffer, FrameType
 from .handshake import NONCE_SIZE
@@ -34,7 +33,6 @@ from .protocol import (
     Hello,
     Message,
     ProtocolError,
-    PutChunk,
     TruncatedFrame,
     Welcome,
 )
@@ -107,7 +105,7 @@ class Connection:
 
     def send(self, msg: Message) -> bytes:
         """The bytes that carry `msg`. Raises ProtocolError if it may not be sent now."""
-        data = b"".join(self._frame_parts(msg))  # a chunk's bytes from its blob, not its file
+        data = b"".join(self.send_parts(msg))
         self.sent()
         return data
 
@@ -115,12 +113,6 @@ class Connection:
         """send(), as a list of buffers to write in order: a chunk's blob or a DATA part is one
         of them, not copied. They stay valid until `sent()` (an encrypted frame's ciphertext
         is in space the sealer reuses). Raises ProtocolError if `msg` may not be sent now."""
-        data = self._frame_parts(msg)
-        if isinstance(msg, PutChunk) and msg.source is not None:  # its bytes from its file
-            return from_file(data, msg.blob, msg.source)
-        return data
-
-    def _frame_parts(self, msg: Message) -> list[Buffer]:
         ftype = frames.FRAME_TYPES.get(type(msg))
         if ftype is None:
             raise TypeError(f"not a protocol message: {msg!r}")

@@ -21,10 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .file_range import FileRange
 
 PROTOCOL_VERSION = 2
 ID_SIZE = 16  # chunk ids, as fs.chunk.ID_SIZE
@@ -172,15 +168,12 @@ class PutChunk:
         arrived (arriving.py), for the store to compare with cid instead of hashing them again.
       seal: the chunk's seal (chunk_seals.py) as it arrived, checked, for a relay hop to forward
         with the same bytes; None: a link that takes sealed chunks seals it when it sends it.
-      source: on sending only: the blob's last bytes as they lie in a file (file_range.py),
-        written from there (sendfile) where the link does not encrypt them.
     """
 
     cid: bytes
     blob: bytes | memoryview
     digest: bytes | None = field(default=None, compare=False, repr=False)
     seal: bytes | None = field(default=None, compare=False, repr=False)
-    source: FileRange | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ import trio
 from .addresses import encrypts, format_addr, is_loopback, parse_addr
 from .calls import Call, Calls
 from .connection import CLOSED, NEED_DATA, Connection
-from .file_range import FileRange, more_flag, read_range, send_range
 from .frame_rules import Role, State
 from .protocol import (
     Auth,
@@ -133,7 +132,7 @@ def _coalesce(parts: list) -> list:
     out: list = []
     run: list = []
     for part in parts:
-        if len(part) < _SMALL and not isinstance(part, FileRange):
+        if len(part) < _SMALL:
             run.append(part)
             continue
         if run:
@@ -205,27 +204,16 @@ class Channel:
             self.conn.sent()
 
     async def _write(self, parts: list) -> None:
-        if self._sock is None:  # a stream that is not a socket takes bytes only
-            await self.stream.send_all(b"".join(
-                read_range(part) if isinstance(part, FileRange) else part for part in parts))
+        if self._sock is None:
+            await self.stream.send_all(b"".join(parts))
             return
         bufs, first = _coalesce(parts), 0
         while first < len(bufs):
-            if isinstance(bufs[first], FileRange):
-                try:
-                    await send_range(self._sock, bufs[first])
-                except OSError as e:
-                    raise trio.BrokenResourceError(_describe(e)) from e
-                first += 1
-                continue
-            end = next((i for i in range(first, min(len(bufs), first + _IOV_MAX))
-                        if isinstance(bufs[i], FileRange)), min(len(bufs), first + _IOV_MAX))
             try:
-                sent = await self._sock.sendmsg(bufs[first:end], [],
-                                                more_flag(end < len(bufs)))
+                sent = await self._sock.sendmsg(bufs[first : first + _IOV_MAX])
             except OSError as e:
                 raise trio.BrokenResourceError(_describe(e)) from e
-            while first < end and sent >= len(bufs[first]):
+            while first < len(bufs) and sent >= len(bufs[first]):
                 sent -= len(bufs[first])
                 first += 1
             if sent:  # a partial write: the rest of this buffer goes next
