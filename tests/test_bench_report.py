@@ -121,3 +121,9 @@ def test_a_readme_without_markers_or_a_run_without_the_data_path_is_left_alone(t
     del no_datapath["results"]["datapath"]
     assert not run_all.update_readme_figures(no_datapath, md, readme)
     assert readme.read_text() == marked
+
+
+def test_the_readme_has_the_place_a_full_run_fills():
+    text = (run_all.REPO / "README.md").read_text()
+    assert text.count(run_all.FIGURES_BEGIN) == 1
+    assert text.index(run_all.FIGURES_BEGIN) < text.index(run_all.FIGURES_END)
