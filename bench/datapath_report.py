@@ -157,6 +157,16 @@ def table(res: dict) -> list[str]:
                  else ", no venv") + f"). The raw loopback stream is the best of the "
               f"workload's samples ({samples} MB/s; each push's own is in the results). One "
               "run of each; the cold starts are the coldstart workload's medians."]
+    auto, on = dp["ingest"]["auto"], dp["ingest"]["on"]
+    if "push_cpu_s_per_gb" in auto:
+        lines += ["", f"The dev box's half: the push process's CPU per GB "
+                  f"{auto['push_cpu_s_per_gb']:.2f} s (`--encrypt on`: "
+                  f"{on['push_cpu_s_per_gb']:.2f} s), a plain-Python sender's (read, hash, send) "
+                  f"{auto['pipeline_cpu_s_per_gb']['sender']:.2f} s."]
+    if le.get("venv_alone_MB_per_s") and le.get("big_files_MB_per_s"):
+        lines += ["", f"The env's parts: the venv alone {le['venv_alone_MB_per_s']:.0f} MB/s, "
+                  f"the .so-sized files (the env's push less the venv's) "
+                  f"{le['big_files_MB_per_s']:.0f} MB/s."]
     return lines
 
 

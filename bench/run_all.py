@@ -2,7 +2,7 @@
 """The benchmark suite behind `make bench`: monarch-fs next to what users would do instead, in
 the same run on the same machine, as ratios.
 
-    .venv/bin/python -m bench.run_all             # the full suite (about 15 minutes on 2 cores)
+    .venv/bin/python -m bench.run_all             # the full suite (about 30 minutes on 2 cores)
     .venv/bin/python -m bench.run_all --quick     # a smoke run of every workload (~1-2 minutes)
     .venv/bin/python -m bench.run_all --only read,tree
 
