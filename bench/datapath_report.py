@@ -50,8 +50,9 @@ def _ingest_rows(dp: dict) -> list[dict]:
         "daemon CPU per GB ingested (the push and its backing copies)",
         "daemon CPU per GB ingested",
         f"{cpu:.2f} s ({r['daemon_cpu_s_per_gb_push']:.2f} s during the push)",
-        f"plain-Python receiver (hash, write) {floor:.2f} s", f"{cpu / floor:.2f}x" if floor
-        else "", f"<= {t['daemon_cpu_s_per_gb']} s", cpu <= t["daemon_cpu_s_per_gb"]))
+        # no floor: a plain-Python receiver's CPU is shown, it swings 0.4-3 s on this VM
+        f"(a plain-Python receiver, hash + write: {floor:.2f} s)", "",
+        f"<= {t['daemon_cpu_s_per_gb']} s", cpu <= t["daemon_cpu_s_per_gb"]))
     rl = dp["relay"]
     hops = rl["per_node_cpu_s_per_gb"][:-1]
     worst, floor = max(hops), rl["relay_floor_cpu_s_per_gb"]
