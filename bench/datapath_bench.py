@@ -3,7 +3,7 @@
 the coldstart workload's cold starts, each next to the limit it is held to, measured the same
 minute.
 
-    .venv/bin/python -m bench.datapath_bench             # 1 GiB pushes, the 8 GiB env (~5 min)
+    .venv/bin/python -m bench.datapath_bench             # 1 GiB pushes, the 8 GiB env (~2-4 min)
     .venv/bin/python -m bench.datapath_bench --quick     # 128 MiB, a 0.25 GiB env (~1 min)
 
 1. node ingest (bench/ingest_bench.py): the same incompressible file (cached in --cache) to a

@@ -2,7 +2,7 @@
 """The benchmark suite behind `make bench`: monarch-fs next to what users would do instead, in
 the same run on the same machine, as ratios.
 
-    .venv/bin/python -m bench.run_all             # the full suite (about 30 minutes on 2 cores)
+    .venv/bin/python -m bench.run_all             # the full suite (about 20 minutes on 2 cores)
     .venv/bin/python -m bench.run_all --quick     # a smoke run of every workload (~1-2 minutes)
     .venv/bin/python -m bench.run_all --only read,tree
 
@@ -29,7 +29,7 @@ Workloads, one module each (each also runs on its own; see its docstring for the
   node (`--encrypt auto` and `on`) over the raw loopback stream, daemon CPU per GB, CPU per GB
   per relay hop down a chain of 3 beside the relay floor, and an 8 GiB env (--env-gib) over
   the 1 GiB rate with the daemon's peak RSS; with coldstart's cold starts over the local cold
-  import, one table (datapath_report.py) (~5 minutes, ~17 GB of disk while it runs);
+  import, one table (datapath_report.py) (~2-4 minutes, ~17 GB of disk while it runs);
 - editloop (edit_loop_bench.py): issue 20's edit-run loop: 15,000 and 100,000 small files on 4
   nodes, pushed with no change and after one edit until every node shows it (CLI start
   included; as a new process, and handed to a running `push --watch`), vs `rsync -a` into 4
