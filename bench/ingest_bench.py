@@ -34,8 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import LocalCluster, mfs_cli, run
+from bench.common import LocalCluster, disk_bytes, mfs_cli
 from bench.limits import loopback_stream, push_pipeline, relay_floor
+from bench.node_settled import flushed, settled
 
 
 def cpu_seconds(pid: int, which: tuple[int, ...] = (11, 12)) -> float:
@@ -44,25 +45,83 @@ def cpu_seconds(pid: int, which: tuple[int, ...] = (11, 12)) -> float:
     return sum(int(fields[i]) for i in which) / os.sysconf("SC_CLK_TCK")
 
 
-def disk_bytes(folder: Path) -> int:
-    """Bytes allocated under `folder` (st_blocks: what the disk really holds)."""
-    total = 0
-    for dirpath, _, names in os.walk(folder):
-        for name in names:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-            except FileNotFoundError:
-                pass
-    return total
+def measure(src: Path, work: Path, nodes: int = 1, topology: str | None = None,
+            encrypt: str | None = None, profile: str | None = None) -> dict:
+    """Push the folder `src` (one large incompressible file) to a fresh cluster of `nodes` in
+    `work`, beside the limits measured right before it; the figures the module's docstring
+    names. The daemons' --durable is theirs, or $MONARCH_FS_DURABLE's."""
+    content = sum(f.stat().st_size for f in src.iterdir())
+    big = max(src.iterdir(), key=lambda f: f.stat().st_size)
+    loopback = loopback_stream(content)  # bytes/s, this run
+    floor = push_pipeline(big, work)
+    # a relay hop's floor, this run: plain recv_into + sendall of the same bytes
+    hop_floor = relay_floor(content) if nodes > 1 else None
+    with LocalCluster(work / f"cluster-{nodes}-{topology or 'auto'}-{encrypt or 'auto'}",
+                      nodes=nodes) as c:
+        pids = [c.pid(i) for i in range(nodes)]
+        spy = None
+        if profile:  # a profiling aid only: py-spy, if installed
+            cmd = (["perf", "record", "-g", "-p", str(pids[0]), "-o", profile]
+                   if profile.endswith(".data") else
+                   ["py-spy", "record", "-p", str(pids[0]), "-f", "raw",
+                    "-o", profile, "-r", "250", "--threads"])
+            spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(1)
+        before = [cpu_seconds(p) for p in pids]
+        user_before = [cpu_seconds(p, (11,)) for p in pids]
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        push_args = ["--topology", topology] if topology else []
+        push_args += ["--encrypt", encrypt] if encrypt else []
+        seconds, result = c.push(src, args=push_args)
+        pushed = resource.getrusage(resource.RUSAGE_CHILDREN)
+        push_cpu = pushed.ru_utime + pushed.ru_stime - children.ru_utime - children.ru_stime
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            spy.wait()
+        after = [cpu_seconds(p) for p in pids]
+        user = sum(cpu_seconds(p, (11,)) - b for p, b in zip(pids, user_before))
+        settled(c)  # backing copies run after the commit
+        settled_cpu = [cpu_seconds(p) for p in pids]
+        for i in range(nodes):
+            flushed(c.state(i))
+        disk = [disk_bytes(c.state(i)) for i in range(nodes)]
+    cpu = sum(a - b for a, b in zip(after, before))
+    cpu_all = sum(a - b for a, b in zip(settled_cpu, before))
+    gb = content * nodes / 1e9
+    mib = content / (1 << 20)
+    return {
+        "nodes": nodes, "content_mib": int(mib) if mib.is_integer() else round(mib, 1),
+        "push_s": round(seconds, 2),
+        "MB_per_s": round(content / 1e6 / seconds, 1),
+        "loopback_MB_per_s": round(loopback / 1e6, 1),
+        "of_loopback": round(content / seconds / loopback, 3),
+        "pipeline_MB_per_s": round(floor["bytes_per_s"] / 1e6, 1),
+        "pipeline_of_loopback": round(floor["bytes_per_s"] / loopback, 3),
+        "of_pipeline": round(content / seconds / floor["bytes_per_s"], 3),
+        "pipeline_cpu_s_per_gb": {k.removesuffix("_cpu_s_per_gb"): round(v, 2)
+                                  for k, v in floor.items() if k.endswith("_per_gb")},
+        "durable": os.environ.get("MONARCH_FS_DURABLE", "background"),
+        "daemon_cpu_s_per_gb_push": round(cpu / gb, 2),
+        "of_which_user": round(user / gb, 2),
+        "daemon_cpu_s_per_gb_incl_backing": round(cpu_all / gb, 2),
+        "per_node_cpu_s_per_gb": [round((a - b) / (content / 1e9), 2)
+                                  for a, b in zip(after, before)],
+        "relay_floor_cpu_s_per_gb": None if hop_floor is None else round(hop_floor, 2),
+        "push_cpu_s_per_gb": round(push_cpu / (content / 1e9), 2),
+        "phases": result.get("phases"),  # push --json's: scan, send, publish...
+        "topology": topology or "auto", "encrypt": encrypt or "auto",
+        "disk_per_content_byte": round(max(disk) / content, 3),
+        "exit": result.get("ok", result.get("status")),
+    }
 
 
-def status(c: LocalCluster) -> list[dict]:
-    _, proc = run([c.cli, "status", "--hosts", f"@{c.dir / 'hosts'}", "--token-file",
-                   str(c.dir / "token"), "--json"], env={**os.environ,
-                                                        "MONARCH_FS_HOME": str(c.home)})
-    out = json.loads(proc.stdout[proc.stdout.index("{") if proc.stdout.lstrip()[:1] == "{"
-                                 else proc.stdout.index("["):])
-    return out["nodes"] if isinstance(out, dict) else out
+def random_folder(folder: Path, mib: int) -> Path:
+    """`folder` holding big.bin, `mib` MiB of random bytes (no compressor shrinks it)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "big.bin", "wb") as f:
+        for _ in range(mib):
+            f.write(os.urandom(1 << 20))
+    return folder
 
 
 def main() -> None:
@@ -82,74 +141,9 @@ def main() -> None:
         os.environ["MONARCH_FS_DURABLE"] = args.durable  # the cluster's daemons inherit it
     mfs_cli()
     with tempfile.TemporaryDirectory(dir="/work") as tmp:
-        src = Path(tmp) / "src"
-        src.mkdir()
-        with open(src / "big.bin", "wb") as f:
-            for _ in range(args.mib):
-                f.write(os.urandom(1 << 20))
-        content = args.mib << 20
-        loopback = loopback_stream(content)  # bytes/s, this run
-        floor = push_pipeline(src / "big.bin", Path(tmp))
-        # a relay hop's floor, this run: plain recv_into + sendall of the same bytes
-        hop_floor = relay_floor(content) if args.nodes > 1 else None
-        with LocalCluster(Path(tmp) / "cluster", nodes=args.nodes) as c:
-            pids = [c.pid(i) for i in range(args.nodes)]
-            spy = None
-            if args.profile:  # a profiling aid only: py-spy, if installed
-                cmd = (["perf", "record", "-g", "-p", str(pids[0]), "-o", args.profile]
-                       if args.profile.endswith(".data") else
-                       ["py-spy", "record", "-p", str(pids[0]), "-f", "raw",
-                        "-o", args.profile, "-r", "250", "--threads"])
-                spy = subprocess.Popen(cmd,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                time.sleep(1)
-            before = [cpu_seconds(p) for p in pids]
-            user_before = [cpu_seconds(p, (11,)) for p in pids]
-            children = resource.getrusage(resource.RUSAGE_CHILDREN)
-            push_args = ["--topology", args.topology] if args.topology else []
-            push_args += ["--encrypt", args.encrypt] if args.encrypt else []
-            seconds, result = c.push(src, args=push_args)
-            pushed = resource.getrusage(resource.RUSAGE_CHILDREN)
-            push_cpu = (pushed.ru_utime + pushed.ru_stime
-                        - children.ru_utime - children.ru_stime)
-            if spy is not None:
-                spy.send_signal(signal.SIGINT)
-                spy.wait()
-            after = [cpu_seconds(p) for p in pids]
-            user = sum(cpu_seconds(p, (11,)) - b for p, b in zip(pids, user_before))
-            deadline = time.monotonic() + 120  # backing copies run after the commit
-            while time.monotonic() < deadline:
-                if all(not n.get("backing_writing") for n in status(c)):
-                    break
-                time.sleep(0.5)
-            settled = [cpu_seconds(p) for p in pids]
-            disk = [disk_bytes(c.dir / f"node-{i}" / "state") for i in range(args.nodes)]
-            cpu = sum(a - b for a, b in zip(after, before))
-            cpu_all = sum(a - b for a, b in zip(settled, before))
-            gb = content * args.nodes / 1e9
-            print(json.dumps({
-                "nodes": args.nodes, "content_mib": args.mib, "push_s": round(seconds, 2),
-                "MB_per_s": round(content / 1e6 / seconds, 1),
-                "loopback_MB_per_s": round(loopback / 1e6, 1),
-                "of_loopback": round(content / seconds / loopback, 3),
-                "pipeline_MB_per_s": round(floor["bytes_per_s"] / 1e6, 1),
-                "pipeline_of_loopback": round(floor["bytes_per_s"] / loopback, 3),
-                "of_pipeline": round(content / seconds / floor["bytes_per_s"], 3),
-                "pipeline_cpu_s_per_gb": {k.removesuffix("_cpu_s_per_gb"): round(v, 2)
-                                          for k, v in floor.items() if k.endswith("_per_gb")},
-                "durable": args.durable or os.environ.get("MONARCH_FS_DURABLE", "background"),
-                "daemon_cpu_s_per_gb_push": round(cpu / gb, 2),
-                "of_which_user": round(user / gb, 2),
-                "daemon_cpu_s_per_gb_incl_backing": round(cpu_all / gb, 2),
-                "per_node_cpu_s_per_gb": [round((a - b) / (content / 1e9), 2)
-                                          for a, b in zip(after, before)],
-                "relay_floor_cpu_s_per_gb": None if hop_floor is None else round(hop_floor, 2),
-                "push_cpu_s_per_gb": round(push_cpu / (content / 1e9), 2),
-                "phases": result.get("phases"),  # push --json's: scan, send, publish...
-                "topology": args.topology or "auto", "encrypt": args.encrypt or "auto",
-                "disk_per_content_byte": round(max(disk) / content, 3),
-                "exit": result.get("ok", result.get("status")),
-            }))
+        src = random_folder(Path(tmp) / "src", args.mib)
+        print(json.dumps(measure(src, Path(tmp), args.nodes, args.topology, args.encrypt,
+                                 args.profile)))
 
 
 if __name__ == "__main__":

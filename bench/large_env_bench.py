@@ -61,10 +61,13 @@ def random_file(path: Path, size: int) -> None:
             left -= n
 
 
-def make_env(folder: Path, venv: Path, total: int) -> dict:
-    """`folder` = the venv (hard links) + random .so-sized files under lib/big/ up to `total`
-    bytes of content."""
-    subprocess.run(["cp", "-al", str(venv), str(folder)], check=True)
+def make_env(folder: Path, venv: Path | None, total: int) -> dict:
+    """`folder` = the venv (hard links; none: no venv) + random .so-sized files under lib/big/
+    up to `total` bytes of content."""
+    if venv is None:
+        folder.mkdir()
+    else:
+        subprocess.run(["cp", "-al", str(venv), str(folder)], check=True)
     have = sum(os.lstat(os.path.join(d, f)).st_size
                for d, _, fs in os.walk(folder) for f in fs)
     venv_bytes = have
@@ -150,11 +153,15 @@ def push_fresh(work: Path, label: str, src: Path) -> dict:
             "disk_per_content_byte": round(disk / content, 4)}
 
 
-def measure(work: Path, cache: Path, gib: float) -> dict:
-    venv, staged = import_bench.ensure_venv(cache)
+def measure(work: Path, cache: Path, gib: float, one_mib: int = 1024,
+            with_venv: bool = True) -> dict:
+    """The env of `gib` GiB against `one_mib` MiB of one incompressible file, each pushed to a
+    fresh node; `with_venv` False: the env is the random files alone and the venv is not pushed
+    (a smoke run's tiny sizes)."""
+    venv, staged = import_bench.ensure_venv(cache) if with_venv else (None, {})
     one = work / "one"
     one.mkdir()
-    random_file(one / "big.bin", GiB)
+    random_file(one / "big.bin", one_mib * MiB)
     env = work / "env"
     log(f"making the {gib:g} GiB env (the venv + random .so-sized files) ...")
     made = make_env(env, venv, int(gib * GiB))
@@ -164,21 +171,23 @@ def measure(work: Path, cache: Path, gib: float) -> dict:
     # than incompressible .so files (scan, zstd for the dev box store), which the ratio mixes.
     for label, src in (("1gib-before", one), ("venv-alone", venv), ("env", env),
                        ("1gib-after", one)):
+        if src is None:
+            continue
         log(f"  push {label} ...")
         runs.append(push_fresh(work, label, src))
         log(f"    {runs[-1]['MB_per_s']} MB/s, daemon peak RSS "
             f"{runs[-1]['daemon_peak_rss_mb']} MB")
     base = [r["MB_per_s"] for r in runs if r["label"].startswith("1gib")]
     large = next(r for r in runs if r["label"] == "env")
-    alone = next(r for r in runs if r["label"] == "venv-alone")
+    alone = next((r for r in runs if r["label"] == "venv-alone"), None)
     # The .so-sized files' share of the env's push: its seconds less the venv's alone.
-    big_s = large["push_s"] - alone["push_s"]
+    big_s = large["push_s"] - (alone["push_s"] if alone else 0.0)
     ratio = large["MB_per_s"] / (sum(base) / len(base))
-    return {"gib": gib, "env": made, "venv_files": staged.get("files"), "runs": runs,
-            "one_gib_MB_per_s": base, "env_MB_per_s": large["MB_per_s"],
+    return {"gib": gib, "one_mib": one_mib, "env": made, "venv_files": staged.get("files"),
+            "runs": runs, "one_gib_MB_per_s": base, "env_MB_per_s": large["MB_per_s"],
             "rate_ratio": round(ratio, 3),
             "big_files_MB_per_s": round(made["big_bytes"] / 1e6 / big_s, 1) if big_s > 0 else None,
-            "venv_alone_MB_per_s": alone["MB_per_s"],
+            "venv_alone_MB_per_s": alone["MB_per_s"] if alone else None,
             "rate_ratio_range": [round(large["MB_per_s"] / max(base), 3),
                                  round(large["MB_per_s"] / min(base), 3)],
             "daemon_peak_rss_mb": large["daemon_peak_rss_mb"],

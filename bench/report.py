@@ -1,5 +1,6 @@
 """The suite's report: issue 5's goals (and 19's, 20's, 21's) judged from a run's figures, and
-the run as Markdown: the goals, a table per workload, and where the mount's time goes.
+the run as Markdown: the goals, issue 34's data path (datapath_report.py), a table per
+workload, and where the mount's time goes.
 run_all.py measures and writes it."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from collections.abc import Callable
 
 from . import (
     cold_start_bench,
+    datapath_report,
     edit_loop_bench,
     fanout_model,
     network_push_bench,
@@ -236,7 +238,8 @@ _OWN_TABLES: list[tuple[str, Callable[[dict], str], Callable[[dict], list[str]]]
 def summary_tables(report: dict) -> list[str]:
     """The goals and one table per workload: what the README shows."""
     res = report["results"]
-    lines = ["| goal (issue 5, 19, 20, 21) | target | this run | |", "| --- | --- | --- | --- |"]
+    lines = (["| goal (issue 5, 19, 20, 21) | target | this run | |", "| --- | --- | --- | --- |"]
+             if report["goals"] else [])  # none: a run of workloads without goals (--only)
     for g in report["goals"]:
         verdict = "n/a" if g["met"] is None else ("**met**" if g["met"] else "**not met**")
         lines.append(f"| {g['goal']} | {g['target']} | {g['shown']} | {verdict} |")
@@ -244,6 +247,8 @@ def summary_tables(report: dict) -> list[str]:
         if "error" in r:
             lines += ["", f"**{name}: FAILED**: {r['error'].splitlines()[0]}"]
     lines.append("")
+    if datapath := datapath_report.table(res):
+        lines += [*datapath, ""]
 
     pu = res.get("push", {})
     if "measurements" in pu:

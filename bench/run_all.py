@@ -2,7 +2,7 @@
 """The benchmark suite behind `make bench`: monarch-fs next to what users would do instead, in
 the same run on the same machine, as ratios.
 
-    .venv/bin/python -m bench.run_all             # the full suite (about 15 minutes on 2 cores)
+    .venv/bin/python -m bench.run_all             # the full suite (about 20 minutes on 2 cores)
     .venv/bin/python -m bench.run_all --quick     # a smoke run of every workload (~1-2 minutes)
     .venv/bin/python -m bench.run_all --only read,tree
 
@@ -25,6 +25,11 @@ Workloads, one module each (each also runs on its own; see its docstring for the
   is done there (default and usable-early modes), vs local disk and `rsync -a` + import; the
   node's disk per content byte; daemon CPU per GB for 1 GiB of incompressible data to 1 and 8
   nodes; and (root) 8 hosts behind 1 Gbit/s links against 1 (~5 minutes; --quick 1-2);
+- datapath (datapath_bench.py): issue 34's data path: 1 GiB of incompressible data to a fresh
+  node (`--encrypt auto` and `on`) over the raw loopback stream, daemon CPU per GB, CPU per GB
+  per relay hop down a chain of 3 beside the relay floor, and an 8 GiB env (--env-gib) over
+  the 1 GiB rate with the daemon's peak RSS; with coldstart's cold starts over the local cold
+  import, one table (datapath_report.py) (~2-4 minutes, ~17 GB of disk while it runs);
 - editloop (edit_loop_bench.py): issue 20's edit-run loop: 15,000 and 100,000 small files on 4
   nodes, pushed with no change and after one edit until every node shows it (CLI start
   included; as a new process, and handed to a running `push --watch`), vs `rsync -a` into 4
@@ -41,7 +46,8 @@ first run pays for them. Every cluster runs from its own folder under a fresh ru
 stopped (cluster.down) whatever happens. Results: bench/results/bench-DATE.json and .md (a quick
 run writes to bench/results/tmp/, which git ignores), and a full run replaces the section
 "The latest run" of docs/benchmarks.md (the site's Benchmarks page). The goals of issue 5 are
-judged from the figures of this run.
+judged from the figures of this run, and a full run also rewrites the README's figures (the
+data path's table, between its markers) from the same results.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ from tests.netns import NetnsUnsupported
 
 from . import (
     cold_start_bench,
+    datapath_bench,
     edit_fanout_bench,
     edit_loop_bench,
     import_bench,
@@ -80,12 +87,15 @@ from .common import (
     machine_facts,
     remove_work,
 )
+from .datapath_report import readme_section
 from .report import goals, machine_line, markdown, summary_tables
 
-WORKLOADS = ("push", "read", "import", "tree", "netpush", "coldstart", "editloop",
+WORKLOADS = ("push", "read", "import", "tree", "netpush", "coldstart", "datapath", "editloop",
              "editfanout", "telemetry")
 README_BEGIN = "<!-- bench:begin (bench/run_all.py rewrites this section) -->"
 README_END = "<!-- bench:end -->"
+FIGURES_BEGIN = "<!-- figures:begin (bench/run_all.py rewrites this table from a full run) -->"
+FIGURES_END = "<!-- figures:end -->"
 
 FULL = {
     "push": {"size_mb": 512, "nodes": 3},
@@ -95,6 +105,7 @@ FULL = {
     "netpush": {"size_mb": 512, "nodes": [1, 3, 8], "rate": "1gbit"},
     "coldstart": {"module": "torch", "excludes": (), "runs": 3, "ingest_mb": 1024,
                   "ingest_nodes": [1, 8], "hosts": [1, 8], "rate": "1gbit"},
+    "datapath": {"ingest_mib": 1024, "relay_nodes": 3, "env_gib": 8.0, "env_venv": True},
     "editloop": {"files": [15_000, 100_000], "nodes": 4, "rounds": 5, "watch_edits": 20},
     "editfanout": {"nodes": [1, 2, 4, 8], "edits": 9, "rate": "1gbit"},
     "telemetry": {"module": "torch", "excludes": (), "files": 100_000, "runs": 9,
@@ -110,6 +121,7 @@ QUICK = {
     "netpush": {"size_mb": 64, "nodes": [2], "rate": "1gbit"},
     "coldstart": {"module": "sympy", "excludes": ("torch", "torchgen", "functorch"), "runs": 1,
                   "ingest_mb": 256, "ingest_nodes": [1, 2], "hosts": [1, 2], "rate": "1gbit"},
+    "datapath": {"ingest_mib": 128, "relay_nodes": 3, "env_gib": 0.25, "env_venv": False},
     "editloop": {"files": [3_000], "nodes": 2, "rounds": 1, "watch_edits": 3},
     "editfanout": {"nodes": [1, 2], "edits": 3, "rate": "1gbit"},
     "telemetry": {"module": "sympy", "excludes": ("torch", "torchgen", "functorch"),
@@ -142,6 +154,9 @@ def run_workload(name: str, params: dict, work: Path, cache: Path, page_cache: P
             work, cache, params["module"], tuple(params["excludes"]), params["runs"],
             params["ingest_mb"], tuple(params["ingest_nodes"]), tuple(params["hosts"]),
             params["rate"], page_cache)
+    if name == "datapath":
+        return datapath_bench.measure(work, cache, params["ingest_mib"], params["relay_nodes"],
+                                      params["env_gib"], params["env_venv"])
     if name == "editloop":
         return edit_loop_bench.measure(work, cache, tuple(params["files"]), params["nodes"],
                                        params["rounds"], params["watch_edits"])
@@ -159,34 +174,43 @@ def run_workload(name: str, params: dict, work: Path, cache: Path, page_cache: P
 
 # ---- the report's place in the docs -------------------------------------------------------
 
-def update_readme(report: dict, md_path: Path,
-                  readme: Path = REPO / "docs" / "benchmarks.md") -> None:
-    """Replace the table between the bench markers of the docs' Benchmarks page (adding the
-    section at the end the first time); nothing else on the page is touched."""
-    rel = os.path.relpath(md_path, readme.parent)
-    body = [
-        README_BEGIN, "",
+def rewrite_between(page: Path, begin: str, end: str, body: list[str]) -> bool:
+    """Replace what lies between the markers `begin` and `end` of `page` (kept) with `body`;
+    nothing else on the page is touched. False, and the page unchanged, without the markers."""
+    text = page.read_text()
+    if begin not in text or end not in text.split(begin, 1)[1]:
+        return False
+    head, rest = text.split(begin, 1)
+    tail = rest.split(end, 1)[1]
+    tmp = page.with_suffix(".md.tmp")
+    tmp.write_text(head + "\n".join([begin, "", *body, end]) + tail)
+    os.replace(tmp, page)
+    return True
+
+
+def update_docs_page(report: dict, md_path: Path,
+                     page: Path = REPO / "docs" / "benchmarks.md") -> bool:
+    """The latest run's tables on the docs' Benchmarks page (its section "The latest run")."""
+    rel = os.path.relpath(md_path, page.parent)
+    return rewrite_between(page, README_BEGIN, README_END, [
         f"Latest `make bench` ({report['date']}, [full report]({rel})), on {machine_line(report)}. "
         f"The machine was shared with other jobs (load average {report['load'][0]:.1f} at the "
         f"start, CPUs {report['cpu_busy_pct']:.0f}% busy over the run), so treat single figures "
         "as noisy; the ratios are measured side by side in the same run.", "",
-        *summary_tables(report), README_END,
-    ]
-    text = readme.read_text()
-    if README_BEGIN in text and README_END in text:
-        head, rest = text.split(README_BEGIN, 1)
-        tail = rest.split(README_END, 1)[1]
-        text = head + "\n".join(body) + tail
-    else:
-        intro = ("\n## Benchmarks\n\n`make bench` (bench/run_all.py, about 15 minutes on 2 cores) "
-                 "puts monarch-fs next to what users do instead: push vs `rsync -a` and `tar | "
-                 "zstd`, and reads, `import torch` and `find` over 100k files through the mount "
-                 "vs local disk, cold (page cache dropped) and warm. `--quick` is a 1-2 minute "
-                 "smoke run. Each workload's rules are in its module's docstring.\n\n")
-        text = text.rstrip("\n") + "\n" + intro + "\n".join(body) + "\n"
-    tmp = readme.with_suffix(".md.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, readme)
+        *summary_tables(report)])
+
+
+def update_readme_figures(report: dict, md_path: Path, readme: Path = REPO / "README.md") -> bool:
+    """The README's figures (the data path's short table) from the same run as the docs'."""
+    body = readme_section(report, os.path.relpath(md_path, readme.parent))
+    return bool(body) and rewrite_between(readme, FIGURES_BEGIN, FIGURES_END, [*body, ""])
+
+
+def publish(report: dict, md_path: Path) -> None:
+    """A full run's figures into the docs' Benchmarks page and the README."""
+    for what, done in (("the latest run in docs/benchmarks.md", update_docs_page),
+                       ("the figures in README.md", update_readme_figures)):
+        log(f"updated {what}" if done(report, md_path) else f"NOT updated {what} (no markers)")
 
 
 def render(json_path: Path, readme: bool = True) -> int:
@@ -198,8 +222,7 @@ def render(json_path: Path, readme: bool = True) -> int:
     complete = (list(report["results"]) == list(WORKLOADS)
                 and not any("error" in r for r in report["results"].values()))
     if readme and complete and not report["quick"]:
-        update_readme(report, md_path)
-        log("updated the latest run in docs/benchmarks.md")
+        publish(report, md_path)
     return 0
 
 
@@ -223,12 +246,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--files", type=int, help="files in the metadata tree (default 100000)")
     parser.add_argument("--cold-runs", type=int, help="cold runs per side (default 3)")
     parser.add_argument("--warm-runs", type=int, help="warm runs per side (default 5; import: 9)")
+    parser.add_argument("--env-gib", type=float,
+                        help="the datapath workload's large env, GiB (default 8)")
     parser.add_argument("--no-readme", action="store_true",
-                        help="do not rewrite the latest run in docs/benchmarks.md")
+                        help="do not rewrite the latest run in docs/benchmarks.md and the "
+                        "README's figures")
     parser.add_argument("--render", type=Path, metavar="JSON",
                         help="measure nothing: rewrite the .md next to a saved bench-*.json (and "
-                        "docs/benchmarks.md, for a full run) from it, e.g. after changing the "
-                        "report")
+                        "docs/benchmarks.md and the README's figures, for a full run) from it, "
+                        "e.g. after changing the report")
     args = parser.parse_args(argv)
     if args.render:
         return render(args.render, readme=not args.no_readme)
@@ -238,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
 
     params = json.loads(json.dumps(QUICK if args.quick else FULL))
     for flag, (w, key) in {"push_size_mb": ("push", "size_mb"), "push_nodes": ("push", "nodes"),
-                           "read_size_mb": ("read", "size_mb"), "files": ("tree", "files")}.items():
+                           "read_size_mb": ("read", "size_mb"), "files": ("tree", "files"),
+                           "env_gib": ("datapath", "env_gib")}.items():
         if getattr(args, flag) is not None:
             params[w][key] = getattr(args, flag)
     for w in ("read", "import", "tree"):
@@ -294,8 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"wrote {stem}.json and {stem}.md")
     failed = [n for n, r in results.items() if "error" in r]
     if not args.quick and not args.no_readme and not failed and only == list(WORKLOADS):
-        update_readme(report, stem.with_suffix(".md"))
-        log("updated the latest run in docs/benchmarks.md")
+        publish(report, stem.with_suffix(".md"))
     if failed:
         log(f"FAILED: {', '.join(failed)}")
         return 1
