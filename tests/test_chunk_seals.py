@@ -234,3 +234,21 @@ async def test_a_chunk_changed_between_two_real_nodes_is_refused_and_never_serve
     assert json.loads(again.stdout)["failed"] == {}
     for i in range(2):
         assert (c.mnt(i) / "ws" / "big.bin").read_bytes() == data
+
+
+def test_small_sealed_chunks_read_whole_in_one_go_are_checked_as_any():
+    """A read past one large frame can hold the next frames whole (a tree's 64-128 KiB chunks
+    back to back): they are checked from the receive buffer as they stand, their seals and
+    digests as if they had arrived piece by piece, and a changed one is refused all the same."""
+    chunks = [chunk(4 * MiB)] + [chunk(70_000 + i) for i in range(3)]
+    w = ready_pair()
+    data = b"".join(w.client.send(m) for m in chunks)
+    got, _ = recv_into_all(w.server, data, 8 * MiB)  # a read takes the rest whole
+    assert [(m.cid, bytes(m.blob)) for m in got] == [(m.cid, m.blob) for m in chunks]
+    assert all(m.seal is not None and m.digest == m.cid for m in got)
+    w = ready_pair()
+    sent = [w.client.send(m) for m in chunks]
+    last = bytearray(sent[-1])
+    last[HEADER.size + chunk_seals.SEAL_NONCE + 100] ^= 1
+    with pytest.raises(AuthError, match=f"chunk {chunks[-1].cid.hex()} failed its seal"):
+        recv_into_all(w.server, b"".join(sent[:-1]) + bytes(last), 8 * MiB)

@@ -305,10 +305,10 @@ class Connection:
             raise ProtocolError(f"{ftype.name} frame of {size} bytes exceeds the limit of {limit}")
         self._check_receive(ftype)
         end = HEADER.size + size
-        if len(buf) < end or ftype is FrameType.SEALED_CHUNK:  # whole: checked in place too
-            if self._eof and len(buf) < end:
+        if len(buf) < end:
+            if self._eof:
                 raise TruncatedFrame("connection closed mid-frame")
-            if (end >= IN_PLACE and ftype in frames.LARGE) or ftype is FrameType.SEALED_CHUNK:
+            if end >= IN_PLACE and ftype in frames.LARGE:
                 self._receive_in_place(ftype, end)
                 return self._next_event()
             return NEED_DATA
@@ -319,6 +319,11 @@ class Connection:
             with memoryview(buf) as view:  # bytes(buf[a:b]) would copy twice
                 frame = memoryview(bytes(view[:end]))
         del buf[:end]
+        if ftype is FrameType.SEALED_CHUNK:  # whole already (read past a large one): its
+            # checks are fed at once, as they would be as it arrived (a zeroed buffer of its
+            # own per frame cost a small file's chunk a memset and its page faults)
+            self._frame = Arriving(ftype, frame, end, self._check(frame))
+            return self._next_event()
         payload = self._payload(ftype, frame)
         if ftype in frames.LARGE:
             return frames.decode_large(ftype, payload)
