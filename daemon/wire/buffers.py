@@ -76,11 +76,13 @@ class BufferPool:
     def prepare(self, count: int) -> None:
         """Make `count` pooled buffers now and touch their pages, so that the first chunks
         received do not pay for fresh memory (see RECEIVING). Blocking: run it on a thread."""
-        with self._lock:
-            while len(self._pool) < min(count, self.keep):
-                raw = _huge(self.POOLED)
-                for offset in range(0, len(raw), ALIGN):
-                    raw[offset] = 0
+        for _ in range(min(count, self.keep) - len(self._pool)):
+            raw = _huge(self.POOLED)  # made and touched outside the lock: take() never waits
+            for offset in range(0, len(raw), ALIGN):
+                raw[offset] = 0
+            with self._lock:
+                if len(self._pool) >= self.keep:
+                    return
                 self._pool.append(raw)
 
     def take(self, size: int, lead: int = 0) -> memoryview:
