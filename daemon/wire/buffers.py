@@ -105,6 +105,6 @@ class BufferPool:
 # one connection serves the next, so a daemon's receive buffers are made once, not per push.
 # Fresh memory is dear here (the first touch of never-used pages ran at ~1 GB/s on this VM
 # against ~8 GB/s for pages used before): per connection, a 1 GiB push paid 10-12% of the
-# daemon's CPU zeroing the pages of the buffers it made. Eight in hand cover one push's
-# receive (6 were made for a 1 GiB push to one node); more are made as needed, up to `keep`.
+# daemon's CPU zeroing the pages of the buffers it made. A daemon fills it when it starts
+# (prepare); more are made as needed, up to `keep`.
 RECEIVING = BufferPool(keep=16)

@@ -310,7 +310,6 @@ class Connection:
                 raise TruncatedFrame("connection closed mid-frame")
             if end >= IN_PLACE and ftype in frames.LARGE:
                 self._receive_in_place(ftype, end)
-                return self._next_event()
             return NEED_DATA
         self._into = None  # it was for this frame, which is not received in place
         if ftype is FrameType.DATA:  # one copy out of the receive buffer, then views
@@ -366,10 +365,9 @@ class Connection:
         frame, self._into = self._into, None  # a caller's buffer for it (receive_into)
         if frame is None or len(frame) != size or ftype is not FrameType.DATA:
             frame = self._buffers.take(size, lead)
-        got = min(len(self._buf), size)
-        frame[:got] = memoryview(self._buf)[:got]
-        del self._buf[:got]
-        self._frame = Arriving(ftype, frame, got, self._check(frame))
+        frame[: len(self._buf)] = self._buf  # less than the frame: it is not whole yet
+        self._frame = Arriving(ftype, frame, len(self._buf), self._check(frame))
+        self._buf.clear()
 
     def _payload(self, ftype: FrameType, frame: memoryview) -> memoryview:
         """A whole frame's payload, checked (and decrypted) when the session seals it."""
@@ -413,4 +411,3 @@ class Connection:
             self.state = State.READY
             return Welcome(mac, info)
         return frames.decode(ftype, p)
-
