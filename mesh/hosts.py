@@ -36,6 +36,9 @@ from .loop import service_nursery
 
 OnEvent = Callable[[str, dict], None]
 SEND_TIMEOUT = 30.0  # seconds a daemon may take to accept one request's bytes
+# Seconds a daemon has to answer a kill. It answers at once when it can (it signals the process
+# group and replies); one that does not is stopped or wedged, and must not hold a stop up.
+KILL_TIMEOUT = 5.0
 
 
 @dataclass(frozen=True)
@@ -135,12 +138,18 @@ class HostLink:
             on_event(kind, data)
         return reply
 
-    async def kill(self, proc: int, sig: int = signal.SIGTERM) -> None:
-        """Signal a proc's process group; a proc that already ended is not an error."""
-        try:
-            await self.request("kill", proc=proc, signal=int(sig))
-        except (RemoteError, MeshError):
-            pass
+    async def kill(self, proc: int, sig: int = signal.SIGTERM,
+                   timeout: float = KILL_TIMEOUT) -> bool:
+        """Signal a proc's process group; a proc that already ended is not an error, nor is a
+        lost connection (the daemon kills the procs of a controller that went away). False
+        when the daemon did not answer within `timeout` seconds."""
+        with trio.move_on_after(timeout):
+            try:
+                await self.request("kill", proc=proc, signal=int(sig))
+            except (RemoteError, MeshError):
+                pass
+            return True
+        return False
 
     async def aclose(self) -> None:
         await trio.aclose_forcefully(self.chan.stream)
@@ -159,7 +168,9 @@ class Launcher:
     async def spawn(self, host: int, spec: dict, on_event: OnEvent) -> dict:
         raise NotImplementedError
 
-    async def kill(self, host: int, proc: int, sig: int = signal.SIGTERM) -> None:
+    async def kill(self, host: int, proc: int, sig: int = signal.SIGTERM,
+                   timeout: float = KILL_TIMEOUT) -> bool:
+        """Signal a proc's process group; False if its host did not answer within `timeout`."""
         raise NotImplementedError
 
     async def request(self, host: int, op: str, **args: object) -> dict:
@@ -180,8 +191,9 @@ class HostSubset(Launcher):
     async def spawn(self, host: int, spec: dict, on_event: OnEvent) -> dict:
         return await self.base.spawn(self.indices[host], spec, on_event)
 
-    async def kill(self, host: int, proc: int, sig: int = signal.SIGTERM) -> None:
-        await self.base.kill(self.indices[host], proc, sig)
+    async def kill(self, host: int, proc: int, sig: int = signal.SIGTERM,
+                   timeout: float = KILL_TIMEOUT) -> bool:
+        return await self.base.kill(self.indices[host], proc, sig, timeout)
 
     async def request(self, host: int, op: str, **args: object) -> dict:
         return await self.base.request(self.indices[host], op, **args)
@@ -200,8 +212,9 @@ class Daemons(Launcher):
     async def spawn(self, host: int, spec: dict, on_event: OnEvent) -> dict:
         return await self.links[host].spawn(spec, on_event)
 
-    async def kill(self, host: int, proc: int, sig: int = signal.SIGTERM) -> None:
-        await self.links[host].kill(proc, sig)
+    async def kill(self, host: int, proc: int, sig: int = signal.SIGTERM,
+                   timeout: float = KILL_TIMEOUT) -> bool:
+        return await self.links[host].kill(proc, sig, timeout)
 
     async def request(self, host: int, op: str, **args: object) -> dict:
         try:

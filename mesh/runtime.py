@@ -40,7 +40,7 @@ from .asyncio_loop import AsyncioLoop
 from .calls import error_message
 from .context import enter_proc
 from .errors import Failure, MeshError, SpawnError
-from .hosts import HostInfo, Launcher, OnEvent
+from .hosts import KILL_TIMEOUT, HostInfo, Launcher, OnEvent
 from .mesh_ref import use_loop
 from .mesh_state import print_output
 from .outbox import Outbox
@@ -79,8 +79,11 @@ class OwnerLauncher(Launcher):
                 self._handlers.pop(call.id, None)
                 raise SpawnError(str(e)) from None
 
-    async def kill(self, host: int, proc: int, sig: int = 15) -> None:
+    async def kill(self, host: int, proc: int, sig: int = 15,
+                   timeout: float = KILL_TIMEOUT) -> bool:
+        """Handed to our owner, which holds the daemon links and bounds the kill there."""
         await self.runtime.send({"op": "kill", "host": host, "proc": proc, "signal": int(sig)})
+        return True
 
     async def request(self, host: int, op: str, **args: object) -> dict:
         with self._calls.expecting(Call()) as call:

@@ -10,8 +10,10 @@ what it started (`monarch-fs repro JOB --rank R`).
 
 When a rank fails (non-zero exit, a signal, or its host becomes unreachable) the first failure is
 reported (rank, host, cause, the tail of its stderr), the other ranks are stopped (SIGTERM, then
-SIGKILL after a grace period) and, while restarts remain, the whole group starts again with a
-fresh MASTER_PORT. A rank that exits 0 early is not a failure: the job is done when all have.
+SIGKILL after a grace period; a host whose daemon does not answer within a few seconds is named
+with what may still run there, and not waited for: rank_stop.py) and, while restarts remain, the
+whole group starts again with a fresh MASTER_PORT. A rank that exits 0 early is not a failure:
+the job is done when all have.
 
 Exit status: 0 when every rank exited 0; otherwise that of the first failing rank of the last
 attempt: its exit code, or 128 + the signal number if a signal killed it (as a shell reports
@@ -45,11 +47,12 @@ from ..daemon.client.fold import WINDOW, FoldedOutput
 from ..daemon.wire import bulk
 from ..daemon.wire.jobs import JOB_ENV, new_job_name
 from . import hang
-from .errors import MeshError
+from .errors import MeshError, SpawnError
 from .hosts import Daemons, HostInfo, open_daemons, workspace_version
+from .rank_stop import Started, stop_ranks
 
-STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL for the surviving ranks
 EXIT_STATUS_LOST = 1
+SPAWN_TIMEOUT = 30.0  # seconds a daemon has to start a rank and say so (exec, a MUNGE credential)
 
 
 @dataclass
@@ -112,10 +115,11 @@ class _Attempt:
         self.transports = transports  # per host: tcp, rdma-rc or rdma-srd
         self.world = job.per_host * len(daemons.hosts)
         job.output.fold = job.fold and self.world > 1  # one rank: nothing to wait for
-        self.procs: dict[int, tuple[int, int]] = {}  # rank -> (host, daemon's proc id)
+        self.procs: dict[int, Started] = {}  # rank -> its host, daemon's proc id and pid
         self.exited: set[int] = set()
         self.failure: RankFailure | None = None
         self.stopping = False
+        self.silent: list[str] = []  # a line per host that did not answer the stop
         self.spawn_errors: list[MeshError] = []
         self.changed = trio.Event()
         self.hang = None if job.hang_timeout is None else hang.HangWatch(
@@ -204,30 +208,35 @@ class _Attempt:
     async def _spawn(self, rank: int, spec: dict) -> None:
         host = self._host(rank)
         try:
-            # Shielded: once asked, we must learn the proc id so that stop() can kill it.
-            with trio.CancelScope(shield=True):
+            # Shielded: once asked, we must learn the proc id so that stop() can kill it; but
+            # bounded: a daemon that answers nothing must not hold the run up (what it may
+            # start meanwhile, it kills when this run's connection goes).
+            with trio.CancelScope(shield=True,
+                                  deadline=trio.current_time() + SPAWN_TIMEOUT) as scope:
                 reply = await self.daemons.spawn(
                     host, spec, lambda kind, data: self.on_event(rank, kind, data))
         except MeshError as e:
             self.spawn_errors.append(e)
-        else:
-            self.procs[rank] = (host, reply["proc"])
+            return
+        if scope.cancelled_caught:
+            self.spawn_errors.append(SpawnError(
+                f"{self.daemons.hosts[host]}: did not answer the start of rank {rank} within "
+                f"{SPAWN_TIMEOUT:g} s"))
+            return
+        self.procs[rank] = Started(host, reply["proc"], reply.get("pid"))
 
     async def stop(self) -> None:
-        """SIGTERM the ranks still running, SIGKILL them after STOP_GRACE, wait for all."""
+        """Stop the ranks still running (rank_stop.py: bounded, whatever the daemons do)."""
         self.stopping = True
-        running = [r for r in self.procs if r not in self.exited]
+        running = {r: s for r, s in self.procs.items() if r not in self.exited}
         if not running:
             return
         if self.failure is not None:
             other = "the other " if self.failure.rank not in running else ""
             self.job.say(f"stopping {other}{len(running)} ranks")
-        for sig, grace in ((signals.SIGTERM, STOP_GRACE), (signals.SIGKILL, STOP_GRACE)):
-            for rank in running:
-                if rank not in self.exited:
-                    await self.daemons.kill(*self.procs[rank], sig)
-            with trio.move_on_after(grace):
-                await self._wait(lambda: all(r in self.exited for r in running))
+        self.silent = await stop_ranks(self.daemons, running, self.exited, self._wait)
+        for line in self.silent:
+            self.job.say(line)
 
 
 def choose_transports(daemons: Daemons, job: Job, local: bulk.LocalTransport) -> list[str]:
@@ -265,13 +274,17 @@ async def run_job(addrs: list[str], token: bytes, job: Job,
             world = job.per_host * len(daemons.hosts)
             restart = 0
             while True:
-                failure = await _Attempt(job, daemons, kinds).run(restart)
+                attempt = _Attempt(job, daemons, kinds)
+                failure = await attempt.run(restart)
                 if failure is None:
                     job.say(f"all {world} ranks exited 0" +
                             (f" (after {restart} restarts)" if restart else "") +
                             f"; {summary}")
                     return 0
                 if restart >= job.max_restarts:
+                    break
+                if attempt.silent:  # its ranks there may still run: not a group to restart
+                    job.say("not restarting: a host did not answer the stop")
                     break
                 job.say(f"restarting all {world} ranks ({job.max_restarts - restart} restarts "
                         "left)")
