@@ -231,10 +231,12 @@ class MeshState(CallTarget):
             for proc in self.procs:  # a proc stops the meshes its actors own, then exits
                 proc.post(wire.encode({"op": "stop"}))
             await exits()
-            for proc in self.procs:
-                self.kill_launched(proc)
-                if proc.proc_id is not None and not proc.exited.is_set():
-                    await self.launcher.kill(proc.host, proc.proc_id, signal.SIGKILL)
+            async with trio.open_nursery() as nursery:  # all at once, each bounded (hosts.py)
+                for proc in self.procs:
+                    self.kill_launched(proc)
+                    if proc.proc_id is not None and not proc.exited.is_set():
+                        nursery.start_soon(self.launcher.kill, proc.host, proc.proc_id,
+                                           signal.SIGKILL)
             await exits()
         self.stopped = True
         self.calls.fail_all(lambda call: MeshError(f"proc mesh {self.name!r} was stopped"))

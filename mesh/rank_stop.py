@@ -43,14 +43,9 @@ async def signal_all(launcher: Launcher, procs: list[Started], sig: int,
         if not await launcher.kill(started.host, started.proc, sig, timeout):
             silent.add(started.host)
 
-    try:
-        async with trio.open_nursery() as nursery:
-            for started in procs:
-                nursery.start_soon(one, started)
-    except BaseExceptionGroup as group:  # Ctrl-C meanwhile: as itself, for the CLI to report
-        if group.split(KeyboardInterrupt)[1] is None:
-            raise KeyboardInterrupt from None
-        raise
+    async with trio.open_nursery() as nursery:
+        for started in procs:
+            nursery.start_soon(one, started)
     return silent
 
 

@@ -52,7 +52,9 @@ from .hosts import Daemons, HostInfo, open_daemons, workspace_version
 from .rank_stop import Started, stop_ranks
 
 EXIT_STATUS_LOST = 1
-SPAWN_TIMEOUT = 30.0  # seconds a daemon has to start a rank and say so (exec, a MUNGE credential)
+# Seconds a daemon has to answer each request of a launch: a free port, the workspace's version,
+# a rank's start (an exec, a MUNGE credential). One that answers nothing must not hold run up.
+LAUNCH_TIMEOUT = 30.0
 
 
 @dataclass
@@ -160,8 +162,12 @@ class _Attempt:
     async def run(self, restart: int) -> RankFailure | None:
         job, daemons = self.job, self.daemons
         master = daemons.hosts[0].host
-        port = (await daemons.request(0, "free_port"))["port"]
-        version = await workspace_version(daemons, job.workspace) if job.workspace else None
+        with trio.move_on_after(LAUNCH_TIMEOUT) as late:
+            port = (await daemons.request(0, "free_port"))["port"]
+            version = await workspace_version(daemons, job.workspace) if job.workspace else None
+        if late.cancelled_caught:
+            raise MeshError(f"{daemons.hosts[0]}: did not answer within {LAUNCH_TIMEOUT:g} s "
+                            "(its daemon is stopped or stuck)")
         try:
             async with trio.open_nursery() as nursery:
                 for rank in range(self.world):
@@ -212,7 +218,7 @@ class _Attempt:
             # bounded: a daemon that answers nothing must not hold the run up (what it may
             # start meanwhile, it kills when this run's connection goes).
             with trio.CancelScope(shield=True,
-                                  deadline=trio.current_time() + SPAWN_TIMEOUT) as scope:
+                                  deadline=trio.current_time() + LAUNCH_TIMEOUT) as scope:
                 reply = await self.daemons.spawn(
                     host, spec, lambda kind, data: self.on_event(rank, kind, data))
         except MeshError as e:
@@ -221,7 +227,7 @@ class _Attempt:
         if scope.cancelled_caught:
             self.spawn_errors.append(SpawnError(
                 f"{self.daemons.hosts[host]}: did not answer the start of rank {rank} within "
-                f"{SPAWN_TIMEOUT:g} s"))
+                f"{LAUNCH_TIMEOUT:g} s (its daemon is stopped or stuck)"))
             return
         self.procs[rank] = Started(host, reply["proc"], reply.get("pid"))
 
@@ -294,3 +300,7 @@ async def run_job(addrs: list[str], token: bytes, job: Job,
     except MeshError as e:
         job.say(f"error: {e}")
         return EXIT_STATUS_LOST
+    except BaseExceptionGroup as group:  # Ctrl-C while in a nursery (the starts, the stop)
+        if group.split(KeyboardInterrupt)[1] is None:
+            raise KeyboardInterrupt from None  # as itself: the CLI says "interrupted", 130
+        raise
