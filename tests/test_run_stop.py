@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from helpers import CLI_MODULE, job_files
+from helpers import CLI_MODULE, job_files, wait_for
 from monarch_fs.mesh.hosts import KILL_TIMEOUT
 from procwatch import Started
 
@@ -61,13 +61,18 @@ def start_run(cluster, tmp_path, started: Started,
          str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     started.add(run.pid)
-    deadline = time.monotonic() + 30
-    while len(list(out.glob("*.pid"))) < 4:
-        assert time.monotonic() < deadline and run.poll() is None, "the ranks did not start"
-        time.sleep(0.05)
-    time.sleep(0.3)  # every spawn's reply is in (a rank can write its pid before that)
+    wait_for(lambda: len(list(out.glob("*.pid"))) == 4 or run.poll() is not None, 30,
+             "the ranks to start")
     pids = {int(p.stem): int(p.read_text()) for p in out.glob("*.pid")}
     started.add(*pids.values(), match=str(script))
+    assert len(pids) == 4, run.communicate()
+
+    def answered() -> bool:  # each daemon logs a start just before it sends its reply
+        logs = [(cluster.dir / f"node-{i}" / "log").read_text(errors="replace") for i in (0, 1)]
+        return all(f"(pid {pid}" in logs[rank // 2] for rank, pid in pids.items())
+
+    wait_for(answered, 10, "the daemons to answer every start")
+    time.sleep(0.1)
     return run, pids
 
 
