@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from helpers import Cluster, Daemon, start_cluster, start_daemon, stop_cluster, stop_daemon
+from helpers import (
+    Cluster,
+    Daemon,
+    start_cluster,
+    start_daemon,
+    stop_cluster,
+    stop_daemon,
+    stop_fillers,
+)
 from opens import Opens
 from procwatch import Started
 
@@ -31,8 +39,11 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _private_home(tmp_path_factory, monkeypatch):
     """The CLI keeps a scan cache and a default cluster under $MONARCH_FS_HOME: never the
-    user's own, in tests."""
-    monkeypatch.setenv("MONARCH_FS_HOME", str(tmp_path_factory.mktemp("home")))
+    user's own, in tests. The dev box store's fillers its pushes started are stopped after."""
+    home = tmp_path_factory.mktemp("home")
+    monkeypatch.setenv("MONARCH_FS_HOME", str(home))
+    yield
+    stop_fillers(home)
 
 
 @pytest.fixture

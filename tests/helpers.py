@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, settings
 
 from monarch_fs import cli
 from monarch_fs.daemon.client import cluster as cluster_mod
+from monarch_fs.daemon.client import filler_control
 from monarch_fs.fs import chunk
 from monarch_fs.fs.manifest import Manifest
 
@@ -68,6 +69,24 @@ def holds_for(cond, seconds: float, what: str, interval: float = 0.05) -> None:
         assert cond(), f"{what} stopped holding"
         time.sleep(interval)
     assert cond(), f"{what} stopped holding"
+
+
+# ---- the dev box store's fillers ---------------------------------------------------------------
+
+def wait_fillers(home: Path | None = None, timeout: float = 60) -> None:
+    """Wait until the store fillers the pushes with this $MONARCH_FS_HOME (default: the
+    test's) started have finished (daemon/client/filler_control.py)."""
+    from monarch_fs.settings import settings as mfs_settings
+
+    home = mfs_settings.home if home is None else home
+    assert filler_control.wait_all(home, timeout), \
+        f"store fillers still running after {timeout}s: {filler_control.running(home)}"
+
+
+def stop_fillers(home: Path) -> list[int]:
+    """Stop the fillers the pushes with this home started (asked as a push asks, waited for by
+    pid, bounded), before the home is removed."""
+    return filler_control.stop_all(home)
 
 
 # ---- mounts -----------------------------------------------------------------------------------
