@@ -72,12 +72,18 @@ def request(store: Path, pid: int) -> None:
 
 
 def is_filler(pid: int) -> bool:
-    """Whether `pid` is a filler still running (not a zombie, not a reused pid)."""
+    """Whether `pid` is a filler still running (not a zombie, not a reused pid). A process
+    in the middle of its exec shows no command line yet: one that is no zombie counts."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return MODULE.encode() in f.read()
-    except OSError:
+            cmdline = f.read()
+        if cmdline:
+            return MODULE.encode() in cmdline
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[0]
+    except (OSError, IndexError):
         return False
+    return state not in (b"Z", b"X")
 
 
 def start(spec: dict, home: Path) -> int:
