@@ -6,9 +6,9 @@ all the store needs, and the encoders hand it over (encoding.py) and go on readi
 that went raw everywhere and compresses is not compressed here: zstd beside the send took a
 quarter of a venv push's CPU on the cores the send and the nodes need. It is kept after the
 publish (ControllerStore.fill, with every chunk the store still lacks: by the filler the push
-starts, store_keep.py), once, so the next push to fresh nodes finds the store whole. The keeper takes up to BUDGET bytes in hand; what
-finds no room is left to that fill too. A push's send ends once the keeper has written what
-it holds.
+starts, store_keep.py), once, so the next push to fresh nodes finds the store whole. The
+keeper takes up to BUDGET bytes in hand; what finds no room is left to that fill too. A
+push's send ends once the keeper has written what it holds.
 """
 
 from __future__ import annotations

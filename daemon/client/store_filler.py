@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -34,7 +35,7 @@ from pathlib import Path
 import trio
 
 from ...fs.private_files import replace_file
-from ...fs.scan import collector_paused, scan
+from ...fs.scan import ScanStopped, collector_paused, scan
 from ...fs.scan_cache import ScanCache, _file_key
 from ...fs.snapshot import SourceChanged
 from ...fs.store import Store, StoreBusy
@@ -158,9 +159,15 @@ def _unlink(path: Path) -> None:
 async def _fill(spec: dict, store: ControllerStore, stop: Stop, started: float) -> str:
     src = spec["src"]
     cache = ReadOnlyCache.for_folder(spec["cache"], src) if spec["cache"] else None
+    stopped = threading.Event()  # the walk looks between folders: a request during the scan
     try:
-        with collector_paused(freeze=True):
-            snap = await scan(src, spec["excludes"], cache=cache)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch, stop, stopped)
+            with collector_paused(freeze=True):
+                snap = await scan(src, spec["excludes"], cache=cache, stop=stopped)
+            nursery.cancel_scope.cancel()
+    except ScanStopped:
+        return f"stopped while scanning ({stop.why}); nothing filled"
     except OSError as e:
         return f"the folder {src} cannot be scanned ({e}); nothing filled"
     now = snap.manifest.id.hex()
@@ -194,6 +201,12 @@ async def _fill(spec: dict, store: ControllerStore, stop: Stop, started: float) 
     if failed:
         return f"stopped after {seconds:.2f} s{failed}: kept {kept} chunks, {left} left{changed}"
     return f"kept {kept} chunks in {seconds:.2f} s; {left} lacking{changed}"
+
+
+async def _watch(stop: Stop, stopped: threading.Event) -> None:
+    while not stop():
+        await trio.sleep(CHECK_EVERY)
+    stopped.set()
 
 
 async def _flush_every(store: ControllerStore) -> None:
