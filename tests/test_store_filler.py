@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_controller_store import evict, folders, make_src, resident_bytes
+from test_controller_store import evict, folders, make_src, resident_bytes, store_status
 
 from helpers import CLI_MODULE, tree, wait_fillers, wait_for
 from monarch_fs.daemon.client import filler_control, store_keep
@@ -176,10 +176,12 @@ def test_inline_fills_before_the_push_returns_and_off_not_at_all(tmp_path, fresh
 
 def test_stop_all_stops_a_running_filler(tmp_path, fresh_cluster):
     """What the tests' and benchmarks' cleanup calls before removing a home: a filler asked
-    as a push asks, and waited for by its pid."""
+    as a push asks, and waited for by its pid. `status --store` says which filler fills the
+    store while one does."""
     src = make_src(tmp_path / "env", size=96 << 20)
     fresh_cluster(1).push_json(src)
     pid = catch_filler()
+    assert store_status()["filling"] == pid
     stopped: list[int] = []
     stopper = threading.Thread(
         target=lambda: stopped.extend(filler_control.stop_all(Path(settings.home))))
@@ -193,3 +195,4 @@ def test_stop_all_stops_a_running_filler(tmp_path, fresh_cluster):
     [line] = fill_log()
     assert "(a push asked for the store)" in line
     assert filler_control.holder(settings.store_dir) is None
+    assert store_status()["filling"] is None

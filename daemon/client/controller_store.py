@@ -90,20 +90,24 @@ class Summary:
     bytes: int
     bound: int
     snapshots: list[Held]
+    filling: int | None = None  # the pid of a filler filling it now (store_filler.py)
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
 def read_summary(root: Path, bound: int) -> Summary:
-    """What the store held after its last push; an absent or damaged record is an empty one."""
+    """What the store held after its last push (or its filler's last run), and which filler
+    fills it now; an absent or damaged record is an empty one."""
     try:
         data = json.loads((root / RECORD).read_text())
         held = [Held(**h) for h in data["snapshots"]]
         objects, size = int(data["objects"]), int(data["bytes"])
     except (OSError, ValueError, KeyError, TypeError):
         held, objects, size = [], 0, 0
-    return Summary(str(root), objects, size, bound, held)
+    pid = filler_control.holder(root)
+    filling = pid if pid is not None and filler_control.is_filler(pid) else None
+    return Summary(str(root), objects, size, bound, held, filling)
 
 
 class ControllerStore:
