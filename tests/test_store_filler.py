@@ -11,11 +11,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
-from pathlib import Path
 
 import pytest
+import trio
 from test_controller_store import evict, folders, make_src, resident_bytes, store_status
 
 from helpers import CLI_MODULE, tree, wait_fillers, wait_for
@@ -182,15 +181,22 @@ def test_stop_all_stops_a_running_filler(tmp_path, fresh_cluster):
     fresh_cluster(1).push_json(src)
     pid = catch_filler()
     assert store_status()["filling"] == pid
+
+    flag = filler_control.stop_path(settings.store_dir, pid)
     stopped: list[int] = []
-    stopper = threading.Thread(
-        target=lambda: stopped.extend(filler_control.stop_all(Path(settings.home))))
-    stopper.start()
-    try:
-        wait_for(filler_control.stop_path(settings.store_dir, pid).exists, 10, "the request")
-    finally:
-        os.kill(pid, signal.SIGCONT)
-        stopper.join()
+
+    async def stop_all() -> None:
+        stopped.extend(await trio.to_thread.run_sync(filler_control.stop_all, settings.home))
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stop_all)
+            try:
+                await trio.to_thread.run_sync(wait_for, flag.exists, 10, "the request")
+            finally:
+                os.kill(pid, signal.SIGCONT)
+
+    trio.run(main)
     assert stopped == [pid] and gone(pid)
     [line] = fill_log()
     assert "(a push asked for the store)" in line

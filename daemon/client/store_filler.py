@@ -188,8 +188,8 @@ async def _fill(spec: dict, store: ControllerStore, stop: Stop, started: float) 
         except (SourceChanged, OSError) as e:  # an edit during the fill, a full disk
             failed = f" ({e})"
         nursery.cancel_scope.cancel()
-    if stop() and not store.root.is_dir():
-        return f"stopped ({stop.why}); nothing recorded"
+    if not store.root.is_dir():  # its home removed under it: nothing to record there
+        return "stopped (the store's folder was removed); nothing recorded"
     # Not the bound's collect when a push waits for the store: that push applies it.
     whole = stop.why is None and not failed
     await trio.to_thread.run_sync(store.settle, bytes.fromhex(spec["version"]), whole)
