@@ -198,7 +198,7 @@ def test_stop_all_stops_a_running_filler(tmp_path, fresh_cluster):
 
     trio.run(main)
     assert stopped == [pid] and gone(pid)
-    [line] = fill_log()
-    assert "(a push asked for the store)" in line
+    lines = fill_log()
+    assert len(lines) == 1 and "(a push asked for the store)" in lines[0], lines
     assert filler_control.holder(settings.store_dir) is None
     assert store_status()["filling"] is None

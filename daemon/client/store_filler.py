@@ -37,7 +37,7 @@ import trio
 from ...fs.private_files import replace_file
 from ...fs.scan import ScanStopped, collector_paused, scan
 from ...fs.scan_cache import ScanCache, _file_key
-from ...fs.snapshot import SourceChanged
+from ...fs.snapshot import Snapshot, SourceChanged
 from ...fs.store import Store, StoreBusy
 from ...settings import settings
 from . import filler_control
@@ -160,16 +160,20 @@ async def _fill(spec: dict, store: ControllerStore, stop: Stop, started: float) 
     src = spec["src"]
     cache = ReadOnlyCache.for_folder(spec["cache"], src) if spec["cache"] else None
     stopped = threading.Event()  # the walk looks between folders: a request during the scan
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_watch, stop, stopped)
+    snap: Snapshot | None = None
+    failed = ""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_watch, stop, stopped)
+        try:
             with collector_paused(freeze=True):
                 snap = await scan(src, spec["excludes"], cache=cache, stop=stopped)
-            nursery.cancel_scope.cancel()
-    except ScanStopped:
-        return f"stopped while scanning ({stop.why}); nothing filled"
-    except OSError as e:
-        return f"the folder {src} cannot be scanned ({e}); nothing filled"
+        except ScanStopped:
+            failed = f"stopped while scanning ({stop.why}); nothing filled"
+        except OSError as e:
+            failed = f"the folder {src} cannot be scanned ({e}); nothing filled"
+        nursery.cancel_scope.cancel()
+    if snap is None:
+        return failed
     now = snap.manifest.id.hex()
     changed = ("" if now == spec["version"] else
                f" (the folder changed since the push: filled it as it is now, {now[:12]})")
@@ -213,7 +217,10 @@ async def _flush_every(store: ControllerStore) -> None:
     while True:
         await trio.sleep(FLUSH_EVERY)
         if store.wrote:
-            await trio.to_thread.run_sync(store.store.flush)
+            try:
+                await trio.to_thread.run_sync(store.store.flush)
+            except OSError:  # the fill meets it too, and says so
+                return
 
 
 def main(argv: list[str]) -> int:
