@@ -39,11 +39,11 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _private_home(tmp_path_factory, monkeypatch):
     """The CLI keeps a scan cache and a default cluster under $MONARCH_FS_HOME: never the
-    user's own, in tests. The dev box store's fillers its pushes started are stopped after."""
-    home = tmp_path_factory.mktemp("home")
-    monkeypatch.setenv("MONARCH_FS_HOME", str(home))
+    user's own, in tests. The dev box store's fillers its pushes started, with this home or
+    one of the test's own, are stopped after (the session's tests run one at a time)."""
+    monkeypatch.setenv("MONARCH_FS_HOME", str(tmp_path_factory.mktemp("home")))
     yield
-    stop_fillers(home)
+    stop_fillers(tmp_path_factory.getbasetemp())
 
 
 @pytest.fixture
