@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from fillers import stop_fillers
 
 from helpers import (
     Cluster,
@@ -17,7 +18,6 @@ from helpers import (
     start_daemon,
     stop_cluster,
     stop_daemon,
-    stop_fillers,
 )
 from opens import Opens
 from procwatch import Started

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 import trio
+from fillers import wait_fillers
 
-from helpers import flip_bits, mfs, tree, wait_fillers
+from helpers import flip_bits, mfs, tree
 from monarch_fs.daemon.client import link_codec
 from monarch_fs.daemon.wire.auth import resolve_token
 from monarch_fs.daemon.wire.transport import connect

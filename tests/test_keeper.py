@@ -9,9 +9,10 @@ import os
 
 import pytest
 import trio
+from fillers import wait_fillers
 from test_controller_store import HALF, evict, folders, make_src, resident_bytes
 
-from helpers import tree, wait_fillers
+from helpers import tree
 from monarch_fs.daemon.client import encoding, keeper
 from monarch_fs.daemon.client.controller_store import ControllerStore
 from monarch_fs.fs import chunk

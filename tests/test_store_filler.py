@@ -15,9 +15,10 @@ import time
 
 import pytest
 import trio
+from fillers import wait_fillers
 from test_controller_store import evict, folders, make_src, resident_bytes, store_status
 
-from helpers import CLI_MODULE, tree, wait_fillers, wait_for
+from helpers import CLI_MODULE, tree, wait_for
 from monarch_fs.daemon.client import filler_control, store_keep
 from monarch_fs.settings import settings
 
