@@ -94,18 +94,26 @@ def test_a_push_while_a_filler_runs_takes_the_store_from_it(tmp_path, fresh_clus
 def test_a_filler_fills_the_folder_as_it_is_now(tmp_path, fresh_cluster, monkeypatch):
     """A folder edited between the push and its filler: the filler fills what the folder
     holds now (what the next push needs), says so, and the push of the edited folder to a
-    fresh node sends every chunk from the store."""
+    fresh node sends every chunk from the store. The filler reads the push's scan cache and
+    writes nothing of it (a later push may be saving it)."""
     monkeypatch.setenv("MONARCH_FS_STORE_FILL", "off")
     src = make_src(tmp_path / "env", size=8 << 20)
     r1 = fresh_cluster(1).push_json(src)
     assert not r1["store"]["background_fill"] and r1["store"]["lacking"] > 0
     assert fill_log() == []
     (src / "pkg" / "m3.py").write_text("# edited\n" + "y = 2\n" * 300)
+    time.sleep(2.2)  # not racily clean: a scan that saved its cache would record it
+    caches = sorted((settings.home / "scan-cache").iterdir())
+    before = [(p.name, p.stat().st_ino, p.stat().st_mtime_ns, p.stat().st_ctime_ns)
+              for p in caches]
     spec = store_keep.filler_spec(settings.home, settings.store_dir, settings.store_bound,
                                   src, (), settings.home / "scan-cache",
                                   bytes.fromhex(r1["version"]), "env")
     filler_control.start(spec, settings.home)
     wait_fillers()
+    after = [(p.name, p.stat().st_ino, p.stat().st_mtime_ns, p.stat().st_ctime_ns)
+             for p in sorted((settings.home / "scan-cache").iterdir())]
+    assert after == before, "the filler wrote the scan cache a later push may be writing"
     [line] = fill_log()
     assert f"env {r1['version'][:12]}: kept " in line
     assert "0 lacking (the folder changed since the push: filled it as it is now" in line
