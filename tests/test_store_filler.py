@@ -46,6 +46,23 @@ def catch_filler(timeout: float = 30) -> int:
     return pid
 
 
+def push_while_stopped(c, src, pid: int) -> tuple[str, str]:
+    """Push `src` to `c` while filler `pid` is stopped holding the store: it goes on once the
+    push asked it to stop. The push's stdout and stderr."""
+    push = subprocess.Popen(
+        [sys.executable, "-m", CLI_MODULE, "push", str(src), "--hosts", c.hostfile,
+         "--token-file", c.token_file, "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(filler_control.stop_path(settings.store_dir, pid).exists, 60,
+                 "the push to ask the filler to stop")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    out, err = push.communicate(timeout=120)
+    assert push.returncode == 0, err
+    return out, err
+
+
 def gone(pid: int) -> bool:
     return not filler_control.is_filler(pid)
 
@@ -60,18 +77,7 @@ def test_a_push_while_a_filler_runs_takes_the_store_from_it(tmp_path, fresh_clus
     r1 = fresh_cluster(1).push_json(src)
     assert r1["store"]["background_fill"]
     pid = catch_filler()
-    second = fresh_cluster(1)
-    push = subprocess.Popen(
-        [sys.executable, "-m", CLI_MODULE, "push", str(src), "--hosts", second.hostfile,
-         "--token-file", second.token_file, "--json"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for(filler_control.stop_path(settings.store_dir, pid).exists, 60,
-                 "the second push to ask the filler to stop")
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    out, err = push.communicate(timeout=120)
-    assert push.returncode == 0, err
+    out, err = push_while_stopped(fresh_cluster(1), src, pid)
     assert "without it" not in err, err
     r2 = json.loads(out)
     assert r2["store"]["path"] == str(settings.store_dir)
@@ -89,6 +95,32 @@ def test_a_push_while_a_filler_runs_takes_the_store_from_it(tmp_path, fresh_clus
     assert resident_bytes(src) == 0, "the push read the source"
     assert r3["store"]["sent_from_store"] == r3["chunks_total"] + folders(src)
     assert tree(third.mnt(0) / "env") == want
+
+
+def test_what_a_stopped_filler_left_is_filled_by_the_next(tmp_path, fresh_cluster):
+    """A push of another folder stops the first push's filler: that push's own filler fills
+    its folder, then what the stopped one left of the first, so a push of the first folder to
+    a fresh node later sends every chunk from the store."""
+    first = make_src(tmp_path / "env", size=96 << 20)
+    other = make_src(tmp_path / "other", seed=1, size=8 << 20)
+    c = fresh_cluster(1)
+    assert c.push_json(first)["store"]["background_fill"]
+    pid = catch_filler()
+    out, err = push_while_stopped(c, other, pid)
+    assert "without it" not in err, err
+    assert json.loads(out)["store"]["background_fill"]
+    wait_fillers()
+    stopped, last = fill_log()
+    assert f"filler {pid}:" in stopped and "(a push asked for the store)" in stopped
+    assert "; then env " in last and last.endswith("0 lacking [SCHED_IDLE]"), last
+    assert filler_control.read_pending(settings.store_dir) == []
+
+    os.sync()
+    evict(first)
+    fresh = fresh_cluster(1)
+    r3 = fresh.push_json(first, "--compress", "on")
+    assert resident_bytes(first) == 0, "the push read the source"
+    assert r3["store"]["sent_from_store"] == r3["chunks_total"] + folders(first)
 
 
 def test_a_filler_fills_the_folder_as_it_is_now(tmp_path, fresh_cluster, monkeypatch):

@@ -4,6 +4,8 @@ fillers they left before it removes their home. The filler itself is store_fille
 
     STORE/filler.pid        the filler's pid, while it holds the store's lock
     STORE/filler.stop.PID   a request that filler PID stop: it looks between chunks
+    STORE/fill-pending.json what fillers stopped that way left (their specs): the next
+                            filler fills it after its own push's chunks
     HOME/store-fill.log     one line per filler run, and a crashed one's traceback
     HOME/store-fill.pids    "PID STORE" for each filler a push started, pruned of the dead
                             at the next start: what stop_all and wait_all wait for
@@ -32,6 +34,8 @@ PID_FILE = "filler.pid"
 STOP_FILE = "filler.stop."
 LOG_FILE = "store-fill.log"
 STARTED_FILE = "store-fill.pids"
+PENDING_FILE = "fill-pending.json"
+MAX_PENDING = 8  # folders whose fill waits for the next filler, at most (the latest kept)
 STOP_TIMEOUT = 10.0  # seconds stop_all waits for a filler to stop before it kills it
 _children: list[subprocess.Popen] = []
 
@@ -46,6 +50,25 @@ def stop_path(store: Path, pid: int) -> Path:
 
 def log_path(home: Path) -> Path:
     return home / LOG_FILE
+
+
+def read_pending(store: Path) -> list[dict]:
+    """The specs of the fills that fillers stopped by a push left unfinished."""
+    try:
+        specs = json.loads((store / PENDING_FILE).read_text())
+    except (OSError, ValueError):
+        return []
+    return [s for s in specs if isinstance(s, dict)] if isinstance(specs, list) else []
+
+
+def write_pending(store: Path, specs: list[dict]) -> None:
+    """Record `specs` as pending (by the store's lock holder only), the latest MAX_PENDING."""
+    path = store / PENDING_FILE
+    if not specs:
+        path.unlink(missing_ok=True)
+        return
+    replace_file(path, json.dumps(specs[-MAX_PENDING:]).encode(),
+                 store / f"{PENDING_FILE}.{os.getpid()}.tmp")
 
 
 def holder(store: Path) -> int | None:

@@ -16,8 +16,9 @@ JSON of what the push was: home, store, bound, src, excludes, cache, version, na
   ControllerStore.fill, which asks between chunks whether to stop.
 - A push that wants the store asks it to stop (filler_control.py): it stops within a chunk
   (its check runs every CHECK_EVERY at most), makes durable what it wrote, closes the store
-  and exits; that push's own filler fills the rest afterwards. What it wrote is flushed every
-  FLUSH_EVERY meanwhile, so that one finds little to flush or check.
+  and exits. What it wrote is flushed every FLUSH_EVERY meanwhile, so that the push finds
+  little to flush or check. What it left is recorded as pending, and that push's own filler
+  fills it after its own folder (the same folder's, as it is now, once).
 - It writes one line per run to HOME/store-fill.log: what it kept and in how long, or why it
   stopped. A home removed under it stops it, quietly (a line, if it can).
 """
@@ -136,10 +137,39 @@ async def fill(spec: dict, started: float) -> str:
     pidfile = filler_control.pid_path(store_dir)
     try:
         replace_file(pidfile, str(pid).encode(), f"{pidfile}.{pid}.tmp")
-        return f"{what}: {await _fill(spec, store, stop, started)}"
+        line, unfinished = await _fill(spec, store, stop, started)
+        return f"{what}: {line}{await _fill_pending(spec, unfinished, store, stop)}"
     finally:
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(_release, store, pidfile, stop)
+
+
+async def _fill_pending(spec: dict, unfinished: bool, store: ControllerStore,
+                       stop: Stop) -> str:
+    """Then what fillers stopped by a push left of other snapshots (filler_control.py:
+    pending), until asked to stop too; this one's spec pending in turn if it was stopped.
+    What to add to the log line."""
+    root = store.root
+    pending = [p for p in filler_control.read_pending(root) if not _same(p, spec)]
+    done: list[str] = []
+    for other in list(pending):
+        if stop.why is not None:
+            break
+        line, left = await _fill(other, store, stop, time.monotonic())
+        done.append(f"; then {other['name']} {other['version'][:12]}, left by a filler "
+                    f"stopped before: {line}")
+        if not left:
+            pending.remove(other)
+    try:
+        filler_control.write_pending(root, pending + ([spec] if unfinished else []))
+    except OSError:  # the store's folder removed under it
+        pass
+    return "".join(done)
+
+
+def _same(a: dict, b: dict) -> bool:
+    """The same folder pushed as the same workspace (a later version replaces an earlier)."""
+    return (a["src"], a["name"]) == (b["src"], b["name"])
 
 
 def _release(store: ControllerStore, pidfile: Path, stop: Stop) -> None:
@@ -156,7 +186,10 @@ def _unlink(path: Path) -> None:
         pass
 
 
-async def _fill(spec: dict, store: ControllerStore, stop: Stop, started: float) -> str:
+async def _fill(spec: dict, store: ControllerStore, stop: Stop,
+                started: float) -> tuple[str, bool]:
+    """Fill what the folder of `spec` holds now: the line to log, and whether some is left
+    because a request stopped it."""
     src = spec["src"]
     cache = ReadOnlyCache.for_folder(spec["cache"], src) if spec["cache"] else None
     stopped = threading.Event()  # the walk looks between folders: a request during the scan
@@ -173,7 +206,7 @@ async def _fill(spec: dict, store: ControllerStore, stop: Stop, started: float) 
             failed = f"the folder {src} cannot be scanned ({e}); nothing filled"
         nursery.cancel_scope.cancel()
     if snap is None:
-        return failed
+        return failed, stop.why is not None
     now = snap.manifest.id.hex()
     changed = ("" if now == spec["version"] else
                f" (the folder changed since the push: filled it as it is now, {now[:12]})")
@@ -193,7 +226,7 @@ async def _fill(spec: dict, store: ControllerStore, stop: Stop, started: float) 
             failed = f" ({e})"
         nursery.cancel_scope.cancel()
     if not store.root.is_dir():  # its home removed under it: nothing to record there
-        return "stopped (the store's folder was removed); nothing recorded"
+        return "stopped (the store's folder was removed); nothing recorded", False
     # Not the bound's collect when a push waits for the store: that push applies it.
     whole = stop.why is None and not failed
     await trio.to_thread.run_sync(store.settle, bytes.fromhex(spec["version"]), whole)
@@ -201,10 +234,11 @@ async def _fill(spec: dict, store: ControllerStore, stop: Stop, started: float) 
     seconds = time.monotonic() - started
     if stop.why is not None:
         return (f"stopped after {seconds:.2f} s ({stop.why}): kept {kept} chunks, {left} left "
-                f"to the next push{changed}")
+                f"to the next filler{changed}"), left > 0
     if failed:
-        return f"stopped after {seconds:.2f} s{failed}: kept {kept} chunks, {left} left{changed}"
-    return f"kept {kept} chunks in {seconds:.2f} s; {left} lacking{changed}"
+        return (f"stopped after {seconds:.2f} s{failed}: kept {kept} chunks, {left} left"
+                f"{changed}"), False
+    return f"kept {kept} chunks in {seconds:.2f} s; {left} lacking{changed}", False
 
 
 async def _watch(stop: Stop, stopped: threading.Event) -> None:

@@ -40,6 +40,7 @@ class Kept:
     lines: list[str] = field(default_factory=list)
     lacking: int = 0
     background: bool = False  # whether a filler is to fill them (MONARCH_FS_STORE_FILL)
+    pending: bool = False  # whether an earlier filler, stopped, left some for the next
     filler: int | None = None  # the pid of the filler started for them
 
 
@@ -62,6 +63,7 @@ async def keep(store: ControllerStore, mode: str, ids: Collection[bytes],
     kept.lines += await trio.to_thread.run_sync(store.finish, version, name, content_bytes)
     kept.lacking = await trio.to_thread.run_sync(store.lacks, ids)
     kept.background = mode == "background"
+    kept.pending = bool(filler_control.read_pending(store.root))
     return kept
 
 
@@ -79,7 +81,7 @@ def filler_spec(home: Path, store: Path, bound: int, src: str | os.PathLike[str]
 async def start_filler(kept: Kept, spec: dict) -> list[str]:
     """Start the filler for what `keep` left, if it is to (the store closed: it takes the
     store's lock); the lines to report."""
-    if not (kept.background and kept.lacking):
+    if not (kept.background and (kept.lacking or kept.pending)):
         return []
     try:
         kept.filler = await trio.to_thread.run_sync(filler_control.start, spec,
