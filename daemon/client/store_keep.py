@@ -6,9 +6,10 @@ push of the torch venv from a fresh dev box home spent 2.73 s of its 6.55 s comp
 (keep), after every node had the version. So by default (MONARCH_FS_STORE_FILL=background) the
 push keeps inline only what must be kept now: the folder objects, which no file can give again
 (what the keeper wrote beside the send is in already). It records the snapshot, closes the store
-and, if the store still lacks chunks of it, starts a filler (store_filler.py) that reads them
-again from the folder, at the lowest CPU priority, with no deadline; the command returns once
-the version is published and the snapshot recorded. `inline` fills before returning, bounded
+and, if the store still lacks chunks of it (or a filler a push stopped left some of another),
+starts a filler (store_filler.py) that reads them again from the folder, at the lowest CPU
+priority, with no deadline; the command returns once the version is published and the
+snapshot recorded. `inline` fills before returning, bounded
 (at least KEEP_SECONDS, at most as long again as the push took: the rest waits for the next
 push); `off` keeps only what must be.
 """
