@@ -243,3 +243,15 @@ def test_stop_all_stops_a_running_filler(tmp_path, fresh_cluster):
     assert len(lines) == 1 and "(a push asked for the store)" in lines[0], lines
     assert filler_control.holder(settings.store_dir) is None
     assert store_status()["filling"] is None
+
+
+def test_a_filler_scans_with_the_push_s_excludes(tmp_path, fresh_cluster):
+    """The filler scans the folder as the push did: with its --exclude patterns it finds the
+    version pushed (not a changed folder) and fills exactly what the push left."""
+    src = make_src(tmp_path / "env", size=8 << 20)
+    r1 = fresh_cluster(1).push_json(src, "--exclude", "*.bin", "--name", "lib")
+    assert r1["store"]["background_fill"] and r1["store"]["lacking"] == 40  # the modules
+    wait_fillers()
+    [line] = fill_log()
+    assert f"lib {r1['version'][:12]}: kept 40 chunks in " in line
+    assert line.endswith("; 0 lacking [SCHED_IDLE]"), line
