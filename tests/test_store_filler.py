@@ -127,7 +127,8 @@ def test_a_filler_fills_the_folder_as_it_is_now(tmp_path, fresh_cluster, monkeyp
     """A folder edited between the push and its filler: the filler fills what the folder
     holds now (what the next push needs), says so, and the push of the edited folder to a
     fresh node sends every chunk from the store. The filler reads the push's scan cache and
-    writes nothing of it (a later push may be saving it)."""
+    writes nothing of it (a later push may be saving it); it drops requests to fillers that
+    are gone."""
     monkeypatch.setenv("MONARCH_FS_STORE_FILL", "off")
     src = make_src(tmp_path / "env", size=8 << 20)
     r1 = fresh_cluster(1).push_json(src)
@@ -141,8 +142,11 @@ def test_a_filler_fills_the_folder_as_it_is_now(tmp_path, fresh_cluster, monkeyp
     spec = store_keep.filler_spec(settings.home, settings.store_dir, settings.store_bound,
                                   src, (), settings.home / "scan-cache",
                                   bytes.fromhex(r1["version"]), "env")
+    stale = filler_control.stop_path(settings.store_dir, 1 << 23)  # asked of no process
+    stale.touch()
     filler_control.start(spec, settings.home)
     wait_fillers()
+    assert not stale.exists()
     after = [(p.name, p.stat().st_ino, p.stat().st_mtime_ns, p.stat().st_ctime_ns)
              for p in sorted((settings.home / "scan-cache").iterdir())]
     assert after == before, "the filler wrote the scan cache a later push may be writing"

@@ -94,6 +94,14 @@ def request(store: Path, pid: int) -> None:
         pass
 
 
+def drop_stale_requests(store: Path) -> None:
+    """Remove the requests to fillers that are gone (one killed, and asked after)."""
+    for path in store.glob(f"{STOP_FILE}*"):
+        pid = path.name[len(STOP_FILE):]
+        if pid.isdigit() and not is_filler(int(pid)):
+            path.unlink(missing_ok=True)
+
+
 def is_filler(pid: int) -> bool:
     """Whether `pid` is a filler still running (not a zombie, not a reused pid). A process
     in the middle of its exec shows no command line yet: one that is no zombie counts."""

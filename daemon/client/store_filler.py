@@ -137,6 +137,7 @@ async def fill(spec: dict, started: float) -> str:
     pidfile = filler_control.pid_path(store_dir)
     try:
         replace_file(pidfile, str(pid).encode(), f"{pidfile}.{pid}.tmp")
+        filler_control.drop_stale_requests(store_dir)
         line, unfinished = await _fill(spec, store, stop, started)
         return f"{what}: {line}{await _fill_pending(spec, unfinished, store, stop)}"
     finally:
