@@ -29,6 +29,8 @@ from monarch_fs.daemon.client import cluster
 from monarch_fs.daemon.client.progress import fmt_bytes as _fmt_bytes
 from tests.netns import NetnsUnsupported
 
+from . import store_fillers
+
 MiB = 1024 * 1024
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -291,7 +293,10 @@ class LocalCluster:
         return self
 
     def __exit__(self, *exc) -> None:
-        cluster.down(self.dir)
+        try:  # the dev box store's fillers: waited for if the home outlives the cluster
+            store_fillers.settle(self.home, kept=self.home != self.dir / "home")
+        finally:
+            cluster.down(self.dir)
 
     def restart(self) -> None:
         """Stop every daemon and start them again on the same state and mounts: the store

@@ -145,8 +145,9 @@ def store_line(held: Summary) -> str:
     """The dev box store as `status` shows it, as of its last push."""
     kept = ", ".join(f"{h.workspace}={h.version[:12]}" for h in
                      sorted(held.snapshots, key=lambda h: -h.pushed)) or "no snapshots"
+    filling = "" if held.filling is None else f"; its filler (pid {held.filling}) fills it now"
     return (f"dev box store {held.path}: {fmt_bytes(held.bytes)} in {held.objects} objects "
-            f"(bound {fmt_bytes(held.bound)}); {kept}")
+            f"(bound {fmt_bytes(held.bound)}); {kept}{filling}")
 
 
 def _procs_line(s: StatusReply) -> str:

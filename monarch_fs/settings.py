@@ -24,6 +24,7 @@ from .fs.entry import DEFAULT_MAX_ENTRIES
 # The defaults of the settings below, owned here so that the modules they configure import them
 # from this one leaf (settings imports no module that imports it back).
 DURABLE_MODES = ("background", "sync")  # the first is the default
+STORE_FILL_MODES = ("background", "inline", "off")  # the first is the default
 FLUSH_DELAY = 1.0  # seconds after the last publish before a background flush
 EVENTS_INTERVAL = 2.0  # seconds between event writes (and the length of a `reads` row)
 EVENTS_MAX_BYTES = 256 << 20
@@ -89,6 +90,19 @@ class Settings:
         just pushed). 0 keeps only the snapshot just pushed."""
         # (a torch venv is ~0.5 GiB in the store: the default holds some 40 of them)
         return max(0, self._int("MONARCH_FS_STORE_MIB", 20480)) << 20
+
+    @property
+    def store_fill(self) -> str:
+        """MONARCH_FS_STORE_FILL (background): how a push fills the dev box store with the
+        chunks it lacks after the publish (those that went raw to the nodes and compress):
+        `background` in a process of lowest CPU priority that the push starts and does not
+        wait for, `inline` before the push returns (at most as long again as the push took),
+        `off` not at all (a later push reads them from the source)."""
+        raw = self._str("MONARCH_FS_STORE_FILL") or STORE_FILL_MODES[0]
+        if raw not in STORE_FILL_MODES:
+            expected = ", ".join(STORE_FILL_MODES)
+            raise ValueError(f"$MONARCH_FS_STORE_FILL={raw!r}: expected one of {expected}")
+        return raw
 
     @property
     def token_file(self) -> str | None:

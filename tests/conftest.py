@@ -9,8 +9,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from fillers import stop_fillers
 
-from helpers import Cluster, Daemon, start_cluster, start_daemon, stop_cluster, stop_daemon
+from helpers import (
+    Cluster,
+    Daemon,
+    start_cluster,
+    start_daemon,
+    stop_cluster,
+    stop_daemon,
+)
 from opens import Opens
 from procwatch import Started
 
@@ -31,8 +39,11 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _private_home(tmp_path_factory, monkeypatch):
     """The CLI keeps a scan cache and a default cluster under $MONARCH_FS_HOME: never the
-    user's own, in tests."""
+    user's own, in tests. The dev box store's fillers its pushes started, with this home or
+    one of the test's own, are stopped after (the session's tests run one at a time)."""
     monkeypatch.setenv("MONARCH_FS_HOME", str(tmp_path_factory.mktemp("home")))
+    yield
+    stop_fillers(tmp_path_factory.getbasetemp())
 
 
 @pytest.fixture

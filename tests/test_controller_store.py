@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from fillers import wait_fillers
 
 from helpers import flip_bits, mfs, tree
 from monarch_fs.daemon.client import link_codec
@@ -168,6 +169,7 @@ def test_a_push_that_sends_nothing_or_little_leaves_the_store_closed(tmp_path, f
     src = make_src(tmp_path / "env", size=1 << 20)
     c = fresh_cluster(1)
     r1 = c.push_json(src)
+    wait_fillers()  # the store whole: what the first push's filler left
     [before] = store_status()["snapshots"]
     seen = Opens(settings.store_dir / "packs")
     try:
@@ -186,7 +188,8 @@ def test_a_push_that_sends_nothing_or_little_leaves_the_store_closed(tmp_path, f
         seen.close()
     assert r3["chunks_sent"] == 1 and r3["version"] != r1["version"]
     assert r2["store"] == r3["store"] == {"path": str(settings.store_dir),
-                                          "sent_from_store": 0, "added": 0}
+                                          "sent_from_store": 0, "added": 0,
+                                          "background_fill": False, "lacking": 0}
     [last] = store_status()["snapshots"]
     assert last["version"] == before["version"] and last["pushed"] > again["pushed"]
     assert tree(c.mnt(0) / "env") == tree(src)
@@ -209,6 +212,7 @@ def test_bound_drops_the_least_recently_pushed(tmp_path, fresh_cluster, monkeypa
     for i in range(4):
         src = make_src(tmp_path / f"ws{i}", seed=i, size=2 << 20)  # ~1 MiB compressed
         versions.append(c.push_json(src, "--name", f"ws{i}")["version"])
+        wait_fillers()
     held = store_status()
     kept = [h["version"] for h in held["snapshots"]]
     assert versions[-1] in kept and versions[0] not in kept

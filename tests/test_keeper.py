@@ -9,12 +9,14 @@ import os
 
 import pytest
 import trio
+from fillers import wait_fillers
 from test_controller_store import HALF, evict, folders, make_src, resident_bytes
 
 from helpers import tree
 from monarch_fs.daemon.client import encoding, keeper
 from monarch_fs.daemon.client.controller_store import ControllerStore
 from monarch_fs.fs import chunk
+from monarch_fs.settings import settings
 
 
 def test_a_raw_link_gets_no_zstd_on_the_send_path_and_the_fill_keeps_it(tmp_path):
@@ -73,13 +75,20 @@ def test_a_fill_out_of_time_keeps_folder_objects_and_leaves_the_rest_to_the_next
 
 @pytest.mark.mount
 def test_one_loopback_push_leaves_the_store_whole(tmp_path, fresh_cluster):
-    """A loopback push (raw) of more compressible bytes than the keeper holds at once: the
+    """A loopback push (raw) of more compressible bytes than the keeper holds at once returns
+    with the store lacking them, and the filler it started (store_filler.py) fills them: the
     next push to a fresh node over a zstd link sends every chunk from the store and reads
     nothing of the source."""
     src = make_src(tmp_path / "env", size=keeper.BUDGET + (32 << 20))
     want = tree(src)
     r1 = fresh_cluster(1).push_json(src)
     assert [c["compression"] for c in r1["links"]] == ["none"]
+    big = -(-(keeper.BUDGET + (32 << 20)) // chunk.CHUNK_SIZE)
+    assert r1["store"]["background_fill"] and r1["store"]["lacking"] >= big
+    wait_fillers()
+    [line] = (settings.home / "store-fill.log").read_text().splitlines()
+    assert f"env {r1['version'][:12]}: kept {r1['store']['lacking']} chunks in" in line
+    assert line.endswith("0 lacking [SCHED_IDLE]"), line
 
     os.sync()
     evict(src)

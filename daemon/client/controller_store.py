@@ -15,16 +15,25 @@ less than SMALL_PUSH), does not open the store when it holds this snapshot, or o
 workspace: it only records that snapshot as pushed now (ControllerStore.mark_pushed), since an
 open reads every pack's index.
 
-What a push sent raw (a loopback link) is compressed into the store after the publish, with
-whatever else it lacks (ControllerStore.fill), not beside the send (keeper.py).
+What a push sent zstd-compressed is written beside the send (keeper.py). What it sent raw (a
+loopback or fast link) and compresses is not compressed there, on the cores the send and the
+nodes need, but after the publish (ControllerStore.fill, with whatever else the store lacks):
+a first push of the torch venv from a fresh dev box home compresses ~1 GB, 2.7 s of its 6.5 s.
+By default (MONARCH_FS_STORE_FILL=background, store_keep.py) the push keeps only what no file
+can give again (folder objects), records the snapshot and returns; a filler process of lowest
+CPU priority reads the rest again from the folder and fills it (store_filler.py). The store
+is whole for the next push to fresh nodes once it is done, which is seconds after the push on
+an idle dev box, and a push to fresh nodes before then reads what it lacks from the source.
 
 A chunk that does not compress is not copied into the store: its wire form is the file it was
 read from, which a later push reads either way (encoding.py). The store only records its id,
 in `sourced.ids` (SOURCED), so that it is not tried again; a push that finds the file changed
 reads it as any changed file.
 
-A Store is owned by one process at a time (an exclusive lock): a push that finds it busy (a
-`push --watch` pushing right now) waits briefly, then pushes without it and says so.
+A Store is owned by one process at a time (an exclusive lock): a push that finds it busy asks
+a filler holding it to stop (filler_control.py: it stops between two chunks and closes the
+store), and takes it as soon as it is free; one that is still busy after BUSY_WAIT (another
+push, a `push --watch` pushing right now) is pushed without it, and the push says so.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from ...fs.private_files import replace_file
 from ...fs.snapshot import SourceChanged
 from ...fs.store_lock import StoreBusy, lock
 from ...settings import settings
+from . import filler_control
 
 if TYPE_CHECKING:
     from ...fs.store import Store
@@ -54,7 +64,8 @@ if TYPE_CHECKING:
 REJECTED = re.compile(r"rejected chunk ([0-9a-f]{32}): ")
 RECORD = "snapshots.json"
 SOURCED = "sourced.ids"  # ids of chunks whose wire form is their source file, 16 bytes each
-BUSY_WAIT = 2.0  # seconds a push waits for a store another push holds
+BUSY_WAIT = 2.0  # seconds a push waits for a store another push (or a filler) holds
+BUSY_RETRY = 0.02  # seconds between its tries: a filler asked to stop frees it in tens of ms
 SEAL_RECORDS = 2048  # an open pack with this many records is sealed after a push (finish)
 SMALL_PUSH = 4 << 20  # a push that sends less goes without the store (mark_pushed)
 FILL_WORKERS = 2  # threads compressing what the store lacks after the publish
@@ -79,20 +90,24 @@ class Summary:
     bytes: int
     bound: int
     snapshots: list[Held]
+    filling: int | None = None  # the pid of a filler filling it now (store_filler.py)
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
 def read_summary(root: Path, bound: int) -> Summary:
-    """What the store held after its last push; an absent or damaged record is an empty one."""
+    """What the store held after its last push (or its filler's last run), and which filler
+    fills it now; an absent or damaged record is an empty one."""
     try:
         data = json.loads((root / RECORD).read_text())
         held = [Held(**h) for h in data["snapshots"]]
         objects, size = int(data["objects"]), int(data["bytes"])
     except (OSError, ValueError, KeyError, TypeError):
         held, objects, size = [], 0, 0
-    return Summary(str(root), objects, size, bound, held)
+    pid = filler_control.holder(root)
+    filling = pid if pid is not None and filler_control.is_filler(pid) else None
+    return Summary(str(root), objects, size, bound, held, filling)
 
 
 class ControllerStore:
@@ -124,7 +139,8 @@ class ControllerStore:
                 if trio.current_time() >= deadline:
                     return None, (f"the dev box store {root} is in use by another push; "
                                   "pushed without it (every chunk read and compressed)")
-                await trio.sleep(0.1)
+                await trio.to_thread.run_sync(filler_control.ask_to_stop, root)
+                await trio.sleep(BUSY_RETRY)
             except OSError as e:
                 return None, f"the dev box store {root} cannot be opened ({e}); pushed without it"
 
@@ -185,7 +201,8 @@ class ControllerStore:
     async def fill(self, ids: Iterable[bytes],
                    read: Callable[[bytes], bytes | bytearray | memoryview],
                    objects: Iterable[bytes] = (), workers: int = FILL_WORKERS,
-                   seconds: float | None = None) -> int:
+                   seconds: float | None = None,
+                   stop: Callable[[], bool] | None = None) -> int:
         """After the publish: add the chunks of `ids` the store lacks (those the nodes already
         had, those that went raw and compress, those the keeper had no room for: keeper.py),
         so that the next push to fresh nodes finds the store whole; how many. `objects`: those
@@ -205,7 +222,7 @@ class ControllerStore:
         async def worker(part: list[bytes]) -> None:
             try:
                 counts.append(await trio.to_thread.run_sync(self._fill, part, read, folders,
-                                                             deadline))
+                                                             deadline, stop))
             except (SourceChanged, OSError) as e:  # raised as itself, not in a group
                 failed.append(e)
                 nursery.cancel_scope.cancel()
@@ -218,10 +235,13 @@ class ControllerStore:
         return sum(counts)
 
     def _fill(self, ids: list[bytes], read: Callable[[bytes], bytes | bytearray | memoryview],
-              folders: set[bytes], deadline: float | None = None) -> int:
+              folders: set[bytes], deadline: float | None = None,
+              stop: Callable[[], bool] | None = None) -> int:
         """fill's part on one thread; how many it kept. Blocking."""
         done = 0
         for cid in ids:
+            if stop is not None and stop():
+                break
             if deadline is not None and cid not in folders and time.monotonic() > deadline:
                 break
             done += 1
@@ -279,15 +299,30 @@ class ControllerStore:
         chunks, at every push). A push that appended nothing flushes nothing: a cold push from
         a whole store waited here for the disk the nodes were flushing to (0.01-0.14 s, more
         under load), with nothing of its own to flush."""
+        summary = read_summary(self.root, self.bound)
+        held = [h for h in summary.snapshots if h.version != version.hex()]
+        held.append(Held(version.hex(), workspace, time.time(), content_bytes))
+        return self._settle(held)
+
+    def settle(self, version: bytes, bound: bool = True) -> list[str]:
+        """After a background fill of `version`: as finish, but the snapshots recorded stay
+        as they are (when each was pushed); without `bound`, none is dropped (a push waits
+        for the store). Blocking."""
+        held = read_summary(self.root, self.bound).snapshots
+        held.sort(key=lambda h: h.version == version.hex())  # the one never dropped: last
+        return self._settle(held, bound)
+
+    def lacks(self, ids: Iterable[bytes]) -> int:
+        """How many of `ids` the store neither holds nor knows to be their own source."""
+        return sum(1 for cid in self.store.missing(ids) if cid not in self.sourced)
+
+    def _settle(self, held: list[Held], bound: bool = True) -> list[str]:
         if self.wrote:
             self.store.sync()
         if self.store.unsealed >= SEAL_RECORDS:
             self.store.seal()
-        summary = read_summary(self.root, self.bound)
-        held = [h for h in summary.snapshots if h.version != version.hex()]
-        held.append(Held(version.hex(), workspace, time.time(), content_bytes))
         dropped: list[str] = []
-        while self.store.usage()[1] > self.bound and len(held) > 1:
+        while bound and self.store.usage()[1] > self.bound and len(held) > 1:
             oldest = min(held[:-1], key=lambda h: h.pushed)
             held.remove(oldest)
             dropped.append(f"dev box store over its bound: dropped {oldest.workspace} "

@@ -5,10 +5,10 @@ A chunk that went zstd to some link has its blob in hand; writing it (into the p
 all the store needs, and the encoders hand it over (encoding.py) and go on reading. A chunk
 that went raw everywhere and compresses is not compressed here: zstd beside the send took a
 quarter of a venv push's CPU on the cores the send and the nodes need. It is kept after the
-publish (ControllerStore.fill, with every chunk the store still lacks), once, so the next
-push to fresh nodes finds the store whole. The keeper takes up to BUDGET bytes in hand; what
-finds no room is left to that fill too. A push's send ends once the keeper has written what
-it holds.
+publish (ControllerStore.fill, with every chunk the store still lacks: by the filler the push
+starts, store_keep.py), once, so the next push to fresh nodes finds the store whole. The
+keeper takes up to BUDGET bytes in hand; what finds no room is left to that fill too. A
+push's send ends once the keeper has written what it holds.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from ...fs.chunk import CHUNK_SIZE
 from ...fs.scan import collector_paused, scan
 from ...fs.scan_cache import ScanCache
 from ...fs.snapshot import Snapshot, SourceChanged
+from ...settings import settings
 from ..wire import bulk, identity, topology
 from ..wire.read_lists import Read
 from ..wire.replies import (
@@ -39,7 +40,7 @@ from ..wire.replies import (
     MalformedReply,
     PrepareReply,
 )
-from . import bytecode, link_codec, tail_pace
+from . import bytecode, link_codec, store_keep, tail_pace
 from .controller_store import ControllerStore
 from .link_codec import LinkChoice
 from .links import NodeLink, Sessions, each
@@ -52,9 +53,6 @@ from .scan_stream import ScanStream
 from .stream import Pacer, Stream
 
 Reply = TypeVar("Reply", PrepareReply, CommitReply)
-# What keep() may spend compressing into the dev box store after the publish, at least (and at
-# most as long as the push took before it): a first push of a large env does not wait for it all.
-KEEP_SECONDS = 2.0
 
 
 class _Push(PushPlan):
@@ -216,22 +214,6 @@ class _Push(PushPlan):
         self.complete_seconds = round(time.monotonic() - self.started, 3)
         return used
 
-async def keep(store: ControllerStore, snap: Snapshot, job: _Push, name: str) -> list[str]:
-    """After publishing: add to the dev box store the chunks it lacks (controller_store.py:
-    fill), record the snapshot and apply the bound; the lines to report."""
-    lines: list[str] = []
-    try:
-        # At most as long again as the push took so far: the rest waits for the next push.
-        store.added = await store.fill([*job.ids, *job.payload.objects],
-                                       lambda cid: memoryview(job.payload.read(cid))[1:],
-                                       job.payload.objects,
-                                       seconds=max(KEEP_SECONDS, time.monotonic() - job.started))
-    except (SourceChanged, OSError) as e:  # published already: the next push reads it again
-        lines.append(f"the dev box store misses some chunks of this push: {e}")
-    return lines + await trio.to_thread.run_sync(store.finish, job.version, name,
-                                                 snap.manifest.total_bytes)
-
-
 async def push(
     src: str | os.PathLike[str],
     hosts: Sequence[str],
@@ -252,6 +234,7 @@ async def push(
     sessions, kept open after the push for the next (push --watch; the caller closes them)."""
     opts = options or PushOptions()
     opts.check()
+    fill = settings.store_fill if opts.store_dir is not None else "off"  # a bad value: now
     t0 = time.monotonic()
     clock = Clock(t0)
     progress = progress or Progress()
@@ -322,6 +305,7 @@ async def push(
     usable = on_usable or (lambda seconds, nodes: None)
     store_root = Path(opts.store_dir) if opts.store_dir is not None else None
     store_opened = marked = False
+    kept = store_keep.Kept()
 
     async def open_store() -> None:
         """The dev box store, for a push that sends (once; without it if it is busy)."""
@@ -400,12 +384,20 @@ async def push(
         if store is not None:
             if streaming is not None:
                 streaming.keep(store)
-            unexposed += await keep(store, snap, job, name)
+            kept = await store_keep.keep(
+                store, fill, job.ids, job.payload.objects,
+                lambda cid: memoryview(job.payload.read(cid))[1:], job.started, job.version,
+                name, snap.manifest.total_bytes)
+            unexposed += kept.lines
             clock.mark("keep")
     finally:
         await job.aclose()
         if store is not None:
             store.close()
+    if store is not None and store_root is not None:  # the store closed: the filler takes it
+        unexposed += await store_keep.start_filler(kept, store_keep.filler_spec(
+            settings.home, store_root, opts.store_bound, src, opts.excludes, opts.cache_dir,
+            job.version, name))
 
     warnings = (unexposed + snap.warnings + job.warnings
                 + (bytecode.warnings(snap.manifest, src, snap.cache) if held is None else []))
@@ -428,9 +420,11 @@ async def push(
                                   or {n.transport[0] for n in job.healthy})) or "tcp",
         failed={n.addr: n.error for n in job.nodes if n.error},
         links=[c.to_json() for c in job.links.values()],
-        store=({"path": str(store.root), "sent_from_store": store.hits, "added": store.added}
+        store=({"path": str(store.root), "sent_from_store": store.hits, "added": store.added,
+                "background_fill": kept.filler is not None, "lacking": kept.lacking}
                if store is not None else
-               {"path": str(store_root), "sent_from_store": 0, "added": 0} if marked
+               {"path": str(store_root), "sent_from_store": 0, "added": 0,
+                "background_fill": False, "lacking": 0} if marked
                else {}),
         # (Not again for each push of push --watch: a pass over the whole tree.)
         warnings=warnings,
