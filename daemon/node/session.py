@@ -96,6 +96,7 @@ class Session:
         # (fs/file_objects.py).
         self.version: bytes | None = None
         self.upstream: Upstream | None = None  # push --early: this peer streams to us
+        self.early: bytes | None = None  # push --early: the version (readers.py)
         self.own_missing: set[bytes] | None = None  # what this node lacks, once asked
         self.claimed = False  # told what this node has: no collect until commit
         self.bulk_rx: bulk.BulkReceiver | None = None  # an RDMA channel the client opened
@@ -172,6 +173,8 @@ class Session:
         self.rx.arrived(len(msgs), size)
         for msg in msgs:
             await self._take(msg)
+        if self.early is not None:  # push --early: its tail gives way to readers
+            await self.service.tail.taken(self.early, size)
 
     async def _take(self, msg: p.PutChunk) -> None:
         cid, blob = msg.cid, msg.blob
@@ -329,6 +332,7 @@ class Session:
         self.relay = Relay(s.token, req.children, req.timeout, self.nursery, self.counters,
                            s.transport, s.encrypt, version=req.version,
                            fetcher=s.fetcher if req.wants else None)
+        self.early = req.version if req.wants else None
         if req.wants and self.upstream is None:  # reads here may ask this peer for chunks
             self.upstream = Upstream(self.chan.peer, self.chan.send, req.timeout)
             s.fetcher.add(self.upstream)
