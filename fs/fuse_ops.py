@@ -63,6 +63,7 @@ class SnapshotFS(OpenMode):
         self.nursery: trio.Nursery | None = None  # for prefetches, set while serving
         self.ops: Counter[str] = Counter()  # requests served, by operation (user.monarch.ops)
         self.busy_ns = 0  # time in handlers (handler_guard.py)
+        self.last_request_ns = 0  # when the last request came (handler_guard.py)
         self.bytes_served = 0  # bytes the read handler returned
         self.uid = os.getuid()
         self.gid = os.getgid()

@@ -130,7 +130,8 @@ class PushPlan(PushNodes):
             return None
         return cache.pushed_objects
 
-    def first_read_chunks(self, reads: Sequence[Read], fallback: bool = True) -> list[bytes]:
+    def first_read_chunks(self, reads: Sequence[Read], fallback: bool = True,
+                          early: bool = True) -> list[bytes]:
         """The chunks push --early sends first and waits for: those the nodes read first
         after earlier publishes (first_reads.py), in that order: each chunk read, and all of a
         file of which nothing but its opening is known. Without such a list, the small files
@@ -149,7 +150,12 @@ class PushPlan(PushNodes):
                 if path not in by_chunk:
                     head += e.chunks
             elif k < len(e.chunks):
-                head.append(e.chunks[k])
+                # And the next chunk: a file read through the daemon before it is whole (push
+                # --early) is read ahead past the pages its reader touches, across the end of
+                # the chunk it reads (by passthrough, as recorded, it was not): of libtorch_
+                # cpu.so's 55 recorded chunks, 11 were followed by a read of the next one,
+                # each waited for as a want behind the stream.
+                head += e.chunks[k:k + 2] if early else e.chunks[k:k + 1]
             chosen.add(path)
         if not chosen and fallback:  # no list, or none of its files is in this snapshot
             small = [e for e in files.values() if e.size < LARGE_CHUNK]

@@ -40,7 +40,7 @@ from ..wire.replies import (
     MalformedReply,
     PrepareReply,
 )
-from . import bytecode, link_codec, store_keep, tail_pace
+from . import bytecode, link_codec, store_keep
 from .controller_store import ControllerStore
 from .link_codec import LinkChoice
 from .links import NodeLink, Sessions, each
@@ -76,8 +76,7 @@ class _Push(PushPlan):
         self.chunks_wanted = 0  # push --early: sent ahead of the stream, for a node's reader
         self.usable_seconds: float | None = None  # push --early
         self.complete_seconds: float | None = None
-        self.stream: Stream | None = None  # the broadcast streaming now, since stream_started
-        self.stream_started = 0.0
+        self.stream: Stream | None = None  # the broadcast streaming now
 
     async def broadcast(self, kind: str, fanout: int, head: list[bytes] | None = None) -> str:
         """Send every healthy node what it lacks along a `kind` plan; returns the kind used.
@@ -95,7 +94,7 @@ class _Push(PushPlan):
         await self.choose_compression([by_addr[r["addr"]] for r in roots])
         stream = Stream(self.payload, self.nodes, self.local, self.timeout, self.progress,
                         head, self.token, self.encrypt, self.pacer)
-        self.stream, self.stream_started = stream, time.monotonic()
+        self.stream = stream
         try:
             await stream.run([(by_addr[r["addr"]], r["children"]) for r in roots],
                              opened=self.tree is not None)
@@ -202,7 +201,6 @@ class _Push(PushPlan):
                 self.usable_seconds = round(time.monotonic() - self.started, 3)
                 published = [n.addr for n in self.healthy]
                 usable(self.usable_seconds, len(published))
-                tail_pace.pace(self.pacer, self.stream, self.stream_started)
         if failed:
             raise failed[0]
         self.check("sending chunks", published)
@@ -350,7 +348,8 @@ async def push(
             await job.broadcast("star", opts.fanout)
             job.check("sending chunks")
         clock.mark("send")
-        await job.publish(name, source, ahead=job.first_read_chunks(reads, fallback=False))
+        await job.publish(name, source, ahead=job.first_read_chunks(reads, fallback=False,
+                                                                      early=False))
         clock.mark("publish")
         return used
 

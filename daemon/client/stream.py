@@ -165,7 +165,12 @@ class Payload:
         obj = self.objects.get(cid)
         if obj is not None:
             return bytearray(1) + obj
-        return self.read_into(cid, 1, self.buffers.take)
+        return self.read_into(cid, 1, self._buffer)
+
+    def _buffer(self, size: int) -> bytearray | memoryview:
+        """Where a chunk is read: a small one in plain memory (it is copied into its frame
+        with its neighbours: frames.py), a large one on a page of a pooled buffer."""
+        return bytearray(size) if size < BufferPool.SMALL else self.buffers.take(size)
 
     def encoded(self, cids: list[bytes], zstd: bool = True,
                 raw: bool = False) -> tuple[Batch, Batch, Later]:
@@ -326,14 +331,17 @@ class Stream:
         # prepare checks that every chunk it names has arrived (push --early: the first
         # reads' chunks, next, and the rest on demand).
         manifest = [o for o in pl.objects if o in wanted]
+        # Each size looked up once, into a plain dict: the order, the batches and the
+        # progress below ask for each chunk's ~6 times, and Sizes looks in the snapshot.
+        sizes = {c: pl.sizes[c] for c in (*manifest, *needed)}
         if self.head is None:
-            order = manifest + interleave(needed, pl.sizes)
+            order = manifest + interleave(needed, sizes)
         else:  # the first reads' chunks next: the version is usable once they are there
             first, wanted = set(self.head), set(needed)
             head = [c for c in dict.fromkeys(self.head) if c in wanted]
             order = manifest + head + interleave([c for c in needed if c not in first],
-                                                 pl.sizes)
-        self.progress.phase("sending", sum(pl.sizes[c] for r in live for c in wants[r.addr]))
+                                                 sizes)
+        self.progress.phase("sending", sum(sizes[c] for r in live for c in wants[r.addr]))
         sent = 0
         local_error: list[BaseException] = []
         queues = {r.addr: trio.open_memory_channel[Batch](_QUEUE) for r in live}
@@ -346,7 +354,7 @@ class Stream:
             size = 0
             for cid in todo:
                 batch.append(cid)
-                size += pl.sizes[cid]
+                size += sizes[cid]
                 if size >= bulk.BATCH_BYTES or len(batch) >= bulk.BATCH_CHUNKS:
                     break
             return batch
@@ -405,7 +413,7 @@ class Stream:
                         self.bytes_sent += size
                         for cid, _ in batch:
                             self.chunks_sent += cid not in pl.objects
-                            sent += pl.sizes[cid]
+                            sent += sizes[cid]
                         self.progress.update(sent)
                 except NODE_ERRORS as e:
                     root.fail(e, self.timeout)

@@ -66,6 +66,10 @@ class Fetcher:
             for event in self._waiting.values():
                 event.set()
 
+    def waiting(self) -> bool:
+        """Whether any reader waits for a chunk (node/readers.py holds no tail back then)."""
+        return bool(self._waiting)
+
     def wanted(self, cid: bytes) -> bool:
         """Whether a reader waits for `cid` (its write should not wait for a full batch)."""
         return cid in self._waiting

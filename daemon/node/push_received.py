@@ -26,8 +26,9 @@ class PushReceived:
         self.chunks = self.bytes = self.asked = self.lacking = 0
         self.started: float | None = None
 
-    def chunk(self, size: int) -> None:
-        self.chunks += 1
+    def arrived(self, count: int, size: int) -> None:
+        """`count` chunks of `size` bytes in all arrived."""
+        self.chunks += count
         self.bytes += size
         if self.started is None:
             self.started = time.monotonic()

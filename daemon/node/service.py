@@ -35,6 +35,7 @@ from .first_reads import FirstReads
 from .flusher import Flusher
 from .procs import ProcessTable, procs_user
 from .publisher import KEEP_VERSIONS, Publisher
+from .readers import TailPace
 from .refs import Refs, describe_user
 from .source_links import SourceLinks
 
@@ -148,6 +149,9 @@ class NodeService:
                                    links=SourceLinks(self.state, bool(identity_mode),
                                                      source_prefixes),
                                    flusher=self.flusher)
+        # A push --early's tail waits while the mount's readers are busy (readers.py).
+        self.tail = TailPace(lambda: self.fs.last_request_ns, self.publisher.incomplete.has,
+                             self.fetcher.waiting, self.counters)
         # A root daemon runs no process unless its operator allowed it (procs.py).
         self.allow_root_procs = allow_root_procs
         # "munge" (--identity munge): the requests that act for a user carry a MUNGE credential,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -96,6 +96,7 @@ class Session:
         # (fs/file_objects.py).
         self.version: bytes | None = None
         self.upstream: Upstream | None = None  # push --early: this peer streams to us
+        self.early: bytes | None = None  # push --early: the version (readers.py)
         self.own_missing: set[bytes] | None = None  # what this node lacks, once asked
         self.claimed = False  # told what this node has: no collect until commit
         self.bulk_rx: bulk.BulkReceiver | None = None  # an RDMA channel the client opened
@@ -131,8 +132,7 @@ class Session:
             if isinstance(msg, p.PutChunk):
                 await self.on_chunk(msg.cid, msg.blob, msg.digest, msg.seal)
             elif isinstance(msg, p.PutChunks):
-                for one in msg.chunks:
-                    await self.on_chunk(one.cid, one.blob)
+                await self.on_chunks(msg.chunks)
             elif isinstance(msg, p.QueryMissing):
                 await self._query_missing(msg.ids)
             elif isinstance(msg, p.Request):
@@ -162,10 +162,22 @@ class Session:
                        digest: bytes | None = None, seal: bytes | None = None) -> None:
         """A chunk arrived (a PutChunk frame or over RDMA): forward it to the children whose
         subtrees lack it, and store it if this node lacks it (`digest`, `seal`: p.PutChunk's)."""
-        self.counters["chunks_received"] += 1
-        self.counters["bytes_received"] += len(blob)
-        self.rx.chunk(len(blob))
-        msg = p.PutChunk(cid, blob, digest, seal)
+        await self.on_chunks((p.PutChunk(cid, blob, digest, seal),))
+
+    async def on_chunks(self, msgs: Sequence[p.PutChunk]) -> None:
+        """on_chunk of each, in order (a PutChunks frame: a tree of small files sends
+        thousands, and what is done once per frame here is not done per file)."""
+        size = sum(len(msg.blob) for msg in msgs)
+        self.counters["chunks_received"] += len(msgs)
+        self.counters["bytes_received"] += size
+        self.rx.arrived(len(msgs), size)
+        for msg in msgs:
+            await self._take(msg)
+        if self.early is not None:  # push --early: its tail gives way to readers
+            await self.service.tail.taken(self.early, size)
+
+    async def _take(self, msg: p.PutChunk) -> None:
+        cid, blob = msg.cid, msg.blob
         if self.relay is not None:
             await self.relay.forward(msg)
         if cid == self.version:
@@ -320,6 +332,7 @@ class Session:
         self.relay = Relay(s.token, req.children, req.timeout, self.nursery, self.counters,
                            s.transport, s.encrypt, version=req.version,
                            fetcher=s.fetcher if req.wants else None)
+        self.early = req.version if req.wants else None
         if req.wants and self.upstream is None:  # reads here may ask this peer for chunks
             self.upstream = Upstream(self.chan.peer, self.chan.send, req.timeout)
             s.fetcher.add(self.upstream)

@@ -132,7 +132,9 @@ def encode(msg: p.Message, *, early: bool) -> list[Buffer]:
         ftype = FRAME_TYPES[type(msg)]
         if any(len(i) != p.ID_SIZE for i in msg.ids):
             raise p.ProtocolError(f"{ftype.name}: ids must be {p.ID_SIZE} bytes")
-        return frame(ftype, *msg.ids)
+        # One part, not one per id: each part is a step of the seal and of the write, and a
+        # fresh node's answer of 43k missing ids took 0.1 s of its loop that way.
+        return frame(ftype, b"".join(msg.ids))
     if isinstance(msg, p.Data):
         if len(msg.parts) > MAX_DATA_PARTS:
             raise p.ProtocolError(f"DATA: {len(msg.parts)} parts exceed {MAX_DATA_PARTS}")
@@ -146,8 +148,10 @@ def encode(msg: p.Message, *, early: bool) -> list[Buffer]:
         if any(len(c.cid) != p.ID_SIZE for c in msg.chunks):
             raise p.ProtocolError(f"PUT_CHUNKS: chunk ids must be {p.ID_SIZE} bytes")
         table = b"".join(_BATCH_ENTRY.pack(c.cid, len(c.blob)) for c in msg.chunks)
-        return frame(FrameType.PUT_CHUNKS, _COUNT.pack(len(msg.chunks)), table,
-                     *(c.blob for c in msg.chunks))
+        # The small blobs joined with the table: one part to seal and write, not one per chunk
+        # (the copy, of under a MiB in the cache, costs less than the steps it saves).
+        return frame(FrameType.PUT_CHUNKS, b"".join([_COUNT.pack(len(msg.chunks)), table,
+                                                     *(c.blob for c in msg.chunks)]))
     if isinstance(msg, p.PutChunk):
         if len(msg.cid) != p.ID_SIZE:
             raise p.ProtocolError(f"PUT_CHUNK: chunk id must be {p.ID_SIZE} bytes")

@@ -21,7 +21,7 @@ from .requests import from_hex
 
 # What crossed a node since it started (NodeService.counters); `status` reports each.
 COUNTERS = ("chunks_received", "bytes_received", "chunks_stored", "chunks_forwarded",
-            "packs_collected", "bytes_collected")
+            "packs_collected", "bytes_collected", "tail_held_ms")
 # The keys of the node's transport description (bulk.LocalTransport.info) in `status`.
 TRANSPORT_KEYS = ("transport", "transport_reason", "rdma")
 
