@@ -73,6 +73,17 @@ def folders(src: Path) -> int:
     return 1 + sum(len(dirs) for _, dirs, _ in os.walk(src))
 
 
+def push_from_store(cluster, src: Path) -> dict:
+    """A push of `src` (its pages evicted first) to `cluster`'s fresh node, which must send
+    every chunk and folder object from the dev box store and read nothing of the source."""
+    os.sync()
+    evict(src)
+    r = cluster.push_json(src, "--compress", "on")
+    assert resident_bytes(src) == 0, "the push read the source"
+    assert r["store"]["sent_from_store"] == r["chunks_total"] + folders(src)
+    return r
+
+
 def test_push_to_fresh_nodes_sends_from_the_store_without_reading_the_source(
         tmp_path, fresh_cluster):
     """The second push runs in a new process (the store survives a restart of the client),

@@ -16,7 +16,14 @@ import time
 import pytest
 import trio
 from fillers import wait_fillers
-from test_controller_store import evict, folders, make_src, resident_bytes, store_status
+from test_controller_store import (
+    evict,
+    folders,
+    make_src,
+    push_from_store,
+    resident_bytes,
+    store_status,
+)
 
 from helpers import CLI_MODULE, tree, wait_for
 from monarch_fs.daemon.client import filler_control, store_keep
@@ -88,12 +95,8 @@ def test_a_push_while_a_filler_runs_takes_the_store_from_it(tmp_path, fresh_clus
 
     wait_fillers()
     assert filler_control.holder(settings.store_dir) is None
-    os.sync()
-    evict(src)
     third = fresh_cluster(1)
-    r3 = third.push_json(src, "--compress", "on")
-    assert resident_bytes(src) == 0, "the push read the source"
-    assert r3["store"]["sent_from_store"] == r3["chunks_total"] + folders(src)
+    push_from_store(third, src)
     assert tree(third.mnt(0) / "env") == want
 
 
@@ -115,12 +118,7 @@ def test_what_a_stopped_filler_left_is_filled_by_the_next(tmp_path, fresh_cluste
     assert "; then env " in last and last.endswith("0 lacking [SCHED_IDLE]"), last
     assert filler_control.read_pending(settings.store_dir) == []
 
-    os.sync()
-    evict(first)
-    fresh = fresh_cluster(1)
-    r3 = fresh.push_json(first, "--compress", "on")
-    assert resident_bytes(first) == 0, "the push read the source"
-    assert r3["store"]["sent_from_store"] == r3["chunks_total"] + folders(first)
+    push_from_store(fresh_cluster(1), first)
 
 
 def test_a_filler_fills_the_folder_as_it_is_now(tmp_path, fresh_cluster, monkeypatch):
