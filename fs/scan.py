@@ -209,10 +209,11 @@ def _hash_file(f: _File, buf: memoryview, tap: Tap | None = None) -> _Hashed:
     sink = tap(f.abspath, f.size) if tap is not None else None
     unchanged = False
     try:
-        with open(f.abspath, "rb", buffering=0) as fh:
+        fd = os.open(f.abspath, os.O_RDONLY | os.O_CLOEXEC)
+        try:
             while True:
                 into = buf if sink is None else sink.buffer(len(buf))
-                n = _fill(fh, into)
+                n = _fill(fd, into, f.size - offset)
                 if not n:
                     break
                 cid = chunk_id(into[:n])
@@ -221,8 +222,12 @@ def _hash_file(f: _File, buf: memoryview, tap: Tap | None = None) -> _Hashed:
                     sink.chunk(cid, into, n)
                 offset += n
                 if n < len(buf):
+                    if offset == f.size and stat_key(os.fstat(fd)) != f.stat:
+                        continue  # it grew: read on to its end after all
                     break
-            unchanged = stat_key(os.fstat(fh.fileno())) == f.stat and offset == f.size
+            unchanged = stat_key(os.fstat(fd)) == f.stat and offset == f.size
+        finally:
+            os.close(fd)
     finally:
         if sink is not None:
             sink.done(unchanged)
@@ -233,14 +238,19 @@ def _hash_file(f: _File, buf: memoryview, tap: Tap | None = None) -> _Hashed:
     return offset, out, unchanged
 
 
-def _fill(fh, buf: memoryview) -> int:
-    """Read until `buf` is full or the file ends."""
+def _fill(fd: int, buf: memoryview, expect: int) -> int:
+    """Read until `buf` is full or the file ends, or (short of a full buffer) once the `expect`
+    bytes the walk saw are in: no read that only finds the end (a venv's 42k small files made
+    42k of them). A file that grew since is read on by _hash_file, whose stat after the read
+    says so."""
     got = 0
     while got < len(buf):
-        n = fh.readinto(buf[got:])
+        n = os.readv(fd, [buf[got:]])
         if not n:
             break
         got += n
+        if got == expect:
+            break
     return got
 
 

@@ -409,3 +409,23 @@ async def test_rescan_lists_only_the_folders_that_hold_changes(tmp_path, monkeyp
     again = await rescan(snap, [b"d7/f"], chunk_size=SMALL)
     assert listed == [os.fsencode(root / "d7")]
     assert file_bytes(again, again.manifest.get(b"d7/f")) == b"edited"
+
+
+def test_a_file_that_grew_after_the_walk_is_read_whole_and_not_trusted(tmp_path):
+    """A small file is read once, up to the size the walk saw (no read that only finds its
+    end): one that grew since is still read to its end, and not taken as unchanged."""
+    from monarch_fs.fs.scan import _File, _hash_file
+    from monarch_fs.fs.scan_cache import stat_key
+
+    p = tmp_path / "f"
+    p.write_bytes(b"a" * 100)
+    st = os.stat(p)
+    walked = _File(b"f", bytes(p), st.st_mode, stat_key(st))
+    buf = memoryview(bytearray(4 << 20))
+    size, chunks, unchanged = _hash_file(walked, buf)
+    assert (size, [c for c, _ in chunks], unchanged) == (100, [chunk_id(b"a" * 100)], True)
+    with open(p, "ab") as f:
+        f.write(b"b" * 50)
+    size, chunks, unchanged = _hash_file(walked, buf)
+    assert size == 150 and [c for c, _ in chunks] == [chunk_id(b"a" * 100 + b"b" * 50)]
+    assert not unchanged
