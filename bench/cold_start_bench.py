@@ -51,7 +51,6 @@ from .cold_start_report import MONARCH_REMOTEMOUNT_S, TARGETS, table  # noqa: F4
 from .common import (
     DEFAULT_CACHE,
     BenchError,
-    CpuMeter,
     LocalCluster,
     MiB,
     PageCache,
@@ -59,7 +58,6 @@ from .common import (
     disk_bytes,
     fmt_bytes,
     last_json,
-    loadavg,
     log,
     mfs_cli,
     remove_work,
@@ -69,6 +67,7 @@ from .common import (
     sync,
     workload_main,
 )
+from .machine import CpuMeter, loadavg
 from .node_settled import flushed, settled
 
 NAME = "venv"

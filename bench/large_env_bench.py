@@ -39,10 +39,10 @@ from .common import (
     MiB,
     cpu_seconds,
     disk_bytes,
-    loadavg,
     log,
     remove_work,
 )
+from .machine import loadavg
 from .node_settled import flushed, settled
 
 GiB = 1024 * MiB

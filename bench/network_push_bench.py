@@ -56,9 +56,9 @@ from .common import (
     exit_codes,
     fmt_bytes,
     log,
-    machine_facts,
     median,
 )
+from .machine import machine_facts
 from .push_bench import ensure_tree
 
 RSYNC_PORT = 8730

@@ -57,12 +57,12 @@ from .common import (
     PageCache,
     fmt_bytes,
     last_json,
-    machine_facts,
     mfs_cli,
     remove_work,
     run,
     sync,
 )
+from .machine import machine_facts
 
 GENERATOR_VERSION = 1
 SMALL_FRACTION = 0.25

@@ -80,14 +80,12 @@ from .common import (
     DEFAULT_CACHE,
     REPO,
     RESULTS,
-    CpuMeter,
     PageCache,
-    loadavg,
     log,
-    machine_facts,
     remove_work,
 )
 from .datapath_report import readme_section
+from .machine import CpuMeter, loadavg, machine_facts
 from .report import goals, machine_line, markdown, summary_tables
 
 WORKLOADS = ("push", "read", "import", "tree", "netpush", "coldstart", "datapath", "editloop",

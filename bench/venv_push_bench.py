@@ -27,7 +27,15 @@ import time
 from pathlib import Path
 
 from . import import_bench
-from .common import DEFAULT_CACHE, LocalCluster, cpu_seconds, last_json, loadavg, log, remove_work
+from .common import (
+    DEFAULT_CACHE,
+    LocalCluster,
+    cpu_seconds,
+    last_json,
+    log,
+    remove_work,
+)
+from .machine import loadavg
 
 SPY = str(Path(sys.executable).parent / "py-spy")
 

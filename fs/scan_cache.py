@@ -121,7 +121,7 @@ class ScanCache:
         self._since_ns = started_ns - self.racy_ns
         if self.path is not None:
             if chunk_size != self.chunk_size or self._file is None \
-                    or self._file != _file_key(self.path):
+                    or self._file != file_key(self.path):
                 self._old = self._read(self.path, chunk_size)
                 self._in_file = len(self._old)
             self._file = self._touch(self.path) if self._old else None
@@ -248,7 +248,7 @@ class ScanCache:
             os.utime(path)
         except OSError:
             return None
-        return _file_key(path)
+        return file_key(path)
 
     def _decode(self, data: bytes, chunk_size: int) -> Cached:
         if len(data) < _HEAD.size:
@@ -298,11 +298,11 @@ class ScanCache:
         folder = os.path.dirname(path)
         os.makedirs(folder, mode=0o700, exist_ok=True)
         replace_file(path, data, f"{path}.{os.getpid()}.{threading.get_ident()}.tmp")
-        self._file, self._in_file = _file_key(path), len(self._old)
+        self._file, self._in_file = file_key(path), len(self._old)
         _prune(folder)
 
 
-def _file_key(path: str) -> tuple[int, int, int, int] | None:
+def file_key(path: str) -> tuple[int, int, int, int] | None:
     """What tells a cache file from any other at `path` (a write replaces it: a new inode)."""
     try:
         st = os.stat(path)

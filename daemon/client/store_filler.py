@@ -37,7 +37,7 @@ import trio
 
 from ...fs.private_files import replace_file
 from ...fs.scan import ScanStopped, collector_paused, scan
-from ...fs.scan_cache import ScanCache, _file_key
+from ...fs.scan_cache import ScanCache, file_key
 from ...fs.snapshot import Snapshot, SourceChanged
 from ...fs.store import Store, StoreBusy
 from ...settings import settings
@@ -64,7 +64,7 @@ class ReadOnlyCache(ScanCache):
 
     @staticmethod
     def _touch(path: str) -> tuple[int, int, int, int] | None:
-        return _file_key(path)
+        return file_key(path)
 
 
 class Stop:
