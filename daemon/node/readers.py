@@ -4,8 +4,10 @@ Once a push --early has published its version, the job started on it reads the m
 the rest of the push (its tail) still streams in, on the same node: the tail's receive,
 verification and writes take the cores and the daemon's loop (which answers every FUSE request)
 from the job, and the dev box's push process takes a core too. Paced at the dev box (half the
-head's rate), the first `import torch` after the usable line still took 1.6-2.6 s against
-1.2-1.3 s after a whole push, on the 2-core machine the benchmarks run on.
+head's rate), the first `import torch` after the usable line still took 1.9-2.5 s against
+1.2-1.3 s after a whole push, on the 2-core machine the benchmarks run on; held here, 1.6 s
+(at 16 MiB/s; 1.7 at 64 MiB/s, 1.6 at 4 MB/s, 3.0-3.1 not held at all), and the push
+completes sooner (4.5-4.7 s against 5.5-6.4).
 
 So the node takes the tail slowly while its mount's readers are busy (a FUSE request in the
 last QUIET seconds): BUSY_RATE bytes a second, which its socket's window passes back to the
