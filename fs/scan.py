@@ -208,6 +208,7 @@ def _hash_file(f: _File, buf: memoryview, tap: Tap | None = None) -> _Hashed:
     offset = 0
     sink = tap(f.abspath, f.size) if tap is not None else None
     unchanged = False
+    after: Key | None = None  # its stat key once read, if taken in the loop
     try:
         fd = os.open(f.abspath, os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -222,10 +223,15 @@ def _hash_file(f: _File, buf: memoryview, tap: Tap | None = None) -> _Hashed:
                     sink.chunk(cid, into, n)
                 offset += n
                 if n < len(buf):
-                    if offset == f.size and stat_key(os.fstat(fd)) != f.stat:
-                        continue  # it grew: read on to its end after all
+                    if offset == f.size:
+                        after = stat_key(os.fstat(fd))
+                        if after != f.stat:
+                            after = None
+                            continue  # it grew: read on to its end after all
                     break
-            unchanged = stat_key(os.fstat(fd)) == f.stat and offset == f.size
+            if after is None:
+                after = stat_key(os.fstat(fd))
+            unchanged = after == f.stat and offset == f.size
         finally:
             os.close(fd)
     finally:

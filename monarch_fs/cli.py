@@ -96,7 +96,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from .daemon.client.controller_store import read_summary
     from .daemon.client.status import status
 
-    held = read_summary(settings.store_dir, settings.store_bound)
+    held = read_summary(settings.store_dir, settings.store_bound, filler=True)
     if args.store:
         print(json.dumps(held.to_json()) if args.json else store_line(held))
         return 0

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import time
 from pathlib import Path
 
 from monarch_fs.daemon.client import filler_control
@@ -40,13 +38,5 @@ def stop_fillers(root: Path, timeout: float = 10) -> list[int]:
                 continue
             if Path(spec["home"]).is_relative_to(root):
                 found.append((int(name), Path(spec["store"])))
-    for pid, store in found:
-        filler_control.request(store, pid)
-    deadline = time.monotonic() + timeout
-    while left := [pid for pid, _ in found if filler_control.is_filler(pid)]:
-        if time.monotonic() > deadline:
-            for pid in left:
-                os.kill(pid, signal.SIGKILL)  # a filler this test's pushes started
-            break
-        time.sleep(0.02)
+    filler_control.stop(found, timeout)  # fillers this test's pushes started
     return [pid for pid, _ in found]

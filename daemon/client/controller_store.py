@@ -96,16 +96,17 @@ class Summary:
         return asdict(self)
 
 
-def read_summary(root: Path, bound: int) -> Summary:
-    """What the store held after its last push (or its filler's last run), and which filler
-    fills it now; an absent or damaged record is an empty one."""
+def read_summary(root: Path, bound: int, filler: bool = False) -> Summary:
+    """What the store held after its last push (or its filler's last run), and (`filler`:
+    for `status`, not a push's every look) which filler fills it now; an absent or damaged
+    record is an empty one."""
     try:
         data = json.loads((root / RECORD).read_text())
         held = [Held(**h) for h in data["snapshots"]]
         objects, size = int(data["objects"]), int(data["bytes"])
     except (OSError, ValueError, KeyError, TypeError):
         held, objects, size = [], 0, 0
-    pid = filler_control.holder(root)
+    pid = filler_control.holder(root) if filler else None
     filling = pid if pid is not None and filler_control.is_filler(pid) else None
     return Summary(str(root), objects, size, bound, held, filling)
 

@@ -170,13 +170,24 @@ def stop_all(home: Path, timeout: float = STOP_TIMEOUT) -> list[int]:
     """Ask every filler started with this home to stop, and wait for them to exit (before
     the home is removed); one that outlives `timeout` is killed. The pids asked."""
     asked = [(pid, Path(store)) for pid, store in _started(home) if is_filler(pid)]
-    for pid, store in asked:
-        request(store, pid)
-    if not wait_all(home, timeout):
-        for pid in running(home):
-            try:
-                os.kill(pid, signal.SIGKILL)  # a filler this home's pushes started
-            except OSError:
-                pass
-        wait_all(home, timeout)
+    stop(asked, timeout)
     return [pid for pid, _ in asked]
+
+
+def stop(fillers: list[tuple[int, Path]], timeout: float = STOP_TIMEOUT) -> None:
+    """Ask each filler (pid, store) to stop and wait for it to exit; one that outlives
+    `timeout` is killed (a filler its caller's pushes started), and waited for as long."""
+    for pid, store in fillers:
+        request(store, pid)
+    deadline, killed = time.monotonic() + timeout, False
+    while left := [pid for pid, _ in fillers if is_filler(pid)]:
+        if time.monotonic() > deadline:
+            if killed:
+                return
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            deadline, killed = time.monotonic() + timeout, True
+        time.sleep(0.02)

@@ -76,7 +76,6 @@ class _Push(PushPlan):
         self.chunks_wanted = 0  # push --early: sent ahead of the stream, for a node's reader
         self.usable_seconds: float | None = None  # push --early
         self.complete_seconds: float | None = None
-        self.stream: Stream | None = None  # the broadcast streaming now
 
     async def broadcast(self, kind: str, fanout: int, head: list[bytes] | None = None) -> str:
         """Send every healthy node what it lacks along a `kind` plan; returns the kind used.
@@ -94,7 +93,6 @@ class _Push(PushPlan):
         await self.choose_compression([by_addr[r["addr"]] for r in roots])
         stream = Stream(self.payload, self.nodes, self.local, self.timeout, self.progress,
                         head, self.token, self.encrypt, self.pacer)
-        self.stream = stream
         try:
             await stream.run([(by_addr[r["addr"]], r["children"]) for r in roots],
                              opened=self.tree is not None)
