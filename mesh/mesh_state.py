@@ -30,6 +30,7 @@ from .errors import Failure, MeshError, SpawnError, SupervisionError
 from .hosts import HostInfo, Launcher
 from .link_writer import LinkWriter
 from .log_output import LogControl
+from .rank_stop import Started, signal_all
 from .shape import HOSTS
 
 log = logging.getLogger("monarch_fs.mesh")
@@ -231,12 +232,11 @@ class MeshState(CallTarget):
             for proc in self.procs:  # a proc stops the meshes its actors own, then exits
                 proc.post(wire.encode({"op": "stop"}))
             await exits()
-            async with trio.open_nursery() as nursery:  # all at once, each bounded (hosts.py)
-                for proc in self.procs:
-                    self.kill_launched(proc)
-                    if proc.proc_id is not None and not proc.exited.is_set():
-                        nursery.start_soon(self.launcher.kill, proc.host, proc.proc_id,
-                                           signal.SIGKILL)
+            for proc in self.procs:
+                self.kill_launched(proc)
+            await signal_all(self.launcher, [  # all at once, each bounded (rank_stop.py)
+                Started(proc.host, proc.proc_id) for proc in self.procs
+                if proc.proc_id is not None and not proc.exited.is_set()], signal.SIGKILL)
             await exits()
         self.stopped = True
         self.calls.fail_all(lambda call: MeshError(f"proc mesh {self.name!r} was stopped"))
