@@ -429,3 +429,47 @@ def test_a_file_that_grew_after_the_walk_is_read_whole_and_not_trusted(tmp_path)
     size, chunks, unchanged = _hash_file(walked, buf)
     assert size == 150 and [c for c, _ in chunks] == [chunk_id(b"a" * 100 + b"b" * 50)]
     assert not unchanged
+
+
+class _HeldSink:
+    """A tap's sink that holds its file until `release` is set (a link too slow to take more)."""
+
+    def __init__(self, release: threading.Event) -> None:
+        self.release = release
+
+    def buffer(self, size: int) -> memoryview:
+        if not self.release.wait(timeout=20):
+            raise TimeoutError("the small files were never hashed")
+        return memoryview(bytearray(size))
+
+    def chunk(self, cid: bytes, buf: memoryview, length: int) -> None:
+        pass
+
+    def done(self, unchanged: bool) -> None:
+        pass
+
+
+async def test_small_files_are_hashed_while_large_files_wait_on_their_link(tmp_path):
+    # A push streams a large file as it is hashed, so its hashing waits on the link; the small
+    # files' hashing must go on meanwhile (an env's .so files beside its venv), even with more
+    # large files than the scan has workers.
+    large = [tmp_path / f"lib{i}.so" for i in range((os.cpu_count() or 2) + 1)]
+    for path in large:
+        with open(path, "wb") as f:
+            f.truncate(8 << 20)
+    (tmp_path / "pkg").mkdir()
+    for i in range(600):
+        (tmp_path / "pkg" / f"m{i}.py").write_bytes(b"x = %d\n" % i)
+    small_bytes = sum(p.stat().st_size for p in (tmp_path / "pkg").iterdir())
+    release = threading.Event()
+    hashed_before_release = []
+
+    def progress(done: int, total: int) -> None:
+        if done >= small_bytes and not release.is_set():
+            hashed_before_release.append(done)
+            release.set()
+
+    snap = await scan(tmp_path, progress=progress,
+                      tap=lambda path, size: _HeldSink(release) if size >= 8 << 20 else None)
+    assert hashed_before_release == [small_bytes]  # every small file, and no large one yet
+    assert len(snap.manifest) == 1 + len(large) + 1 + 600
