@@ -99,6 +99,9 @@ class Job:
     out: TextIO = sys.stdout
     err: TextIO = sys.stderr
     fold: bool = True  # --no-fold: every rank's every line
+    # The stops of ranks under way (each shielded, bounded): a Ctrl-C ends them at once
+    # (run_until_interrupted).
+    stops: set[trio.CancelScope] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.output = FoldedOutput(self.out, self.err, fold=self.fold)
@@ -195,8 +198,12 @@ class _Attempt:
             if self.failure is not None:
                 self._report(restart)
         finally:
-            with trio.CancelScope(shield=True):
-                await self.stop()
+            with trio.CancelScope(shield=True) as stopping:
+                job.stops.add(stopping)
+                try:
+                    await self.stop()
+                finally:
+                    job.stops.discard(stopping)
         return self.failure
 
     def _report(self, restart: int) -> None:
@@ -243,6 +250,34 @@ class _Attempt:
         self.silent = await stop_ranks(self.daemons, running, self.exited, self._wait)
         for line in self.silent:
             self.job.say(line)
+
+
+async def run_until_interrupted(addrs: list[str], token: bytes, job: Job,
+                                local: bulk.LocalTransport | None = None) -> int:
+    """run_job for the CLI, where Ctrl-C is a cancellation, not a KeyboardInterrupt raised
+    wherever the code happens to be (trio raises it at any bytecode of code it does not
+    protect: raised as a nursery opened, it corrupted trio's own state, once in tens of runs of
+    tests/test_run_stop.py). A Ctrl-C cancels the job, whose ranks are then stopped as after a
+    failure (bounded: rank_stop.py), and ends a stop under way; KeyboardInterrupt once the job
+    is over (the CLI says "interrupted", 130)."""
+    interrupted = False
+    with trio.open_signal_receiver(signals.SIGINT) as ctrl_c:
+        async with trio.open_nursery() as nursery:
+
+            async def listen() -> None:
+                nonlocal interrupted
+                async for _ in ctrl_c:
+                    interrupted = True
+                    nursery.cancel_scope.cancel()
+                    for stop in list(job.stops):
+                        stop.cancel()
+
+            nursery.start_soon(listen)
+            code = await run_job(addrs, token, job, local)
+            nursery.cancel_scope.cancel()  # done: stop listening
+    if interrupted:
+        raise KeyboardInterrupt
+    return code
 
 
 def choose_transports(daemons: Daemons, job: Job, local: bulk.LocalTransport) -> list[str]:

@@ -341,7 +341,7 @@ def _env_pairs(pairs: list[str]) -> dict[str, str]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .mesh.spmd import Job, run_job
+    from .mesh.spmd import Job, run_until_interrupted
 
     argv = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not argv:
@@ -360,7 +360,7 @@ def cmd_run(args: argparse.Namespace) -> int:
               env=_env_pairs(args.env), max_restarts=args.max_restarts,
               transport=args.transport, hang_timeout=args.hang_timeout,
               on_hang=args.on_hang, fold=not args.no_fold)
-    return trio.run(run_job, hosts, token, job, local)
+    return trio.run(run_until_interrupted, hosts, token, job, local)
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {

@@ -116,3 +116,19 @@ def test_ctrl_c_ends_a_stop_that_waits_for_a_daemon(fresh_cluster, tmp_path, sta
     assert run.returncode == 130, err
     assert took < KILL_TIMEOUT - 2, took  # not the daemon's bound
     assert not started.wait_gone(15), "ranks outlived the run"
+
+
+def test_ctrl_c_while_ranks_run_stops_them_and_exits_130_again_and_again(
+        fresh_cluster, tmp_path, started):
+    # Ctrl-C is a cancellation (spmd.run_until_interrupted), so wherever it lands the ranks
+    # are stopped and the run says "interrupted": never a traceback of trio's own state.
+    c = fresh_cluster(2)
+    for attempt in range(3):
+        (tmp_path / str(attempt)).mkdir()
+        run, _ = start_run(c, tmp_path / str(attempt), started)
+        time.sleep(0.05 * attempt)  # a little later into the run each time
+        run.send_signal(signal.SIGINT)  # started by this test: signalled by pid
+        _, err = run.communicate(timeout=KILL_TIMEOUT + 20)
+        assert run.returncode == 130, err
+        assert "monarch-fs: interrupted" in err and "Traceback" not in err, err
+        assert not started.wait_gone(15), "ranks outlived the run"
