@@ -36,13 +36,11 @@ import hashlib
 import io
 import json
 import os
-import platform
 import random
 import resource
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -53,6 +51,7 @@ from tests.netns import NetCluster, rate_bytes_per_second
 
 from . import fanout_model as model
 from .common import CLK_TCK, REPO, BenchError, MiB, exit_codes
+from .machine import machine_facts
 
 FILE_BYTES = 64 * MiB  # payload file size: 16 chunks each
 WORKSPACE = "payload"
@@ -385,19 +384,6 @@ def markdown(report: dict) -> str:
 
 # ---- main -------------------------------------------------------------------------------------
 
-def machine_facts() -> str:
-    return f"kernel {platform.release()}, Python {platform.python_version()}"
-
-
-def git_describe() -> str:
-    try:
-        out = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"],
-                             capture_output=True, text=True, timeout=10)
-        return out.stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return "?"
-
-
 def measured_hop_latency(runs: list[dict], chunk: int, bandwidth: float) -> float | None:
     """L = (median chain hop lag) - c/B: what a hop costs beyond moving the chunk."""
     calm = [r for r in runs if not r["cpu_saturated"]] or runs  # CPU contention inflates lags
@@ -463,11 +449,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{run['cpu_busy']:.0%} ({time.monotonic() - t:.0f}s with set-up)",
                   file=sys.stderr)
 
+    facts = machine_facts()  # the shared facts (bench/machine.py), in this report's words
     config = {"payload_bytes": payload, "files": len(list(src.iterdir())), "seed": args.seed,
               "rate": args.rate, "link_bytes_per_s": bandwidth, "fanout": args.fanout,
               "chunk_bytes": model.CHUNK, "cores": os.cpu_count(), "store_dir": args.store_dir,
-              "machine": machine_facts(), "background_load": round(background, 3),
-              "monarch_fs": git_describe()}
+              "machine": f"kernel {facts['kernel']}, Python {facts['python']}",
+              "background_load": round(background, 3), "monarch_fs": facts["monarch_fs_commit"]}
     add_ratios(runs)
     now = datetime.datetime.now()
     report = {"date": now.isoformat(timespec="seconds"), "config": config, "runs": runs}
