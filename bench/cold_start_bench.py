@@ -20,7 +20,10 @@ What it reports, next to the issue's targets:
    dropped), `rsync -a` of the venv to a fresh local folder and the import from there (the
    source warm, as for the pushes), and Monarch 0.7 remotemount's 9.6 s, quoted from the issue.
 5. the node's disk per content byte: allocated blocks of its state folder (store, backing
-   files; not the mount), once the daemon has finished writing, over the files' bytes.
+   files; not the mount), once the daemon has finished writing, over the files' bytes; and
+   the floors a cold start cannot beat here, from the same run: the first import from the
+   mount once the version is whole on the node (page cache dropped, after each default run),
+   and the disk's write of the venv's bytes (4 MiB O_DIRECT writes and an fsync).
 6. daemon CPU seconds per GB ingested and MB/s of content, for 1 GiB of incompressible data to 1
    and to 8 local nodes: /proc/PID/stat of every daemon, summed, over content x nodes.
 7. (root: network namespaces, tests/netns.py) item 2 on 8 hosts behind 1 Gbit/s links against
@@ -114,8 +117,9 @@ class ColdStart:
     """Cold-start runs, each on a fresh 1-node cluster sharing the dev box's `home`."""
 
     def __init__(self, work: Path, home: Path, venv: Path, module: str,
-                 excludes: tuple[str, ...]):
+                 excludes: tuple[str, ...], page_cache: PageCache | None = None):
         self.work = work
+        self.page_cache = page_cache  # given: a default run times the mount's import too
         self.home = home
         self.venv = venv
         self.module = module
@@ -160,10 +164,22 @@ class ColdStart:
                 settled(cl)
                 flushed(cl.state())
                 rec["node_disk_bytes"] = disk_bytes(cl.state())
+                if not early and self.page_cache is not None:
+                    rec["mount_import_s"] = round(self.mount_import(cl), 3)
         finally:
             remove_work(d)
         self.runs["early" if early else "default"].append(rec)
         return rec["import_done_s"]
+
+    def mount_import(self, cl: LocalCluster) -> float:
+        """The first import from the mount of a node that holds the version whole, its page
+        cache (and dentries) dropped as for the local cold import: what the mount adds to an
+        import with no push before it, the floor of a cold start's import."""
+        assert self.page_cache is not None
+        root = cl.mount() / NAME
+        self.page_cache.drop()
+        t0 = time.time()
+        return import_end(start_import(root, self.module), root) - t0
 
     def _measure(self, cl: LocalCluster, early: bool) -> dict:
         cmd, env = cl.push_args(self.venv, "--json", "--name", NAME, *self.excludes,
@@ -345,7 +361,7 @@ def measure(work: Path, cache: Path = DEFAULT_CACHE, module: str = "torch",
     load0, busy = loadavg(), CpuMeter()
     venv, staged = import_bench.ensure_venv(cache)
     home = work / "devbox-home"
-    cold = ColdStart(work, home, venv, module, excludes)
+    cold = ColdStart(work, home, venv, module, excludes, page_cache)
     has_early = early_available()
     warm_up = cold.warm_up(has_early)
     log(f"  warm-up push: {warm_up['files']:,} files, {fmt_bytes(warm_up['bytes'])} in "
@@ -363,6 +379,9 @@ def measure(work: Path, cache: Path = DEFAULT_CACHE, module: str = "torch",
     res["sides"] = {k: summary([round(s, 3) for s in v]) for k, v in out.items()}
     res["cold_runs"] = cold.runs
     res["push_s"] = summary([r["push_s"] for r in cold.runs["default"]])
+    mounted = [r["mount_import_s"] for r in cold.runs["default"] if "mount_import_s" in r]
+    if mounted and page_cache.works:
+        res["mount_import_s"] = summary(mounted)
     res["cpu_s"] = {k: {"daemon": summary([r["daemon_cpu_s"] for r in v]),
                         "push_and_import": summary([r["push_and_import_cpu_s"] for r in v])}
                     for k, v in cold.runs.items() if v}

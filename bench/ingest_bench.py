@@ -4,7 +4,9 @@ Reports MB/s of content (wall time of the push), the daemons' CPU seconds per GB
 (utime + stime from /proc/PID/stat around the push, summed over the nodes and divided by the
 content each one ingested) and the node disk per content byte (store + backing files, once the
 backing copies are done), beside the raw loopback stream measured in the same run
-(bench/limits.py: one Python TCP stream, 4 MiB sendall/recv_into) and the push's rate over it.
+(bench/limits.py: one Python TCP stream, 4 MiB sendall/recv_into) and the push's rate over it,
+and beside the node's disk (limits.direct_write: 4 MiB O_DIRECT writes and an fsync, the most
+a fresh node can write).
 Also the push process's own CPU per GB (the dev box's half of the path), and a floor measured on
 the same file in the same run: a plain-Python push pipeline (limits.push_pipeline: read, hash
 and send each 4 MiB piece; the receiver hashes it and writes it into the page cache), its rate
@@ -35,7 +37,7 @@ import time
 from pathlib import Path
 
 from bench.common import LocalCluster, disk_bytes, mfs_cli
-from bench.limits import loopback_stream, push_pipeline, relay_floor
+from bench.limits import direct_write, loopback_stream, push_pipeline, relay_floor
 from bench.node_settled import flushed, settled
 
 
@@ -54,6 +56,10 @@ def measure(src: Path, work: Path, nodes: int = 1, topology: str | None = None,
     big = max(src.iterdir(), key=lambda f: f.stat().st_size)
     loopback = loopback_stream(content)  # bytes/s, this run
     floor = push_pipeline(big, work)
+    # The node's disk, this run: a fresh node writes every byte, with O_DIRECT (a buffered write
+    # into fresh page cache cost 1.8 CPU-s per GiB here against 0.2: fs/file_objects.py), so
+    # no push to it outruns this.
+    disk_rate = direct_write(work, content)
     # a relay hop's floor, this run: plain recv_into + sendall of the same bytes
     hop_floor = relay_floor(content) if nodes > 1 else None
     with LocalCluster(work / f"cluster-{nodes}-{topology or 'auto'}-{encrypt or 'auto'}",
@@ -95,6 +101,9 @@ def measure(src: Path, work: Path, nodes: int = 1, topology: str | None = None,
         "MB_per_s": round(content / 1e6 / seconds, 1),
         "loopback_MB_per_s": round(loopback / 1e6, 1),
         "of_loopback": round(content / seconds / loopback, 3),
+        "disk_direct_MB_per_s": round(disk_rate / 1e6, 1),
+        "disk_of_loopback": round(disk_rate / loopback, 3),
+        "of_disk": round(content / seconds / disk_rate, 3),
         "pipeline_MB_per_s": round(floor["bytes_per_s"] / 1e6, 1),
         "pipeline_of_loopback": round(floor["bytes_per_s"] / loopback, 3),
         "of_pipeline": round(content / seconds / floor["bytes_per_s"], 3),

@@ -69,6 +69,25 @@ def test_each_figure_stands_beside_its_limit_from_the_same_run_and_its_target():
                for ln in lines)
 
 
+def test_a_run_that_measured_the_disk_and_the_mount_shows_the_floors_they_set():
+    # the disk a fresh node writes every byte to, and the mount's own cold import: a target
+    # below them cannot be met on this machine, and the row says so with figures of its run
+    res = copy.deepcopy(RESULTS)
+    res["datapath"]["ingest"]["auto"].update(disk_direct_MB_per_s=1500.0)
+    res["coldstart"].update(mount_import_s={"median": 2.5, "min": 2.4, "max": 2.6},
+                            disk_floor={"seconds": 0.5})
+    lines = datapath_report.table(res)
+    assert _row(lines, "node ingest, 1 GiB incompressible, 1 fresh node, `--encrypt auto`") \
+        [2:4] == ["raw loopback stream 3000 MB/s; the node's disk (O_DIRECT) 1500 MB/s = "
+                  "0.50x of it", "0.33x (of the disk 0.67x)"]
+    assert _row(lines, "fresh node: push + first `import torch`")[2:4] == [
+        "local cold import 2.00 s; the mount's cold import, the version there: 2.50 s; "
+        "the disk's write of the venv: 0.50 s", "1.50x (floor 1.50x)"]
+    assert _row(lines, "the same, `push --early`")[2:4] == [
+        "local cold import 2.00 s; the mount's cold import, the version there: 2.50 s",
+        "1.10x (floor 1.25x)"]
+
+
 def test_a_run_without_the_cold_starts_or_the_data_path_says_so():
     alone = {"datapath": RESULTS["datapath"]}
     assert _row(datapath_report.table(alone), "the same, `push --early`")[1:] == [
@@ -105,6 +124,16 @@ def test_a_full_run_rewrites_the_readme_figures_and_nothing_else(tmp_path):
         "1.50x (3.00 s)", "<= 1.5x", "**met**"]
     assert _row(lines, "daemon peak RSS, 8 GiB env")[1:] == ["300 MB", "<= 250 MB",
                                                             "**not met**"]
+    # a run that measured the floors shows them beside the ratio
+    floors = copy.deepcopy(REPORT)
+    floors["results"]["datapath"]["ingest"]["auto"]["disk_direct_MB_per_s"] = 1500.0
+    floors["results"]["coldstart"]["mount_import_s"] = {"median": 2.5}
+    assert run_all.update_readme_figures(floors, md, readme)
+    lines = readme.read_text().splitlines()
+    assert _row(lines, "push to a fresh node (`--encrypt auto`)")[1] == \
+        "0.33x (1000 MB/s; of the disk 0.67x)"
+    assert _row(lines, "the same, `push --early`")[1] == "1.10x (2.20 s; floor 1.25x)"
+    assert _row(lines, "daemon peak RSS, 8 GiB env")[1] == "300 MB"
     # rendered again from the same run: the same page
     assert run_all.update_readme_figures(REPORT, md, readme) and readme.read_text() == text
 
