@@ -384,8 +384,8 @@ async def complete(broot: bytes, walk: Walk, chunk_size: int,
     # queue they took turns: an 8 GiB env hashed its venv's 43k small files, then streamed
     # its .so files, one after the other (1.6 s + 4.8 s of a 6.2 s scan).
     both = bool(large and small)
-    lanes = [(large, trio.CapacityLimiter(workers - workers // 2 if both else workers)),
-             (small, trio.CapacityLimiter(workers // 2 if both else workers))]
+    large_workers = trio.CapacityLimiter(workers - workers // 2 if both else workers)
+    small_workers = trio.CapacityLimiter(workers // 2 if both else workers)
 
     async def run(batch: list[_File], limiter: trio.CapacityLimiter) -> None:
         results = await trio.to_thread.run_sync(_hash_batch, batch, chunk_size, tap,
@@ -407,8 +407,8 @@ async def complete(broot: bytes, walk: Walk, chunk_size: int,
     if progress:
         progress(0, total)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(lane, *lanes[0], lanes[1][1])
-        nursery.start_soon(lane, *lanes[1], lanes[0][1])
+        nursery.start_soon(lane, large, large_workers, small_workers)
+        nursery.start_soon(lane, small, small_workers, large_workers)
 
     for f in files:
         size, chunks, unchanged = hashed[f.key]
