@@ -51,11 +51,22 @@ class Sources(Mapping[bytes, Source]):
 
     def _others(self) -> dict[bytes, Source]:
         if self._unread is None:
+            # A push to a fresh node asks for them all before it sends (the plan's sizes), so
+            # this is on its path: a file of one chunk (most) skips spans(), and the path is
+            # joined as bytes (os.path.join made it 3-4x slower: 0.13-0.23 s for a venv).
             read, found = self.read, {}
+            root = self.root if self.root.endswith(b"/") else self.root + b"/"
+            chunk_size = self.manifest.chunk_size
             for e in self.manifest:
-                for cid, (off, length) in zip(e.chunks, spans(e.size, self.manifest.chunk_size)):
+                chunks = e.chunks
+                if len(chunks) == 1:
+                    cid = chunks[0]
                     if cid not in found and cid not in read:
-                        found[cid] = Source(os.path.join(self.root, e.path), off, length, True)
+                        found[cid] = Source(root + e.path, 0, e.size, True)
+                    continue
+                for cid, (off, length) in zip(chunks, spans(e.size, chunk_size)):
+                    if cid not in found and cid not in read:
+                        found[cid] = Source(root + e.path, off, length, True)
             self._unread = found  # (two threads asking at once both make it: either is right)
         return self._unread
 

@@ -252,3 +252,24 @@ def test_small_files_are_spread_among_large_chunks():
     assert SMALL_RUN <= longest < SMALL_RUN + 10 * 1024
     # Only one kind: the order is kept as it is.
     assert interleave(small, sizes) == small and interleave(large, sizes) == large
+
+
+def test_small_files_lead_while_a_node_places_the_large_ones():
+    """Right after the manifest, up to LEAD bytes of small files go first (a node stores them
+    while it loads the manifest to place the large files), never a chunk of a large file,
+    even one small enough to ride with them (its tail); then the rest, interleaved."""
+    from monarch_fs.daemon.client.stream import LEAD, interleave, lead
+
+    small = [b"s%05d" % i for i in range(9000)]  # 9000 x 10 KiB = ~88 MiB
+    big = [b"L%03d" % i for i in range(10)] + [b"Ltail"]  # a large file: 10 x 4 MiB and its tail
+    ids = small[:10] + big + small[10:]  # folder order: the large file among the small ones
+    sizes = {**{c: 10 * 1024 for c in small}, **{c: 4 * MiB for c in big}, b"Ltail": 7}
+    out = lead(ids, sizes, set(big))
+    assert sorted(out) == sorted(ids)
+    first = out[:out.index(next(c for c in out if c in big))]
+    assert first == small[:len(first)]  # small files only, in folder order
+    assert LEAD <= sum(sizes[c] for c in first) < LEAD + 10 * 1024
+    rest = [c for c in ids if c not in set(first)]
+    assert out[len(first):] == interleave(rest, sizes)
+    # Nothing but a large file's chunks: interleave() alone.
+    assert lead(big, sizes, set(big)) == interleave(big, sizes)

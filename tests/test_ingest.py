@@ -72,6 +72,56 @@ def test_a_large_file_takes_its_size_once_on_the_node(fresh_cluster, tmp_path):
         assert bound.startswith(str(state(c) / "store" / "files"))
 
 
+def test_large_files_are_written_once_behind_small_files_that_lead(fresh_cluster, tmp_path):
+    """A push sends small files first, right after the manifest, while each node loads it to
+    place the large files (daemon/client/stream.py `lead`): the large files' chunks still go
+    to their file objects only, through a relay too, and every byte reads back right."""
+    c = fresh_cluster(2)
+    src = tmp_path / "ws"
+    for d in range(20):
+        (src / f"pkg{d:02d}").mkdir(parents=True)
+        for f in range(150):  # 3000 small files: the manifest takes a while to place
+            (src / f"pkg{d:02d}" / f"m{f:03d}.py").write_bytes(os.urandom(3000))
+    large = {"lib/a.so": os.urandom(9 * MiB + 100), "lib/b.so": os.urandom(2 * MiB),
+             "zz.bin": os.urandom(12 * MiB)}  # a tail of 100 bytes, one chunk, three whole
+    for name, data in large.items():
+        (src / name).parent.mkdir(exist_ok=True)
+        (src / name).write_bytes(data)
+    c.push(src)
+    settled(c)
+    content = sum(len(d) for d in large.values()) + 3000 * 3000
+    for i in range(2):
+        recorded(c, 3, i)
+        used = disk(state(c, i))
+        assert used <= 1.1 * content + 3000 * 4096, (
+            f"node-{i}: {used} bytes on disk for {content} of content")
+        for name, data in large.items():
+            assert (c.mnt(i) / "ws" / name).read_bytes() == data
+        assert (c.mnt(i) / "ws" / "pkg19" / "m149.py").read_bytes() == (
+            src / "pkg19" / "m149.py").read_bytes()
+
+
+def test_a_large_chunk_waits_for_its_place_while_the_manifest_loads(fresh_cluster, tmp_path):
+    """Nothing small leads here: 30,000 empty files make a manifest slow to load, and the
+    large file's chunks come right after it. They wait for each node to place the file, and
+    are written once, in place (two nodes: not streamed while scanning, scan_stream.py)."""
+    c = fresh_cluster(2)
+    src = tmp_path / "ws"
+    for d in range(30):
+        (src / f"d{d:02d}").mkdir(parents=True)
+        for f in range(1000):
+            (src / f"d{d:02d}" / f"e{f:03d}").touch()
+    data = os.urandom(16 * MiB)
+    (src / "w.bin").write_bytes(data)
+    c.push(src)
+    settled(c)
+    for i in range(2):
+        recorded(c, 1, i)
+        used = disk(state(c, i))
+        assert used <= 1.1 * len(data) + 8 * MiB, f"node-{i}: {used} bytes for {len(data)}"
+        assert (c.mnt(i) / "ws" / "w.bin").read_bytes() == data
+
+
 def _kill(c, i: int = 0) -> None:
     os.kill(c.pid(i), signal.SIGKILL)
     wait_for(lambda: not cluster_mod.running_node(c.dir, i), 20, f"node-{i} to die")

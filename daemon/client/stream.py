@@ -20,7 +20,8 @@ from functools import cached_property
 
 import trio
 
-from ...fs import chunk
+from ...fs import backing, chunk
+from ...fs.manifest import Manifest
 from ...fs.snapshot import Source, SourceChanged
 from ..wire import bulk, topology
 from ..wire import protocol as p
@@ -39,6 +40,8 @@ READ_BUFFERS = 24  # 4 MiB buffers kept for reads: the queues', the encoders' an
 _ENCODERS = 2
 LARGE_CHUNK = 1 << 20  # interleave(): chunks this big cost link time more than CPU
 SMALL_RUN = 4 << 20
+# Small files' bytes sent before any chunk a node writes in place: lead().
+LEAD = 64 << 20
 
 Batch = list[tuple[bytes, bytes | memoryview]]
 
@@ -94,6 +97,30 @@ def interleave(ids: list[bytes], sizes: Mapping[bytes, int]) -> list[bytes]:
     return out
 
 
+def lead(ids: list[bytes], sizes: Mapping[bytes, int], in_place: Collection[bytes],
+         limit: int = LEAD) -> list[bytes]:
+    """The order to send `ids` in right after a manifest: up to `limit` bytes of the chunks
+    of small files first (none of `in_place`, a large file's), in folder order, then
+    interleave() the rest.
+
+    A node places the manifest's large files as it arrives (it loads the manifest: 0.2-0.3 s
+    for a venv of 43k files, node/manifest_first.py), and a chunk that may be one of theirs
+    waits for that; a small file's is stored meanwhile. Sent after a large chunk, the dev box
+    waited for that placement with the rest."""
+    first: list[bytes] = []
+    total = 0
+    for c in ids:
+        if total >= limit:
+            break
+        if c not in in_place:
+            first.append(c)
+            total += sizes[c]
+    if not first:
+        return interleave(ids, sizes)
+    taken = set(first)
+    return first + interleave([c for c in ids if c not in taken], sizes)
+
+
 class Sizes(Mapping[bytes, int]):
     """Each chunk's and folder object's size, looked up in the snapshot as asked: a dict of
     them all would cost a pass over every chunk of the tree for each push of an edit."""
@@ -144,10 +171,19 @@ class Payload:
     keeper: Keeper | None = None  # set while a Stream runs with a store
     # What chunks are read into: reused once sent (and kept), not a new 4 MiB each.
     buffers: BufferPool = field(default_factory=lambda: BufferPool(READ_BUFFERS))
+    manifest: Manifest | None = None  # the snapshot's, for `in_place`
 
     @cached_property
     def sizes(self) -> Sizes:
         return Sizes(self.sources, self.objects)
+
+    @cached_property
+    def in_place(self) -> set[bytes]:
+        """The chunks of the files a node writes in place, in file objects (fs/backing.py's
+        `wanted`): those of a large file, whatever their size."""
+        if self.manifest is None:
+            return set()
+        return {c for e in self.manifest if backing.wanted(e) for c in e.chunks}
 
     def _fresh(self, cid: bytes) -> bool:
         """Whether a raw link had better read the chunk from its source than decompress the
@@ -335,7 +371,8 @@ class Stream:
         # progress below ask for each chunk's ~6 times, and Sizes looks in the snapshot.
         sizes = {c: pl.sizes[c] for c in (*manifest, *needed)}
         if self.head is None:
-            order = manifest + interleave(needed, sizes)
+            order = manifest + (lead(needed, sizes, pl.in_place) if manifest else
+                                interleave(needed, sizes))
         else:  # the first reads' chunks next: the version is usable once they are there
             first, wanted = set(self.head), set(needed)
             head = [c for c in dict.fromkeys(self.head) if c in wanted]

@@ -24,7 +24,7 @@ async def place(publisher: Publisher, writes: ChunkWrites, nursery: trio.Nursery
     stored; one that does not load places nothing (over RDMA the root may come before other
     objects), and prepare says why if it still does not."""
     try:
-        await writes.idle(nursery)  # the objects that came before the root
+        await writes.written(nursery)  # the objects that came before the root
         manifest = await publisher.manifest(cid, blob)  # prepare's, loaded once
         placed = await trio.to_thread.run_sync(place_files, publisher.store, manifest)
     except (KeyError, CorruptChunk, ManifestError, OSError) as e:

@@ -39,6 +39,7 @@ class ChunkWrites:
         self._batch_bytes = 0
         self._idle = trio.Event()
         self._idle.set()
+        self._running: dict[object, trio.Event] = {}  # each batch in flight: set once done
 
     async def start(self, nursery: trio.Nursery, msg: p.PutChunk) -> None:
         self._batch.append(msg)
@@ -57,6 +58,7 @@ class ChunkWrites:
         await self.limiter.acquire_on_behalf_of(token)
         self.pending += 1
         self._idle = trio.Event() if self.pending == 1 else self._idle
+        self._running[token] = trio.Event()
         nursery.start_soon(self._run, token, batch)
 
     def _put_all(self, batch: list[p.PutChunk]) -> tuple[int, list[str], bool]:
@@ -81,6 +83,7 @@ class ChunkWrites:
                 self.on_stored([msg.cid for msg in batch])
         finally:
             self.limiter.release_on_behalf_of(token)
+            self._running.pop(token).set()
             self.pending -= 1
             if self.pending == 0:
                 self._idle.set()
@@ -90,6 +93,14 @@ class ChunkWrites:
         if self._batch:
             await self._launch(nursery)
         await self._idle.wait()
+
+    async def written(self, nursery: trio.Nursery) -> None:
+        """Wait until every chunk received so far is stored (or has failed): unlike `idle`,
+        not for those that arrive meanwhile (a task beside the receiving one, which goes on)."""
+        if self._batch:
+            await self._launch(nursery)
+        for done in list(self._running.values()):
+            await done.wait()
 
     def raise_first(self) -> None:
         """Refuse the request at hand if a chunk of this connection could not be stored."""
