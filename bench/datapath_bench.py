@@ -8,11 +8,12 @@ minute.
 
 1. node ingest (bench/ingest_bench.py): the same incompressible file (cached in --cache) to a
    fresh 1-node cluster with `--encrypt auto`, then `--encrypt on`: MB/s of the whole push
-   process, the daemon's CPU per GB (and a plain-Python receiver's, the floor of its work),
+   process, the daemon's CPU per GB beside a node's floor (bench/limits.node_floor: receive,
+   check, hash and write with O_DIRECT in a plain Python loop, same run),
    node disk per content byte; each push beside the raw loopback stream (bench/limits.py: one
    Python TCP stream, 4 MiB sendall/recv_into) measured right before it;
 2. relays: the same file to a chain of 3 fresh nodes, CPU per GB of each relay hop beside the
-   relay floor (a plain Python recv_into + sendall of the same bytes, same run);
+   floor of a hop (the node's work, and each piece sent on, same run);
 3. a large env (bench/large_env_bench.py): the torch venv plus random .so-sized files up to
    `--env-gib` GiB to a fresh node, its rate over the 1 GiB rate measured before and after it,
    the daemon's peak RSS, the node's disk per content byte.
@@ -44,8 +45,8 @@ def measure(work: Path, cache: Path = DEFAULT_CACHE, ingest_mib: int = 1024,
             f"daemon {ingest[mode]['daemon_cpu_s_per_gb_incl_backing']} CPU-s/GB")
     log(f"  relay: {ingest_mib} MiB down a chain of {relay_nodes} ...")
     relay = ingest_bench.measure(src, work, relay_nodes, topology="chain")
-    log(f"    CPU-s/GB per node {relay['per_node_cpu_s_per_gb']}, relay floor "
-        f"{relay['relay_floor_cpu_s_per_gb']}")
+    log(f"    CPU-s/GB per node {relay['per_node_cpu_s_per_gb']}, a hop's floor "
+        f"{relay['hop_floor_cpu_s_per_gb']}")
     env_work = work / "large-env"
     env_work.mkdir()
     try:

@@ -15,8 +15,10 @@ over the raw stream, the push's rate over it, and each side's CPU per GB.
 Relays: `--nodes 3 --topology chain` streams to node 0, which forwards to node 1, which
 forwards to node 2; `per_node_cpu_s_per_gb` is each daemon's CPU per GB it ingested, so the
 first two are a relay hop each (receive, verify, write, forward) and the last a plain ingest.
-Beside them, `relay_floor_cpu_s_per_gb` (bench/limits.py, same run): a plain Python relay of the
-same bytes (recv_into, sendall), what a hop costs before it checks or stores anything.
+Beside them, `node_floor_cpu_s_per_gb` and `hop_floor_cpu_s_per_gb` (bench/limits.node_floor,
+same run): the CPU per GB of a plain Python loop doing a node's work on the same number of
+bytes (recv_into, a GMAC check, xxh3, an O_DIRECT write; a hop also sends each piece on),
+with no framing, store or Python per chunk.
 On a machine whose cores the daemons share, CPU per GB per hop is the figure, not wall time.
 
     python -m bench.ingest_bench --mib 1024 --nodes 1 [--durable sync|background]
@@ -37,7 +39,7 @@ import time
 from pathlib import Path
 
 from bench.common import LocalCluster, disk_bytes, mfs_cli
-from bench.limits import direct_write, loopback_stream, push_pipeline, relay_floor
+from bench.limits import direct_write, loopback_stream, node_floor, push_pipeline
 from bench.node_settled import flushed, settled
 
 
@@ -60,8 +62,10 @@ def measure(src: Path, work: Path, nodes: int = 1, topology: str | None = None,
     # into fresh page cache cost 1.8 CPU-s per GiB here against 0.2: fs/file_objects.py), so
     # no push to it outruns this.
     disk_rate = direct_write(work, content)
-    # a relay hop's floor, this run: plain recv_into + sendall of the same bytes
-    hop_floor = relay_floor(content) if nodes > 1 else None
+    # a node's and a relay hop's work at its plainest, this run (bench/limits.node_floor)
+    piece = max(content // 2, 64 << 20)  # each of its 3 runs
+    ingest_floor = node_floor(work, piece)
+    hop_floor = node_floor(work, piece, forward=True) if nodes > 1 else None
     with LocalCluster(work / f"cluster-{nodes}-{topology or 'auto'}-{encrypt or 'auto'}",
                       nodes=nodes) as c:
         pids = [c.pid(i) for i in range(nodes)]
@@ -115,7 +119,8 @@ def measure(src: Path, work: Path, nodes: int = 1, topology: str | None = None,
         "daemon_cpu_s_per_gb_incl_backing": round(cpu_all / gb, 2),
         "per_node_cpu_s_per_gb": [round((a - b) / (content / 1e9), 2)
                                   for a, b in zip(after, before)],
-        "relay_floor_cpu_s_per_gb": None if hop_floor is None else round(hop_floor, 2),
+        "node_floor_cpu_s_per_gb": round(ingest_floor, 2),
+        "hop_floor_cpu_s_per_gb": None if hop_floor is None else round(hop_floor, 2),
         "push_cpu_s_per_gb": round(push_cpu / (content / 1e9), 2),
         "phases": result.get("phases"),  # push --json's: scan, send, publish...
         "topology": topology or "auto", "encrypt": encrypt or "auto",

@@ -27,7 +27,8 @@ Workloads, one module each (each also runs on its own; see its docstring for the
   nodes; and (root) 8 hosts behind 1 Gbit/s links against 1 (~5 minutes; --quick 1-2);
 - datapath (datapath_bench.py): issue 34's data path: 1 GiB of incompressible data to a fresh
   node (`--encrypt auto` and `on`) over the raw loopback stream, daemon CPU per GB, CPU per GB
-  per relay hop down a chain of 3 beside the relay floor, and an 8 GiB env (--env-gib) over
+  per relay hop down a chain of 3, each beside a node's or a hop's work in a plain Python loop
+  (limits.node_floor), and an 8 GiB env (--env-gib) over
   the 1 GiB rate with the daemon's peak RSS; with coldstart's cold starts over the local cold
   import, one table (datapath_report.py) (~2-4 minutes, ~17 GB of disk while it runs);
 - editloop (edit_loop_bench.py): issue 20's edit-run loop: 15,000 and 100,000 small files on 4
