@@ -371,7 +371,10 @@ class Stream:
         # progress below ask for each chunk's ~6 times, and Sizes looks in the snapshot.
         sizes = {c: pl.sizes[c] for c in (*manifest, *needed)}
         if self.head is None:
-            order = manifest + (lead(needed, sizes, pl.in_place) if manifest else
+            # (Not for an edit, which sends little: the lead's pass over the manifest to
+            # find the large files would cost it more than it saves.)
+            big = manifest and sum(sizes[c] for c in needed) > LEAD
+            order = manifest + (lead(needed, sizes, pl.in_place) if big else
                                 interleave(needed, sizes))
         else:  # the first reads' chunks next: the version is usable once they are there
             first, wanted = set(self.head), set(needed)
