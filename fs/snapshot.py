@@ -7,7 +7,8 @@ so a file edited during a push is caught, never sent as the wrong bytes.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+import resource
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -17,6 +18,10 @@ from .scan_cache import Key, ScanCache, stat_key
 
 # Below this a chunk is hashed again rather than its file's stat taken (a syscall costs more).
 TRUST_FROM = 256 * 1024
+# Files open_ahead opens at once, at most: each of a push's encoders holds that many (and
+# never more than an eighth of the descriptors the process may open). The venv with the page
+# cache dropped, 3 alternating pairs: sent in 3.35-3.79 s with 64 at once, 2.90-3.07 with 256.
+AHEAD = 256
 
 
 class SourceChanged(Exception):
@@ -122,20 +127,47 @@ class Snapshot:
         """The raw bytes of a chunk, read again from its source and checked against its id."""
         return self.read_into(cid, 0)
 
+    def open_ahead(self, cids: Iterable[bytes]) -> dict[bytes, int]:
+        """The source files of `cids` (AHEAD at most), opened, their chunks' bytes asked for
+        now, all at once (posix_fadvise WILLNEED), for read_into to take one by one (`fd`;
+        the caller closes those it does not). Read one after the other from a cold disk,
+        each small file waited for its own I/O: the torch venv from a warm dev box home to a
+        fresh node, page cache dropped, 3 alternating pairs: sent in 4.38-5.01 s before,
+        2.71-3.63 s after (about 2.6 s from the page cache); its import done 7.36-8.27 s after
+        the push began, then 5.77-6.96 s."""
+        out: dict[bytes, int] = {}
+        sources = self.sources
+        most = min(AHEAD, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 8)
+        for cid in cids:
+            src = sources.get(cid)
+            if src is None or cid in out:
+                continue
+            try:
+                fd = os.open(src.path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                continue  # read_into says why
+            os.posix_fadvise(fd, src.offset, src.length, os.POSIX_FADV_WILLNEED)
+            out[cid] = fd
+            if len(out) >= most:
+                break
+        return out
+
     def read_into(self, cid: bytes, lead: int,
-                  alloc: Callable[[int], bytearray | memoryview] = bytearray
-                  ) -> bytearray | memoryview:
+                  alloc: Callable[[int], bytearray | memoryview] = bytearray,
+                  fd: int | None = None) -> bytearray | memoryview:
         """read_chunk's bytes after `lead` bytes left free for the caller (a blob's codec byte:
         a raw link's 1 GB would otherwise be copied once more to put it in front), in a buffer
         of `alloc(lead + length)` (a pool's: daemon/wire/buffers.py). One open and pread:
         Python's open() adds an fstat and an ioctl per file, and 22k files made it a quarter
-        of a push's CPU on the dev box."""
+        of a push's CPU on the dev box. `fd`: its file, from open_ahead (closed here)."""
         src = self.sources[cid]
         buf = alloc(lead + src.length)
-        try:
-            fd = os.open(src.path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise SourceChanged(f"{os.fsdecode(src.path)} was deleted during the push") from None
+        if fd is None:
+            try:
+                fd = os.open(src.path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                raise SourceChanged(f"{os.fsdecode(src.path)} was deleted during the push"
+                                    ) from None
         try:
             got = os.preadv(fd, [memoryview(buf)[lead:]], src.offset)
             # Its stat after the read as the scan's: every write moves ctime first, and the

@@ -33,7 +33,7 @@ def test_a_raw_link_gets_no_zstd_on_the_send_path_and_the_fill_keeps_it(tmp_path
         try:
             blobs, raws, later = encoding.encoded(
                 list(data), zstd=False, raw=True, store=cs, objects={},
-                read=lambda cid: bytearray(1) + data[cid], fresh=lambda cid: True)
+                read=lambda cid, fd: bytearray(1) + data[cid], fresh=lambda cid: True)
             assert blobs == [] and later == []
             assert [bytes(b) for _, b in raws] == [bytes([chunk.RAW]) + d for d in data.values()]
             assert cs.store.missing(data) == list(data)  # nothing compressed or written yet

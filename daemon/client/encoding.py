@@ -19,6 +19,7 @@ link that takes zstd. Everything else is kept off it:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Collection, Mapping
 
 from ...fs import chunk
@@ -31,20 +32,40 @@ Later = list[tuple[bytes, bytes | bytearray | memoryview]]
 
 
 def encoded(cids: list[bytes], *, zstd: bool, raw: bool, store: ControllerStore | None,
-            objects: Mapping[bytes, bytes], read: Callable[[bytes], bytearray | memoryview],
-            fresh: Callable[[bytes], bool], kept: Collection[bytes] = ()
+            objects: Mapping[bytes, bytes],
+            read: Callable[[bytes, int | None], bytearray | memoryview],
+            fresh: Callable[[bytes], bool], kept: Collection[bytes] = (),
+            ahead: Callable[[list[bytes]], dict[bytes, int]] | None = None
             ) -> tuple[Batch, Batch, Later]:
     """(wire forms, raw forms, what the keeper is to keep) of `cids`; each form only if asked
-    (else empty). `read` gives a chunk's bytes after one free byte, checked against its id;
-    `fresh(cid)`: whether a raw link had better read it from its source than decompress the
-    stored blob (stream.Payload._fresh). `objects`: the manifest's folder objects, which have
-    no file to be read from again. `kept`: ids the keeper has in hand already."""
+    (else empty). `read(cid, fd)` gives a chunk's bytes after one free byte, checked against
+    its id (from `fd`, its file opened by `ahead`, which asks for all of the batch's bytes
+    that are read from files at once: Snapshot.open_ahead); `fresh(cid)`: whether a raw link
+    had better read it from its source than decompress the stored blob
+    (stream.Payload._fresh). `objects`: the manifest's folder objects, which have no file to
+    be read from again. `kept`: ids the keeper has in hand already."""
+    stored = {cid: blob for cid in cids
+              if store is not None and (zstd or not fresh(cid))
+              and (blob := store.get(cid)) is not None}
+    fds = ahead([c for c in cids if c not in stored]) if ahead is not None else {}
+    try:
+        return _encoded(cids, stored, fds, zstd=zstd, raw=raw, store=store, objects=objects,
+                        read=read, kept=kept)
+    finally:
+        for fd in fds.values():  # not read (an error, or a chunk twice in the batch)
+            os.close(fd)
+
+
+def _encoded(cids: list[bytes], stored: dict[bytes, bytes | memoryview], fds: dict[bytes, int],
+             *, zstd: bool, raw: bool, store: ControllerStore | None,
+             objects: Mapping[bytes, bytes],
+             read: Callable[[bytes, int | None], bytearray | memoryview],
+             kept: Collection[bytes]) -> tuple[Batch, Batch, Later]:
     blobs: Batch = []
     raws: Batch = []
     later: Later = []
     for cid in cids:
-        blob = (store.get(cid) if store is not None and (zstd or not fresh(cid))
-                else None)
+        blob = stored.get(cid)
         if blob is not None:
             if raw:
                 raws.append((cid, as_raw(cid, blob)))
@@ -52,7 +73,7 @@ def encoded(cids: list[bytes], *, zstd: bool, raw: bool, store: ControllerStore 
                 blobs.append((cid, blob))
             continue
         try:
-            buf = read(cid)
+            buf = read(cid, fds.pop(cid, None))
         except SourceChanged:
             if store is None or not store.store.has(cid):
                 raise

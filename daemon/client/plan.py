@@ -32,7 +32,8 @@ class PushPlan(PushNodes):
         self.version = snap.manifest.id
         self.ids = snap.manifest.chunk_ids()
         self.payload = Payload(self.ids, self.version, snap.manifest.objects(), snap.sources,
-                               snap.read_into, manifest=snap.manifest)
+                               snap.read_into, manifest=snap.manifest,
+                               open_ahead=snap.open_ahead)
         self.serving: dict[str, bytes | None] = {}  # what each node serves whole (current)
         self.first_reads = 0  # push --early: files whose chunks went first
         self.first_read_bytes = 0  # and those chunks' bytes

@@ -172,6 +172,7 @@ class Payload:
     # What chunks are read into: reused once sent (and kept), not a new 4 MiB each.
     buffers: BufferPool = field(default_factory=lambda: BufferPool(READ_BUFFERS))
     manifest: Manifest | None = None  # the snapshot's, for `in_place`
+    open_ahead: Callable[[list[bytes]], dict[bytes, int]] | None = None  # Snapshot.open_ahead
 
     @cached_property
     def sizes(self) -> Sizes:
@@ -196,12 +197,13 @@ class Payload:
         src = self.sources.get(cid)
         return src is not None and src.unread
 
-    def read(self, cid: bytes) -> bytearray | memoryview:
-        """A chunk's bytes after one free byte (for its codec byte, when it goes raw)."""
+    def read(self, cid: bytes, fd: int | None = None) -> bytearray | memoryview:
+        """A chunk's bytes after one free byte (for its codec byte, when it goes raw); `fd`:
+        its file, opened by `open_ahead`."""
         obj = self.objects.get(cid)
         if obj is not None:
             return bytearray(1) + obj
-        return self.read_into(cid, 1, self._buffer)
+        return self.read_into(cid, 1, self._buffer, fd)
 
     def _buffer(self, size: int) -> bytearray | memoryview:
         """Where a chunk is read: a small one in plain memory (it is copied into its frame
@@ -216,7 +218,8 @@ class Payload:
         keeper = self.keeper
         return encoding.encoded(cids, zstd=zstd, raw=raw, store=self.store,
                                 objects=self.objects, read=self.read, fresh=self._fresh,
-                                kept=keeper.ids if keeper is not None else ())
+                                kept=keeper.ids if keeper is not None else (),
+                                ahead=self.open_ahead)
 
     def keep(self, later: Later) -> None:
         """Hand what `encoded` did not keep to the keeper (trio thread; see keeper.py)."""
