@@ -29,7 +29,7 @@ import trio
 from .chunk import CHUNK_SIZE, chunk_id
 from .manifest import Entry, Kind, Manifest
 from .scan_cache import RACY_NS, Key, ScanCache, stat_key
-from .snapshot import TRUST_FROM, Snapshot, Source, Sources
+from .snapshot import AHEAD, TRUST_FROM, Snapshot, Source, Sources, ahead
 
 _BATCH_BYTES = 8 * 1024 * 1024
 _BATCH_FILES = 256
@@ -195,7 +195,8 @@ class FileSink(Protocol):
 Tap = Callable[[bytes, int], FileSink | None]
 
 
-def _hash_file(f: _File, buf: memoryview, tap: Tap | None = None) -> _Hashed:
+def _hash_file(f: _File, buf: memoryview, tap: Tap | None = None, fd: int | None = None
+               ) -> _Hashed:
     """(size actually read, [(chunk id, source)], unchanged): reads to EOF, so a file that grew
     is whole; `unchanged` when the file's stat key after reading is still the walk's, so what
     was read is what the key describes (a file written meanwhile is not cached).
@@ -203,14 +204,15 @@ def _hash_file(f: _File, buf: memoryview, tap: Tap | None = None) -> _Hashed:
     Reads go into `buf` (one chunk long, reused): a `read(chunk_size)` per small file would
     allocate, fault in and free a whole chunk each time. A file the `tap` takes is read into
     its sink's buffers instead, each handed over once hashed (push: streaming while
-    scanning, daemon/client/scan_stream.py)."""
+    scanning, daemon/client/scan_stream.py). `fd`: the file, opened already (closed here)."""
     out = []
     offset = 0
     sink = tap(f.abspath, f.size) if tap is not None else None
     unchanged = False
     after: Key | None = None  # its stat key once read, if taken in the loop
     try:
-        fd = os.open(f.abspath, os.O_RDONLY | os.O_CLOEXEC)
+        if fd is None:
+            fd = os.open(f.abspath, os.O_RDONLY | os.O_CLOEXEC)
         try:
             while True:
                 into = buf if sink is None else sink.buffer(len(buf))
@@ -272,10 +274,37 @@ def _buffer(chunk_size: int) -> memoryview:
     return buf
 
 
-def _hash_batch(batch: list[_File], chunk_size: int, tap: Tap | None = None
-                ) -> list[_Hashed]:
+def _hash_batch(batch: list[_File], chunk_size: int, tap: Tap | None = None,
+                most: int = AHEAD) -> list[_Hashed]:
+    """Each file of `batch` hashed. A batch of small files is opened and its bytes asked for
+    at once first (posix_fadvise WILLNEED), as a push's reads are (Snapshot.open_ahead): read
+    one after the other from a cold disk, each waited for its own I/O. The torch venv
+    hashed whole, page cache dropped: 4.5-4.7 s before, 2.5-3.3 s after (1.8-2.0 s from the
+    page cache, before and after). `most`: files open at once (snapshot.ahead)."""
     buf = _buffer(chunk_size)
-    return [_hash_file(f, buf, tap) for f in batch]
+    if len(batch) == 1:
+        return [_hash_file(batch[0], buf, tap)]
+    fds: list[int | None] = []
+    try:
+        for f in batch[:most]:
+            try:
+                fd: int | None = os.open(f.abspath, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                fd = None  # _hash_file says why
+            else:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            fds.append(fd)
+        out = []
+        for i, f in enumerate(batch):
+            fd = None
+            if i < len(fds):
+                fd, fds[i] = fds[i], None
+            out.append(_hash_file(f, buf, tap, fd))
+        return out
+    finally:
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)
 
 
 def _batches(files: Iterable[_File]) -> tuple[list[list[_File]], list[list[_File]]]:
@@ -384,11 +413,12 @@ async def complete(broot: bytes, walk: Walk, chunk_size: int,
     # queue they took turns: an 8 GiB env hashed its venv's 43k small files, then streamed
     # its .so files, one after the other (1.6 s + 4.8 s of a 6.2 s scan).
     both = bool(large and small)
+    most = ahead(workers)  # files each worker opens at once to read ahead
     large_workers = trio.CapacityLimiter(workers - workers // 2 if both else workers)
     small_workers = trio.CapacityLimiter(workers // 2 if both else workers)
 
     async def run(batch: list[_File], limiter: trio.CapacityLimiter) -> None:
-        results = await trio.to_thread.run_sync(_hash_batch, batch, chunk_size, tap,
+        results = await trio.to_thread.run_sync(_hash_batch, batch, chunk_size, tap, most,
                                                 limiter=limiter)
         nonlocal done
         for f, res in zip(batch, results):

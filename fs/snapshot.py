@@ -18,10 +18,17 @@ from .scan_cache import Key, ScanCache, stat_key
 
 # Below this a chunk is hashed again rather than its file's stat taken (a syscall costs more).
 TRUST_FROM = 256 * 1024
-# Files open_ahead opens at once, at most: each of a push's encoders holds that many (and
-# never more than an eighth of the descriptors the process may open). The venv with the page
-# cache dropped, 3 alternating pairs: sent in 3.35-3.79 s with 64 at once, 2.90-3.07 with 256.
+# Files opened at once to be read ahead (open_ahead, and a scan's batches), at most. The venv
+# with the page cache dropped, 3 alternating pairs: sent in 3.35-3.79 s with 64 at once,
+# 2.90-3.07 with 256.
 AHEAD = 256
+
+
+def ahead(sharers: int) -> int:
+    """How many files each of `sharers` threads opens at once to read ahead: AHEAD, all of
+    them together within an eighth of the descriptors this process may hold."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return max(1, min(AHEAD, soft // (8 * sharers)))
 
 
 class SourceChanged(Exception):
@@ -127,8 +134,8 @@ class Snapshot:
         """The raw bytes of a chunk, read again from its source and checked against its id."""
         return self.read_into(cid, 0)
 
-    def open_ahead(self, cids: Iterable[bytes]) -> dict[bytes, int]:
-        """The source files of `cids` (AHEAD at most), opened, their chunks' bytes asked for
+    def open_ahead(self, cids: Iterable[bytes], most: int = AHEAD) -> dict[bytes, int]:
+        """The source files of `cids` (`most` at most), opened, their chunks' bytes asked for
         now, all at once (posix_fadvise WILLNEED), for read_into to take one by one (`fd`;
         the caller closes those it does not). Read one after the other from a cold disk,
         each small file waited for its own I/O: the torch venv from a warm dev box home to a
@@ -137,7 +144,6 @@ class Snapshot:
         the push began, then 5.77-6.96 s."""
         out: dict[bytes, int] = {}
         sources = self.sources
-        most = min(AHEAD, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 8)
         for cid in cids:
             src = sources.get(cid)
             if src is None or cid in out:

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 
 import trio
 
 from ...fs import backing, chunk
 from ...fs.manifest import Manifest
 from ...fs.snapshot import Source, SourceChanged
+from ...fs.snapshot import ahead as files_ahead
 from ..wire import bulk, topology
 from ..wire import protocol as p
 from ..wire.buffers import BufferPool
@@ -37,7 +38,7 @@ from .progress import Progress
 
 _QUEUE = 4  # batches buffered per root
 READ_BUFFERS = 24  # 4 MiB buffers kept for reads: the queues', the encoders' and the keeper's
-_ENCODERS = 2
+_ENCODERS = 2  # (and a root's wants, read beside them: push --early)
 LARGE_CHUNK = 1 << 20  # interleave(): chunks this big cost link time more than CPU
 SMALL_RUN = 4 << 20
 # Small files' bytes sent before any chunk a node writes in place: lead().
@@ -172,7 +173,7 @@ class Payload:
     # What chunks are read into: reused once sent (and kept), not a new 4 MiB each.
     buffers: BufferPool = field(default_factory=lambda: BufferPool(READ_BUFFERS))
     manifest: Manifest | None = None  # the snapshot's, for `in_place`
-    open_ahead: Callable[[list[bytes]], dict[bytes, int]] | None = None  # Snapshot.open_ahead
+    open_ahead: Callable[..., dict[bytes, int]] | None = None  # Snapshot.open_ahead
 
     @cached_property
     def sizes(self) -> Sizes:
@@ -219,7 +220,8 @@ class Payload:
         return encoding.encoded(cids, zstd=zstd, raw=raw, store=self.store,
                                 objects=self.objects, read=self.read, fresh=self._fresh,
                                 kept=keeper.ids if keeper is not None else (),
-                                ahead=self.open_ahead)
+                                ahead=self.open_ahead and partial(
+                                    self.open_ahead, most=files_ahead(_ENCODERS + 1)))
 
     def keep(self, later: Later) -> None:
         """Hand what `encoded` did not keep to the keeper (trio thread; see keeper.py)."""
