@@ -55,10 +55,17 @@ class ChunkWrites:
     async def _launch(self, nursery: trio.Nursery) -> None:
         batch, self._batch, self._batch_bytes = self._batch, [], 0
         token = object()
-        await self.limiter.acquire_on_behalf_of(token)
+        # In flight from now on, for `idle` and `written`: a batch waiting for the limiter
+        # holds chunks received before them (a manifest's folder objects, for its placement's
+        # load on another task: session.py).
+        self._running[token] = trio.Event()
         self.pending += 1
         self._idle = trio.Event() if self.pending == 1 else self._idle
-        self._running[token] = trio.Event()
+        try:
+            await self.limiter.acquire_on_behalf_of(token)
+        except BaseException:
+            self._finished(token)
+            raise
         nursery.start_soon(self._run, token, batch)
 
     def _put_all(self, batch: list[p.PutChunk]) -> tuple[int, list[str], bool]:
@@ -83,10 +90,13 @@ class ChunkWrites:
                 self.on_stored([msg.cid for msg in batch])
         finally:
             self.limiter.release_on_behalf_of(token)
-            self._running.pop(token).set()
-            self.pending -= 1
-            if self.pending == 0:
-                self._idle.set()
+            self._finished(token)
+
+    def _finished(self, token: object) -> None:
+        self._running.pop(token).set()
+        self.pending -= 1
+        if self.pending == 0:
+            self._idle.set()
 
     async def idle(self, nursery: trio.Nursery) -> None:
         """Wait until every chunk received so far is stored (or has failed)."""
