@@ -40,6 +40,7 @@ import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 import xxhash
@@ -47,7 +48,9 @@ import xxhash
 from .chunk import CorruptChunk
 from .manifest import Entry, Kind, Manifest
 from .private_files import PRIVATE_FILE, fsync_dir, private_dir
-from .store import Store
+
+if TYPE_CHECKING:  # a push asks `wanted` without loading a node's store
+    from .store import Store
 
 MIN_SIZE = 256 * 1024
 _TMP = ".tmp"

@@ -29,7 +29,7 @@ import trio
 from .chunk import CHUNK_SIZE, chunk_id
 from .manifest import Entry, Kind, Manifest
 from .scan_cache import RACY_NS, Key, ScanCache, stat_key
-from .snapshot import AHEAD, TRUST_FROM, Snapshot, Source, Sources, ahead
+from .snapshot import AHEAD, TRUST_FROM, Snapshot, Source, Sources, ahead, read_ahead
 
 _BATCH_BYTES = 8 * 1024 * 1024
 _BATCH_FILES = 256
@@ -284,16 +284,8 @@ def _hash_batch(batch: list[_File], chunk_size: int, tap: Tap | None = None,
     buf = _buffer(chunk_size)
     if len(batch) == 1:
         return [_hash_file(batch[0], buf, tap)]
-    fds: list[int | None] = []
+    fds = [read_ahead(f.abspath) for f in batch[:most]]  # None: _hash_file says why
     try:
-        for f in batch[:most]:
-            try:
-                fd: int | None = os.open(f.abspath, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
-                fd = None  # _hash_file says why
-            else:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            fds.append(fd)
         out = []
         for i, f in enumerate(batch):
             fd = None

@@ -24,6 +24,21 @@ TRUST_FROM = 256 * 1024
 AHEAD = 256
 
 
+def read_ahead(path: bytes, offset: int = 0, length: int = 0) -> int | None:
+    """`path` opened, and `length` bytes of it from `offset` (0: to its end) asked of the
+    disk now (posix_fadvise WILLNEED), to be read soon; None if it does not open (the read
+    says why)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass  # only advice: the read does without it
+    return fd
+
+
 def ahead(sharers: int) -> int:
     """How many files each of `sharers` threads opens at once to read ahead: AHEAD, all of
     them together within an eighth of the descriptors this process may hold."""
@@ -148,11 +163,9 @@ class Snapshot:
             src = sources.get(cid)
             if src is None or cid in out:
                 continue
-            try:
-                fd = os.open(src.path, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
+            fd = read_ahead(src.path, src.offset, src.length)
+            if fd is None:
                 continue  # read_into says why
-            os.posix_fadvise(fd, src.offset, src.length, os.POSIX_FADV_WILLNEED)
             out[cid] = fd
             if len(out) >= most:
                 break

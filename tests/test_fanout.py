@@ -230,7 +230,7 @@ def test_small_files_are_spread_among_large_chunks():
     """A push sends runs of small files between large chunks, in proportion to their bytes,
     so CPU-bound small files and link-bound large chunks overlap; every chunk goes exactly
     once and each kind keeps folder order."""
-    from monarch_fs.daemon.client.stream import LARGE_CHUNK, SMALL_RUN, interleave
+    from monarch_fs.daemon.client.send_order import LARGE_CHUNK, SMALL_RUN, interleave
 
     small = [b"s%05d" % i for i in range(8000)]  # 8000 x 10 KiB = ~78 MiB
     large = [b"L%05d" % i for i in range(60)]  # 60 x 4 MiB = 240 MiB
@@ -258,7 +258,7 @@ def test_small_files_lead_while_a_node_places_the_large_ones():
     """Right after the manifest, up to LEAD bytes of small files go first (a node stores them
     while it loads the manifest to place the large files), never a chunk of a large file,
     even one small enough to ride with them (its tail); then the rest, interleaved."""
-    from monarch_fs.daemon.client.stream import LEAD, interleave, lead
+    from monarch_fs.daemon.client.send_order import LEAD, interleave, lead
 
     small = [b"s%05d" % i for i in range(9000)]  # 9000 x 10 KiB = ~88 MiB
     big = [b"L%03d" % i for i in range(10)] + [b"Ltail"]  # a large file: 10 x 4 MiB and its tail

@@ -84,7 +84,7 @@ def test_large_files_are_written_once_behind_small_files_that_lead(fresh_cluster
             (src / f"pkg{d:02d}" / f"m{f:03d}.py").write_bytes(os.urandom(3000))
     large = {"lib/a.so": os.urandom(9 * MiB + 100), "lib/b.so": os.urandom(2 * MiB),
              "zz.bin": os.urandom(56 * MiB)}  # a tail of 100 bytes, one chunk, whole ones
-    # (more than stream.LEAD in all: a push that small sends no lead)
+    # (more than send_order.LEAD in all: a push that small sends no lead)
     for name, data in large.items():
         (src / name).parent.mkdir(exist_ok=True)
         (src / name).write_bytes(data)

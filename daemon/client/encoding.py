@@ -56,7 +56,7 @@ def encoded(cids: list[bytes], *, zstd: bool, raw: bool, store: ControllerStore 
             os.close(fd)
 
 
-def _encoded(cids: list[bytes], stored: dict[bytes, bytes | memoryview], fds: dict[bytes, int],
+def _encoded(cids: list[bytes], stored: Mapping[bytes, bytes], fds: dict[bytes, int],
              *, zstd: bool, raw: bool, store: ControllerStore | None,
              objects: Mapping[bytes, bytes],
              read: Callable[[bytes, int | None], bytearray | memoryview],

@@ -16,7 +16,8 @@ from ..wire.transport import RemoteError
 from .controller_store import SMALL_PUSH
 from .links import NodeLink, Sessions, each
 from .push_nodes import PushNodes
-from .stream import LARGE_CHUNK, Payload
+from .send_order import LARGE_CHUNK
+from .stream import Payload
 
 
 class PushPlan(PushNodes):
@@ -136,7 +137,7 @@ class PushPlan(PushNodes):
         """The chunks push --early sends first and waits for: those the nodes read first
         after earlier publishes (first_reads.py), in that order: each chunk read, and all of a
         file of which nothing but its opening is known. Without such a list, the small files
-        (under stream.LARGE_CHUNK): cheap in bytes, while each would cost a round trip if
+        (under send_order.LARGE_CHUNK): cheap in bytes, while each would cost a round trip if
         fetched on demand; a large file's chunks are few and are worth fetching on demand,
         ahead of the stream (not without `fallback`: then none)."""
         files = {e.path: e for e in self.snap.manifest if e.kind == Kind.FILE}

@@ -20,7 +20,7 @@ from functools import cached_property, partial
 
 import trio
 
-from ...fs import backing, chunk
+from ...fs import chunk
 from ...fs.manifest import Manifest
 from ...fs.snapshot import Source, SourceChanged
 from ...fs.snapshot import ahead as files_ahead
@@ -35,14 +35,11 @@ from .encoding import Later
 from .keeper import Keeper
 from .links import NODE_ERRORS, NodeLink, each
 from .progress import Progress
+from .send_order import LEAD, in_place, interleave, lead
 
 _QUEUE = 4  # batches buffered per root
 READ_BUFFERS = 24  # 4 MiB buffers kept for reads: the queues', the encoders' and the keeper's
 _ENCODERS = 2  # (and a root's wants, read beside them: push --early)
-LARGE_CHUNK = 1 << 20  # interleave(): chunks this big cost link time more than CPU
-SMALL_RUN = 4 << 20
-# Small files' bytes sent before any chunk a node writes in place: lead().
-LEAD = 64 << 20
 
 Batch = list[tuple[bytes, bytes | memoryview]]
 
@@ -63,63 +60,6 @@ class Pacer:
         start = max(self.free_at, trio.current_time())
         self.free_at = start + size / self.rate
         await trio.sleep_until(start)
-
-
-def interleave(ids: list[bytes], sizes: Mapping[bytes, int]) -> list[bytes]:
-    """The order to send `ids` in: runs of small chunks (whole small files) spread among the
-    large chunks in proportion to their bytes, each kind still in folder order.
-
-    Small files cost CPU per byte (a read, a compression, a frame and a store write each, on
-    every node); large chunks cost link time. Sent in folder order, a push is bound first by
-    one and then by the other; mixed, it keeps both busy. A run of small files is up to
-    SMALL_RUN bytes long, so files of one folder still sit together in a node's pack."""
-    small = [c for c in ids if sizes[c] < LARGE_CHUNK]
-    large = [c for c in ids if sizes[c] >= LARGE_CHUNK]
-    if not small or not large:
-        return ids
-    small_total = sum(sizes[c] for c in small)
-    large_total = sum(sizes[c] for c in large)
-    out: list[bytes] = []
-    i = j = small_done = large_done = 0
-    while i < len(small) or j < len(large):
-        # Small files next while they are behind the large chunks, as fractions sent.
-        if j == len(large) or (i < len(small)
-                               and small_done * large_total <= large_done * small_total):
-            run = 0
-            while i < len(small) and run < SMALL_RUN:
-                out.append(small[i])
-                run += sizes[small[i]]
-                i += 1
-            small_done += run
-        else:
-            out.append(large[j])
-            large_done += sizes[large[j]]
-            j += 1
-    return out
-
-
-def lead(ids: list[bytes], sizes: Mapping[bytes, int], in_place: Collection[bytes],
-         limit: int = LEAD) -> list[bytes]:
-    """The order to send `ids` in right after a manifest: up to `limit` bytes of the chunks
-    of small files first (none of `in_place`, a large file's), in folder order, then
-    interleave() the rest.
-
-    A node places the manifest's large files as it arrives (it loads the manifest: 0.2-0.3 s
-    for a venv of 43k files, node/manifest_first.py), and a chunk that may be one of theirs
-    waits for that; a small file's is stored meanwhile. Sent after a large chunk, the dev box
-    waited for that placement with the rest."""
-    first: list[bytes] = []
-    total = 0
-    for c in ids:
-        if total >= limit:
-            break
-        if c not in in_place:
-            first.append(c)
-            total += sizes[c]
-    if not first:
-        return interleave(ids, sizes)
-    taken = set(first)
-    return first + interleave([c for c in ids if c not in taken], sizes)
 
 
 class Sizes(Mapping[bytes, int]):
@@ -172,20 +112,12 @@ class Payload:
     keeper: Keeper | None = None  # set while a Stream runs with a store
     # What chunks are read into: reused once sent (and kept), not a new 4 MiB each.
     buffers: BufferPool = field(default_factory=lambda: BufferPool(READ_BUFFERS))
-    manifest: Manifest | None = None  # the snapshot's, for `in_place`
+    manifest: Manifest | None = None  # the snapshot's, for send_order.in_place
     open_ahead: Callable[..., dict[bytes, int]] | None = None  # Snapshot.open_ahead
 
     @cached_property
     def sizes(self) -> Sizes:
         return Sizes(self.sources, self.objects)
-
-    @cached_property
-    def in_place(self) -> set[bytes]:
-        """The chunks of the files a node writes in place, in file objects (fs/backing.py's
-        `wanted`): those of a large file, whatever their size."""
-        if self.manifest is None:
-            return set()
-        return {c for e in self.manifest if backing.wanted(e) for c in e.chunks}
 
     def _fresh(self, cid: bytes) -> bool:
         """Whether a raw link had better read the chunk from its source than decompress the
@@ -379,7 +311,7 @@ class Stream:
             # (Not for an edit, which sends little: the lead's pass over the manifest to
             # find the large files would cost it more than it saves.)
             big = manifest and sum(sizes[c] for c in needed) > LEAD
-            order = manifest + (lead(needed, sizes, pl.in_place) if big else
+            order = manifest + (lead(needed, sizes, in_place(pl.manifest)) if big else
                                 interleave(needed, sizes))
         else:  # the first reads' chunks next: the version is usable once they are there
             first, wanted = set(self.head), set(needed)

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ...fs import backing
 from ...fs.manifest import ManifestError
 from ..wire import bulk, identity
 from ..wire import protocol as p
@@ -185,21 +184,13 @@ class Session:
         if cid == self.version:
             self.version = None
             if self.service.store_raw:  # --store-compressed: every chunk to a pack
-                self.placing = trio.Event()
-                self.nursery.start_soon(self._place, cid, blob, self.placing)
-        if (self.placing is not None and not self.placing.is_set()
-                and len(blob) >= backing.MIN_SIZE):
-            await self.placing.wait()  # a large file's chunk: written once, in place
+                self.placing = manifest_first.start(self.publisher, self.writes, self.nursery,
+                                                    cid, blob)
+        await manifest_first.wait(self.placing, blob)  # a large file's: written in place
         if self.own_missing is None or cid in self.own_missing:
             await self.writes.start(self.nursery, msg)
             if self.service.fetcher.wanted(cid):  # a reader waits: no waiting for a batch
                 await self.writes.hurry(self.nursery)
-
-    async def _place(self, cid: bytes, blob: bytes | memoryview, placed: trio.Event) -> None:
-        try:
-            await manifest_first.place(self.publisher, self.writes, self.nursery, cid, blob)
-        finally:
-            placed.set()
 
     async def _query_missing(self, ids: list[bytes]) -> None:
         await self.writes.idle(self.nursery)  # those streamed before it are here (provisional)
@@ -227,8 +218,7 @@ class Session:
         route = ROUTES.get(msg.op)
         try:
             if route is None or route[0].after_chunks:
-                if self.placing is not None:
-                    await self.placing.wait()
+                await manifest_first.wait(self.placing)  # the chunks before it: placed
                 await self.writes.idle(self.nursery)  # a request sees every chunk before it
                 self.writes.raise_first()
             if route is None:
