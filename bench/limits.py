@@ -30,6 +30,7 @@ from pathlib import Path
 
 MiB = 1 << 20
 BLOCK = 4 * MiB
+ALIGN = 4096  # a page: O_DIRECT's alignment
 
 
 def _receiver(port_out, total: int) -> None:  # the other process of loopback_stream
@@ -280,9 +281,6 @@ def _node(port_out, sink_port: int | None, total: int, cpu_out, directory: str,
         for sock in (conn, srv, out):
             if sock is not None:
                 sock.close()
-
-
-ALIGN = 4096
 
 
 def node_floor(directory: Path, size: int = 1 << 30, forward: bool = False,

@@ -48,60 +48,51 @@ def encoded(cids: list[bytes], *, zstd: bool, raw: bool, store: ControllerStore 
               if store is not None and (zstd or not fresh(cid))
               and (blob := store.get(cid)) is not None}
     fds = ahead([c for c in cids if c not in stored]) if ahead is not None else {}
-    try:
-        return _encoded(cids, stored, fds, zstd=zstd, raw=raw, store=store, objects=objects,
-                        read=read, kept=kept)
-    finally:
-        for fd in fds.values():  # not read (an error, or a chunk twice in the batch)
-            os.close(fd)
-
-
-def _encoded(cids: list[bytes], stored: Mapping[bytes, bytes], fds: dict[bytes, int],
-             *, zstd: bool, raw: bool, store: ControllerStore | None,
-             objects: Mapping[bytes, bytes],
-             read: Callable[[bytes, int | None], bytearray | memoryview],
-             kept: Collection[bytes]) -> tuple[Batch, Batch, Later]:
     blobs: Batch = []
     raws: Batch = []
     later: Later = []
-    for cid in cids:
-        blob = stored.get(cid)
-        if blob is not None:
+    try:
+        for cid in cids:
+            blob = stored.get(cid)
+            if blob is not None:
+                if raw:
+                    raws.append((cid, as_raw(cid, blob)))
+                if zstd:
+                    blobs.append((cid, blob))
+                continue
+            try:
+                buf = read(cid, fds.pop(cid, None))
+            except SourceChanged:
+                if store is None or not store.store.has(cid):
+                    raise
+                raws.append((cid, as_raw(cid, store.store.get_blob(cid))))
+                continue  # raw only: the file changed unseen; the store has the id's bytes
+            data = memoryview(buf)[1:]
+            sourced = store is not None and store.is_sourced(cid)
+            # Whether the store is to keep it: a cold push from a whole store keeps nothing, so a
+            # raw link then takes no zstd sample of its chunks (they would only say how to keep).
+            keep = not (store is None or sourced or store.store.has(cid) or cid in kept)
+            squeeze = (zstd or keep) and not sourced and chunk.compressible(data)
+            packed = chunk.encode(data) if zstd and squeeze else None
+            if packed is not None and packed[0] == chunk.RAW:
+                packed, squeeze = None, False  # the sample was wrong: it did not save enough
+            buf[0] = chunk.RAW  # the raw blob in place: not copied again
             if raw:
-                raws.append((cid, as_raw(cid, blob)))
+                raws.append((cid, memoryview(buf)))
             if zstd:
-                blobs.append((cid, blob))
-            continue
-        try:
-            buf = read(cid, fds.pop(cid, None))
-        except SourceChanged:
-            if store is None or not store.store.has(cid):
-                raise
-            raws.append((cid, as_raw(cid, store.store.get_blob(cid))))
-            continue  # raw only: the file changed unseen; the store has the id's bytes
-        data = memoryview(buf)[1:]
-        sourced = store is not None and store.is_sourced(cid)
-        # Whether the store is to keep it: a cold push from a whole store keeps nothing, so a
-        # raw link then takes no zstd sample of its chunks (they would only say how to keep).
-        keep = not (store is None or sourced or store.store.has(cid) or cid in kept)
-        squeeze = (zstd or keep) and not sourced and chunk.compressible(data)
-        packed = chunk.encode(data) if zstd and squeeze else None
-        if packed is not None and packed[0] == chunk.RAW:
-            packed, squeeze = None, False  # the sample was wrong: it did not save enough
-        buf[0] = chunk.RAW  # the raw blob in place: not copied again
-        if raw:
-            raws.append((cid, memoryview(buf)))
-        if zstd:
-            blobs.append((cid, packed if packed is not None else memoryview(buf)))
-        if not keep:
-            continue
-        assert store is not None
-        if packed is not None:
-            later.append((cid, packed))
-        elif squeeze:
-            continue  # compressed and kept after the publish (ControllerStore.fill)
-        elif cid in objects:  # no file to read it from again: its few bytes are kept
-            later.append((cid, bytes(buf)))
-        else:  # raw on every link: its file is its wire form
-            store.add_sourced(cid)
+                blobs.append((cid, packed if packed is not None else memoryview(buf)))
+            if not keep:
+                continue
+            assert store is not None
+            if packed is not None:
+                later.append((cid, packed))
+            elif squeeze:
+                continue  # compressed and kept after the publish (ControllerStore.fill)
+            elif cid in objects:  # no file to read it from again: its few bytes are kept
+                later.append((cid, bytes(buf)))
+            else:  # raw on every link: its file is its wire form
+                store.add_sourced(cid)
+    finally:
+        for fd in fds.values():  # not read (an error, or a chunk twice in the batch)
+            os.close(fd)
     return blobs, raws, later

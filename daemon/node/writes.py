@@ -32,13 +32,10 @@ class ChunkWrites:
         self.raw = raw  # keep chunks decompressed (NodeService.store_raw)
         self.counters = counters
         self.limiter = limiter
-        self.pending = 0
         self.errors: list[str] = []
         self.store_failed = False  # a write failed: what this push stored is given back
         self._batch: list[p.PutChunk] = []
         self._batch_bytes = 0
-        self._idle = trio.Event()
-        self._idle.set()
         self._running: dict[object, trio.Event] = {}  # each batch in flight: set once done
 
     async def start(self, nursery: trio.Nursery, msg: p.PutChunk) -> None:
@@ -59,12 +56,10 @@ class ChunkWrites:
         # holds chunks received before them (a manifest's folder objects, for its placement's
         # load on another task: session.py).
         self._running[token] = trio.Event()
-        self.pending += 1
-        self._idle = trio.Event() if self.pending == 1 else self._idle
         try:
             await self.limiter.acquire_on_behalf_of(token)
         except BaseException:
-            self._finished(token)
+            self._running.pop(token).set()
             raise
         nursery.start_soon(self._run, token, batch)
 
@@ -90,19 +85,15 @@ class ChunkWrites:
                 self.on_stored([msg.cid for msg in batch])
         finally:
             self.limiter.release_on_behalf_of(token)
-            self._finished(token)
-
-    def _finished(self, token: object) -> None:
-        self._running.pop(token).set()
-        self.pending -= 1
-        if self.pending == 0:
-            self._idle.set()
+            self._running.pop(token).set()
 
     async def idle(self, nursery: trio.Nursery) -> None:
-        """Wait until every chunk received so far is stored (or has failed)."""
+        """Wait until every chunk received so far is stored (or has failed), and every batch
+        launched meanwhile."""
         if self._batch:
             await self._launch(nursery)
-        await self._idle.wait()
+        while self._running:
+            await next(iter(self._running.values())).wait()
 
     async def written(self, nursery: trio.Nursery) -> None:
         """Wait until every chunk received so far is stored (or has failed): unlike `idle`,
