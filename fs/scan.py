@@ -181,8 +181,8 @@ class FileSink(Protocol):
     """Where a tapped file's chunks go as they are hashed (`Tap`); called on the hashing
     thread, and may block there (a bounded window)."""
 
-    def buffer(self, size: int) -> memoryview:
-        """A buffer of `size` bytes to read the next chunk into, handed over by `chunk`."""
+    def buffer(self, size: int) -> memoryview | None:
+        """Where to read the next chunk (`size` bytes, handed over by `chunk`); None: the scan's."""
 
     def chunk(self, cid: bytes, buf: memoryview, length: int) -> None:
         """The chunk just read into `buf` (its first `length` bytes) hashes to `cid`."""
@@ -215,7 +215,9 @@ def _hash_file(f: _File, buf: memoryview, tap: Tap | None = None, fd: int | None
             fd = os.open(f.abspath, os.O_RDONLY | os.O_CLOEXEC)
         try:
             while True:
-                into = buf if sink is None else sink.buffer(len(buf))
+                into = sink.buffer(len(buf)) if sink is not None else None
+                if into is None:
+                    into = buf
                 n = _fill(fd, into, f.size - offset)
                 if not n:
                     break

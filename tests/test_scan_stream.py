@@ -1,6 +1,7 @@
 """Streaming while scanning (issue 34): a new large file's chunks go to the node as the scan
 hashes them, into a provisional file object the manifest claims (fs/provisional.py,
-daemon/client/scan_stream.py). Real daemons, real mounts, real sockets."""
+daemon/client/scan_stream.py), and small files' chunks in batches, for the node's packs.
+Real daemons, real mounts, real sockets."""
 
 from __future__ import annotations
 
@@ -69,6 +70,37 @@ def test_a_new_large_file_is_read_once_and_written_once(fresh_cluster, tmp_path)
     wait_for(lambda: any(n.endswith(".ids") for n in files(c)), 20, "the file object recorded")
     assert not [n for n in files(c) if n.startswith("provisional-")]
     assert disk(state) <= 1.1 * len(big), f"{disk(state)} bytes on the node's disk"
+
+
+def test_small_files_are_read_once_and_each_sent_once(fresh_cluster, tmp_path):
+    """A first push of a tree of small files (a venv) reads each once: their chunks go to the
+    node in batches as the scan hashes them, beside a large file's, and a chunk that many files
+    hold goes once. A file between the two sizes waits for the manifest (read twice)."""
+    c = fresh_cluster(1)
+    src = tmp_path / "ws"
+    (src / "pkg").mkdir(parents=True)
+    small = {f"pkg/m{i}.py": os.urandom(1000 + 37 * i) for i in range(700)}
+    small.update({f"pkg/LICENSE{i}": b"the same license text\n" * 2000 for i in range(200)})
+    mid = os.urandom(MiB + 1)  # 256 KiB or more: placed by the manifest, not streamed
+    big = os.urandom(12 * MiB + 7)
+    for name, data in small.items():
+        (src / name).write_bytes(data)
+    (src / "mid.so").write_bytes(mid)
+    (src / "big.so").write_bytes(big)
+    small_bytes = sum(map(len, small.values()))
+    unique = sum(len(d) for d in {d: 1 for d in small.values()})
+    before = rchar()
+    result = push_here(c, src)
+    read = rchar() - before
+    assert read < small_bytes + len(big) + 2 * len(mid) + 2 * MiB, (
+        f"the push read {read} bytes of a {small_bytes + len(big) + len(mid)}-byte tree")
+    assert result.bytes_sent < unique + len(big) + len(mid) + 128 * 1024, (  # + folder objects
+        f"{result.bytes_sent} bytes sent for {unique + len(big) + len(mid)} distinct bytes")
+    mnt = c.mnt(0) / "ws"
+    assert all((mnt / name).read_bytes() == data for name, data in small.items())
+    assert (mnt / "mid.so").read_bytes() == mid and (mnt / "big.so").read_bytes() == big
+    again = push_here(c, src)  # scanned again (no cache here): the node has it all
+    assert again.bytes_sent == 0
 
 
 def test_a_node_is_not_sent_the_chunks_it_has(fresh_cluster, tmp_path):

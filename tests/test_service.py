@@ -35,7 +35,7 @@ from monarch_fs.daemon.wire.process_calls import (
     Spawn,
     SpawnReply,
 )
-from monarch_fs.daemon.wire.stream_file import StreamFile
+from monarch_fs.daemon.wire.stream_file import StreamChunks, StreamFile
 from monarch_fs.daemon.wire.telemetry_calls import Query, QueryReply
 from monarch_fs.daemon.wire.transport import RemoteError, connect
 from monarch_fs.fs import chunk
@@ -212,10 +212,13 @@ async def test_a_corrupt_chunk_refuses_the_requests_after_it(tmp_path):
 def test_every_op_has_one_route_and_parses_its_arguments():
     assert set(ROUTES) == {"status", "prepare", "commit", "current", "remove", "relay", "fan",
                            "flush", "bulk", "spawn", "kill", "free_port", "probe", "first_reads",
-                           "query", "stats", "logs", "read_chunks", "stacks", "stream_file"}
+                           "query", "stats", "logs", "read_chunks", "stacks", "stream_file",
+                           "stream_chunks"}
     version = "ab" * 16
     window = StreamFile(0, 9 << 20, 4 << 20, 0, [bytes(16), bytes([1]) * 16])
     assert StreamFile.parse(window.to_wire()) == window
+    batch = StreamChunks([bytes(16), bytes([2]) * 16])
+    assert StreamChunks.parse(batch.to_wire()) == batch
     assert requests.Prepare.parse({"name": "ws", "version": version}) == requests.Prepare(
         "ws", bytes.fromhex(version))
     assert requests.Commit.parse({"name": "ws", "version": version}).op == "commit"
@@ -258,7 +261,9 @@ def test_every_op_has_one_route_and_parses_its_arguments():
                        (ReadChunks, {"workspace": "../x", "version": version, "ids": []}),
                        (StreamFile, {**window.to_wire(), "ids": []}),
                        (StreamFile, {**window.to_wire(), "ids": ["zz"]}),
-                       (StreamFile, {**window.to_wire(), "size": "x"})]:
+                       (StreamFile, {**window.to_wire(), "size": "x"}),
+                       (StreamChunks, {"ids": []}), (StreamChunks, {"ids": ["ab"]}),
+                       (StreamChunks, {"ids": ["ab" * 16] * 1025})]:
         with pytest.raises((requests.RequestError, ValueError)):
             kind.parse(args)
 

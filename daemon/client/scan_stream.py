@@ -14,6 +14,12 @@ chunks on the node. The scan's hash is the check: the bytes sent are the bytes h
 file whose stat key moved while it was read fails the push (SourceChanged) before anything is
 published.
 
+Small files (below backing.MIN_SIZE, which a node keeps in its packs, not in file objects)
+go the same way, in batches (`stream_chunks`: up to SMALL_RUN of them, their bytes copied out of
+the scan's buffer): a first push of a venv read and hashed its 43k small files in the scan,
+then read them all again to send them once the scan was done. A file between the two sizes
+waits for the manifest, which says where the node writes it (manifest_first.py).
+
 Only where every node is a root of the plan (star, or one node), not with push --early,
 --watch, --bwlimit or a control tree, and only to nodes whose link goes raw (link_codec.py:
 loopback or a link faster than the codec); elsewhere the push keeps its order. A node that
@@ -31,10 +37,11 @@ from dataclasses import dataclass
 import trio
 
 from ...fs import chunk
+from ...fs.backing import MIN_SIZE
 from ...fs.snapshot import SourceChanged
 from ..wire import bulk
 from ..wire.buffers import BufferPool
-from ..wire.stream_file import StreamFile, StreamFileReply
+from ..wire.stream_file import StreamChunks, StreamFile, StreamFileReply
 from ..wire.transport import RemoteError
 from . import link_codec
 from .controller_store import ControllerStore
@@ -48,11 +55,13 @@ WINDOW = 6
 RUN = 8  # chunks taken off the scan at once, at most
 ASK = 64  # chunks asked about in one request, at most (stream_file.MAX_IDS)
 MIN_FILE = 8 << 20  # files streamed while scanning: at least two chunks
+SMALL_RUN = (1 << 20, 256)  # a batch of small files' chunks: bytes, chunks (one request each)
+SMALL_HELD = 16 << 20  # bytes of small files copied and not yet sent to every node, at most
 
 
 @dataclass
 class _Chunk:
-    file: _File
+    file: _File | None  # None: a small file's (a batch's, not a window's)
     index: int
     cid: bytes
     blob: memoryview  # the codec byte, then the chunk's bytes
@@ -98,6 +107,28 @@ class _File:
             self.owner.changed.append(self.path)
 
 
+class _Small:
+    """One small file: a FileSink that copies its chunk out of the scan's buffer, for the
+    stream's batch once the file is read whole and unchanged."""
+
+    def __init__(self, owner: ScanStream) -> None:
+        self.owner = owner
+        self.taken: _Chunk | None = None
+
+    def buffer(self, size: int) -> None:
+        return None  # the scan's own: a small file is copied, not read into a window
+
+    def chunk(self, cid: bytes, buf: memoryview, length: int) -> None:
+        blob = bytearray(length + 1)
+        blob[0] = chunk.RAW
+        blob[1:] = buf[:length]
+        self.taken = _Chunk(None, 0, cid, memoryview(blob))
+
+    def done(self, unchanged: bool) -> None:
+        if unchanged and self.taken is not None:  # else the push reads it again, as before
+            self.owner.add_small(self.taken)
+
+
 class ScanStream:
     """The tap of one push's scan (see the module docstring) and what it sent."""
 
@@ -108,27 +139,67 @@ class ScanStream:
         self.slots = threading.Semaphore(WINDOW)  # taken on the hashing threads
         self.stopped = False  # the push ended: a hashing thread waits no longer
         self.token = trio.lowlevel.current_trio_token()
-        self.queue, self._receive = trio.open_memory_channel[_Chunk](math.inf)
+        self.queue, self._receive = trio.open_memory_channel[_Chunk | list[_Chunk]](math.inf)
         self.pool = BufferPool(WINDOW + 2)  # taken before a slot is given back
+        # small files' chunks: those taken (each once), the batch being filled, and the bytes
+        # held (the batch's and those not yet sent to every node), under one lock
+        self.small = threading.Condition()
+        self._seen: set[bytes] = set()
+        self._batch: list[_Chunk] = []
+        self._batch_bytes = self._held = 0
         self.targets: list[NodeLink] = []  # the nodes streamed to
         self.choices: dict[str, LinkChoice] = {}  # each link's codec, for the push to reuse
         self.changed: list[bytes] = []  # files whose stat key moved while they were read
         self.sourced: list[bytes] = []  # ids of chunks that do not compress
         self.files = self.chunks_sent = self.bytes_sent = 0
 
-    def __call__(self, path: bytes, size: int) -> _File | None:
-        """fs/scan.py's Tap: a sink for a large file (on a hashing thread)."""
+    def __call__(self, path: bytes, size: int) -> _File | _Small | None:
+        """fs/scan.py's Tap: a sink for a large file or a small one (on a hashing thread)."""
+        if 0 < size < MIN_SIZE:
+            return _Small(self)
         if size < MIN_FILE or size < 2 * self.chunk_size:
             return None
         self.files += 1
         return _File(self, self.files, path, size)
 
-    def put(self, c: _Chunk) -> None:
-        """Queue a chunk the tap hands over (on trio's thread, in the order handed over)."""
+    def add_small(self, c: _Chunk) -> None:
+        """A small file's chunk joins the batch (on a hashing thread, which waits while
+        SMALL_HELD bytes are held); a full batch is handed over."""
+        with self.small:
+            if c.cid in self._seen:  # a file whose copy went already (a venv has many)
+                return
+            self._seen.add(c.cid)
+            self._batch.append(c)
+            self._batch_bytes += len(c.blob)
+            self._held += len(c.blob)
+            if self._batch_bytes >= SMALL_RUN[0] or len(self._batch) >= SMALL_RUN[1]:
+                self._hand_small()
+            while self._held > SMALL_HELD and not self.stopped:
+                self.small.wait(0.1)
+
+    def _hand_small(self) -> None:
+        """Hand the batch over (the lock held)."""
+        if self._batch:
+            self.token.run_sync_soon(self.put, self._batch)
+            self._batch, self._batch_bytes = [], 0
+
+    def put(self, c: _Chunk | list[_Chunk]) -> None:
+        """Queue a chunk (or a batch of small files' chunks) the tap hands over (on trio's
+        thread, in the order handed over)."""
         try:
             self.queue.send_nowait(c)
         except (trio.BrokenResourceError, trio.ClosedResourceError):  # the push stopped
-            self.slots.release()
+            self._release([c] if isinstance(c, _Chunk) else c)
+
+    def _release(self, chunks: list[_Chunk]) -> None:
+        """Give back what `chunks` held: a window's slots, or a batch's bytes."""
+        if chunks and chunks[0].file is None:
+            with self.small:
+                self._held -= sum(len(c.blob) for c in chunks)
+                self.small.notify_all()
+        else:
+            for _ in chunks:
+                self.slots.release()
 
     async def run(self) -> None:
         """Send what the tap hands over until `finish`; the links are open (push_nodes)."""
@@ -218,13 +289,16 @@ class ScanStream:
         """One node is done with `run`: once all are, its buffers go back to the window."""
         run.nodes -= 1
         if run.nodes <= 0:
-            for _ in run.chunks:
-                self.slots.release()
+            self._release(run.chunks)
             run.chunks.clear()
 
     async def finish(self) -> None:
         """The scan is done: send what is left, then stop; SourceChanged if a file changed
         while it was read (nothing of this push is published then)."""
+        with self.small:  # the scan is done: no hashing thread adds to it
+            batch, self._batch = self._batch, []
+        if batch:
+            self.put(batch)
         await self.queue.aclose()
         if self.changed:
             raise SourceChanged(f"{os.fsdecode(self.changed[0])} changed while it was read "
@@ -240,8 +314,9 @@ class ScanStream:
 
     async def _ask(self, node: NodeLink, group: list[_Run]) -> set[bytes]:
         first = group[0].chunks[0]
-        req = StreamFile(first.file.number, first.file.size, self.chunk_size, first.index,
-                         [c.cid for run in group for c in run.chunks])
+        ids = [c.cid for run in group for c in run.chunks]
+        req: StreamFile | StreamChunks = StreamChunks(ids) if first.file is None else StreamFile(
+            first.file.number, first.file.size, self.chunk_size, first.index, ids)
         reply = await node.channel.request(req.op, **req.to_wire())
         return set(StreamFileReply.from_wire(reply).missing)
 
@@ -267,17 +342,21 @@ def _group(run: _Run, runs: trio.MemoryReceiveChannel[_Run]) -> tuple[list[_Run]
         except (trio.WouldBlock, trio.EndOfChannel):
             return group, None
         last, first = group[-1].chunks[-1], nxt.chunks[0]
-        if first.file is not last.file or first.index != last.index + 1:
+        if last.file is None or first.file is not last.file or first.index != last.index + 1:
             return group, nxt
         group.append(nxt)
         count += len(nxt.chunks)
     return group, None
 
 
-def _runs(batch: list[_Chunk], nodes: int) -> list[_Run]:
-    """`batch` cut into runs of consecutive chunks of one file (one request each)."""
+def _runs(batch: list[_Chunk | list[_Chunk]], nodes: int) -> list[_Run]:
+    """`batch` cut into runs of consecutive chunks of one file, and small files' batches as
+    they are (one request each)."""
     runs: list[_Run] = []
     for c in batch:
+        if isinstance(c, list):
+            runs.append(_Run(c, nodes))
+            continue
         last = runs[-1].chunks[-1] if runs else None
         if last is not None and last.file is c.file and last.index + 1 == c.index:
             runs[-1].chunks.append(c)

@@ -1,6 +1,8 @@
-"""The `stream_file` op: a session's provisional file objects (fs/provisional.py), opened and
-declared window by window as a push streams a new large file while scanning it, and dropped
-with the session unless the push's manifest claimed them."""
+"""The streaming ops of a push that sends new chunks while it scans (daemon/client/
+scan_stream.py): `stream_file`, a session's provisional file objects (fs/provisional.py),
+opened and declared window by window as a push streams a new large file, and dropped with the
+session unless the push's manifest claimed them; and `stream_chunks`, a batch of small files'
+chunks, for the packs. Both answer which chunks the node lacks."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import trio
 from ...fs.file_objects import FileObject
 from ...fs.provisional import ProvisionalError, declare, drop, open_object
 from ..wire.requests import RequestError
-from ..wire.stream_file import StreamFile, StreamFileReply
+from ..wire.stream_file import StreamChunks, StreamFile, StreamFileReply
 from .publisher import Publisher
 from .writes import ChunkWrites
 
@@ -50,8 +52,20 @@ async def _stream_file(session: _Session, req: StreamFile) -> StreamFileReply:
         declare(objects, obj, req.first, req.ids, req.chunk_size)
     except ProvisionalError as e:
         raise RequestError(f"stream_file: {e}") from None
+    return await _lacking(session, req.ids)
+
+
+async def _stream_chunks(session: _Session, req: StreamChunks) -> StreamFileReply:
+    if session.relay is not None:  # its children were not asked
+        raise RequestError("stream_chunks: this session relays to other nodes")
+    return await _lacking(session, req.ids)
+
+
+async def _lacking(session: _Session, ids: list[bytes]) -> StreamFileReply:
+    """Which of `ids` the node lacks; the session now stores them when they come, and holds
+    off a collection until its commit."""
     async with session.publisher.collection.lock:  # (publisher.missing, without its thread
-        own = service.store.missing(req.ids)        # hop: a few ids, one per chunk received)
+        own = session.service.store.missing(ids)    # hop: one question per run of chunks)
     if not session.claimed:  # no collect between "what do you lack" and the commit
         session.claimed = True
         session.publisher.collection.claim()
@@ -70,4 +84,5 @@ async def close(session: _Session) -> None:
         session.streamed.clear()
 
 
-ROUTES: list[tuple[Any, Callable[..., Any]]] = [(StreamFile, _stream_file)]
+ROUTES: list[tuple[Any, Callable[..., Any]]] = [(StreamFile, _stream_file),
+                                                (StreamChunks, _stream_chunks)]

@@ -443,7 +443,7 @@ _HANDLERS: list[tuple[Routed, Handler]] = [
     *STACK_ROUTES,  # stacks.py's ops
     (Logs, Session._logs),
     (ReadChunks, Session._read_chunks),
-    *provisional.ROUTES,  # provisional.py's stream_file
+    *provisional.ROUTES,  # provisional.py: stream_file, stream_chunks
 ]
 # The one dispatch table: every op a node answers, its request class and its handler.
 ROUTES: dict[str, tuple[Routed, Handler]] = {

@@ -1,8 +1,12 @@
-"""The `stream_file` request and its reply: a window of a new large file's chunk ids, sent by
-a push whose scan streams the file's chunks to the node as it hashes them (before the
-manifest: daemon/client/scan_stream.py). The node opens a provisional file object for `file`
-on its first window (fs/provisional.py), learns where each id goes, and answers which of them
-it lacks: the push sends those, and only those."""
+"""The streaming requests and their reply, sent by a push whose scan streams new chunks to
+the node as it hashes them (before the manifest: daemon/client/scan_stream.py):
+
+- `stream_file`: a window of a new large file's chunk ids. The node opens a provisional file
+  object for `file` on its first window (fs/provisional.py) and learns where each id goes;
+- `stream_chunks`: the chunk ids of a batch of small files, which go to the node's packs as
+  any small file's do.
+
+Either way the node answers which of the ids it lacks: the push sends those, and only those."""
 
 from __future__ import annotations
 
@@ -66,8 +70,30 @@ class StreamFile:
 
 
 @dataclass(frozen=True)
+class StreamChunks:
+    """The chunks of a batch of small files the push is about to stream are `ids`."""
+
+    op: ClassVar[str] = "stream_chunks"
+    after_chunks: ClassVar[bool] = False
+    ids: list[bytes]
+
+    @classmethod
+    def parse(cls, args: dict) -> StreamChunks:
+        ids = args.get("ids")
+        if not isinstance(ids, list) or not 0 < len(ids) <= MAX_IDS:
+            raise RequestError(f"stream_chunks: ids must be a list of 1 to {MAX_IDS}")
+        parsed = _ids(ids)
+        if parsed is None:
+            raise RequestError("stream_chunks: every id must be 16 bytes of hex")
+        return cls(parsed)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"ids": [i.hex() for i in self.ids]}
+
+
+@dataclass(frozen=True)
 class StreamFileReply:
-    """The ids of the window the node lacks, in the window's order."""
+    """The ids of the window (or batch) the node lacks, in its order."""
 
     op: ClassVar[str] = "stream_file"
     missing: list[bytes]
