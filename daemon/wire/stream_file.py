@@ -40,6 +40,17 @@ def _ids(values: object) -> list[bytes] | None:
     return ids
 
 
+def _asked(op: str, args: dict) -> list[bytes]:
+    """A request's `ids`: 1 to MAX_IDS chunk ids, else RequestError."""
+    ids = args.get("ids")
+    if not isinstance(ids, list) or not 0 < len(ids) <= MAX_IDS:
+        raise RequestError(f"{op}: ids must be a list of 1 to {MAX_IDS}")
+    parsed = _ids(ids)
+    if parsed is None:
+        raise RequestError(f"{op}: every id must be 16 bytes of hex")
+    return parsed
+
+
 @dataclass(frozen=True)
 class StreamFile:
     """Chunks `first`.. of the session's streamed file number `file` (of `size` bytes, in
@@ -55,14 +66,8 @@ class StreamFile:
 
     @classmethod
     def parse(cls, args: dict) -> StreamFile:
-        ids = args.get("ids")
-        if not isinstance(ids, list) or not 0 < len(ids) <= MAX_IDS:
-            raise RequestError(f"stream_file: ids must be a list of 1 to {MAX_IDS}")
-        parsed = _ids(ids)
-        if parsed is None:
-            raise RequestError("stream_file: every id must be 16 bytes of hex")
         return cls(_int(args, "file"), _int(args, "size"), _int(args, "chunk_size"),
-                   _int(args, "first"), parsed)
+                   _int(args, "first"), _asked(cls.op, args))
 
     def to_wire(self) -> dict[str, Any]:
         return {"file": self.file, "size": self.size, "chunk_size": self.chunk_size,
@@ -79,13 +84,7 @@ class StreamChunks:
 
     @classmethod
     def parse(cls, args: dict) -> StreamChunks:
-        ids = args.get("ids")
-        if not isinstance(ids, list) or not 0 < len(ids) <= MAX_IDS:
-            raise RequestError(f"stream_chunks: ids must be a list of 1 to {MAX_IDS}")
-        parsed = _ids(ids)
-        if parsed is None:
-            raise RequestError("stream_chunks: every id must be 16 bytes of hex")
-        return cls(parsed)
+        return cls(_asked(cls.op, args))
 
     def to_wire(self) -> dict[str, Any]:
         return {"ids": [i.hex() for i in self.ids]}
