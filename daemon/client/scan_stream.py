@@ -148,6 +148,7 @@ class ScanStream:
         self._batch: list[_Chunk] = []
         self._batch_bytes = self._held = 0
         self.targets: list[NodeLink] = []  # the nodes streamed to
+        self.chosen = False  # the links' codecs are known (and so whether any streams)
         self.choices: dict[str, LinkChoice] = {}  # each link's codec, for the push to reuse
         self.changed: list[bytes] = []  # files whose stat key moved while they were read
         self.sourced: list[bytes] = []  # ids of chunks that do not compress
@@ -155,8 +156,8 @@ class ScanStream:
 
     def __call__(self, path: bytes, size: int) -> _File | _Small | None:
         """fs/scan.py's Tap: a sink for a large file or a small one (on a hashing thread)."""
-        if 0 < size < MIN_SIZE:
-            return _Small(self)
+        if 0 < size < MIN_SIZE:  # not copied once it is known no link takes it
+            return None if self.chosen and not self.targets else _Small(self)
         if size < MIN_FILE or size < 2 * self.chunk_size:
             return None
         self.files += 1
@@ -209,6 +210,7 @@ class ScanStream:
                 self.choices[node.addr] = choice
                 if choice.compression == "none":
                     self.targets.append(node)
+        self.chosen = True
         queues = [(node, *trio.open_memory_channel[_Run](math.inf)) for node in self.targets]
         async with trio.open_nursery() as nursery:
             for node, _, receive in queues:
