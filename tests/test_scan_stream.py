@@ -5,14 +5,18 @@ Real daemons, real mounts, real sockets."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 import trio
 
-from helpers import wait_for
+from helpers import CLI_MODULE, tree, wait_for
 from monarch_fs.daemon.client.push import push
 from monarch_fs.daemon.client.push_options import PushOptions
 from monarch_fs.daemon.wire import bulk
@@ -101,6 +105,34 @@ def test_small_files_are_read_once_and_each_sent_once(fresh_cluster, tmp_path):
     assert (mnt / "mid.so").read_bytes() == mid and (mnt / "big.so").read_bytes() == big
     again = push_here(c, src)  # scanned again (no cache here): the node has it all
     assert again.bytes_sent == 0
+
+
+def test_a_node_killed_while_small_files_stream_leaves_the_other_whole(fresh_cluster, tmp_path):
+    """A star push of a new tree of small files, --allow-partial: one node dies while the scan
+    streams them. The push names it, and the other node, which got part of the tree while it
+    was scanned and the rest after, serves all of it."""
+    c = fresh_cluster(2)
+    src = tmp_path / "ws"
+    src.mkdir()
+    (src / "small.txt").write_text("v1\n")
+    c.push(src)
+    (src / "pkg").mkdir()
+    for i in range(12000):
+        (src / "pkg" / f"m{i}.py").write_bytes(os.urandom(3000))
+    packs = c.dir / "node-1" / "state" / "store" / "packs"
+    before = sum(p.stat().st_size for p in packs.glob("*.pack"))
+    push = subprocess.Popen(
+        [sys.executable, "-m", CLI_MODULE, "push", str(src), "--hosts", c.hostfile,
+         "--token-file", c.token_file, "--json", "--topology", "star", "--timeout", "10",
+         "--allow-partial"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: sum(p.stat().st_size for p in packs.glob("*.pack")) > before + MiB, 60,
+             "node-1 to receive small files", interval=0.005)
+    os.kill(c.pid(1), signal.SIGSTOP)  # frozen first: the push cannot finish before it dies
+    os.kill(c.pid(1), signal.SIGKILL)
+    out, err = push.communicate(timeout=120)
+    assert push.returncode == 0, err
+    assert list(json.loads(out)["failed"]) == [c.hosts[1]] and "Traceback" not in err
+    assert tree(c.mnt(0) / "ws") == tree(src)
 
 
 def test_a_node_is_not_sent_the_chunks_it_has(fresh_cluster, tmp_path):
