@@ -78,14 +78,14 @@ def test_a_new_large_file_is_read_once_and_written_once(fresh_cluster, tmp_path)
 
 def test_small_files_are_read_once_and_each_sent_once(fresh_cluster, tmp_path):
     """A first push of a tree of small files (a venv) reads each once: their chunks go to the
-    node in batches as the scan hashes them, beside a large file's, and a chunk that many files
-    hold goes once. A file between the two sizes waits for the manifest (read twice)."""
+    node in batches as the scan hashes them, beside larger files' (of one chunk and of several),
+    and a chunk that many files hold goes once."""
     c = fresh_cluster(1)
     src = tmp_path / "ws"
     (src / "pkg").mkdir(parents=True)
     small = {f"pkg/m{i}.py": os.urandom(1000 + 37 * i) for i in range(700)}
     small.update({f"pkg/LICENSE{i}": b"the same license text\n" * 2000 for i in range(200)})
-    mid = os.urandom(MiB + 1)  # 256 KiB or more: placed by the manifest, not streamed
+    mid = os.urandom(2 * MiB + 1)  # 256 KiB or more, one chunk: a file object of its own
     big = os.urandom(12 * MiB + 7)
     for name, data in small.items():
         (src / name).write_bytes(data)
@@ -96,7 +96,7 @@ def test_small_files_are_read_once_and_each_sent_once(fresh_cluster, tmp_path):
     before = rchar()
     result = push_here(c, src)
     read = rchar() - before
-    assert read < small_bytes + len(big) + 2 * len(mid) + 2 * MiB, (
+    assert read < small_bytes + len(big) + len(mid) + MiB, (
         f"the push read {read} bytes of a {small_bytes + len(big) + len(mid)}-byte tree")
     assert result.bytes_sent < unique + len(big) + len(mid) + 128 * 1024, (  # + folder objects
         f"{result.bytes_sent} bytes sent for {unique + len(big) + len(mid)} distinct bytes")

@@ -1,9 +1,10 @@
-"""Streaming while scanning: a new large file's chunks go to the nodes as the scan hashes them,
-so the dev box reads each of its bytes once.
+"""Streaming while scanning: a new file's chunks go to the nodes as the scan hashes them, so
+the dev box reads each of its bytes once.
 
 Without it a new file is read twice: by the scan (its chunk ids make the manifest) and again
 when its chunks are sent (docs/design/store.md). Here the scan (fs/scan.py, its `tap`) reads
-each chunk of a file of MIN_FILE bytes or more into a buffer of this module's, hashes it, and
+each chunk of a file of backing.MIN_SIZE (256 KiB) or more, which a node keeps in a file
+object, into a buffer of this module's, hashes it, and
 hands it over; a bounded window (WINDOW chunks, which also bounds the memory) asks each node,
 with a `stream_file` request per run of up to RUN chunks (the next run's question on its way
 while this run's chunks are), what it lacks of them, and sends those only
@@ -14,11 +15,10 @@ chunks on the node. The scan's hash is the check: the bytes sent are the bytes h
 file whose stat key moved while it was read fails the push (SourceChanged) before anything is
 published.
 
-Small files (below backing.MIN_SIZE, which a node keeps in its packs, not in file objects)
-go the same way, in batches (`stream_chunks`: up to SMALL_RUN of them, their bytes copied out of
-the scan's buffer): a first push of a venv read and hashed its 43k small files in the scan,
-then read them all again to send them once the scan was done. A file between the two sizes
-waits for the manifest, which says where the node writes it (manifest_first.py).
+Small files (which a node keeps in its packs) go the same way, in batches (`stream_chunks`: up
+to SMALL_RUN of them, their bytes copied out of the scan's buffer): a first push of a venv read
+and hashed its 43k small files in the scan, then read them all again to send them once the
+scan was done.
 
 Only where every node is a root of the plan (star, or one node), not with push --early,
 --watch, --bwlimit or a control tree, and only to nodes whose link goes raw (link_codec.py:
@@ -54,7 +54,6 @@ from .links import NODE_ERRORS, NodeLink
 WINDOW = 6
 RUN = 8  # chunks taken off the scan at once, at most
 ASK = 64  # chunks asked about in one request, at most (stream_file.MAX_IDS)
-MIN_FILE = 8 << 20  # files streamed while scanning: at least two chunks
 SMALL_RUN = (1 << 20, 256)  # a batch of small files' chunks: bytes, chunks (one request each)
 SMALL_HELD = 16 << 20  # bytes of small files copied and not yet sent to every node, at most
 
@@ -156,10 +155,8 @@ class ScanStream:
 
     def __call__(self, path: bytes, size: int) -> _File | _Small | None:
         """fs/scan.py's Tap: a sink for a large file or a small one (on a hashing thread)."""
-        if 0 < size < MIN_SIZE:  # not copied once it is known no link takes it
-            return None if self.chosen and not self.targets else _Small(self)
-        if size < MIN_FILE or size < 2 * self.chunk_size:
-            return None
+        if size < MIN_SIZE:  # not copied once it is known no link takes it
+            return None if size == 0 or (self.chosen and not self.targets) else _Small(self)
         self.files += 1
         return _File(self, self.files, path, size)
 
