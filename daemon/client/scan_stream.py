@@ -28,6 +28,7 @@ refuses `stream_file` (an older one, or --store-compressed) gets the chunks late
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import threading
@@ -53,7 +54,7 @@ from .links import NODE_ERRORS, NodeLink
 # then: 16 buffers cost 7-12% of the push's CPU for 1 GiB); 6 keep the link busy.
 WINDOW = 6
 RUN = 8  # chunks taken off the scan at once, at most
-ASK = 64  # chunks asked about in one request, at most (stream_file.MAX_IDS)
+ASK = 64  # a file's chunks asked about in one request, at most (stream_file.MAX_IDS)
 SMALL_RUN = (1 << 20, 256)  # a batch of small files' chunks: bytes, chunks (one request each)
 SMALL_HELD = 16 << 20  # bytes of small files copied and not yet sent to every node, at most
 
@@ -151,14 +152,16 @@ class ScanStream:
         self.choices: dict[str, LinkChoice] = {}  # each link's codec, for the push to reuse
         self.changed: list[bytes] = []  # files whose stat key moved while they were read
         self.sourced: list[bytes] = []  # ids of chunks that do not compress
-        self.files = self.chunks_sent = self.bytes_sent = 0
+        # each streamed file's number (stream_file): taken on both lanes' hashing threads at
+        # once, so from a counter whose next() is one step, not a `+= 1` two threads can share
+        self._numbers = itertools.count(1)
+        self.chunks_sent = self.bytes_sent = 0
 
     def __call__(self, path: bytes, size: int) -> _File | _Small | None:
         """fs/scan.py's Tap: a sink for a large file or a small one (on a hashing thread)."""
         if size < MIN_SIZE:  # not copied once it is known no link takes it
             return None if size == 0 or (self.chosen and not self.targets) else _Small(self)
-        self.files += 1
-        return _File(self, self.files, path, size)
+        return _File(self, next(self._numbers), path, size)
 
     def add_small(self, c: _Chunk) -> None:
         """A small file's chunk joins the batch (on a hashing thread, which waits while
@@ -171,15 +174,10 @@ class ScanStream:
             self._batch_bytes += len(c.blob)
             self._held += len(c.blob)
             if self._batch_bytes >= SMALL_RUN[0] or len(self._batch) >= SMALL_RUN[1]:
-                self._hand_small()
+                self.token.run_sync_soon(self.put, self._batch)
+                self._batch, self._batch_bytes = [], 0
             while self._held > SMALL_HELD and not self.stopped:
                 self.small.wait(0.1)
-
-    def _hand_small(self) -> None:
-        """Hand the batch over (the lock held)."""
-        if self._batch:
-            self.token.run_sync_soon(self.put, self._batch)
-            self._batch, self._batch_bytes = [], 0
 
     def put(self, c: _Chunk | list[_Chunk]) -> None:
         """Queue a chunk (or a batch of small files' chunks) the tap hands over (on trio's
