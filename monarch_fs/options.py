@@ -166,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bwlimit", type=positive_rate, default=0.0, metavar="MIB_S",
                    help="send at most MIB_S MiB a second from this machine, all nodes together "
                         "(a shared link); with --early, chunks a reader waits for go unpaced")
+    p.add_argument("--helpers", type=int, default=None, metavar="N",
+                   help="processes that share the sending of small files with this one, each "
+                        "on connections of its own (default: one per core beyond the first, up "
+                        "to 3, when a push sends 4096 or more over raw links; 0: none)")
     p.add_argument("--transport", choices=TRANSPORTS, default="auto", help=TRANSPORT_HELP)
     p.add_argument("--encrypt", choices=ENCRYPT_POLICIES, default="auto", help=ENCRYPT_HELP)
     p.add_argument("--at-source", action=argparse.BooleanOptionalAction, default=None,

@@ -87,6 +87,7 @@ def cmd_push(args: argparse.Namespace) -> int:
             store_dir=None if args.no_store or held is not None else settings.store_dir,
             store_bound=settings.store_bound, compress=args.compress, early=args.early,
             first_reads_dir=home_dir() / "first-reads", bwlimit=args.bwlimit * (1 << 20),
+            helpers=args.helpers,
             control=args.control, control_fanout=args.control_fanout, freeze_scan=True),
             progress=progress, on_usable=usable, snapshot=snapshot, held=held, sessions=sessions)
 

@@ -40,7 +40,7 @@ from ..wire.replies import (
     MalformedReply,
     PrepareReply,
 )
-from . import bytecode, link_codec, store_keep
+from . import bytecode, link_codec, send_helpers, store_keep
 from .controller_store import ControllerStore
 from .link_codec import LinkChoice
 from .links import NodeLink, Sessions, each
@@ -65,6 +65,7 @@ class _Push(PushPlan):
         super().__init__(snap, hosts, token, opts.timeout, opts.allow_partial, opts.encrypt,
                          local, requested, sessions, tree, links)
         self.pacer = Pacer(opts.bwlimit)  # one for the whole push: every broadcast shares it
+        self.helpers = send_helpers.how_many(opts.helpers)
         self.progress = progress
         self.compress = opts.compress
         # Per root, chosen when it first gets chunks (once per session, with `sessions`).
@@ -92,12 +93,13 @@ class _Push(PushPlan):
         by_addr = self.by_addr
         await self.choose_compression([by_addr[r["addr"]] for r in roots])
         stream = Stream(self.payload, self.nodes, self.local, self.timeout, self.progress,
-                        head, self.token, self.encrypt, self.pacer)
+                        head, self.token, self.encrypt, self.pacer, self.helpers)
         try:
             await stream.run([(by_addr[r["addr"]], r["children"]) for r in roots],
                              opened=self.tree is not None)
         finally:
             self.chunks_sent += stream.chunks_sent
+            self.warnings += stream.warnings
             self.bytes_sent += stream.bytes_sent
             self.chunks_wanted += stream.wanted
         return kind

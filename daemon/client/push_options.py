@@ -57,6 +57,9 @@ class PushOptions:
     """Where the dev box keeps the nodes' first reads (push --early; first_reads.py)."""
     bwlimit: float = 0
     """Bytes a second the dev box streams at most (0: no limit; stream.Pacer)."""
+    helpers: int | None = None
+    """Processes that share the sending of small files (send_helpers.py); None: one per core
+    beyond the first, up to 3."""
     control: str = "auto"
     """How requests reach the nodes: auto, star or tree (topology.control)."""
     control_fanout: int = CONTROL_FANOUT

@@ -29,7 +29,7 @@ from ..wire import protocol as p
 from ..wire.buffers import BufferPool
 from ..wire.replies import FlushReply, RelayReply
 from ..wire.transport import CONNECT_TIMEOUT, Channel, connect, describe_failure
-from . import encoding
+from . import encoding, send_helpers
 from .controller_store import ControllerStore
 from .encoding import Later
 from .keeper import Keeper
@@ -166,8 +166,11 @@ class Stream:
 
     def __init__(self, payload: Payload, nodes: Sequence[NodeLink], local: bulk.LocalTransport,
                  timeout: float, progress: Progress, head: list[bytes] | None = None,
-                 token: bytes = b"", encrypt: str = "auto", pacer: Pacer | None = None):
+                 token: bytes = b"", encrypt: str = "auto", pacer: Pacer | None = None,
+                 helpers: int = 0):
         self.payload = payload
+        self.helpers = helpers  # processes that may share the small files (send_helpers.py)
+        self.warnings: list[str] = []
         self.pacer = pacer or Pacer()
         self.head = head  # push --early: what goes right after the manifest (module docstring)
         self.token = token  # for the data connections of push --early
@@ -320,9 +323,17 @@ class Stream:
                                                  sizes)
         self.progress.phase("sending", sum(sizes[c] for r in live for c in wants[r.addr]))
         sent = 0
+        small: list[bytes] = []  # what helpers share with the encoders (send_helpers.py)
+        if self.helpers and self.head is None and self.pacer.rate <= 0 and all(
+                r.addr in pl.raw_roots and r.transport[0] == bulk.TCP and not children_of[r.addr]
+                for r in live):
+            order, small = send_helpers.small_files(order, pl.sources)
+        pool = send_helpers.Pool(small, pl.sources, {r.addr: wants[r.addr] for r in live})
+        unsent: list[bytes] = []  # what a helper did not send: the encoders send it last
+        helped = trio.Event()
         local_error: list[BaseException] = []
         queues = {r.addr: trio.open_memory_channel[Batch](_QUEUE) for r in live}
-        todo = iter(order)
+        todo: Iterator[bytes] = iter(order)
 
         def next_batch() -> list[bytes]:
             """Take chunks off the shared iterator (each is read and compressed once) until
@@ -366,16 +377,36 @@ class Stream:
                 pass
 
         async def encoders() -> None:
+            nonlocal todo
             # The manifest's objects, queued in order before the parallel encoders start: they
             # finish their batches in any order, and a chunk sent ahead of the root would miss
             # its file object.
             if manifest and not await encode([next(todo) for _ in manifest]):
                 return
-            async with trio.open_nursery() as inner:
-                for _ in range(_ENCODERS):
-                    inner.start_soon(encoder)
+            # Then the rest of the order; the small files the helpers share, once they have
+            # started (so they take part, not the push alone); what a helper did not send.
+            for wait, more in ((None, todo), (pool.started, pool.ids), (helped, unsent)):
+                if wait is not None:
+                    await wait.wait()
+                todo = iter(more)
+                async with trio.open_nursery() as inner:
+                    for _ in range(_ENCODERS):
+                        inner.start_soon(encoder)
             for send, _ in queues.values():
                 await send.aclose()
+
+        def helper_sent(size: int, chunks: int) -> None:
+            nonlocal sent
+            sent += size
+            self.bytes_sent += size
+            self.chunks_sent += chunks
+            self.progress.update(sent)
+
+        async def helpers() -> None:
+            self.warnings += await send_helpers.run_all(
+                self.helpers if small else 0, pool, [r.addr for r in live], self.token,
+                self.encrypt, self.timeout, pl.version, helper_sent, unsent)
+            helped.set()
 
         async def sender(root: NodeLink) -> None:
             nonlocal sent
@@ -396,6 +427,7 @@ class Stream:
                     root.fail(e, self.timeout)
 
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(helpers)
             nursery.start_soon(encoders)
             for r in live:
                 nursery.start_soon(sender, r)

@@ -371,6 +371,7 @@ class Session:
 
     async def _flush(self, req: Flush) -> FlushReply:
         bulk_error = None  # RDMA chunks are not ordered with this request
+        self.rx.version = self.rx.version or req.version  # a push's helper says whose
         if self.bulk_rx is not None:
             bulk_error = await self.bulk_rx.wait_delivered(req.bulk_chunks)
         await self.writes.idle(self.nursery)
@@ -417,13 +418,12 @@ class Session:
         return await trio.to_thread.run_sync(chunk_read.read, self.service.store, req.ids)
 
 
-# A handler takes its own request class (the route's), so the table types it loosely.
 NodeRequest = (Status | Prepare | Commit | Current | Remove | OpenRelay | Fan | Flush | Bulk
                | FirstReads | Query | Stats | Logs | ReadChunks)
 NodeReply = (StatusReply | PrepareReply | CommitReply | CurrentReply | RemoveReply | RelayReply
              | FanReply | FlushReply | BulkReply | FirstReadsReply | QueryReply | StatsReply
              | LogsReply | ChunksReply)
-Handler = Callable[[Session, Any], Awaitable[NodeReply]]
+Handler = Callable[[Session, Any], Awaitable[NodeReply]]  # (typed loosely: each takes its own)
 Routed = type[NodeRequest]
 
 _HANDLERS: list[tuple[Routed, Handler]] = [

@@ -317,15 +317,20 @@ class Flush:
     """Wait until every chunk sent so far is stored here and forwarded below; answers the
     failures seen anywhere in the subtree as {addr: cause} ("" is this node). `bulk_chunks`
     is how many chunks the RDMA channel must have delivered first (RDMA chunks are not
-    ordered with the control channel's frames)."""
+    ordered with the control channel's frames). `version`: the push these chunks are of,
+    from a session that opened no relay (a push's helper: client/send_helpers.py), for the
+    `push.received` event."""
 
     op: ClassVar[str] = "flush"
     after_chunks: ClassVar[bool] = False  # it waits for the writes itself, and reports them
     bulk_chunks: int = 0
+    version: bytes | None = None
 
     @classmethod
     def parse(cls, args: dict) -> Flush:
-        return cls(int_arg(cls.op, args, "bulk_chunks", 0))
+        version = args.get("version")
+        return cls(int_arg(cls.op, args, "bulk_chunks", 0),
+                   None if version is None else _version(cls.op, version))
 
 
 @dataclass(frozen=True)
