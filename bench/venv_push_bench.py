@@ -3,6 +3,7 @@ a cold start whose cost is per file and per small chunk, not per byte.
 
     .venv/bin/python -m bench.venv_push_bench                 # 3 pushes, ~1-2 min
     .venv/bin/python -m bench.venv_push_bench --runs 4 --alternate MONARCH_FS_X=a,b
+    .venv/bin/python -m bench.venv_push_bench --runs 8 --alternate-flags="--helpers 0"
     .venv/bin/python -m bench.venv_push_bench --runs 2 --profile /tmp/prof
 
 The dev box home pushes the venv once first (its scan cache and store then hold it: the cold
@@ -10,7 +11,9 @@ start's case, as cold_start_bench), then each measured push goes to a fresh 1-no
 Reported per push: seconds, MB/s of content, the push's phases (`push --json`), the CPU
 seconds of the push process and of the daemon (on a shared machine those move less than the wall
 clock), and the dev box store's size after it. `--alternate VAR=A,B` sets VAR in the push's
-and the daemon's environment to A, B, A, B... run by run (an A/B on the same load);
+and the daemon's environment to A, B, A, B... run by run (an A/B on the same load), and
+`--alternate-flags FLAGS` pushes without and with FLAGS in turn (`--helpers 0`: the push
+alone, against its send helpers);
 `--profile DIR` records both ends of the last push with py-spy (--idle --threads) into DIR.
 """
 
@@ -20,10 +23,12 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from . import import_bench
@@ -41,7 +46,7 @@ SPY = str(Path(sys.executable).parent / "py-spy")
 
 
 def push_once(work: Path, home: Path, venv: Path, label: str, env: dict[str, str],
-              profile: Path | None = None) -> dict:
+              profile: Path | None = None, flags: Sequence[str] = ()) -> dict:
     """One push of `venv` to a fresh 1-node cluster with the dev box home `home`."""
     d = work / f"cluster-{label}"
     spies: list[subprocess.Popen] = []
@@ -52,7 +57,7 @@ def push_once(work: Path, home: Path, venv: Path, label: str, env: dict[str, str
             pid = cl.pid()
             cpu0 = cpu_seconds([pid])
             kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-            cmd, penv = cl.push_args(venv, "--json", "--name", "venv")
+            cmd, penv = cl.push_args(venv, "--json", "--name", "venv", *flags)
             if profile is not None:
                 profile.mkdir(parents=True, exist_ok=True)
                 spies.append(spy(["--pid", str(pid)], profile / f"{label}-daemon.txt"))
@@ -76,7 +81,8 @@ def push_once(work: Path, home: Path, venv: Path, label: str, env: dict[str, str
                 os.environ[k] = v
         remove_work(d)
     content = res["bytes"]
-    return {"label": label, "env": env, "bytes": content, "files": res.get("files"),
+    return {"label": label, "env": env, "flags": list(flags), "bytes": content,
+            "files": res.get("files"),
             "push_s": round(seconds, 2), "MB_per_s": round(content / 1e6 / seconds, 1),
             "phases": res.get("phases"), "daemon_cpu_s": round(daemon_cpu, 2),
             "push_cpu_s": round(after.ru_utime + after.ru_stime
@@ -95,6 +101,17 @@ def spy(target: list[str], out: Path) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def compared(runs: list[dict]) -> dict:
+    """The median push seconds of each set of flags, when runs alternated them."""
+    by: dict[str, list[float]] = {}
+    for r in runs:
+        by.setdefault(" ".join(r["flags"]) or "(none)", []).append(r["push_s"])
+    if len(by) < 2:
+        return {}
+    return {"median_push_s": {k: statistics.median(v) for k, v in by.items()},
+            "range_push_s": {k: [min(v), max(v)] for k, v in by.items()}}
+
+
 def alternation(spec: str | None) -> list[dict[str, str]]:
     """[{VAR: A}, {VAR: B}] from "VAR=A,B"; [{}] without one."""
     if not spec:
@@ -110,9 +127,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="where the staged venv is kept")
     ap.add_argument("--alternate", metavar="VAR=A,B",
                     help="alternate an environment variable's value run by run")
+    ap.add_argument("--alternate-flags", metavar="FLAGS", default="",
+                    help="push without, then with these flags, run by run")
     ap.add_argument("--profile", type=Path, help="record both ends with py-spy into this folder")
     a = ap.parse_args(argv)
     envs = alternation(a.alternate)
+    flags = [[], a.alternate_flags.split()] if a.alternate_flags else [[]]
     venv, staged = import_bench.ensure_venv(a.cache)
     work = Path(tempfile.mkdtemp(prefix="venv-push-", dir=a.cache))
     try:
@@ -126,15 +146,15 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(a.runs):
             last = i == a.runs - 1
             runs.append(push_once(work, home, venv, f"run{i}", envs[i % len(envs)],
-                                  a.profile if last else None))
+                                  a.profile if last else None, flags[i % len(flags)]))
             r = runs[-1]
-            log(f"  {r['env']} {r['push_s']} s, {r['MB_per_s']} MB/s, push {r['push_cpu_s']} "
-                f"CPU-s, daemon {r['daemon_cpu_s']} CPU-s, send {r['phases'].get('send')} s, "
-                f"store {r['store_mb']} MB")
+            log(f"  {r['env']} {' '.join(r['flags'])} {r['push_s']} s, {r['MB_per_s']} MB/s, "
+                f"push {r['push_cpu_s']} CPU-s, daemon {r['daemon_cpu_s']} CPU-s, "
+                f"send {r['phases'].get('send')} s, store {r['store_mb']} MB")
     finally:
         remove_work(work)
     print(json.dumps({"venv_files": staged.get("files"), "warm": warm, "runs": runs,
-                      "loadavg": [load0, loadavg()]}))
+                      "loadavg": [load0, loadavg()], **compared(runs)}))
     return 0
 
 
