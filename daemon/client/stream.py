@@ -2,7 +2,8 @@
 root, then read and compress each chunk once and send it to every root whose subtree lacks it,
 then flush. What to send where was planned before (push.py: who lacks what, which topology);
 this is only the moving of bytes, with its order (`interleave`) and its pipeline: encoder
-threads feed a bounded queue per root, drained by one sender per root.
+threads feed a bounded queue per root, drained by one sender per root; helper processes take a
+share of many small files on sessions of their own (send_helpers.py).
 
 push --early (`head` given) streams on a data connection per root of its own, so the push's
 control channels stay free to publish while the chunks flow. The manifest goes first, then the
