@@ -88,6 +88,8 @@ def test_a_helper_sends_part_of_the_small_files_to_each_node_that_lacks_them(
     result = push_to(c, c.hosts, src, cache_dir=cache, helpers=1, topology="star")
     for mnt in c.mounts():
         assert tree(mnt / "ws") == tree(src)
+    assert result.helpers["processes"] == 1 and result.helpers["chunks"] > 0, result.helpers
+    assert result.chunks_sent >= result.helpers["chunks"]
     rows = received(c, result.version)
     new = 2 * FILES + 8  # the tree's distinct chunks (its 5 MiB files are two each)
     counts = {h: sorted(r["count"] for r in got) for h, got in rows.items()}
@@ -141,6 +143,7 @@ def test_a_helper_killed_mid_push_costs_a_warning_not_a_file(fresh_cluster, tmp_
         done.set()
         watcher.join()
     assert killed, "the push started no helper"
+    assert result.helpers["processes"] == 1, result.helpers
     assert any("send helper failed" in w for w in result.warnings), result.warnings
     for mnt in c.mounts():
         assert tree(mnt / "ws") == tree(src)

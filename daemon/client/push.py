@@ -66,6 +66,7 @@ class _Push(PushPlan):
                          local, requested, sessions, tree, links)
         self.pacer = Pacer(opts.bwlimit)  # one for the whole push: every broadcast shares it
         self.helpers = send_helpers.how_many(opts.helpers)
+        self.helped: dict[str, int] = {}  # what send helpers did, over its broadcasts
         self.progress = progress
         self.compress = opts.compress
         # Per root, chosen when it first gets chunks (once per session, with `sessions`).
@@ -98,9 +99,11 @@ class _Push(PushPlan):
             await stream.run([(by_addr[r["addr"]], r["children"]) for r in roots],
                              opened=self.tree is not None)
         finally:
-            self.chunks_sent += stream.chunks_sent
+            self.chunks_sent += stream.chunks_sent + stream.helped["chunks"]
+            self.bytes_sent += stream.bytes_sent + stream.helped["bytes"]
             self.warnings += stream.warnings
-            self.bytes_sent += stream.bytes_sent
+            for k, v in stream.helped.items():
+                self.helped[k] = self.helped.get(k, 0) + v
             self.chunks_wanted += stream.wanted
         return kind
 
@@ -419,6 +422,7 @@ async def push(
                                   or {n.transport[0] for n in job.healthy})) or "tcp",
         failed={n.addr: n.error for n in job.nodes if n.error},
         links=[c.to_json() for c in job.links.values()],
+        helpers=job.helped if job.helped.get("processes") else {},
         store=({"path": str(store.root), "sent_from_store": store.hits, "added": store.added,
                 "background_fill": kept.filler is not None, "lacking": kept.lacking}
                if store is not None else

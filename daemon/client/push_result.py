@@ -47,6 +47,8 @@ class PushResult:
     transport: str = "tcp"  # how chunk payloads left the dev box: tcp, rdma-rc or rdma-srd
     failed: dict[str, str] = field(default_factory=dict)  # --allow-partial: nodes left behind
     links: list[dict] = field(default_factory=list)  # per root: link_codec.LinkChoice
+    # Send helpers (send_helpers.py): processes started, and what they sent (chunks, bytes)
+    helpers: dict = field(default_factory=dict)
     store: dict = field(default_factory=dict)  # the dev box store: used, sent_from, added
     warnings: list[str] = field(default_factory=list)
     # push --early: seconds from the start until every node served the version (usable) and

@@ -172,6 +172,7 @@ class Stream:
         self.payload = payload
         self.helpers = helpers  # processes that may share the small files (send_helpers.py)
         self.warnings: list[str] = []
+        self.helped = {"processes": 0, "chunks": 0, "bytes": 0}  # what helpers sent
         self.pacer = pacer or Pacer()
         self.head = head  # push --early: what goes right after the manifest (module docstring)
         self.token = token  # for the data connections of push --early
@@ -399,13 +400,14 @@ class Stream:
         def helper_sent(size: int, chunks: int) -> None:
             nonlocal sent
             sent += size
-            self.bytes_sent += size
-            self.chunks_sent += chunks
+            self.helped["bytes"] += size  # (push.py counts them as sent too)
+            self.helped["chunks"] += chunks
             self.progress.update(sent)
 
         async def helpers() -> None:
+            self.helped["processes"] = self.helpers if small else 0
             self.warnings += await send_helpers.run_all(
-                self.helpers if small else 0, pool, [r.addr for r in live], self.token,
+                self.helped["processes"], pool, [r.addr for r in live], self.token,
                 self.encrypt, self.timeout, pl.version, helper_sent, unsent)
             helped.set()
 
