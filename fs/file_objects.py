@@ -240,32 +240,34 @@ class FileObjects:
     # ---- durability ---------------------------------------------------------------------
 
     def sync(self, fill: Callable[[bytes], bytes | memoryview | None],
-             spill: Callable[[bytes, bytes], None] | None) -> None:
+             spill: Callable[[bytes, bytes], None] | None,
+             needed: Callable[[bytes], bool] | None = None) -> None:
         """Make every unrecorded file object durable and recorded. A chunk it lacks is taken
         from the rest of the store (`fill`: its verified bytes, or None); one that cannot be
-        completed has the chunks it holds copied elsewhere (`spill`, to the open pack) so that
-        they are durable, and stays unrecorded (deleted at the next start). Without `spill`
-        (an early prepare, which counts on nothing but the manifest: daemon/node/incomplete.py)
-        those chunks stay where they are, not durable."""
+        completed has the chunks it holds that a publish counts on (`needed`) copied elsewhere
+        (`spill`, to the open pack), and stays unrecorded (deleted at the next start). Without
+        `spill` (an early prepare: daemon/node/incomplete.py) they stay, not durable."""
         for obj in self._fill_all(fill) + list(self.provisional.values()):
             if spill is not None and (not obj.complete or obj.provisional):
-                self._spill(obj, spill)
+                self._spill(obj, spill, needed)
         self.flush()
 
-    def _spill(self, obj: FileObject, spill: Callable[[bytes, bytes], None]) -> None:
-        """Copy the chunks only `obj` holds elsewhere (`spill`): a provisional object no
-        manifest claimed (yet), or one that cannot be completed, which a publish may count on."""
+    def _spill(self, obj: FileObject, spill: Callable[[bytes, bytes], None],
+               needed: Callable[[bytes], bool] | None) -> None:
+        """Copy the chunks only `obj` holds that a publish counts on (`needed`; None: all) to
+        `spill`; not all: another push's files still streaming were, 7 GB for 20 CPU-s."""
         for cid, off, length in obj.spans:
-            if off in obj.written and self.index.get(cid, (None,))[0] is obj:
+            if off in obj.written and self.index.get(cid, (None,))[0] is obj and (
+                    needed is None or needed(cid)):
                 spill(cid, os.pread(obj.fd, length, off))
 
     def settle(self, fill: Callable[[bytes], bytes | memoryview | None],
-               spill: Callable[[bytes, bytes], None]) -> None:
-        """Complete the unrecorded objects from the rest of the store (as `sync`) and write
-        the `.settled` record of each complete one, unflushed: a publish counts on them before
-        `flush` makes them durable (--durable background). Provisional objects: as `sync`."""
+               spill: Callable[[bytes, bytes], None],
+               needed: Callable[[bytes], bool] | None = None) -> None:
+        """Complete the unrecorded objects (as `sync`) and write each complete one's `.settled`
+        record, unflushed, which a publish counts on until `flush` (--durable background)."""
         for prov in list(self.provisional.values()):
-            self._spill(prov, spill)
+            self._spill(prov, spill, needed)
         for obj in self._fill_all(fill):
             if obj.complete and not obj.settled:
                 tmp = self.root / (obj.key + SETTLED + _TMP)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from . import durable
@@ -47,22 +48,22 @@ class StoreDurability:
 
         def _append(self, cid: bytes, parts: list[bytes | memoryview]) -> None: ...
 
-    def sync(self, spill: bool = True) -> None:
+    def sync(self, spill: bool = True, needed: Callable[[bytes], bool] | None = None) -> None:
         """Make every object written so far durable (a sealed pack was when it was sealed).
         Only the store's own files: a syncfs would also wait for everything else written to this
         filesystem. Without `spill`, chunks of file objects still arriving stay there, not
-        durable (FileObjects.sync)."""
+        durable; `needed`: those a publish counts on, the only ones copied (FileObjects.sync)."""
         with self._sync_lock:
-            self.objects.sync(self._fill, self._spill if spill else None)
+            self.objects.sync(self._fill, self._spill if spill else None, needed)
             self.seals.finish(self.packs)
             self._flush_pack()
 
-    def settle(self) -> None:
+    def settle(self, needed: Callable[[bytes], bool] | None = None) -> None:
         """`sync` before a publish without waiting for the disk (--durable background): file
         objects completed, they and the open pack's records kept by a cut back; `flush` makes
         them durable later, and a crash before that is found at start (fs/durable.py)."""
         with self._sync_lock:
-            self.objects.settle(self._fill, self._spill)
+            self.objects.settle(self._fill, self._spill, needed)
             with self._lock:
                 self._settled = self._size
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 
 import trio
@@ -222,13 +222,14 @@ class Publisher:
                 else:
                     await self._check_early(version, early)
                 # Early: what arrived of the large files still arriving is not made durable
-                # (copied to a pack): the version is recorded as early, so a crash that
-                # loses it makes it lack more, never makes it whole (incomplete.py).
-                # --durable background: made durable after the publish (flusher.py).
+                # (copied to a pack): the version is recorded as early, so a crash that loses
+                # it makes it lack more, never whole (incomplete.py). --durable background:
+                # made durable after the publish (flusher.py). Others' chunks: not copied.
+                needed = _needed_by(await self.manifest(version))
                 if self.flusher is not None:
-                    await trio.to_thread.run_sync(self.store.settle)
+                    await trio.to_thread.run_sync(self.store.settle, needed)
                 else:
-                    await trio.to_thread.run_sync(self.store.sync, early is None)
+                    await trio.to_thread.run_sync(self.store.sync, early is None, needed)
             if early is not None and self.nursery is not None:  # read right after publishing
                 self.nursery.start_soon(self._will_need, partial(self.store.will_need, early))
         except BaseException:
@@ -440,3 +441,10 @@ class Publisher:
                                                                 wanted)
                     await self.backing_upkeep.write(entries)
                 await self.backing_upkeep.prune()
+
+
+
+def _needed_by(manifest: Manifest) -> Callable[[bytes], bool]:
+    """Whether a chunk is `manifest`'s (its set made once, when first asked: rarely)."""
+    ids = cache(lambda: frozenset(manifest.chunk_ids()))
+    return lambda cid: cid in ids()
