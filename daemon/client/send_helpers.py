@@ -114,12 +114,12 @@ class HelperFailed(Exception):
 
 async def run(pool: Pool, roots: list[str], token: bytes, encrypt: str, timeout: float,
               version: bytes, sent: Callable[[int, int], None],
-              started: Callable[[], None] = lambda: None) -> list[bytes]:
+              started: Callable[[], None]) -> list[bytes]:
     """Run one helper until the pool is empty and the roots have stored what it sent,
-    `sent(bytes, chunks)` told as it goes; the ids it was handed and did not send (those it
-    could not read as scanned). HelperFailed with all it was handed if it failed: its
-    connections are gone, and what they carried is sent again, which a node takes as a
-    chunk it has."""
+    `sent(bytes, chunks)` told as it goes, `started()` once it has connected; the ids it was
+    handed and did not send (those it could not read as scanned). HelperFailed with all it
+    was handed if it failed: its connections are gone, and what they carried is sent again,
+    which a node takes as a chunk it has."""
     proc = await trio.lowlevel.open_process(
         [sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT)
@@ -179,7 +179,6 @@ async def run(pool: Pool, roots: list[str], token: bytes, encrypt: str, timeout:
         why = said.decode(errors="replace") or f"exit status {proc.returncode}"
         raise HelperFailed(why, handed)
     return [bytes.fromhex(c) for c in result["unsent"]]
-
 
 
 async def run_all(n: int, pool: Pool, roots: list[str], token: bytes, encrypt: str,

@@ -332,7 +332,7 @@ class Stream:
             order, small = send_helpers.small_files(order, pl.sources)
         pool = send_helpers.Pool(small, pl.sources, {r.addr: wants[r.addr] for r in live})
         unsent: list[bytes] = []  # what a helper did not send: the encoders send it last
-        helped = trio.Event()
+        helpers_done = trio.Event()
         local_error: list[BaseException] = []
         queues = {r.addr: trio.open_memory_channel[Batch](_QUEUE) for r in live}
         todo: Iterator[bytes] = iter(order)
@@ -387,7 +387,7 @@ class Stream:
                 return
             # Then the rest of the order; the small files the helpers share, once they have
             # started (so they take part, not the push alone); what a helper did not send.
-            for wait, more in ((None, todo), (pool.started, pool.ids), (helped, unsent)):
+            for wait, more in ((None, todo), (pool.started, pool.ids), (helpers_done, unsent)):
                 if wait is not None:
                     await wait.wait()
                 todo = iter(more)
@@ -409,7 +409,7 @@ class Stream:
             self.warnings += await send_helpers.run_all(
                 self.helped["processes"], pool, [r.addr for r in live], self.token,
                 self.encrypt, self.timeout, pl.version, helper_sent, unsent)
-            helped.set()
+            helpers_done.set()
 
         async def sender(root: NodeLink) -> None:
             nonlocal sent

@@ -443,7 +443,6 @@ class Publisher:
                 await self.backing_upkeep.prune()
 
 
-
 def _needed_by(manifest: Manifest) -> Callable[[bytes], bool]:
     """Whether a chunk is `manifest`'s (its set made once, when first asked: rarely)."""
     ids = cache(lambda: frozenset(manifest.chunk_ids()))
