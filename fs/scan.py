@@ -13,14 +13,12 @@ the one the scan read it under (snapshot.py: one hash per byte, not two).
 from __future__ import annotations
 
 import fnmatch
-import gc
 import operator
 import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -362,24 +360,6 @@ async def scan(
 
     return await complete(broot, await trio.to_thread.run_sync(walk), chunk_size, progress,
                            cache, validate=validate, tap=tap)
-
-
-@contextmanager
-def collector_paused(freeze: bool = False) -> Iterator[None]:
-    """Python's cyclic collector off, for a whole scan: it makes an object for every entry,
-    and the scan cache three for every file it knows, and the collector's passes over them
-    find no cycle but cost 0.16-0.26 s of a 0.8 s scan of 100k files. `freeze`: they live as
-    long as the process (a one-shot push), and are frozen out of its passes (gc.freeze)
-    rather than passed over once when it is on again (85 ms at 100k files)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if freeze:
-            gc.freeze()
-        if was:
-            gc.enable()
 
 
 async def complete(broot: bytes, walk: Walk, chunk_size: int,

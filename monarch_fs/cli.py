@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from . import debug_commands, push_command
+from . import collector, debug_commands, push_command
 from .daemon.client.hosts import HostsError, target
 from .daemon.client.progress import fmt_bytes
 from .daemon.client.push_result import PushError
@@ -82,6 +82,7 @@ def cmd_daemon(args: argparse.Namespace, serve: Callable[[Any], Awaitable[Any]] 
                             source_prefixes=tuple(args.source_prefix),
                             max_entries=args.max_entries or settings.max_entries,
                             allow_other=allow_other)
+        collector.settle()  # a long life of many short-lived objects (collector.py)
         if serve is not None:
             trio.run(serve, daemon)
         else:

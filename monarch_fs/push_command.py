@@ -14,6 +14,7 @@ from pathlib import Path
 
 import trio
 
+from . import collector
 from .daemon.client import handoff
 from .daemon.client.hosts import HostsError, resolve_target, target
 from .daemon.client.links import Sessions
@@ -68,6 +69,7 @@ def cmd_push(args: argparse.Namespace) -> int:
     # read). The torch venv to a fresh node, 3 alternating pairs at load 5-8: 0.5 ms against
     # 5 ms, 8.8-15.5 against 9.2-17.5 s, push 4.2-4.7 against 4.4-5.1 CPU-s.
     sys.setswitchinterval(SWITCH_INTERVAL)
+    collector.settle()
     hosts, token = target(args.hosts, args.token_file)
     cache_dir = None if args.no_cache else scan_cache_dir()
     transport = resolve_local(args.transport)  # --transport rdma without a device: exit 1

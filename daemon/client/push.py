@@ -28,8 +28,9 @@ from typing import TypeVar
 
 import trio
 
+from ... import collector
 from ...fs.chunk import CHUNK_SIZE
-from ...fs.scan import collector_paused, scan
+from ...fs.scan import scan
 from ...fs.scan_cache import ScanCache
 from ...fs.snapshot import Snapshot, SourceChanged
 from ...settings import settings
@@ -281,7 +282,7 @@ async def push(
                     if streaming is not None:
                         streaming.stopped = True  # no hashing thread waits for it any more
 
-            with collector_paused(freeze=opts.freeze_scan):
+            with collector.paused(freeze=opts.freeze_scan):
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(connect_and_stream)
                     snapshot = await scan(src, opts.excludes, progress=lambda done, total: (

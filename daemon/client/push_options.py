@@ -66,7 +66,7 @@ class PushOptions:
     """Children per node of a control tree."""
     freeze_scan: bool = False
     """The process ends with the push (the command line): what its scan made is frozen out
-    of the collector's passes (fs.scan.collector_paused)."""
+    of the collector's passes (collector.paused)."""
 
     def check(self) -> None:
         """ValueError for a value no push takes, before anything is scanned."""

@@ -31,6 +31,7 @@ from typing import Any
 
 import trio
 
+from ... import collector
 from ...fs.backing import MIN_SIZE
 from ...fs.chunk import RAW, chunk_id
 from ...fs.snapshot import Source, read_ahead
@@ -298,6 +299,7 @@ async def _send() -> list[bytes]:
 
 
 def main() -> None:
+    collector.settle()
     unsent = trio.run(_send)
     print("done", json.dumps({"unsent": [c.hex() for c in unsent]}), flush=True)
 

@@ -35,8 +35,9 @@ from pathlib import Path
 
 import trio
 
+from ... import collector
 from ...fs.private_files import replace_file
-from ...fs.scan import ScanStopped, collector_paused, scan
+from ...fs.scan import ScanStopped, scan
 from ...fs.scan_cache import ScanCache, file_key
 from ...fs.snapshot import Snapshot, SourceChanged
 from ...fs.store import Store, StoreBusy
@@ -199,7 +200,7 @@ async def _fill(spec: dict, store: ControllerStore, stop: Stop,
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_watch, stop, stopped)
         try:
-            with collector_paused(freeze=True):
+            with collector.paused(freeze=True):
                 snap = await scan(src, spec["excludes"], cache=cache, stop=stopped)
         except ScanStopped:
             failed = f"stopped while scanning ({stop.why}); nothing filled"
